@@ -1,0 +1,62 @@
+// The expert MLP (DESIGN.md section 3): y[r] = FC2(act(FC1(x[r]) + b1_g) * p[r]) + p[r] * b2_g,
+// i.e. Megatron's p * (W2 act + b2), forward and backward.
+//   x, y [T, H]; fc1 weight G x [2F, H] (rows in spec.glu.layout), bias G x [2F];
+//   fc2 weight G x [H, F], bias G x [H]; probs [T] float32 (undefined: p = 1).
+#pragma once
+
+#include <cstddef>
+
+#include "moe_engine/export.hpp"
+#include "moe_engine/glu.hpp"
+#include "moe_engine/group_layout.hpp"
+#include "moe_engine/grouped_linear.hpp"
+#include "moe_engine/grouped_param.hpp"
+#include "moe_engine/tensor.hpp"
+#include "moe_engine/workspace.hpp"
+
+namespace moe {
+
+struct ExpertMlpWeights {
+  GroupedParam fc1_weight;
+  GroupedParam fc1_bias;  // optional
+  GroupedParam fc2_weight;
+  GroupedParam fc2_bias;  // optional; added as p[r] * b2_g
+};
+
+struct ExpertMlpSpec {
+  GluSpec glu;
+};
+
+// Scratch the forward needs; save_fc1_out = whether the caller keeps the pre-activation.
+MOE_API size_t expert_mlp_forward_workspace_size(int64_t capacity, int64_t hidden, int64_t ffn,
+                                                 DType dtype, bool save_fc1_out);
+
+// fc1_out [T, 2F] (optional): receives the pre-activation x W1^T + b1 that backward can reuse;
+// leave it undefined to keep only x (backward then recomputes FC1).
+MOE_API void expert_mlp_forward(const TensorView& x, const TensorView& probs,
+                                const ExpertMlpWeights& weights, const GroupLayout& groups,
+                                const TensorView& y, const TensorView& fc1_out,
+                                const ExpertMlpSpec& spec, const ExecContext& ctx = {});
+
+// Where one parameter gradient goes; an undefined grad is not computed.
+struct ParamGrad {
+  GroupedParam grad;
+  GradMode mode = GradMode::kWrite;
+};
+
+struct ExpertMlpGrads {
+  TensorView dx;      // [T, H], optional
+  TensorView dprobs;  // [T] float32, optional (needs probs); includes <b2_g, dy[r]>
+  ParamGrad fc1_weight, fc1_bias, fc2_weight, fc2_bias;
+};
+
+MOE_API size_t expert_mlp_backward_workspace_size(int64_t capacity, int64_t hidden, int64_t ffn,
+                                                  DType dtype, bool recompute_fc1);
+
+// fc1_out: the pre-activation saved by forward, or undefined to recompute it from x.
+MOE_API void expert_mlp_backward(const TensorView& dy, const TensorView& x, const TensorView& probs,
+                                 const ExpertMlpWeights& weights, const GroupLayout& groups,
+                                 const TensorView& fc1_out, const ExpertMlpGrads& grads,
+                                 const ExpertMlpSpec& spec, const ExecContext& ctx = {});
+
+}  // namespace moe

@@ -1,0 +1,81 @@
+// The group layout: how the packed token matrix is split among G experts. `splits[G]` lives on
+// the device with the tokens; the exclusive prefix sum `offsets[G+1]` is computed there too, so no
+// op ever reads splits on the host (the contract that makes everything CUDA-graph safe).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "moe_engine/device.hpp"
+#include "moe_engine/export.hpp"
+#include "moe_engine/tensor.hpp"
+
+namespace moe {
+
+// What kernels report about their inputs. Lives in device memory; written by kernels, read by
+// DeviceErrorFlag::check on the host outside graph capture.
+enum DeviceErrorBits : uint32_t {
+  kNegativeSplit = 1u << 0,           // some splits[g] < 0
+  kSplitsExceedCapacity = 1u << 1,    // sum(splits) > capacity T
+};
+
+struct DeviceErrorRecord {
+  uint32_t bits;       // DeviceErrorBits of every error since the last check
+  int32_t group;       // details of the first error recorded: the offending expert (or -1)
+  int64_t value;       //   its split value
+  int64_t total;       //   sum of the non-negative splits (saturated at INT64_MAX)
+  int64_t capacity;    //   the buffer capacity T
+};
+
+// Owns one DeviceErrorRecord on a device (host memory for the CPU).
+class MOE_API DeviceErrorFlag {
+ public:
+  explicit DeviceErrorFlag(Device device = Device::cpu());
+  Device device() const { return record_.device(); }
+  DeviceErrorRecord* record() const { return record_.data_as<DeviceErrorRecord>(); }
+
+  // Waits for `stream`, reads the record and clears it. Returns the record as it was.
+  // Must not be called while `stream` is being captured into a CUDA graph (throws kInvalidArgument).
+  DeviceErrorRecord read_and_clear(Stream stream = nullptr);
+  // read_and_clear, then throws Error(kDeviceReported, <what was wrong>) if any bit was set.
+  void check(Stream stream = nullptr);
+
+ private:
+  Tensor record_;
+};
+
+// Human-readable text for a record ("splits[3] = -2 is negative ..."); empty if no bit is set.
+MOE_API std::string describe_device_errors(const DeviceErrorRecord& record);
+
+// A view of one routing: splits, their device-computed offsets and the buffer capacity T.
+// Rows [offsets[g], offsets[g+1]) belong to expert g; rows past offsets[G] belong to none and are
+// never written by any op.
+class MOE_API GroupLayout {
+ public:
+  GroupLayout() = default;
+
+  // Computes offsets ([G+1] int64, on the splits' device) from splits ([G] int64 or int32), G >= 1.
+  // - CPU: synchronously; negative splits or sum(splits) > capacity throw kInvalidArgument.
+  // - CUDA: one kernel on `stream`, fixed launch shape, graph safe. Bad splits are sanitized
+  //   (negative -> 0, offsets clamped to [0, capacity], so nothing downstream can go out of bounds)
+  //   and reported through `errors` (required on CUDA), which the host checks outside capture.
+  static GroupLayout compute(const TensorView& splits, int64_t capacity, const TensorView& offsets,
+                             DeviceErrorFlag* errors = nullptr, Stream stream = nullptr);
+
+  bool defined() const { return num_groups_ > 0; }
+  int64_t num_groups() const { return num_groups_; }
+  int64_t capacity() const { return capacity_; }
+  const TensorView& splits() const { return splits_; }
+  const TensorView& offsets() const { return offsets_; }
+  Device device() const { return offsets_.device(); }
+  DeviceErrorRecord* error_record() const { return error_record_; }
+
+ private:
+  TensorView splits_;
+  TensorView offsets_;
+  int64_t num_groups_ = 0;
+  int64_t capacity_ = 0;
+  DeviceErrorRecord* error_record_ = nullptr;
+};
+
+}  // namespace moe

@@ -1,0 +1,42 @@
+// A per-expert tensor (weight [N,K], bias [N], their gradients) held either packed as one
+// [G, ...] tensor ("single grouped weight") or as G separate tensors. Both give bit-identical results.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moe_engine/export.hpp"
+#include "moe_engine/tensor.hpp"
+
+namespace moe {
+
+class MOE_API GroupedParam {
+ public:
+  GroupedParam() = default;
+  // One contiguous [G, ...] tensor, G >= 1.
+  static GroupedParam packed(const TensorView& tensor);
+  // G >= 1 contiguous tensors of one shape, dtype and device.
+  static GroupedParam per_expert(std::vector<TensorView> experts);
+
+  bool defined() const { return num_groups_ > 0; }
+  bool is_packed() const { return packed_.defined(); }
+  int64_t num_groups() const { return num_groups_; }
+  const Shape& expert_shape() const { return expert_shape_; }  // shape of one expert's tensor
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+
+  TensorView expert(int64_t g) const;  // expert g's tensor, whatever the layout
+  const TensorView& packed_view() const { return packed_; }         // packed layout only
+  const std::vector<TensorView>& experts() const { return experts_; }  // per-expert layout only
+  std::string describe() const;  // "packed bfloat16[8, 128, 64] on cpu" / "8 x bfloat16[128, 64] on cpu"
+
+ private:
+  TensorView packed_;
+  std::vector<TensorView> experts_;
+  Shape expert_shape_;
+  int64_t num_groups_ = 0;
+  DType dtype_ = DType::kFloat32;
+  Device device_;
+};
+
+}  // namespace moe

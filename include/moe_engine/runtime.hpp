@@ -1,0 +1,46 @@
+// What this build contains and which GPUs the process can see.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "moe_engine/device.hpp"
+#include "moe_engine/export.hpp"
+
+namespace moe {
+
+struct BuildInfo {
+  std::string version;
+  bool with_cuda = false;
+  std::string cuda_architectures;  // e.g. "80;90a"
+  std::string cuda_compiler;       // nvcc version the kernels were built with
+  std::string cxx_compiler;
+  std::string build_type;
+  bool with_openmp = false;        // the CPU backend runs multi-threaded
+};
+MOE_API BuildInfo build_info();
+
+struct GpuInfo {
+  int index = 0;
+  std::string name;
+  int major = 0, minor = 0;  // compute capability
+  int multiprocessors = 0;
+  size_t memory_bytes = 0;
+  size_t l2_bytes = 0;
+};
+
+struct GpuInventory {
+  std::vector<GpuInfo> gpus;
+  std::string note;  // why the list is empty ("built without CUDA", the CUDA runtime's error, ...)
+};
+
+MOE_API GpuInventory query_gpus();  // never throws
+MOE_API bool cuda_device_available();
+
+// Blocks until all work queued on `stream` has finished (no-op without CUDA).
+MOE_API void synchronize(Stream stream);
+// True while `stream` is being captured into a CUDA graph.
+MOE_API bool stream_is_capturing(Stream stream);
+
+}  // namespace moe

@@ -1,0 +1,25 @@
+// The few CUDA runtime services the host code needs, behind one internal interface so the rest of
+// the library compiles without CUDA headers. Implemented in src/cuda/cuda_api.cpp, or by
+// cuda_api_none.cpp in a build without CUDA (every call then throws kNotImplemented).
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "moe_engine/device.hpp"
+#include "moe_engine/runtime.hpp"
+
+namespace moe::cuda_api {
+
+void* malloc(size_t bytes, int device);
+void free(void* ptr, int device) noexcept;
+// dst/src may be host or device pointers (unified addressing).
+void memcpy_async(void* dst, const void* src, size_t bytes, Stream stream);
+void memset_async(void* dst, int value, size_t bytes, Stream stream);
+void synchronize(Stream stream);
+bool is_capturing(Stream stream);
+// Number of usable GPUs; 0 with the reason in *why when none can be used.
+int device_count(std::string* why);
+GpuInfo device_info(int index);
+
+}  // namespace moe::cuda_api

@@ -1,0 +1,26 @@
+// cuda_api for a build without CUDA.
+#include "core/cuda_api.hpp"
+#include "moe_engine/error.hpp"
+
+namespace moe::cuda_api {
+namespace {
+[[noreturn]] void unavailable() {
+  throw_error(ErrorCode::kNotImplemented,
+              "this moe-engine was built without CUDA (MOE_ENGINE_WITH_CUDA=0); CUDA tensors and "
+              "streams are unavailable");
+}
+}  // namespace
+
+void* malloc(size_t, int) { unavailable(); }
+void free(void*, int) noexcept {}
+void memcpy_async(void*, const void*, size_t, Stream) { unavailable(); }
+void memset_async(void*, int, size_t, Stream) { unavailable(); }
+void synchronize(Stream) {}
+bool is_capturing(Stream) { return false; }
+int device_count(std::string* why) {
+  if (why) *why = "built without CUDA";
+  return 0;
+}
+GpuInfo device_info(int) { unavailable(); }
+
+}  // namespace moe::cuda_api

@@ -1,0 +1,135 @@
+#include "moe_engine/group_layout.hpp"
+
+#include <cstring>
+#include <sstream>
+
+#include "core/cuda_api.hpp"
+#include "moe_engine/config.hpp"
+#if MOE_ENGINE_WITH_CUDA
+#include "cuda/group_offsets.hpp"
+#endif
+
+namespace moe {
+
+// ---- DeviceErrorFlag ----
+
+DeviceErrorFlag::DeviceErrorFlag(Device device)
+    : record_(Tensor::zeros({int64_t(sizeof(DeviceErrorRecord))}, DType::kUInt8, device)) {}
+
+DeviceErrorRecord DeviceErrorFlag::read_and_clear(Stream stream) {
+  DeviceErrorRecord r{};
+  if (device().is_cpu()) {
+    std::memcpy(&r, record(), sizeof(r));
+    std::memset(record(), 0, sizeof(r));
+    return r;
+  }
+  MOE_CHECK(!cuda_api::is_capturing(stream), ErrorCode::kInvalidArgument,
+            "DeviceErrorFlag: cannot read the device error flag while the stream is being captured "
+            "into a CUDA graph; check it after the graph has been launched");
+  cuda_api::memcpy_async(&r, record(), sizeof(r), stream);
+  cuda_api::memset_async(record(), 0, sizeof(r), stream);
+  cuda_api::synchronize(stream);
+  return r;
+}
+
+void DeviceErrorFlag::check(Stream stream) {
+  const DeviceErrorRecord r = read_and_clear(stream);
+  if (r.bits != 0) throw_error(ErrorCode::kDeviceReported, describe_device_errors(r));
+}
+
+std::string describe_device_errors(const DeviceErrorRecord& r) {
+  if (r.bits == 0) return {};
+  std::ostringstream os;
+  const char* sep = "";
+  if (r.bits & kNegativeSplit) {
+    os << "splits[" << r.group << "] = " << r.value
+       << " is negative (expected every split >= 0; it was treated as 0)";
+    sep = "; ";
+  }
+  if (r.bits & kSplitsExceedCapacity) {
+    os << sep << "sum(splits) = " << r.total << " exceeds the buffer capacity T = " << r.capacity
+       << " (expected sum(splits) <= T; the offsets were clamped to T, rows past it were not written)";
+    sep = "; ";
+  }
+  const uint32_t known = kNegativeSplit | kSplitsExceedCapacity;
+  if (r.bits & ~known) os << sep << "unknown device error bits 0x" << std::hex << (r.bits & ~known);
+  return os.str();
+}
+
+// ---- GroupLayout ----
+
+namespace {
+template <class T>
+void compute_offsets_cpu(const T* splits, int64_t num_groups, int64_t capacity, int64_t* offsets) {
+  int64_t total = 0;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const int64_t s = int64_t(splits[g]);
+    MOE_CHECK(s >= 0, ErrorCode::kInvalidArgument, "GroupLayout: splits[", g, "] = ", s,
+              " is negative (expected every split >= 0)");
+    MOE_CHECK(s <= capacity - total, ErrorCode::kInvalidArgument, "GroupLayout: sum(splits) exceeds "
+              "the buffer capacity T = ", capacity, " at expert ", g,
+              " (expected sum(splits) <= T)");
+    offsets[g] = total;
+    total += s;
+  }
+  offsets[num_groups] = total;
+}
+}  // namespace
+
+GroupLayout GroupLayout::compute(const TensorView& splits, int64_t capacity,
+                                 const TensorView& offsets, DeviceErrorFlag* errors,
+                                 Stream stream) {
+  MOE_CHECK(splits.defined() && splits.dim() == 1, ErrorCode::kShape,
+            "GroupLayout: splits: expected a 1-D [G] tensor, got ", splits.describe());
+  MOE_CHECK(splits.dtype() == DType::kInt64 || splits.dtype() == DType::kInt32, ErrorCode::kDType,
+            "GroupLayout: splits: expected int64 or int32, got ", dtype_name(splits.dtype()));
+  MOE_CHECK(splits.is_contiguous(), ErrorCode::kShape, "GroupLayout: splits must be contiguous, got ",
+            splits.describe());
+  const int64_t G = splits.size(0);
+  MOE_CHECK(G >= 1, ErrorCode::kShape, "GroupLayout: expected G >= 1 experts, got splits ",
+            splits.describe());
+  MOE_CHECK(capacity >= 0, ErrorCode::kInvalidArgument, "GroupLayout: capacity T = ", capacity,
+            " is negative");
+  MOE_CHECK(offsets.defined() && offsets.dim() == 1 && offsets.size(0) == G + 1, ErrorCode::kShape,
+            "GroupLayout: offsets: expected a 1-D [G+1] = [", G + 1, "] tensor, got ",
+            offsets.describe());
+  MOE_CHECK(offsets.dtype() == DType::kInt64, ErrorCode::kDType,
+            "GroupLayout: offsets: expected int64, got ", dtype_name(offsets.dtype()));
+  MOE_CHECK(offsets.is_contiguous(), ErrorCode::kShape,
+            "GroupLayout: offsets must be contiguous, got ", offsets.describe());
+  MOE_CHECK(offsets.device() == splits.device(), ErrorCode::kDevice,
+            "GroupLayout: offsets are on ", to_string(offsets.device()), " but splits on ",
+            to_string(splits.device()), "; expected the same device");
+  MOE_CHECK(errors == nullptr || errors->device() == splits.device(), ErrorCode::kDevice,
+            "GroupLayout: the error flag is on ", to_string(errors ? errors->device() : Device{}),
+            " but splits on ", to_string(splits.device()), "; expected the same device");
+
+  GroupLayout layout;
+  layout.splits_ = splits;
+  layout.offsets_ = offsets;
+  layout.num_groups_ = G;
+  layout.capacity_ = capacity;
+  layout.error_record_ = errors ? errors->record() : nullptr;
+
+  auto* off = offsets.data_as<int64_t>();
+  if (splits.device().is_cpu()) {
+    if (splits.dtype() == DType::kInt64)
+      compute_offsets_cpu(splits.data_as<int64_t>(), G, capacity, off);
+    else
+      compute_offsets_cpu(splits.data_as<int32_t>(), G, capacity, off);
+    return layout;
+  }
+  MOE_CHECK(errors != nullptr, ErrorCode::kInvalidArgument,
+            "GroupLayout: on CUDA a DeviceErrorFlag is required: bad splits cannot be reported "
+            "otherwise");
+#if MOE_ENGINE_WITH_CUDA
+  cuda::launch_group_offsets(splits.data(), splits.dtype() == DType::kInt32, G, capacity, off,
+                             errors->record(), stream);
+#else
+  (void)stream;
+  throw_error(ErrorCode::kNotImplemented, "GroupLayout: this build has no CUDA backend");
+#endif
+  return layout;
+}
+
+}  // namespace moe

@@ -1,0 +1,63 @@
+#include "moe_engine/grouped_param.hpp"
+
+namespace moe {
+
+GroupedParam GroupedParam::packed(const TensorView& tensor) {
+  MOE_CHECK(tensor.defined(), ErrorCode::kInvalidArgument, "GroupedParam::packed: undefined tensor");
+  MOE_CHECK(tensor.dim() >= 2, ErrorCode::kShape,
+            "GroupedParam::packed: expected a [G, ...] tensor of rank >= 2, got ", tensor.describe());
+  MOE_CHECK(tensor.size(0) >= 1, ErrorCode::kShape,
+            "GroupedParam::packed: expected G >= 1 experts, got ", tensor.describe());
+  MOE_CHECK(tensor.is_contiguous(), ErrorCode::kShape,
+            "GroupedParam::packed: expected a contiguous tensor, got ", tensor.describe());
+  GroupedParam p;
+  p.packed_ = tensor;
+  p.num_groups_ = tensor.size(0);
+  p.expert_shape_ = Shape(tensor.shape().begin() + 1, tensor.shape().end());
+  p.dtype_ = tensor.dtype();
+  p.device_ = tensor.device();
+  return p;
+}
+
+GroupedParam GroupedParam::per_expert(std::vector<TensorView> experts) {
+  MOE_CHECK(!experts.empty(), ErrorCode::kInvalidArgument,
+            "GroupedParam::per_expert: expected G >= 1 tensors, got none");
+  const TensorView& first = experts.front();
+  for (size_t g = 0; g < experts.size(); ++g) {
+    const TensorView& t = experts[g];
+    MOE_CHECK(t.defined(), ErrorCode::kInvalidArgument, "GroupedParam::per_expert: tensor ", g,
+              " is undefined");
+    MOE_CHECK(t.shape() == first.shape(), ErrorCode::kShape, "GroupedParam::per_expert: tensor ", g,
+              " has shape ", t.shape().to_string(), ", expected ", first.shape().to_string(),
+              " like tensor 0");
+    MOE_CHECK(t.dtype() == first.dtype(), ErrorCode::kDType, "GroupedParam::per_expert: tensor ", g,
+              " is ", dtype_name(t.dtype()), ", expected ", dtype_name(first.dtype()),
+              " like tensor 0");
+    MOE_CHECK(t.device() == first.device(), ErrorCode::kDevice, "GroupedParam::per_expert: tensor ",
+              g, " is on ", to_string(t.device()), ", expected ", to_string(first.device()),
+              " like tensor 0");
+    MOE_CHECK(t.is_contiguous(), ErrorCode::kShape, "GroupedParam::per_expert: tensor ", g,
+              " is not contiguous: ", t.describe());
+  }
+  GroupedParam p;
+  p.num_groups_ = int64_t(experts.size());
+  p.expert_shape_ = first.shape();
+  p.dtype_ = first.dtype();
+  p.device_ = first.device();
+  p.experts_ = std::move(experts);
+  return p;
+}
+
+TensorView GroupedParam::expert(int64_t g) const {
+  MOE_CHECK(g >= 0 && g < num_groups_, ErrorCode::kInvalidArgument, "GroupedParam: expert ", g,
+            " out of range [0, ", num_groups_, ")");
+  return is_packed() ? packed_.select(g) : experts_[size_t(g)];
+}
+
+std::string GroupedParam::describe() const {
+  if (!defined()) return "undefined";
+  if (is_packed()) return "packed " + packed_.describe();
+  return std::to_string(num_groups_) + " x " + experts_.front().describe();
+}
+
+}  // namespace moe

@@ -1,0 +1,89 @@
+// cuda_api over the CUDA runtime (linked statically).
+#include "core/cuda_api.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include "cuda/check.hpp"
+
+namespace moe::cuda_api {
+namespace {
+// Makes `device` current for the scope, restoring the previous one.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    MOE_CUDA_CHECK(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) MOE_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
+  }
+  ~DeviceGuard() {
+    int current = -1;
+    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+}  // namespace
+
+void* malloc(size_t bytes, int device) {
+  DeviceGuard guard(device);
+  void* p = nullptr;
+  MOE_CUDA_CHECK(cudaMalloc(&p, bytes), "cudaMalloc(", bytes, " bytes) on cuda:", device);
+  return p;
+}
+
+void free(void* ptr, int device) noexcept {
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess) return;
+  if (previous != device) cudaSetDevice(device);
+  cudaFree(ptr);
+  if (previous != device) cudaSetDevice(previous);
+}
+
+void memcpy_async(void* dst, const void* src, size_t bytes, Stream stream) {
+  MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync(",
+                 bytes, " bytes)");
+}
+
+void memset_async(void* dst, int value, size_t bytes, Stream stream) {
+  MOE_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, stream), "cudaMemsetAsync(", bytes, " bytes)");
+}
+
+void synchronize(Stream stream) {
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+}
+
+bool is_capturing(Stream stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  MOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
+
+int device_count(std::string* why) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    if (why) *why = std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+    cudaGetLastError();  // clear the sticky error state of a failed query
+    return 0;
+  }
+  if (n == 0 && why) *why = "the CUDA runtime reports no device";
+  return n;
+}
+
+GpuInfo device_info(int index) {
+  cudaDeviceProp p{};
+  MOE_CUDA_CHECK(cudaGetDeviceProperties(&p, index), "cudaGetDeviceProperties(", index, ")");
+  GpuInfo g;
+  g.index = index;
+  g.name = p.name;
+  g.major = p.major;
+  g.minor = p.minor;
+  g.multiprocessors = p.multiProcessorCount;
+  g.memory_bytes = p.totalGlobalMem;
+  g.l2_bytes = size_t(p.l2CacheSize);
+  return g;
+}
+
+}  // namespace moe::cuda_api

@@ -1,0 +1,160 @@
+// The expert MLP, composed from the grouped-linear and GLU ops (the "unfused" path). Fused device
+// kernels plug in at the dispatch below.
+#include "moe_engine/expert_mlp.hpp"
+
+#include "ops/validate.hpp"
+
+namespace moe {
+namespace {
+
+struct ForwardBuffers {
+  TensorView fc1_out;  // only when the caller does not keep it
+  TensorView act;      // act(fc1_out) * p: the FC2 input
+};
+
+ForwardBuffers forward_buffers(ops::WorkspaceCarver& c, int64_t capacity, int64_t ffn, DType dtype,
+                               bool save_fc1_out) {
+  ForwardBuffers b;
+  if (!save_fc1_out) b.fc1_out = c.take({capacity, 2 * ffn}, dtype);
+  b.act = c.take({capacity, ffn}, dtype);
+  return b;
+}
+
+struct BackwardBuffers {
+  TensorView fc1_out;  // recomputed pre-activation (recompute mode only)
+  TensorView d_act;    // dL/d(act * p) = dy W2
+  TensorView act;      // act * p recomputed: the FC2 wgrad input
+  TensorView d_fc1;    // dL/d(fc1_out)
+};
+
+BackwardBuffers backward_buffers(ops::WorkspaceCarver& c, int64_t capacity, int64_t ffn,
+                                 DType dtype, bool recompute_fc1) {
+  BackwardBuffers b;
+  if (recompute_fc1) b.fc1_out = c.take({capacity, 2 * ffn}, dtype);
+  b.d_act = c.take({capacity, ffn}, dtype);
+  b.act = c.take({capacity, ffn}, dtype);
+  b.d_fc1 = c.take({capacity, 2 * ffn}, dtype);
+  return b;
+}
+
+// Checks x, probs, weights and spec; returns F.
+int64_t check_mlp(const ops::Validator& v, const TensorView& x, const TensorView& probs,
+                  const ExpertMlpWeights& w, const ExpertMlpSpec& spec) {
+  v.matrix("x", x, v.capacity(), -1, "[T, H]");
+  const int64_t H = x.size(1);
+  if (!w.fc2_weight.defined())
+    v.fail(ErrorCode::kInvalidArgument, "fc2_weight: required per-expert tensor [H, F] is undefined");
+  if (w.fc2_weight.expert_shape().size() != 2)
+    v.fail(ErrorCode::kShape, "fc2_weight: expected G x [H, F], got ", w.fc2_weight.describe());
+  const int64_t F = w.fc2_weight.expert_shape()[1];
+  v.param("fc2_weight", w.fc2_weight, {H, F}, "[H, F]");
+  v.param("fc1_weight", w.fc1_weight, {2 * F, H}, "[2F, H]");
+  v.same_dtype("fc1_weight", w.fc1_weight.dtype(), "x", x.dtype());
+  v.same_dtype("fc2_weight", w.fc2_weight.dtype(), "x", x.dtype());
+  if (w.fc1_bias.defined()) v.param("fc1_bias", w.fc1_bias, {2 * F}, "[2F]");
+  if (w.fc2_bias.defined()) v.param("fc2_bias", w.fc2_bias, {H}, "[H]");
+  if (probs.defined()) v.row_scale("probs", probs);
+  v.glu_spec(spec.glu, F);
+  return F;
+}
+
+void check_param_grad(const ops::Validator& v, const char* name, const ParamGrad& pg,
+                      const GroupedParam& param) {
+  if (!pg.grad.defined()) return;
+  if (!param.defined())
+    v.fail(ErrorCode::kInvalidArgument, name, ": a gradient is requested but the MLP has no ", name);
+  v.param(name, pg.grad, param.expert_shape(), param.expert_shape().size() == 2 ? "[N, K]" : "[N]");
+  v.grad_target(name, pg.grad, pg.mode);
+}
+
+}  // namespace
+
+size_t expert_mlp_forward_workspace_size(int64_t capacity, int64_t /*hidden*/, int64_t ffn,
+                                         DType dtype, bool save_fc1_out) {
+  ops::WorkspaceCarver c;
+  forward_buffers(c, capacity, ffn, dtype, save_fc1_out);
+  return c.used();
+}
+
+size_t expert_mlp_backward_workspace_size(int64_t capacity, int64_t /*hidden*/, int64_t ffn,
+                                          DType dtype, bool recompute_fc1) {
+  ops::WorkspaceCarver c;
+  backward_buffers(c, capacity, ffn, dtype, recompute_fc1);
+  return c.used();
+}
+
+void expert_mlp_forward(const TensorView& x, const TensorView& probs,
+                        const ExpertMlpWeights& weights, const GroupLayout& groups,
+                        const TensorView& y, const TensorView& fc1_out, const ExpertMlpSpec& spec,
+                        const ExecContext& ctx) {
+  const ops::Validator v("expert_mlp_forward", groups);
+  const int64_t F = check_mlp(v, x, probs, weights, spec);
+  const int64_t T = v.capacity(), H = x.size(1);
+  v.matrix("y", y, T, H, "[T, H]");
+  if (fc1_out.defined()) {
+    v.matrix("fc1_out", fc1_out, T, 2 * F, "[T, 2F]");
+    v.same_dtype("fc1_out", fc1_out.dtype(), "x", x.dtype());
+  }
+  v.workspace(ctx.workspace,
+              expert_mlp_forward_workspace_size(T, H, F, x.dtype(), fc1_out.defined()),
+              "expert_mlp_forward_workspace_size");
+  ops::dispatch(v, [&] {
+    ops::WorkspaceCarver carver(ctx.workspace);
+    const ForwardBuffers b = forward_buffers(carver, T, F, x.dtype(), fc1_out.defined());
+    const TensorView h = fc1_out.defined() ? fc1_out : b.fc1_out;
+    grouped_linear_forward(x, weights.fc1_weight, groups, h, {weights.fc1_bias, {}}, ctx);
+    glu_forward(h, probs, groups, b.act, spec.glu, ctx);
+    const TensorView fc2_scale = weights.fc2_bias.defined() ? probs : TensorView{};
+    grouped_linear_forward(b.act, weights.fc2_weight, groups, y, {weights.fc2_bias, fc2_scale}, ctx);
+  });
+}
+
+void expert_mlp_backward(const TensorView& dy, const TensorView& x, const TensorView& probs,
+                         const ExpertMlpWeights& weights, const GroupLayout& groups,
+                         const TensorView& fc1_out, const ExpertMlpGrads& grads,
+                         const ExpertMlpSpec& spec, const ExecContext& ctx) {
+  const ops::Validator v("expert_mlp_backward", groups);
+  const int64_t F = check_mlp(v, x, probs, weights, spec);
+  const int64_t T = v.capacity(), H = x.size(1);
+  v.matrix("dy", dy, T, H, "[T, H]");
+  v.same_dtype("dy", dy.dtype(), "x", x.dtype());
+  if (fc1_out.defined()) v.matrix("fc1_out", fc1_out, T, 2 * F, "[T, 2F]");
+  if (grads.dx.defined()) v.matrix("dx", grads.dx, T, H, "[T, H]");
+  if (grads.dprobs.defined()) {
+    if (!probs.defined())
+      v.fail(ErrorCode::kInvalidArgument, "dprobs is requested but no probs were given");
+    v.row_scale("dprobs", grads.dprobs);
+  }
+  check_param_grad(v, "fc1_weight", grads.fc1_weight, weights.fc1_weight);
+  check_param_grad(v, "fc1_bias", grads.fc1_bias, weights.fc1_bias);
+  check_param_grad(v, "fc2_weight", grads.fc2_weight, weights.fc2_weight);
+  check_param_grad(v, "fc2_bias", grads.fc2_bias, weights.fc2_bias);
+  const bool recompute = !fc1_out.defined();
+  v.workspace(ctx.workspace, expert_mlp_backward_workspace_size(T, H, F, x.dtype(), recompute),
+              "expert_mlp_backward_workspace_size");
+  ops::dispatch(v, [&] {
+    ops::WorkspaceCarver carver(ctx.workspace);
+    const BackwardBuffers b = backward_buffers(carver, T, F, x.dtype(), recompute);
+    const TensorView h = recompute ? b.fc1_out : fc1_out;
+    if (recompute)
+      grouped_linear_forward(x, weights.fc1_weight, groups, h, {weights.fc1_bias, {}}, ctx);
+    grouped_linear_dgrad(dy, weights.fc2_weight, groups, b.d_act, ctx);
+    const bool need_act = grads.fc2_weight.grad.defined();
+    glu_backward(h, probs, b.d_act, groups, {b.d_fc1, grads.dprobs, need_act ? b.act : TensorView{}},
+                 spec.glu, ctx);
+    // y holds + p * b2, so dprobs also gets <b2_g, dy[r]>.
+    if (grads.dprobs.defined() && weights.fc2_bias.defined())
+      grouped_linear_dscales(dy, weights.fc2_bias, groups, grads.dprobs, /*accumulate=*/true, ctx);
+    if (need_act)
+      grouped_linear_wgrad(dy, b.act, groups, grads.fc2_weight.grad, grads.fc2_weight.mode, ctx);
+    if (grads.fc2_bias.grad.defined())
+      grouped_linear_dbias(dy, groups, grads.fc2_bias.grad, grads.fc2_bias.mode, probs, ctx);
+    if (grads.fc1_bias.grad.defined())
+      grouped_linear_dbias(b.d_fc1, groups, grads.fc1_bias.grad, grads.fc1_bias.mode, {}, ctx);
+    if (grads.fc1_weight.grad.defined())
+      grouped_linear_wgrad(b.d_fc1, x, groups, grads.fc1_weight.grad, grads.fc1_weight.mode, ctx);
+    if (grads.dx.defined()) grouped_linear_dgrad(b.d_fc1, weights.fc1_weight, groups, grads.dx, ctx);
+  });
+}
+
+}  // namespace moe

@@ -1,0 +1,80 @@
+// grouped linear ops: validation, then dispatch by device.
+#include "moe_engine/grouped_linear.hpp"
+
+#include "cpu/backend.hpp"
+#include "ops/validate.hpp"
+
+namespace moe {
+
+const char* grad_mode_name(GradMode mode) {
+  switch (mode) {
+    case GradMode::kWrite: return "write";
+    case GradMode::kAccumulate: return "accumulate";
+    case GradMode::kOverwrite: return "overwrite";
+  }
+  return "unknown";
+}
+
+void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
+                            const GroupLayout& groups, const TensorView& y,
+                            const BiasEpilogue& bias, const ExecContext&) {
+  const ops::Validator v("grouped_linear_forward", groups);
+  v.matrix("x", x, v.capacity(), -1, "[T, K]");
+  v.matrix("y", y, v.capacity(), -1, "[T, N]");
+  const int64_t K = x.size(1), N = y.size(1);
+  v.param("weight", weight, {N, K}, "[N, K]");
+  v.same_dtype("weight", weight.dtype(), "x", x.dtype());
+  if (bias.bias.defined()) v.param("bias", bias.bias, {N}, "[N]");
+  if (bias.row_scale.defined()) {
+    if (!bias.bias.defined())
+      v.fail(ErrorCode::kInvalidArgument, "row_scale (scale_bias) is given but there is no bias to scale");
+    v.row_scale("row_scale", bias.row_scale);
+  }
+  ops::dispatch(v, [&] { cpu::grouped_linear_forward(x, weight, groups, y, bias); });
+}
+
+void grouped_linear_dgrad(const TensorView& dy, const GroupedParam& weight,
+                          const GroupLayout& groups, const TensorView& dx, const ExecContext&) {
+  const ops::Validator v("grouped_linear_dgrad", groups);
+  v.matrix("dy", dy, v.capacity(), -1, "[T, N]");
+  v.matrix("dx", dx, v.capacity(), -1, "[T, K]");
+  const int64_t N = dy.size(1), K = dx.size(1);
+  v.param("weight", weight, {N, K}, "[N, K]");
+  v.same_dtype("weight", weight.dtype(), "dy", dy.dtype());
+  ops::dispatch(v, [&] { cpu::grouped_linear_dgrad(dy, weight, groups, dx); });
+}
+
+void grouped_linear_wgrad(const TensorView& dy, const TensorView& x, const GroupLayout& groups,
+                          const GroupedParam& dweight, GradMode mode, const ExecContext&) {
+  const ops::Validator v("grouped_linear_wgrad", groups);
+  v.matrix("dy", dy, v.capacity(), -1, "[T, N]");
+  v.matrix("x", x, v.capacity(), -1, "[T, K]");
+  v.same_dtype("x", x.dtype(), "dy", dy.dtype());
+  const int64_t N = dy.size(1), K = x.size(1);
+  v.param("dweight", dweight, {N, K}, "[N, K]");
+  v.grad_target("dweight", dweight, mode);
+  ops::dispatch(v, [&] { cpu::grouped_linear_wgrad(dy, x, groups, dweight, mode); });
+}
+
+void grouped_linear_dbias(const TensorView& dy, const GroupLayout& groups,
+                          const GroupedParam& dbias, GradMode mode, const TensorView& row_scale,
+                          const ExecContext&) {
+  const ops::Validator v("grouped_linear_dbias", groups);
+  v.matrix("dy", dy, v.capacity(), -1, "[T, N]");
+  v.param("dbias", dbias, {dy.size(1)}, "[N]");
+  v.grad_target("dbias", dbias, mode);
+  if (row_scale.defined()) v.row_scale("row_scale", row_scale);
+  ops::dispatch(v, [&] { cpu::grouped_linear_dbias(dy, groups, dbias, mode, row_scale); });
+}
+
+void grouped_linear_dscales(const TensorView& dy, const GroupedParam& bias,
+                            const GroupLayout& groups, const TensorView& dscales, bool accumulate,
+                            const ExecContext&) {
+  const ops::Validator v("grouped_linear_dscales", groups);
+  v.matrix("dy", dy, v.capacity(), -1, "[T, N]");
+  v.param("bias", bias, {dy.size(1)}, "[N]");
+  v.row_scale("dscales", dscales);
+  ops::dispatch(v, [&] { cpu::grouped_linear_dscales(dy, bias, groups, dscales, accumulate); });
+}
+
+}  // namespace moe

@@ -1,0 +1,83 @@
+// Argument checks shared by every op. Each failure throws moe::Error naming the op, the argument,
+// what was expected and what was given.
+#pragma once
+
+#include <initializer_list>
+#include <string>
+
+#include "moe_engine/error.hpp"
+#include "moe_engine/glu.hpp"
+#include "moe_engine/group_layout.hpp"
+#include "moe_engine/grouped_linear.hpp"
+#include "moe_engine/grouped_param.hpp"
+#include "moe_engine/tensor.hpp"
+#include "moe_engine/workspace.hpp"
+
+namespace moe::ops {
+
+class Validator {
+ public:
+  // All tensors must live on the group layout's device.
+  Validator(const char* op, const GroupLayout& groups);
+
+  const char* op() const { return op_; }
+  Device device() const { return device_; }
+  int64_t capacity() const { return groups_->capacity(); }
+  int64_t num_groups() const { return groups_->num_groups(); }
+
+  template <class... Parts>
+  [[noreturn]] void fail(ErrorCode code, Parts&&... parts) const {
+    throw_error(code, op_, ": ", std::forward<Parts>(parts)...);
+  }
+
+  // A 2-D [rows, cols] tensor of a compute float dtype, unit column stride, on the device.
+  // rows/cols < 0: any extent. `dims` names the expected shape, e.g. "[T, K]".
+  void matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols, const char* dims) const;
+  // A contiguous 1-D [n] tensor of a compute float dtype on the device.
+  void vector(const char* name, const TensorView& t, int64_t n, const char* dims) const;
+  // A per-row scale (router probs): [T], float32 (float64 too on the CPU backend).
+  void row_scale(const char* name, const TensorView& t) const;
+  // A per-expert tensor with G experts of shape `expert_shape` on the device.
+  void param(const char* name, const GroupedParam& p, const Shape& expert_shape, const char* dims) const;
+  // `b` has the dtype of `a`.
+  void same_dtype(const char* name_b, DType b, const char* name_a, DType a) const;
+  // float32 main_grad for accumulate / overwrite.
+  void grad_target(const char* name, const GroupedParam& p, GradMode mode) const;
+  // The GLU spec is usable with F gate/linear columns.
+  void glu_spec(const GluSpec& spec, int64_t ffn) const;
+  // The workspace can hold `bytes` on the device.
+  void workspace(const Workspace& ws, size_t bytes, const char* size_function) const;
+
+ private:
+  void float_dtype(const char* name, DType dtype) const;
+  void on_device(const char* name, const TensorView& t) const;
+  void aligned(const char* name, const TensorView& t) const;
+
+  const char* op_;
+  const GroupLayout* groups_;
+  Device device_;
+};
+
+// Splits scratch buffers off a workspace; with no data it only adds up their sizes, so an op's
+// *_workspace_size and the op itself share one description of the layout.
+class WorkspaceCarver {
+ public:
+  explicit WorkspaceCarver(const Workspace& ws = {}) : ws_(ws) {}
+  TensorView take(Shape shape, DType dtype);
+  size_t used() const { return used_; }
+
+ private:
+  Workspace ws_;
+  size_t used_ = 0;
+};
+
+// Runs `cpu` for CPU tensors; other devices have no implementation of this op yet.
+template <class CpuFn>
+void dispatch(const Validator& v, CpuFn&& cpu) {
+  if (v.device().is_cpu()) return cpu();
+  v.fail(ErrorCode::kNotImplemented, "not implemented on ", to_string(v.device()),
+         " yet; the CPU backend runs it (CUDA kernels arrive with the grouped-GEMM and fused-MLP "
+         "work)");
+}
+
+}  // namespace moe::ops

@@ -1,0 +1,275 @@
+// Naive float64 reference. Deliberately shares no code with src/cpu: plain triple loops, its own
+// column mapping per GLU layout and its own activation formulas.
+#include "moe_engine/oracle.hpp"
+
+#include <cmath>
+#include <limits>
+
+#include "moe_engine/error.hpp"
+
+namespace moe::oracle {
+namespace {
+
+int64_t total_rows(const Splits& splits) {
+  int64_t t = 0;
+  for (int64_t s : splits) {
+    MOE_CHECK(s >= 0, ErrorCode::kInvalidArgument, "oracle: negative split ", s);
+    t += s;
+  }
+  return t;
+}
+
+// The expert that owns each of the sum(splits) rows.
+std::vector<int64_t> expert_of_rows(const Splits& splits) {
+  std::vector<int64_t> owner;
+  for (size_t g = 0; g < splits.size(); ++g) owner.insert(owner.end(), size_t(splits[g]), int64_t(g));
+  return owner;
+}
+
+double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+struct Columns {
+  int64_t gate, linear;
+};
+
+Columns glu_columns(const GluLayout& layout, int64_t j, int64_t ffn) {
+  switch (layout.kind()) {
+    case GluLayout::Kind::kHalves: return {j, ffn + j};
+    case GluLayout::Kind::kPairs: return {2 * j, 2 * j + 1};
+    case GluLayout::Kind::kBlocks: {
+      const int64_t s = layout.block(), block = j / s, within = j % s;
+      return {block * 2 * s + within, block * 2 * s + s + within};
+    }
+  }
+  throw_error(ErrorCode::kInternal, "oracle: unknown GLU layout");
+}
+
+double activation(const GluSpec& spec, double gate, double linear) {
+  if (spec.activation == GluActivation::kSwiGLU) return gate * sigmoid(gate) * linear;
+  const double limit = spec.limit;
+  const double g = std::min(gate, limit);
+  const double l = std::min(std::max(linear, -limit), limit) + spec.offset;
+  return g * sigmoid(spec.alpha * g) * l;
+}
+
+// Partial derivatives of activation() w.r.t. gate and linear.
+void activation_grad(const GluSpec& spec, double gate, double linear, double& d_gate,
+                     double& d_linear) {
+  if (spec.activation == GluActivation::kSwiGLU) {
+    const double s = sigmoid(gate);
+    d_gate = (s + gate * s * (1.0 - s)) * linear;
+    d_linear = gate * s;
+    return;
+  }
+  const double limit = spec.limit, alpha = spec.alpha;
+  const double g = std::min(gate, limit);
+  const double l = std::min(std::max(linear, -limit), limit) + spec.offset;
+  const double s = sigmoid(alpha * g);
+  d_gate = gate > limit ? 0.0 : (s + alpha * g * s * (1.0 - s)) * l;
+  d_linear = std::abs(linear) > limit ? 0.0 : g * s;
+}
+
+double read(const TensorView& t, int64_t offset) {
+  switch (t.dtype()) {
+    case DType::kFloat64: return static_cast<const double*>(t.data())[offset];
+    case DType::kFloat32: return static_cast<const float*>(t.data())[offset];
+    case DType::kBFloat16: return double(float(static_cast<const BFloat16*>(t.data())[offset]));
+    case DType::kFloat16: return double(float(static_cast<const Float16*>(t.data())[offset]));
+    default: throw_error(ErrorCode::kDType, "oracle: cannot read ", dtype_name(t.dtype()));
+  }
+}
+
+}  // namespace
+
+Matrix to_matrix(const TensorView& t) {
+  MOE_CHECK(t.defined() && t.device().is_cpu() && (t.dim() == 1 || t.dim() == 2), ErrorCode::kShape,
+            "oracle::to_matrix: expected a 1-D or 2-D CPU tensor, got ", t.describe());
+  const int64_t rows = t.size(0), cols = t.dim() == 2 ? t.size(1) : 1;
+  const int64_t rs = t.stride(0), cs = t.dim() == 2 ? t.stride(1) : 0;
+  Matrix m(rows, cols);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) m(r, c) = read(t, r * rs + c * cs);
+  return m;
+}
+
+Vector to_vector(const TensorView& t) { return to_matrix(t).data; }
+
+std::vector<Matrix> to_matrices(const GroupedParam& p) {
+  std::vector<Matrix> out;
+  for (int64_t g = 0; g < p.num_groups(); ++g) out.push_back(to_matrix(p.expert(g)));
+  return out;
+}
+
+namespace {
+// Accumulates squared norms; NaN/inf in `out` poison the result.
+struct ErrorSum {
+  double diff = 0, ref = 0;
+  bool bad = false;
+  void add(double o, double r) {
+    if (!std::isfinite(o)) bad = true;
+    diff += (o - r) * (o - r);
+    ref += r * r;
+  }
+  double value() const {
+    if (bad) return std::numeric_limits<double>::infinity();
+    return ref > 0 ? std::sqrt(diff / ref) : std::sqrt(diff);
+  }
+};
+}  // namespace
+
+double rel_error(const Matrix& out, const Matrix& ref) {
+  if (out.cols != ref.cols || out.rows < ref.rows) return std::numeric_limits<double>::infinity();
+  ErrorSum e;
+  for (int64_t r = 0; r < ref.rows; ++r)
+    for (int64_t c = 0; c < ref.cols; ++c) e.add(out(r, c), ref(r, c));
+  return e.value();
+}
+
+double rel_error(const Vector& out, const Vector& ref) {
+  if (out.size() < ref.size()) return std::numeric_limits<double>::infinity();
+  ErrorSum e;
+  for (size_t i = 0; i < ref.size(); ++i) e.add(out[i], ref[i]);
+  return e.value();
+}
+
+double rel_error(const std::vector<Matrix>& out, const std::vector<Matrix>& ref) {
+  if (out.size() != ref.size()) return std::numeric_limits<double>::infinity();
+  ErrorSum e;
+  for (size_t g = 0; g < ref.size(); ++g) {
+    if (out[g].rows != ref[g].rows || out[g].cols != ref[g].cols)
+      return std::numeric_limits<double>::infinity();
+    for (size_t i = 0; i < ref[g].data.size(); ++i) e.add(out[g].data[i], ref[g].data[i]);
+  }
+  return e.value();
+}
+
+Matrix linear_forward(const Matrix& x, const std::vector<Matrix>& w, const Splits& splits,
+                      const Matrix& bias, const Vector& row_scale) {
+  const int64_t rows = total_rows(splits);
+  const auto owner = expert_of_rows(splits);
+  const int64_t N = w.at(0).rows, K = x.cols;
+  Matrix y(rows, N);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t g = owner[size_t(r)];
+    for (int64_t n = 0; n < N; ++n) {
+      double acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += x(r, k) * w[size_t(g)](n, k);
+      if (bias.rows > 0) acc += (row_scale.empty() ? 1.0 : row_scale[size_t(r)]) * bias(g, n);
+      y(r, n) = acc;
+    }
+  }
+  return y;
+}
+
+Matrix linear_dgrad(const Matrix& dy, const std::vector<Matrix>& w, const Splits& splits) {
+  const int64_t rows = total_rows(splits);
+  const auto owner = expert_of_rows(splits);
+  const int64_t N = dy.cols, K = w.at(0).cols;
+  Matrix dx(rows, K);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < K; ++k) {
+      double acc = 0;
+      for (int64_t n = 0; n < N; ++n) acc += dy(r, n) * w[size_t(owner[size_t(r)])](n, k);
+      dx(r, k) = acc;
+    }
+  return dx;
+}
+
+std::vector<Matrix> linear_wgrad(const Matrix& dy, const Matrix& x, const Splits& splits) {
+  total_rows(splits);
+  std::vector<Matrix> dw;
+  int64_t begin = 0;
+  for (int64_t count : splits) {
+    Matrix m(dy.cols, x.cols);
+    for (int64_t n = 0; n < dy.cols; ++n)
+      for (int64_t k = 0; k < x.cols; ++k) {
+        double acc = 0;
+        for (int64_t r = begin; r < begin + count; ++r) acc += dy(r, n) * x(r, k);
+        m(n, k) = acc;
+      }
+    dw.push_back(std::move(m));
+    begin += count;
+  }
+  return dw;
+}
+
+Matrix linear_dbias(const Matrix& dy, const Splits& splits, const Vector& row_scale) {
+  const int64_t rows = total_rows(splits);
+  const auto owner = expert_of_rows(splits);
+  Matrix db(int64_t(splits.size()), dy.cols);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = 0; n < dy.cols; ++n)
+      db(owner[size_t(r)], n) += (row_scale.empty() ? 1.0 : row_scale[size_t(r)]) * dy(r, n);
+  return db;
+}
+
+Vector linear_dscales(const Matrix& dy, const Matrix& bias, const Splits& splits) {
+  const int64_t rows = total_rows(splits);
+  const auto owner = expert_of_rows(splits);
+  Vector dp(size_t(rows), 0.0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = 0; n < dy.cols; ++n) dp[size_t(r)] += dy(r, n) * bias(owner[size_t(r)], n);
+  return dp;
+}
+
+Matrix glu_forward(const Matrix& h, const Vector& probs, const GluSpec& spec) {
+  const int64_t F = h.cols / 2;
+  Matrix out(h.rows, F);
+  for (int64_t r = 0; r < h.rows; ++r)
+    for (int64_t j = 0; j < F; ++j) {
+      const Columns c = glu_columns(spec.layout, j, F);
+      out(r, j) = activation(spec, h(r, c.gate), h(r, c.linear)) *
+                  (probs.empty() ? 1.0 : probs[size_t(r)]);
+    }
+  return out;
+}
+
+GluGrads glu_backward(const Matrix& h, const Vector& probs, const Matrix& d_out,
+                      const GluSpec& spec) {
+  const int64_t F = h.cols / 2;
+  GluGrads g;
+  g.dh = Matrix(d_out.rows, h.cols);
+  if (!probs.empty()) g.dprobs.assign(size_t(d_out.rows), 0.0);
+  for (int64_t r = 0; r < d_out.rows; ++r)
+    for (int64_t j = 0; j < F; ++j) {
+      const Columns c = glu_columns(spec.layout, j, F);
+      const double p = probs.empty() ? 1.0 : probs[size_t(r)];
+      double d_gate = 0, d_linear = 0;
+      activation_grad(spec, h(r, c.gate), h(r, c.linear), d_gate, d_linear);
+      g.dh(r, c.gate) = d_out(r, j) * p * d_gate;
+      g.dh(r, c.linear) = d_out(r, j) * p * d_linear;
+      if (!probs.empty())
+        g.dprobs[size_t(r)] += activation(spec, h(r, c.gate), h(r, c.linear)) * d_out(r, j);
+    }
+  return g;
+}
+
+MlpForward mlp_forward(const Matrix& x, const Vector& probs, const MlpParams& params,
+                       const Splits& splits, const GluSpec& spec) {
+  MlpForward f;
+  f.h = linear_forward(x, params.w1, splits, params.b1, {});
+  f.a = glu_forward(f.h, probs, spec);
+  f.y = linear_forward(f.a, params.w2, splits, params.b2, probs);
+  return f;
+}
+
+MlpGrads mlp_backward(const Matrix& dy, const Matrix& x, const Vector& probs,
+                      const MlpParams& params, const Splits& splits, const GluSpec& spec) {
+  const MlpForward f = mlp_forward(x, probs, params, splits, spec);
+  MlpGrads g;
+  const Matrix d_a = linear_dgrad(dy, params.w2, splits);
+  GluGrads glu = glu_backward(f.h, probs, d_a, spec);
+  g.dprobs = glu.dprobs;
+  if (!probs.empty() && params.b2.rows > 0) {
+    const Vector extra = linear_dscales(dy, params.b2, splits);
+    for (size_t r = 0; r < extra.size(); ++r) g.dprobs[r] += extra[r];
+  }
+  g.dw2 = linear_wgrad(dy, f.a, splits);
+  if (params.b2.rows > 0) g.db2 = linear_dbias(dy, splits, probs);
+  if (params.b1.rows > 0) g.db1 = linear_dbias(glu.dh, splits, {});
+  g.dw1 = linear_wgrad(glu.dh, x, splits);
+  g.dx = linear_dgrad(glu.dh, params.w1, splits);
+  return g;
+}
+
+}  // namespace moe::oracle

@@ -1,0 +1,218 @@
+// GLU activations: every activation x layout x probs against the oracle, layout equivalence,
+// the clamp, and finite-difference checks of the backward.
+#include <cmath>
+
+#include "test_support.hpp"
+
+namespace moe::test {
+namespace {
+
+GluSpec spec_of(GluActivation act, GluLayout layout) {
+  GluSpec s;
+  s.activation = act;
+  s.layout = layout;
+  return s;
+}
+
+const GluActivation kActivations[] = {GluActivation::kSwiGLU, GluActivation::kClampedQGeGLU};
+
+std::vector<GluLayout> layouts() {
+  return {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(4), GluLayout::blocks(32)};
+}
+
+TEST(GluLayout, ColumnMapsAndNames) {
+  const int64_t F = 64;
+  EXPECT_EQ(GluLayout::halves().gate_column(5, F), 5);
+  EXPECT_EQ(GluLayout::halves().linear_column(5, F), 69);
+  EXPECT_EQ(GluLayout::pairs().gate_column(5, F), 10);
+  EXPECT_EQ(GluLayout::pairs().linear_column(5, F), 11);
+  EXPECT_EQ(GluLayout::blocks(32).gate_column(33, F), 65);
+  EXPECT_EQ(GluLayout::blocks(32).linear_column(33, F), 97);
+  for (const GluLayout& l : layouts()) {
+    EXPECT_EQ(GluLayout::parse(l.name()), l);
+    // Every layout is a permutation of the 2F columns.
+    std::vector<int> seen(static_cast<size_t>(2 * F), 0);
+    for (int64_t j = 0; j < F; ++j) {
+      ++seen[size_t(l.gate_column(j, F))];
+      ++seen[size_t(l.linear_column(j, F))];
+    }
+    for (int v : seen) EXPECT_EQ(v, 1) << l.name();
+  }
+  EXPECT_MOE_ERROR(GluLayout::parse("blocks:0"), ErrorCode::kInvalidArgument, "expected halves, pairs or blocks:S");
+  EXPECT_MOE_ERROR(GluLayout::parse("interleaved"), ErrorCode::kInvalidArgument, "unknown GLU layout 'interleaved'");
+  EXPECT_EQ(parse_activation("clamped_qgeglu"), GluActivation::kClampedQGeGLU);
+  EXPECT_MOE_ERROR(parse_activation("gelu"), ErrorCode::kInvalidArgument, "expected swiglu or clamped_qgeglu");
+  EXPECT_EQ(describe(spec_of(GluActivation::kClampedQGeGLU, GluLayout::blocks(32))),
+            "clamped_qgeglu(limit=7, alpha=1.702, offset=1), blocks:32");
+}
+
+class Glu : public ::testing::TestWithParam<DType> {};
+
+// Values spread past the clamp limit (|x| up to ~20) so both clamps are exercised.
+Tensor wide_tensor(Shape shape, DType dt, Rng& rng) { return random_tensor(shape, dt, rng, 6.0); }
+
+TEST_P(Glu, ForwardAndBackwardMatchOracle) {
+  const DType dt = GetParam();
+  Rng rng;
+  const int64_t F = 64, T = 45;
+  Routing r({0, 17, 1, 20}, T);  // 38 rows used, 7 past the end
+  for (GluActivation act : kActivations)
+    for (const GluLayout& layout : layouts())
+      for (bool with_probs : {false, true}) {
+        SCOPED_TRACE(describe(spec_of(act, layout)) + (with_probs ? ", probs" : ""));
+        const GluSpec spec = spec_of(act, layout);
+        Tensor h = wide_tensor({T, 2 * F}, dt, rng);
+        Tensor d_out = random_tensor({T, F}, dt, rng);
+        Tensor p = uniform_tensor({T}, DType::kFloat32, rng, 0.0, 1.0);
+        const TensorView probs = with_probs ? TensorView(p) : TensorView();
+        // The oracle sees only the rows that belong to experts.
+        const oracle::Vector pv = with_probs ? head(oracle::to_vector(p), r.rows()) : oracle::Vector{};
+        const oracle::Matrix hm = head(oracle::to_matrix(h), r.rows());
+        const oracle::Matrix dm = head(oracle::to_matrix(d_out), r.rows());
+
+        Tensor out = poisoned({T, F}, dt);
+        glu_forward(h, probs, r.layout, out, spec);
+        const auto out_ref = oracle::glu_forward(hm, pv, spec);
+        EXPECT_LE(oracle::rel_error(oracle::to_matrix(out), out_ref), tolerance(dt));
+        EXPECT_TRUE(tail_untouched(out, r.rows()));
+
+        Tensor dh = poisoned({T, 2 * F}, dt);
+        Tensor dprobs = poisoned({T}, DType::kFloat32);
+        Tensor out2 = poisoned({T, F}, dt);
+        glu_backward(h, probs, d_out, r.layout,
+                     {dh, with_probs ? TensorView(dprobs) : TensorView(), out2}, spec);
+        const auto g = oracle::glu_backward(hm, pv, dm, spec);
+        EXPECT_LE(oracle::rel_error(oracle::to_matrix(dh), g.dh), tolerance(dt));
+        EXPECT_TRUE(tail_untouched(dh, r.rows()));
+        EXPECT_TRUE(bitwise_equal(out2, out)) << "backward's recomputed output differs from forward";
+        if (with_probs) {
+          EXPECT_LE(oracle::rel_error(oracle::to_vector(dprobs), g.dprobs), std::max(tolerance(dt), 1e-5));
+          EXPECT_TRUE(tail_untouched(dprobs, r.rows()));
+        }
+      }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, Glu,
+                         ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16,
+                                           DType::kFloat64),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+// The three layouts are the same function up to a column permutation: bit-identical results.
+TEST(GluLayouts, IdenticalAfterColumnPermutation) {
+  Rng rng;
+  const int64_t F = 96, T = 33;
+  Routing r({11, 0, 22}, T);
+  for (GluActivation act : kActivations) {
+    Tensor h = wide_tensor({T, 2 * F}, DType::kBFloat16, rng);
+    Tensor d_out = random_tensor({T, F}, DType::kBFloat16, rng);
+    Tensor p = uniform_tensor({T}, DType::kFloat32, rng, 0.0, 1.0);
+    const GluSpec halves = spec_of(act, GluLayout::halves());
+    Tensor out_h = poisoned({T, F}, DType::kBFloat16), dh_h = poisoned({T, 2 * F}, DType::kBFloat16);
+    Tensor dp_h = poisoned({T}, DType::kFloat32);
+    glu_forward(h, p, r.layout, out_h, halves);
+    glu_backward(h, p, d_out, r.layout, {dh_h, dp_h, {}}, halves);
+    for (const GluLayout& layout : {GluLayout::pairs(), GluLayout::blocks(32), GluLayout::blocks(3)}) {
+      SCOPED_TRACE(layout.name());
+      const GluSpec spec = spec_of(act, layout);
+      // Move column j of each half to where `layout` keeps it.
+      Tensor hp = Tensor::empty({T, 2 * F}, DType::kBFloat16);
+      auto permute = [&](const Tensor& src, const Tensor& dst, bool forward) {
+        const auto* s = src.data_as<BFloat16>();
+        auto* d = dst.data_as<BFloat16>();
+        for (int64_t row = 0; row < T; ++row)
+          for (int64_t j = 0; j < F; ++j) {
+            const int64_t from[2] = {j, F + j};
+            const int64_t to[2] = {layout.gate_column(j, F), layout.linear_column(j, F)};
+            for (int k = 0; k < 2; ++k) {
+              const int64_t a = forward ? from[k] : to[k], b = forward ? to[k] : from[k];
+              d[row * 2 * F + b] = s[row * 2 * F + a];
+            }
+          }
+      };
+      permute(h, hp, true);
+      Tensor out = poisoned({T, F}, DType::kBFloat16), dh = poisoned({T, 2 * F}, DType::kBFloat16);
+      Tensor dp = poisoned({T}, DType::kFloat32);
+      glu_forward(hp, p, r.layout, out, spec);
+      glu_backward(hp, p, d_out, r.layout, {dh, dp, {}}, spec);
+      EXPECT_TRUE(bitwise_equal(out, out_h));
+      EXPECT_TRUE(bitwise_equal(dp, dp_h));
+      Tensor dh_back = poisoned({T, 2 * F}, DType::kBFloat16);
+      permute(dh, dh_back, false);
+      EXPECT_TRUE(bitwise_equal(dh_back, dh_h));
+    }
+  }
+}
+
+TEST(GluClamp, GradientsVanishExactlyPastTheLimit) {
+  const int64_t F = 4, T = 1;
+  Routing r({1}, T);
+  GluSpec spec = spec_of(GluActivation::kClampedQGeGLU, GluLayout::halves());
+  Tensor h = Tensor::empty({T, 2 * F}, DType::kFloat32);
+  // gate: below, at, above the limit, far above; linear: inside, at +limit, above, below -limit
+  const float v[8] = {3.f, 7.f, 7.5f, 40.f, 1.f, 7.f, 9.f, -8.f};
+  std::memcpy(h.data(), v, sizeof(v));
+  Tensor d_out = Tensor::empty({T, F}, DType::kFloat32);
+  for (int j = 0; j < F; ++j) d_out.data_as<float>()[j] = 1.f;
+  Tensor dh = poisoned({T, 2 * F}, DType::kFloat32);
+  glu_backward(h, {}, d_out, r.layout, {dh, {}, {}}, spec);
+  const float* g = dh.data_as<float>();
+  EXPECT_NE(g[0], 0.f);  // gate 3 < 7
+  EXPECT_NE(g[1], 0.f);  // gate == limit still passes
+  EXPECT_EQ(g[2], 0.f);  // gate > limit
+  EXPECT_EQ(g[3], 0.f);
+  EXPECT_NE(g[4], 0.f);  // linear inside
+  EXPECT_NE(g[5], 0.f);  // |linear| == limit passes
+  EXPECT_EQ(g[6], 0.f);  // linear > limit
+  EXPECT_EQ(g[7], 0.f);  // linear < -limit
+  // and the forward uses the clamped values: gate 40 behaves like gate 7
+  Tensor out = poisoned({T, F}, DType::kFloat32);
+  glu_forward(h, {}, r.layout, out, spec);
+  const double g7 = 7.0 / (1.0 + std::exp(-1.702 * 7.0));
+  EXPECT_NEAR(out.data_as<float>()[3], g7 * (-7.0 + 1.0), 1e-5);
+}
+
+// Central differences in float64 of L = <out, R> w.r.t. h and probs. Inputs avoid the clamp kinks.
+TEST(GluBackward, AgreesWithFiniteDifferences) {
+  Rng rng;
+  const int64_t F = 6, T = 5;
+  Routing r({2, 0, 3}, T);
+  for (GluActivation act : kActivations)
+    for (const GluLayout& layout : {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(2)}) {
+      SCOPED_TRACE(describe(spec_of(act, layout)));
+      const GluSpec spec = spec_of(act, layout);
+      Tensor h = wide_tensor({T, 2 * F}, DType::kFloat64, rng);
+      for (int64_t i = 0; i < h.numel(); ++i) {  // keep 1e-3 away from +-limit
+        double& v = h.data_as<double>()[i];
+        if (std::abs(std::abs(v) - 7.0) < 1e-3) v += 0.01;
+      }
+      Tensor p = uniform_tensor({T}, DType::kFloat64, rng, 0.1, 1.0);
+      Tensor R = random_tensor({T, F}, DType::kFloat64, rng);
+      auto loss = [&]() {
+        Tensor out = Tensor::zeros({T, F}, DType::kFloat64);
+        glu_forward(h, p, r.layout, out, spec);
+        double l = 0;
+        for (int64_t i = 0; i < out.numel(); ++i) l += out.data_as<double>()[i] * R.data_as<double>()[i];
+        return l;
+      };
+      Tensor dh = Tensor::zeros({T, 2 * F}, DType::kFloat64);
+      Tensor dp = Tensor::zeros({T}, DType::kFloat64);
+      glu_backward(h, p, R, r.layout, {dh, dp, {}}, spec);
+      const double eps = 1e-6;
+      auto check = [&](double* x, double analytic, const char* what, int64_t i) {
+        const double saved = *x;
+        *x = saved + eps;
+        const double up = loss();
+        *x = saved - eps;
+        const double down = loss();
+        *x = saved;
+        const double numeric = (up - down) / (2 * eps);
+        EXPECT_NEAR(analytic, numeric, 1e-6 * (1 + std::abs(numeric))) << what << "[" << i << "]";
+      };
+      for (int64_t i = 0; i < r.rows() * 2 * F; ++i)
+        check(h.data_as<double>() + i, dh.data_as<double>()[i], "dh", i);
+      for (int64_t i = 0; i < r.rows(); ++i) check(p.data_as<double>() + i, dp.data_as<double>()[i], "dprobs", i);
+    }
+}
+
+}  // namespace
+}  // namespace moe::test

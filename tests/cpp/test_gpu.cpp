@@ -1,0 +1,178 @@
+// GPU tests (ctest label "gpu"): the device offsets/validation kernel, its error reporting and
+// its CUDA-graph safety; CUDA tensors; ops that have no CUDA kernel yet say so. Every test skips,
+// with the reason, when no GPU is visible.
+#include <cuda_runtime_api.h>
+
+#include <numeric>
+
+#include "test_support.hpp"
+
+namespace moe::test {
+namespace {
+
+#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+class Gpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const GpuInventory inv = query_gpus();
+    if (inv.gpus.empty()) GTEST_SKIP() << "no CUDA GPU visible: " << inv.note;
+  }
+};
+
+Tensor to_cuda(const Tensor& t) { return t.to(Device::cuda(0)); }
+Tensor to_cpu(const TensorView& t) {
+  Tensor h = Tensor::empty(t.shape(), t.dtype());
+  copy_tensor(h, t);
+  synchronize(nullptr);
+  return h;
+}
+
+// What the kernel must produce, bad splits included: negative -> 0, offsets clamped to T.
+std::vector<int64_t> sanitized_offsets(const std::vector<int64_t>& splits, int64_t capacity) {
+  std::vector<int64_t> off(splits.size() + 1);
+  int64_t sum = 0;
+  for (size_t g = 0; g <= splits.size(); ++g) {
+    off[g] = std::min(sum, capacity);
+    if (g < splits.size()) sum += std::max<int64_t>(splits[g], 0);
+  }
+  return off;
+}
+
+template <class T>
+Tensor splits_tensor(const std::vector<int64_t>& s) {
+  Tensor t = Tensor::empty({int64_t(s.size())}, dtype_of_v<T>);
+  for (size_t i = 0; i < s.size(); ++i) t.data_as<T>()[i] = T(s[i]);
+  return t;
+}
+
+TEST_F(Gpu, TensorRoundTripAndFill) {
+  Rng rng;
+  Tensor a = random_tensor({33, 17}, DType::kBFloat16, rng);
+  Tensor d = to_cuda(a);
+  EXPECT_EQ(d.device(), Device::cuda(0));
+  EXPECT_TRUE(bitwise_equal(to_cpu(d), a));
+  fill_bytes(d, kPoison);
+  EXPECT_TRUE(tail_untouched(to_cpu(d), 0));
+}
+
+TEST_F(Gpu, OffsetsMatchTheCpuForManyShapes) {
+  Rng rng;
+  for (int64_t G : {1, 7, 255, 256, 257, 1000, 3000}) {
+    for (bool int32 : {false, true}) {
+      SCOPED_TRACE("G = " + std::to_string(G) + (int32 ? " int32" : " int64"));
+      const std::vector<int64_t> s = random_splits(rng, G, 300);
+      const int64_t sum = std::accumulate(s.begin(), s.end(), int64_t(0));
+      Tensor splits = to_cuda(int32 ? splits_tensor<int32_t>(s) : splits_tensor<int64_t>(s));
+      Tensor offsets = Tensor::empty({G + 1}, DType::kInt64, Device::cuda(0));
+      fill_bytes(offsets, kPoison);
+      DeviceErrorFlag flag(Device::cuda(0));
+      const GroupLayout layout = GroupLayout::compute(splits, sum + 5, offsets, &flag);
+      EXPECT_EQ(layout.device(), Device::cuda(0));
+      EXPECT_NO_THROW(flag.check());
+      Tensor host = to_cpu(offsets);
+      const auto expected = sanitized_offsets(s, sum + 5);
+      for (int64_t g = 0; g <= G; ++g) ASSERT_EQ(host.data_as<int64_t>()[g], expected[size_t(g)]) << g;
+    }
+  }
+}
+
+TEST_F(Gpu, BadSplitsAreReportedAndNeverLeaveTheBuffer) {
+  Rng rng;
+  DeviceErrorFlag flag(Device::cuda(0));
+  // negative splits
+  std::vector<int64_t> s = random_splits(rng, 300, 20);
+  s[5] = -3;
+  s[290] = -1;
+  const int64_t cap = 4000;
+  Tensor offsets = Tensor::empty({301}, DType::kInt64, Device::cuda(0));
+  GroupLayout::compute(to_cuda(splits_tensor<int64_t>(s)), cap, offsets, &flag);
+  Tensor host = to_cpu(offsets);
+  const auto expected = sanitized_offsets(s, cap);
+  for (int g = 0; g <= 300; ++g) ASSERT_EQ(host.data_as<int64_t>()[g], expected[size_t(g)]);
+  EXPECT_MOE_ERROR(flag.check(), ErrorCode::kDeviceReported, "splits[5] = -3 is negative");
+  EXPECT_NO_THROW(flag.check());  // cleared
+
+  // sum past the capacity: offsets stay within [0, T]
+  std::vector<int64_t> big(64, 100);
+  GroupLayout::compute(to_cuda(splits_tensor<int32_t>(big)), 1000,
+                       Tensor::empty({65}, DType::kInt64, Device::cuda(0)), &flag);
+  const DeviceErrorRecord rec = flag.read_and_clear();
+  EXPECT_EQ(rec.bits, uint32_t(kSplitsExceedCapacity));
+  EXPECT_EQ(rec.total, 6400);
+  EXPECT_EQ(rec.capacity, 1000);
+  Tensor off2 = Tensor::empty({65}, DType::kInt64, Device::cuda(0));
+  GroupLayout::compute(to_cuda(splits_tensor<int64_t>(big)), 1000, off2, &flag);
+  Tensor h2 = to_cpu(off2);
+  for (int g = 0; g <= 64; ++g) {
+    ASSERT_LE(h2.data_as<int64_t>()[g], 1000);
+    if (g) ASSERT_GE(h2.data_as<int64_t>()[g], h2.data_as<int64_t>()[g - 1]);
+  }
+  EXPECT_MOE_ERROR(flag.check(), ErrorCode::kDeviceReported,
+                   "sum(splits) = 6400 exceeds the buffer capacity T = 1000");
+  // A huge split saturates instead of overflowing.
+  std::vector<int64_t> huge = {INT64_MAX / 2, INT64_MAX / 2, 5};
+  GroupLayout::compute(to_cuda(splits_tensor<int64_t>(huge)), 10,
+                       Tensor::empty({4}, DType::kInt64, Device::cuda(0)), &flag);
+  EXPECT_EQ(flag.read_and_clear().bits, uint32_t(kSplitsExceedCapacity));
+}
+
+TEST_F(Gpu, OffsetsReplayFromACapturedGraphWithNewSplits) {
+  Rng rng;
+  const int64_t G = 128, cap = 128 * 64;
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Tensor splits = Tensor::empty({G}, DType::kInt64, Device::cuda(0));
+  Tensor offsets = Tensor::empty({G + 1}, DType::kInt64, Device::cuda(0));
+  DeviceErrorFlag flag(Device::cuda(0));
+
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  GroupLayout::compute(splits, cap, offsets, &flag, stream);
+  EXPECT_TRUE(stream_is_capturing(stream));
+  EXPECT_MOE_ERROR(flag.check(stream), ErrorCode::kInvalidArgument, "being captured into a CUDA graph");
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+  Tensor eager = Tensor::empty({G + 1}, DType::kInt64, Device::cuda(0));
+  for (int step = 0; step < 5; ++step) {
+    SCOPED_TRACE("routing " + std::to_string(step));
+    std::vector<int64_t> s = random_splits(rng, G, 64);
+    if (step == 3) s[7] = -2;  // one replay with a bad routing
+    Tensor host = splits_tensor<int64_t>(s);
+    copy_tensor(splits, host, stream);
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const Tensor replayed = to_cpu(offsets);
+    GroupLayout::compute(splits, cap, eager, &flag, stream);  // eager run on the same splits
+    synchronize(stream);
+    EXPECT_TRUE(bitwise_equal(replayed, to_cpu(eager)));
+    if (step == 3)
+      EXPECT_MOE_ERROR(flag.check(stream), ErrorCode::kDeviceReported, "splits[7] = -2 is negative");
+    else
+      EXPECT_NO_THROW(flag.check(stream));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST_F(Gpu, OpsWithoutCudaKernelsSaySo) {
+  Rng rng;
+  Tensor splits = to_cuda(splits_tensor<int64_t>({3, 5}));
+  Tensor offsets = Tensor::empty({3}, DType::kInt64, Device::cuda(0));
+  DeviceErrorFlag flag(Device::cuda(0));
+  const GroupLayout layout = GroupLayout::compute(splits, 8, offsets, &flag);
+  Tensor x = to_cuda(random_tensor({8, 16}, DType::kBFloat16, rng));
+  Tensor w = to_cuda(random_tensor({2, 8, 16}, DType::kBFloat16, rng));
+  Tensor y = Tensor::empty({8, 8}, DType::kBFloat16, Device::cuda(0));
+  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w), layout, y), ErrorCode::kNotImplemented,
+                   "grouped_linear_forward: not implemented on cuda:0 yet");
+  EXPECT_MOE_ERROR(GroupLayout::compute(splits, 8, offsets), ErrorCode::kInvalidArgument,
+                   "on CUDA a DeviceErrorFlag is required");
+  flag.check();
+}
+
+}  // namespace
+}  // namespace moe::test

@@ -1,0 +1,182 @@
+// Helpers shared by the GoogleTest suites: seeded random tensors, poisoned outputs, routings.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "moe_engine/moe_engine.hpp"
+
+namespace moe {
+// gtest prints parameters with this (test names and failure messages).
+inline void PrintTo(DType dtype, std::ostream* os) { *os << dtype_name(dtype); }
+}  // namespace moe
+
+namespace moe::test {
+
+// Every test draws fresh random inputs from its own seed: the test's name mixed with
+// MOE_TEST_SEED (default 20261121), so a failure is reproducible and a new seed explores new data.
+inline uint64_t test_seed() {
+  const char* env = std::getenv("MOE_TEST_SEED");
+  const uint64_t base = env ? std::strtoull(env, nullptr, 10) : 20261121ull;
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string name = info ? std::string(info->test_suite_name()) + "." + info->name() : "";
+  return base ^ std::hash<std::string>{}(name);
+}
+
+struct Rng {
+  std::mt19937_64 gen{test_seed()};
+  double normal(double stddev = 1.0) { return std::normal_distribution<double>(0.0, stddev)(gen); }
+  double uniform(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(gen); }
+  int64_t integer(int64_t lo, int64_t hi) {  // inclusive
+    return std::uniform_int_distribution<int64_t>(lo, hi)(gen);
+  }
+};
+
+// Writes value v into element i of a contiguous CPU tensor of any float dtype.
+inline void set_element(const TensorView& t, int64_t i, double v) {
+  switch (t.dtype()) {
+    case DType::kFloat64: t.data_as<double>()[i] = v; break;
+    case DType::kFloat32: t.data_as<float>()[i] = float(v); break;
+    case DType::kBFloat16: t.data_as<BFloat16>()[i] = BFloat16(float(v)); break;
+    case DType::kFloat16: t.data_as<Float16>()[i] = Float16(float(v)); break;
+    default: FAIL() << "set_element: not a float dtype";
+  }
+}
+
+inline Tensor random_tensor(Shape shape, DType dtype, Rng& rng, double stddev = 1.0) {
+  Tensor t = Tensor::empty(shape, dtype);
+  for (int64_t i = 0; i < t.numel(); ++i) set_element(t, i, rng.normal(stddev));
+  return t;
+}
+
+inline Tensor uniform_tensor(Shape shape, DType dtype, Rng& rng, double lo, double hi) {
+  Tensor t = Tensor::empty(shape, dtype);
+  for (int64_t i = 0; i < t.numel(); ++i) set_element(t, i, rng.uniform(lo, hi));
+  return t;
+}
+
+// Outputs start poisoned so an unwritten element fails the comparison, and rows that must stay
+// untouched can be checked byte for byte. 0x7f bytes are large finite values in every float dtype.
+inline constexpr uint8_t kPoison = 0x7f;
+
+inline Tensor poisoned(Shape shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype);
+  fill_bytes(t, kPoison);
+  return t;
+}
+
+// True if every byte of rows [from_row, rows) of a contiguous CPU tensor is still poison.
+inline bool tail_untouched(const TensorView& t, int64_t from_row) {
+  const int64_t row_bytes = t.dim() >= 2 ? t.size(1) * int64_t(t.element_size()) : int64_t(t.element_size());
+  const auto* p = static_cast<const uint8_t*>(t.data());
+  for (int64_t i = from_row * row_bytes; i < int64_t(t.nbytes()); ++i)
+    if (p[i] != kPoison) return false;
+  return true;
+}
+
+inline bool bitwise_equal(const TensorView& a, const TensorView& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+}
+
+inline bool bitwise_equal(const GroupedParam& a, const GroupedParam& b) {
+  if (a.num_groups() != b.num_groups()) return false;
+  for (int64_t g = 0; g < a.num_groups(); ++g)
+    if (!bitwise_equal(a.expert(g), b.expert(g))) return false;
+  return true;
+}
+
+// A routing on the CPU: splits, offsets and the layout over them.
+struct Routing {
+  std::vector<int64_t> splits;
+  int64_t capacity = 0;
+  Tensor splits_tensor, offsets_tensor;
+  GroupLayout layout;
+
+  Routing(std::vector<int64_t> s, int64_t cap) : splits(std::move(s)), capacity(cap) {
+    const auto G = int64_t(splits.size());
+    splits_tensor = Tensor::empty({G}, DType::kInt64);
+    std::memcpy(splits_tensor.data(), splits.data(), splits.size() * sizeof(int64_t));
+    offsets_tensor = Tensor::empty({G + 1}, DType::kInt64);
+    layout = GroupLayout::compute(splits_tensor, capacity, offsets_tensor);
+  }
+  int64_t rows() const {
+    int64_t t = 0;
+    for (int64_t s : splits) t += s;
+    return t;
+  }
+  int64_t num_groups() const { return int64_t(splits.size()); }
+};
+
+// A per-expert tensor stored packed or as separate tensors (which this object keeps alive).
+struct OwnedParam {
+  Tensor packed;
+  std::vector<Tensor> experts;
+  GroupedParam param;
+
+  OwnedParam() = default;
+  OwnedParam(const Tensor& packed_tensor, bool per_expert) : packed(packed_tensor) {
+    if (!per_expert) {
+      param = GroupedParam::packed(packed);
+      return;
+    }
+    std::vector<TensorView> views;
+    for (int64_t g = 0; g < packed.size(0); ++g) {
+      const TensorView src = packed.view().select(g);
+      experts.push_back(Tensor::empty(src.shape(), src.dtype()));
+      copy_tensor(experts.back(), src);
+      views.push_back(experts.back());
+    }
+    param = GroupedParam::per_expert(views);
+  }
+  bool defined() const { return param.defined(); }
+};
+
+// Splits with empty experts, 1-row experts and odd sizes, summing to at most `max_rows`.
+inline std::vector<int64_t> random_splits(Rng& rng, int64_t G, int64_t max_per_expert) {
+  std::vector<int64_t> s(static_cast<size_t>(G));
+  for (auto& v : s) {
+    const int64_t kind = rng.integer(0, 5);
+    v = kind == 0 ? 0 : kind == 1 ? 1 : rng.integer(2, max_per_expert);
+  }
+  return s;
+}
+
+// The first `rows` rows (entries) of an oracle matrix (vector).
+inline oracle::Matrix head(const oracle::Matrix& m, int64_t rows) {
+  oracle::Matrix h(rows, m.cols);
+  std::copy(m.data.begin(), m.data.begin() + rows * m.cols, h.data.begin());
+  return h;
+}
+inline oracle::Vector head(const oracle::Vector& v, int64_t n) { return {v.begin(), v.begin() + n}; }
+
+// Floats with the tolerance a dtype's output rounding allows (norm-wise relative error).
+inline double tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat64: return 1e-12;
+    case DType::kFloat32: return 2e-5;
+    case DType::kBFloat16: return 1e-2;
+    case DType::kFloat16: return 3e-3;
+    default: return 0;
+  }
+}
+
+// EXPECT_MOE_ERROR(statement, ErrorCode::kShape, "substring of the message")
+#define EXPECT_MOE_ERROR(statement, expected_code, substring)                               \
+  do {                                                                                      \
+    try {                                                                                   \
+      statement;                                                                            \
+      ADD_FAILURE() << "expected moe::Error containing \"" << (substring) << "\"";          \
+    } catch (const ::moe::Error& e) {                                                       \
+      EXPECT_EQ(e.code(), (expected_code)) << e.what();                                     \
+      EXPECT_NE(std::string(e.what()).find(substring), std::string::npos)                   \
+          << "message: " << e.what() << "\nexpected to contain: " << (substring);           \
+    }                                                                                       \
+  } while (0)
+
+}  // namespace moe::test
