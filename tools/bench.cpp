@@ -1,0 +1,178 @@
+// moe-engine bench mlp: the expert MLP forward + backward on one case, timed, and checked against
+// the float64 oracle when the case is small enough for it.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "commands.hpp"
+#include "mlp_problem.hpp"
+
+namespace moe::tools {
+namespace {
+
+// The naive oracle runs at roughly 1 GFLOP/s: keep its check under a few seconds.
+constexpr double kOracleFlopLimit = 5e9;
+
+struct Stats {
+  double median = 0, min = 0;
+};
+
+Stats stats_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return {n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]), v.front()};
+}
+
+double now_ms() {
+  using clock = std::chrono::steady_clock;
+  return std::chrono::duration<double, std::milli>(clock::now().time_since_epoch()).count();
+}
+
+std::string device_name(Device d) {
+  if (d.is_cpu()) {
+    const BuildInfo b = build_info();
+    return b.with_openmp ? "OpenMP, " + std::to_string(std::thread::hardware_concurrency()) + " threads"
+                         : "1 thread";
+  }
+  for (const GpuInfo& g : query_gpus().gpus)
+    if (g.index == d.index) return g.name;
+  return to_string(d);
+}
+
+}  // namespace
+
+int run_bench(const BenchOptions& o) {
+  if (o.list) {
+    std::vector<Workload> all = {tiny_workload()};
+    for (Workload& w : load_workloads(find_workloads_file(o.workloads))) all.push_back(std::move(w));
+    std::printf("%-36s %5s %6s %6s %7s  %s\n", "case", "G", "H", "F", "tokens", "activation");
+    for (const Workload& w : all)
+      std::printf("%-36s %5lld %6lld %6lld %7lld  %s%s\n", w.name.c_str(), (long long)w.experts,
+                  (long long)w.hidden, (long long)w.ffn, (long long)w.routed_tokens(), w.activation.c_str(),
+                  w.bias ? ", biases" : "");
+    return 0;
+  }
+  const Workload w = find_workload(o.case_name, o.workloads);
+  const DType dtype = dtype_from_name(o.dtype);
+  MOE_CHECK(dtype == DType::kBFloat16 || dtype == DType::kFloat16 || dtype == DType::kFloat32,
+            ErrorCode::kDType, "bench: --dtype must be bfloat16, float16 or float32, got ", o.dtype);
+  const GluLayout layout = GluLayout::parse(o.glu_layout);
+
+  std::string device_note;
+  Device device = Device::cpu();
+  if (o.device == "auto") {
+    const GpuInventory inv = query_gpus();
+    if (!inv.gpus.empty())
+      device = Device::cuda(0);
+    else
+      device_note = "no GPU visible (" + inv.note + "): the CPU backend runs";
+  } else {
+    device = parse_device(o.device);
+  }
+
+  std::optional<MlpProblem> problem;
+  try {
+    problem.emplace(w, layout, dtype, device, o.seed);
+    problem->forward();
+  } catch (const Error& e) {
+    // auto never fails over silently: the fallback is printed and recorded.
+    if (o.device != "auto" || device.is_cpu() || e.code() != ErrorCode::kNotImplemented) throw;
+    device_note = to_string(device) + " has no expert-MLP kernel in this build yet: the CPU backend runs";
+    device = Device::cpu();
+    problem.emplace(w, layout, dtype, device, o.seed);
+  }
+  const Stream stream = nullptr;
+  const auto wait = [&] {
+    if (device.is_cuda()) synchronize(stream);
+  };
+  const int iters = o.iters > 0 ? o.iters : (device.is_cpu() ? 5 : 50);
+  for (int i = 0; i < o.warmup; ++i) {
+    problem->forward(stream);
+    problem->backward(stream);
+  }
+  wait();
+  std::vector<double> fwd, bwd, total;
+  for (int i = 0; i < iters; ++i) {
+    const double t0 = now_ms();
+    problem->forward(stream);
+    wait();
+    const double t1 = now_ms();
+    problem->backward(stream);
+    wait();
+    const double t2 = now_ms();
+    fwd.push_back(t1 - t0);
+    bwd.push_back(t2 - t1);
+    total.push_back(t2 - t0);
+  }
+  const Stats f = stats_of(fwd), b = stats_of(bwd), t = stats_of(total);
+  const double flops = w.mlp_flops();
+  const double tflops = flops / (t.median * 1e-3) / 1e12;
+
+  std::optional<OracleCheck> check;
+  std::string check_note;
+  if (!o.check)
+    check_note = "skipped (--no-check)";
+  else if (flops > kOracleFlopLimit)
+    check_note = "skipped: the case is too large for the fp64 oracle (use --case tiny)";
+  else
+    check = problem->check_against_oracle();
+
+  if (o.json) {
+    nlohmann::json j;
+    j["command"] = o.command_line;
+    j["version"] = build_info().version;
+    j["device"] = to_string(device);
+    j["device_name"] = device_name(device);
+    if (!device_note.empty()) j["device_note"] = device_note;
+    j["kind"] = o.kind;
+    j["dtype"] = dtype_name(dtype);
+    j["glu"] = describe(problem->spec().glu);
+    j["case"] = {{"name", w.name}, {"experts", w.experts}, {"hidden", w.hidden}, {"ffn", w.ffn},
+                 {"tokens", w.routed_tokens()}, {"capacity", w.capacity},
+                 {"activation", w.activation}, {"bias", w.bias}, {"tokens_per_expert", w.tokens_per_expert}};
+    j["warmup"] = o.warmup;
+    j["iters"] = iters;
+    j["flops"] = flops;
+    j["time_ms"] = {{"forward", {{"median", f.median}, {"min", f.min}}},
+                    {"backward", {{"median", b.median}, {"min", b.min}}},
+                    {"total", {{"median", t.median}, {"min", t.min}}}};
+    j["tflops"] = tflops;
+    j["roofline_fraction"] = nullptr;  // measured against the H200 ceilings on CUDA only
+    if (check)
+      j["check"] = {{"oracle", "float64"}, {"rel_error", check->rel_error},
+                    {"max_rel_error", check->max_rel_error}, {"tolerance", check->tolerance},
+                    {"passed", check->passed}};
+    else
+      j["check"] = {{"skipped", check_note}};
+    std::cout << j.dump(2) << "\n";
+  } else {
+    std::printf("moe-engine bench mlp: case %s (G=%lld, H=%lld, F=%lld, tokens=%lld, capacity=%lld, %s%s), %s\n",
+                w.name.c_str(), (long long)w.experts, (long long)w.hidden, (long long)w.ffn,
+                (long long)w.routed_tokens(), (long long)w.capacity, describe(problem->spec().glu).c_str(),
+                w.bias ? ", biases" : "", dtype_name(dtype));
+    std::printf("device: %s (%s)%s%s\n", to_string(device).c_str(), device_name(device).c_str(),
+                device_note.empty() ? "" : "; ", device_note.c_str());
+    std::printf("%-10s %12s %12s %12s\n", "phase", "median ms", "min ms", "TFLOP/s");
+    std::printf("%-10s %12.3f %12.3f %12.4f\n", "forward", f.median, f.min, flops / 3 / (f.median * 1e9));
+    std::printf("%-10s %12.3f %12.3f %12.4f\n", "backward", b.median, b.min, flops * 2 / 3 / (b.median * 1e9));
+    std::printf("%-10s %12.3f %12.3f %12.4f\n", "total", t.median, t.min, tflops);
+    std::printf("(median of %d runs after %d warm-up)\n", iters, o.warmup);
+    if (check) {
+      std::printf("check against the fp64 oracle: max rel. error %.3g (tolerance %.3g): %s\n",
+                  check->max_rel_error, check->tolerance, check->passed ? "PASS" : "FAIL");
+      std::printf("  ");
+      for (const auto& [name, err] : check->rel_error) std::printf(" %s %.2e", name.c_str(), err);
+      std::printf("\n");
+    } else {
+      std::printf("check against the fp64 oracle: %s\n", check_note.c_str());
+    }
+  }
+  return (!check || check->passed) ? 0 : 2;
+}
+
+}  // namespace moe::tools

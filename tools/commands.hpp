@@ -1,0 +1,37 @@
+// The moe-engine subcommands. Each returns the process exit code.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace moe::tools {
+
+struct InfoOptions {
+  bool json = false;
+};
+int run_info(const InfoOptions& options);
+
+struct BenchOptions {
+  std::string kind = "mlp";         // what to benchmark
+  std::string case_name = "tiny";   // a workload of bench/workloads.json or "tiny"
+  std::string device = "auto";      // auto | cpu | cuda[:N]
+  std::string dtype = "bfloat16";
+  std::string glu_layout = "halves";
+  std::string workloads;            // path override
+  int warmup = 1;
+  int iters = 0;                    // 0: a default that suits the device
+  uint64_t seed = 1;
+  bool check = true;                // compare with the float64 oracle when small enough
+  bool json = false;
+  bool list = false;                // list the cases and exit
+  std::string command_line;         // recorded in the JSON
+};
+int run_bench(const BenchOptions& options);
+
+struct CheckOptions {
+  bool json = false;
+  uint64_t seed = 7;
+};
+int run_check(const CheckOptions& options);
+
+}  // namespace moe::tools

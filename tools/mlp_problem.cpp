@@ -1,0 +1,134 @@
+#include "mlp_problem.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "random_fill.hpp"
+
+namespace moe::tools {
+namespace {
+
+GroupedParam param(const Tensor& t) { return t.defined() ? GroupedParam::packed(t) : GroupedParam(); }
+
+Tensor host_copy(const Tensor& t) { return t.defined() ? t.to(Device::cpu()) : Tensor(); }
+
+oracle::Matrix head(const oracle::Matrix& m, int64_t rows) {
+  oracle::Matrix h(rows, m.cols);
+  std::copy(m.data.begin(), m.data.begin() + rows * m.cols, h.data.begin());
+  return h;
+}
+
+double tolerance_for(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16: return 1e-2;  // bf16 intermediates (pre-activation, act) and outputs
+    case DType::kFloat16: return 6e-3;
+    case DType::kFloat32: return 1e-4;
+    default: return 1e-10;
+  }
+}
+
+}  // namespace
+
+MlpProblem::MlpProblem(const Workload& w, const GluLayout& layout, DType dtype, Device device,
+                       uint64_t seed)
+    : workload_(w), dtype_(dtype), device_(device), errors_(device) {
+  spec_.glu.activation = parse_activation(w.activation);
+  spec_.glu.layout = layout;
+  const int64_t G = w.experts, H = w.hidden, F = w.ffn, T = w.capacity;
+
+  Tensor splits_host = Tensor::empty({G}, DType::kInt64);
+  std::memcpy(splits_host.data(), w.tokens_per_expert.data(), size_t(G) * sizeof(int64_t));
+  splits_ = device_copy(splits_host);
+  offsets_ = Tensor::empty({G + 1}, DType::kInt64, device);
+  layout_ = GroupLayout::compute(splits_, T, offsets_, &errors_);
+  errors_.check();
+
+  RandomFill fill(seed);
+  x_host_ = fill.normal({T, H}, dtype, 1.0);
+  w1_host_ = fill.normal({G, 2 * F, H}, dtype, 1.0 / std::sqrt(double(H)));
+  w2_host_ = fill.normal({G, H, F}, dtype, 1.0 / std::sqrt(double(F)));
+  if (w.bias) {
+    b1_host_ = fill.normal({G, 2 * F}, dtype, 0.1);
+    b2_host_ = fill.normal({G, H}, dtype, 0.1);
+  }
+  probs_host_ = fill.uniform({T}, DType::kFloat32, 0.0, 1.0);
+  dy_host_ = fill.normal({T, H}, dtype, 1.0);
+  x_ = device_copy(x_host_);
+  w1_ = device_copy(w1_host_);
+  w2_ = device_copy(w2_host_);
+  b1_ = device_copy(b1_host_);
+  b2_ = device_copy(b2_host_);
+  probs_ = device_copy(probs_host_);
+  dy_ = device_copy(dy_host_);
+
+  y_ = Tensor::empty({T, H}, dtype, device);
+  fc1_out_ = Tensor::empty({T, 2 * F}, dtype, device);
+  dx_ = Tensor::empty({T, H}, dtype, device);
+  dprobs_ = Tensor::empty({T}, DType::kFloat32, device);
+  dw1_ = Tensor::empty({G, 2 * F, H}, dtype, device);
+  dw2_ = Tensor::empty({G, H, F}, dtype, device);
+  if (w.bias) {
+    db1_ = Tensor::empty({G, 2 * F}, dtype, device);
+    db2_ = Tensor::empty({G, H}, dtype, device);
+  }
+  forward_ws_ = Tensor::empty({int64_t(expert_mlp_forward_workspace_size(T, H, F, dtype, true))},
+                              DType::kUInt8, device);
+  backward_ws_ = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(T, H, F, dtype, false))},
+                               DType::kUInt8, device);
+}
+
+Tensor MlpProblem::device_copy(const Tensor& host) const {
+  return host.defined() ? host.to(device_) : Tensor();
+}
+
+void MlpProblem::forward(Stream stream) {
+  const ExpertMlpWeights weights{param(w1_), param(b1_), param(w2_), param(b2_)};
+  const ExecContext ctx{stream, {forward_ws_.data(), forward_ws_.nbytes(), device_}};
+  expert_mlp_forward(x_, probs_, weights, layout_, y_, fc1_out_, spec_, ctx);
+}
+
+void MlpProblem::backward(Stream stream) {
+  const ExpertMlpWeights weights{param(w1_), param(b1_), param(w2_), param(b2_)};
+  ExpertMlpGrads grads;
+  grads.dx = dx_;
+  grads.dprobs = dprobs_;
+  grads.fc1_weight = {param(dw1_), GradMode::kWrite};
+  grads.fc2_weight = {param(dw2_), GradMode::kWrite};
+  grads.fc1_bias = {param(db1_), GradMode::kWrite};
+  grads.fc2_bias = {param(db2_), GradMode::kWrite};
+  const ExecContext ctx{stream, {backward_ws_.data(), backward_ws_.nbytes(), device_}};
+  expert_mlp_backward(dy_, x_, probs_, weights, layout_, fc1_out_, grads, spec_, ctx);
+}
+
+OracleCheck MlpProblem::check_against_oracle() const {
+  const int64_t rows = workload_.routed_tokens();
+  const auto& splits = workload_.tokens_per_expert;
+  oracle::MlpParams params;
+  params.w1 = oracle::to_matrices(param(w1_host_));
+  params.w2 = oracle::to_matrices(param(w2_host_));
+  if (b1_host_.defined()) params.b1 = oracle::to_matrix(b1_host_);
+  if (b2_host_.defined()) params.b2 = oracle::to_matrix(b2_host_);
+  const oracle::Matrix x = head(oracle::to_matrix(x_host_), rows);
+  oracle::Vector probs = oracle::to_vector(probs_host_);
+  probs.resize(size_t(rows));
+  const auto f = oracle::mlp_forward(x, probs, params, splits, spec_.glu);
+  const auto g = oracle::mlp_backward(head(oracle::to_matrix(dy_host_), rows), x, probs, params,
+                                      splits, spec_.glu);
+
+  OracleCheck c;
+  c.rel_error["y"] = oracle::rel_error(oracle::to_matrix(host_copy(y_)), f.y);
+  c.rel_error["fc1_out"] = oracle::rel_error(oracle::to_matrix(host_copy(fc1_out_)), f.h);
+  c.rel_error["dx"] = oracle::rel_error(oracle::to_matrix(host_copy(dx_)), g.dx);
+  c.rel_error["dprobs"] = oracle::rel_error(oracle::to_vector(host_copy(dprobs_)), g.dprobs);
+  c.rel_error["dw1"] = oracle::rel_error(oracle::to_matrices(param(host_copy(dw1_))), g.dw1);
+  c.rel_error["dw2"] = oracle::rel_error(oracle::to_matrices(param(host_copy(dw2_))), g.dw2);
+  if (db1_.defined()) c.rel_error["db1"] = oracle::rel_error(oracle::to_matrix(host_copy(db1_)), g.db1);
+  if (db2_.defined()) c.rel_error["db2"] = oracle::rel_error(oracle::to_matrix(host_copy(db2_)), g.db2);
+  for (const auto& [name, err] : c.rel_error) c.max_rel_error = std::max(c.max_rel_error, err);
+  c.tolerance = tolerance_for(dtype_);
+  c.passed = c.max_rel_error <= c.tolerance;  // NaN/inf errors are inf: they fail
+  return c;
+}
+
+}  // namespace moe::tools

@@ -1,0 +1,54 @@
+// One expert-MLP problem on a device: random inputs and weights for a workload, buffers for the
+// outputs and gradients, forward/backward calls, and the comparison with the float64 oracle.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "moe_engine/moe_engine.hpp"
+#include "workloads.hpp"
+
+namespace moe::tools {
+
+struct OracleCheck {
+  std::map<std::string, double> rel_error;  // per output
+  double max_rel_error = 0;
+  double tolerance = 0;
+  bool passed = false;
+};
+
+class MlpProblem {
+ public:
+  MlpProblem(const Workload& workload, const GluLayout& layout, DType dtype, Device device,
+             uint64_t seed);
+
+  void forward(Stream stream = nullptr);   // y and the saved pre-activation
+  void backward(Stream stream = nullptr);  // dx, dprobs and the four parameter gradients (write)
+  // Runs nothing: compares the last forward + backward with the float64 oracle.
+  OracleCheck check_against_oracle() const;
+
+  const Workload& workload() const { return workload_; }
+  const ExpertMlpSpec& spec() const { return spec_; }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+
+ private:
+  Tensor device_copy(const Tensor& host) const;
+
+  Workload workload_;
+  ExpertMlpSpec spec_;
+  DType dtype_;
+  Device device_;
+  Tensor splits_, offsets_;
+  DeviceErrorFlag errors_;
+  GroupLayout layout_;
+  // Inputs and parameters (host copies kept for the oracle).
+  Tensor x_host_, w1_host_, b1_host_, w2_host_, b2_host_, probs_host_, dy_host_;
+  Tensor x_, w1_, b1_, w2_, b2_, probs_, dy_;
+  // Outputs.
+  Tensor y_, fc1_out_, dx_, dprobs_, dw1_, db1_, dw2_, db2_;
+  Tensor forward_ws_, backward_ws_;
+};
+
+}  // namespace moe::tools

@@ -1,0 +1,36 @@
+// Benchmark cases: bench/workloads.json (the suite shared with the anchors) plus the built-in
+// `tiny` case that runs anywhere, the CPU backend included.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moe::tools {
+
+struct Workload {
+  std::string name;        // "qwen3-30b-a3b/balanced" or "tiny"
+  int64_t experts = 0;     // G
+  int64_t hidden = 0;      // H
+  int64_t ffn = 0;         // F
+  std::vector<int64_t> tokens_per_expert;
+  int64_t capacity = 0;    // T: rows of the token buffer (>= the routed tokens)
+  std::string activation;  // "swiglu" or "clamped_qgeglu"
+  bool bias = false;
+
+  int64_t routed_tokens() const;
+  // FLOPs of the expert MLP forward + backward: 3 passes x 2 x tokens x (2F*H + H*F).
+  double mlp_flops() const;
+};
+
+// Odd on purpose: an empty and a 1-row expert, sizes off every tile, 32 buffer rows past the end.
+Workload tiny_workload();
+
+// Where workloads.json is: the --workloads path if given, else $MOE_ENGINE_WORKLOADS, else the
+// installed copy, else the source tree's.
+std::string find_workloads_file(const std::string& explicit_path);
+std::vector<Workload> load_workloads(const std::string& path);
+// "tiny", an exact case name, or a unique substring of one.
+Workload find_workload(const std::string& name, const std::string& workloads_path);
+
+}  // namespace moe::tools
