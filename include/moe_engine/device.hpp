@@ -1,6 +1,7 @@
 // Where tensors live and where work runs.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "moe_engine/export.hpp"

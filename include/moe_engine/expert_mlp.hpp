@@ -4,6 +4,7 @@
 //   fc2 weight G x [H, F], bias G x [H]; probs [T] float32 (undefined: p = 1).
 #pragma once
 
+#include <cstdint>
 #include <cstddef>
 
 #include "moe_engine/export.hpp"

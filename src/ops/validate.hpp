@@ -3,6 +3,7 @@
 #pragma once
 
 #include <initializer_list>
+#include <cstdint>
 #include <string>
 
 #include "moe_engine/error.hpp"
