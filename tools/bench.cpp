@@ -36,8 +36,9 @@ double now_ms() {
 std::string device_name(Device d) {
   if (d.is_cpu()) {
     const BuildInfo b = build_info();
-    return b.with_openmp ? "OpenMP, " + std::to_string(std::thread::hardware_concurrency()) + " threads"
-                         : "1 thread";
+    return b.with_openmp
+               ? "OpenMP, " + std::to_string(std::thread::hardware_concurrency()) + " threads"
+               : "1 thread";
   }
   for (const GpuInfo& g : query_gpus().gpus)
     if (g.index == d.index) return g.name;
@@ -49,18 +50,20 @@ std::string device_name(Device d) {
 int run_bench(const BenchOptions& o) {
   if (o.list) {
     std::vector<Workload> all = {tiny_workload()};
-    for (Workload& w : load_workloads(find_workloads_file(o.workloads))) all.push_back(std::move(w));
+    for (Workload& w : load_workloads(find_workloads_file(o.workloads)))
+      all.push_back(std::move(w));
     std::printf("%-36s %5s %6s %6s %7s  %s\n", "case", "G", "H", "F", "tokens", "activation");
     for (const Workload& w : all)
       std::printf("%-36s %5lld %6lld %6lld %7lld  %s%s\n", w.name.c_str(), (long long)w.experts,
-                  (long long)w.hidden, (long long)w.ffn, (long long)w.routed_tokens(), w.activation.c_str(),
-                  w.bias ? ", biases" : "");
+                  (long long)w.hidden, (long long)w.ffn, (long long)w.routed_tokens(),
+                  w.activation.c_str(), w.bias ? ", biases" : "");
     return 0;
   }
   const Workload w = find_workload(o.case_name, o.workloads);
   const DType dtype = dtype_from_name(o.dtype);
   MOE_CHECK(dtype == DType::kBFloat16 || dtype == DType::kFloat16 || dtype == DType::kFloat32,
-            ErrorCode::kDType, "bench: --dtype must be bfloat16, float16 or float32, got ", o.dtype);
+            ErrorCode::kDType, "bench: --dtype must be bfloat16, float16 or float32, got ",
+            o.dtype);
   const GluLayout layout = GluLayout::parse(o.glu_layout);
 
   std::string device_note;
@@ -82,7 +85,8 @@ int run_bench(const BenchOptions& o) {
   } catch (const Error& e) {
     // auto never fails over silently: the fallback is printed and recorded.
     if (o.device != "auto" || device.is_cpu() || e.code() != ErrorCode::kNotImplemented) throw;
-    device_note = to_string(device) + " has no expert-MLP kernel in this build yet: the CPU backend runs";
+    device_note =
+        to_string(device) + " has no expert-MLP kernel in this build yet: the CPU backend runs";
     device = Device::cpu();
     problem.emplace(w, layout, dtype, device, o.seed);
   }
@@ -132,9 +136,15 @@ int run_bench(const BenchOptions& o) {
     j["kind"] = o.kind;
     j["dtype"] = dtype_name(dtype);
     j["glu"] = describe(problem->spec().glu);
-    j["case"] = {{"name", w.name}, {"experts", w.experts}, {"hidden", w.hidden}, {"ffn", w.ffn},
-                 {"tokens", w.routed_tokens()}, {"capacity", w.capacity},
-                 {"activation", w.activation}, {"bias", w.bias}, {"tokens_per_expert", w.tokens_per_expert}};
+    j["case"] = {{"name", w.name},
+                 {"experts", w.experts},
+                 {"hidden", w.hidden},
+                 {"ffn", w.ffn},
+                 {"tokens", w.routed_tokens()},
+                 {"capacity", w.capacity},
+                 {"activation", w.activation},
+                 {"bias", w.bias},
+                 {"tokens_per_expert", w.tokens_per_expert}};
     j["warmup"] = o.warmup;
     j["iters"] = iters;
     j["flops"] = flops;
@@ -144,22 +154,28 @@ int run_bench(const BenchOptions& o) {
     j["tflops"] = tflops;
     j["roofline_fraction"] = nullptr;  // measured against the H200 ceilings on CUDA only
     if (check)
-      j["check"] = {{"oracle", "float64"}, {"rel_error", check->rel_error},
-                    {"max_rel_error", check->max_rel_error}, {"tolerance", check->tolerance},
+      j["check"] = {{"oracle", "float64"},
+                    {"rel_error", check->rel_error},
+                    {"max_rel_error", check->max_rel_error},
+                    {"tolerance", check->tolerance},
                     {"passed", check->passed}};
     else
       j["check"] = {{"skipped", check_note}};
     std::cout << j.dump(2) << "\n";
   } else {
-    std::printf("moe-engine bench mlp: case %s (G=%lld, H=%lld, F=%lld, tokens=%lld, capacity=%lld, %s%s), %s\n",
-                w.name.c_str(), (long long)w.experts, (long long)w.hidden, (long long)w.ffn,
-                (long long)w.routed_tokens(), (long long)w.capacity, describe(problem->spec().glu).c_str(),
-                w.bias ? ", biases" : "", dtype_name(dtype));
+    std::printf(
+        "moe-engine bench mlp: case %s (G=%lld, H=%lld, F=%lld, tokens=%lld, capacity=%lld, %s%s), "
+        "%s\n",
+        w.name.c_str(), (long long)w.experts, (long long)w.hidden, (long long)w.ffn,
+        (long long)w.routed_tokens(), (long long)w.capacity, describe(problem->spec().glu).c_str(),
+        w.bias ? ", biases" : "", dtype_name(dtype));
     std::printf("device: %s (%s)%s%s\n", to_string(device).c_str(), device_name(device).c_str(),
                 device_note.empty() ? "" : "; ", device_note.c_str());
     std::printf("%-10s %12s %12s %12s\n", "phase", "median ms", "min ms", "TFLOP/s");
-    std::printf("%-10s %12.3f %12.3f %12.4f\n", "forward", f.median, f.min, flops / 3 / (f.median * 1e9));
-    std::printf("%-10s %12.3f %12.3f %12.4f\n", "backward", b.median, b.min, flops * 2 / 3 / (b.median * 1e9));
+    std::printf("%-10s %12.3f %12.3f %12.4f\n", "forward", f.median, f.min,
+                flops / 3 / (f.median * 1e9));
+    std::printf("%-10s %12.3f %12.3f %12.4f\n", "backward", b.median, b.min,
+                flops * 2 / 3 / (b.median * 1e9));
     std::printf("%-10s %12.3f %12.3f %12.4f\n", "total", t.median, t.min, tflops);
     std::printf("(median of %d runs after %d warm-up)\n", iters, o.warmup);
     if (check) {

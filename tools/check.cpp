@@ -38,7 +38,8 @@ struct CpuRouting {
   Tensor splits_t, offsets_t;
   GroupLayout layout;
   CpuRouting(RandomFill& rng, int64_t G) {
-    for (int64_t g = 0; g < G; ++g) splits.push_back(g % 3 == 0 ? 0 : g % 3 == 1 ? 1 : rng.integer(2, 70));
+    for (int64_t g = 0; g < G; ++g)
+      splits.push_back(g % 3 == 0 ? 0 : g % 3 == 1 ? 1 : rng.integer(2, 70));
     capacity = std::accumulate(splits.begin(), splits.end(), int64_t(0)) + 9;
     splits_t = Tensor::empty({G}, DType::kInt64);
     std::memcpy(splits_t.data(), splits.data(), splits.size() * sizeof(int64_t));
@@ -57,7 +58,8 @@ oracle::Matrix head(const oracle::Matrix& m, int64_t rows) {
 Outcome check_conversions() {
   int bad = 0;
   for (uint32_t b = 0; b < 65536; ++b) {
-    const float bf = float(BFloat16::from_bits(uint16_t(b))), hf = float(Float16::from_bits(uint16_t(b)));
+    const float bf = float(BFloat16::from_bits(uint16_t(b))),
+                hf = float(Float16::from_bits(uint16_t(b)));
     if (bf == bf && BFloat16(bf).bits != b) ++bad;
     if (hf == hf && Float16(hf).bits != b) ++bad;
   }
@@ -70,10 +72,12 @@ Outcome check_grouped_linear(uint64_t seed) {
   CpuRouting r(rng, 11);
   const int64_t G = 11, N = 40, K = 56, T = r.capacity, rows = r.rows();
   const DType dt = DType::kBFloat16;
-  Tensor x = rng.normal({T, K}, dt), w = rng.normal({G, N, K}, dt, 0.15), b = rng.normal({G, N}, dt);
+  Tensor x = rng.normal({T, K}, dt), w = rng.normal({G, N, K}, dt, 0.15),
+         b = rng.normal({G, N}, dt);
   Tensor p = rng.uniform({T}, DType::kFloat32, 0, 1), dy = rng.normal({T, N}, dt);
   Tensor y = Tensor::empty({T, N}, DType::kFloat32), dx = Tensor::empty({T, K}, DType::kFloat32);
-  Tensor dw = Tensor::empty({G, N, K}, DType::kFloat32), db = Tensor::empty({G, N}, DType::kFloat32);
+  Tensor dw = Tensor::empty({G, N, K}, DType::kFloat32),
+         db = Tensor::empty({G, N}, DType::kFloat32);
   Tensor dp = Tensor::empty({T}, DType::kFloat32);
   const GroupedParam W = GroupedParam::packed(w), B = GroupedParam::packed(b);
   grouped_linear_forward(x, W, r.layout, y, {B, p});
@@ -85,12 +89,15 @@ Outcome check_grouped_linear(uint64_t seed) {
   oracle::Vector pv = oracle::to_vector(p);
   pv.resize(size_t(rows));
   const auto wm = oracle::to_matrices(W);
-  const double e = std::max({
-      oracle::rel_error(oracle::to_matrix(y), oracle::linear_forward(xm, wm, r.splits, oracle::to_matrix(b), pv)),
-      oracle::rel_error(oracle::to_matrix(dx), oracle::linear_dgrad(dym, wm, r.splits)),
-      oracle::rel_error(oracle::to_matrices(GroupedParam::packed(dw)), oracle::linear_wgrad(dym, xm, r.splits)),
-      oracle::rel_error(oracle::to_matrix(db), oracle::linear_dbias(dym, r.splits, pv)),
-      oracle::rel_error(oracle::to_vector(dp), oracle::linear_dscales(dym, oracle::to_matrix(b), r.splits))});
+  const double e = std::max(
+      {oracle::rel_error(oracle::to_matrix(y),
+                         oracle::linear_forward(xm, wm, r.splits, oracle::to_matrix(b), pv)),
+       oracle::rel_error(oracle::to_matrix(dx), oracle::linear_dgrad(dym, wm, r.splits)),
+       oracle::rel_error(oracle::to_matrices(GroupedParam::packed(dw)),
+                         oracle::linear_wgrad(dym, xm, r.splits)),
+       oracle::rel_error(oracle::to_matrix(db), oracle::linear_dbias(dym, r.splits, pv)),
+       oracle::rel_error(oracle::to_vector(dp),
+                         oracle::linear_dscales(dym, oracle::to_matrix(b), r.splits))});
   return judge(e, 1e-5, "float32 outputs of bfloat16 inputs");
 }
 
@@ -100,13 +107,16 @@ Outcome check_glu(uint64_t seed) {
   const int64_t F = 64, T = r.capacity, rows = r.rows();
   double worst = 0;
   for (GluActivation act : {GluActivation::kSwiGLU, GluActivation::kClampedQGeGLU})
-    for (const GluLayout& layout : {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(32)}) {
+    for (const GluLayout& layout :
+         {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(32)}) {
       GluSpec spec;
       spec.activation = act;
       spec.layout = layout;
-      Tensor h = rng.normal({T, 2 * F}, DType::kFloat32, 6.0), d = rng.normal({T, F}, DType::kFloat32);
+      Tensor h = rng.normal({T, 2 * F}, DType::kFloat32, 6.0),
+             d = rng.normal({T, F}, DType::kFloat32);
       Tensor p = rng.uniform({T}, DType::kFloat32, 0, 1);
-      Tensor out = Tensor::empty({T, F}, DType::kFloat32), dh = Tensor::empty({T, 2 * F}, DType::kFloat32);
+      Tensor out = Tensor::empty({T, F}, DType::kFloat32),
+             dh = Tensor::empty({T, 2 * F}, DType::kFloat32);
       Tensor dp = Tensor::empty({T}, DType::kFloat32);
       glu_forward(h, p, r.layout, out, spec);
       glu_backward(h, p, d, r.layout, {dh, dp, {}}, spec);
@@ -114,9 +124,10 @@ Outcome check_glu(uint64_t seed) {
       oracle::Vector pv = oracle::to_vector(p);
       pv.resize(size_t(rows));
       const auto g = oracle::glu_backward(hm, pv, dm, spec);
-      worst = std::max({worst, oracle::rel_error(oracle::to_matrix(out), oracle::glu_forward(hm, pv, spec)),
-                        oracle::rel_error(oracle::to_matrix(dh), g.dh),
-                        oracle::rel_error(oracle::to_vector(dp), g.dprobs)});
+      worst = std::max(
+          {worst, oracle::rel_error(oracle::to_matrix(out), oracle::glu_forward(hm, pv, spec)),
+           oracle::rel_error(oracle::to_matrix(dh), g.dh),
+           oracle::rel_error(oracle::to_vector(dp), g.dprobs)});
     }
   return judge(worst, 1e-5, "float32, swiglu and clamped_qgeglu x halves, pairs, blocks:32");
 }
@@ -149,14 +160,16 @@ Outcome check_device_offsets(Device device, uint64_t seed) {
   const Tensor got = offsets.to(Device::cpu());
   int64_t sum = 0;
   for (int64_t g = 0; g <= G; ++g) {
-    if (got.data_as<int64_t>()[g] != sum) return {Outcome::kFail, 0, "offset " + std::to_string(g) + " differs from the CPU"};
+    if (got.data_as<int64_t>()[g] != sum)
+      return {Outcome::kFail, 0, "offset " + std::to_string(g) + " differs from the CPU"};
     if (g < G) sum += splits[size_t(g)];
   }
   flag.check();
   host.data_as<int64_t>()[17] = -4;  // a bad routing must be reported
   GroupLayout::compute(host.to(device), cap, offsets, &flag);
   const DeviceErrorRecord rec = flag.read_and_clear();
-  if (rec.bits != kNegativeSplit || rec.group != 17) return {Outcome::kFail, 0, "negative split not reported"};
+  if (rec.bits != kNegativeSplit || rec.group != 17)
+    return {Outcome::kFail, 0, "negative split not reported"};
   return {Outcome::kPass, 0, "G = 300, offsets equal the CPU's; a negative split is reported"};
 }
 
@@ -174,9 +187,11 @@ int run_check(const CheckOptions& o) {
     items.push_back({name, to_string(device), out});
   };
   run("bf16/fp16 conversions round-trip", Device::cpu(), check_conversions);
-  run("grouped linear fwd/dgrad/wgrad/dbias/dscales vs fp64 oracle", Device::cpu(), [&] { return check_grouped_linear(o.seed); });
+  run("grouped linear fwd/dgrad/wgrad/dbias/dscales vs fp64 oracle", Device::cpu(),
+      [&] { return check_grouped_linear(o.seed); });
   run("GLU forward/backward vs fp64 oracle", Device::cpu(), [&] { return check_glu(o.seed); });
-  run("expert MLP forward+backward vs fp64 oracle", Device::cpu(), [&] { return check_mlp(Device::cpu(), o.seed); });
+  run("expert MLP forward+backward vs fp64 oracle", Device::cpu(),
+      [&] { return check_mlp(Device::cpu(), o.seed); });
   const GpuInventory inv = query_gpus();
   for (const GpuInfo& g : inv.gpus) {
     const Device d = Device::cuda(g.index);
@@ -192,8 +207,11 @@ int run_check(const CheckOptions& o) {
     j["passed"] = ok;
     if (inv.gpus.empty()) j["gpus_note"] = inv.note;
     for (const CheckItem& it : items)
-      j["checks"].push_back({{"name", it.name}, {"device", it.device}, {"status", kStatus[it.outcome.status]},
-                             {"max_rel_error", it.outcome.error}, {"detail", it.outcome.detail}});
+      j["checks"].push_back({{"name", it.name},
+                             {"device", it.device},
+                             {"status", kStatus[it.outcome.status]},
+                             {"max_rel_error", it.outcome.error},
+                             {"detail", it.outcome.detail}});
     std::cout << j.dump(2) << "\n";
   } else {
     for (const CheckItem& it : items) {

@@ -12,19 +12,19 @@ struct InfoOptions {
 int run_info(const InfoOptions& options);
 
 struct BenchOptions {
-  std::string kind = "mlp";         // what to benchmark
-  std::string case_name = "tiny";   // a workload of bench/workloads.json or "tiny"
-  std::string device = "auto";      // auto | cpu | cuda[:N]
+  std::string kind = "mlp";        // what to benchmark
+  std::string case_name = "tiny";  // a workload of bench/workloads.json or "tiny"
+  std::string device = "auto";     // auto | cpu | cuda[:N]
   std::string dtype = "bfloat16";
   std::string glu_layout = "halves";
-  std::string workloads;            // path override
+  std::string workloads;  // path override
   int warmup = 1;
-  int iters = 0;                    // 0: a default that suits the device
+  int iters = 0;  // 0: a default that suits the device
   uint64_t seed = 1;
-  bool check = true;                // compare with the float64 oracle when small enough
+  bool check = true;  // compare with the float64 oracle when small enough
   bool json = false;
-  bool list = false;                // list the cases and exit
-  std::string command_line;         // recorded in the JSON
+  bool list = false;         // list the cases and exit
+  std::string command_line;  // recorded in the JSON
 };
 int run_bench(const BenchOptions& options);
 

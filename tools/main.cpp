@@ -13,30 +13,44 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", MOE_ENGINE_VERSION);
 
   InfoOptions info;
-  CLI::App* info_cmd = app.add_subcommand("info", "Version, build options and the GPUs this process sees");
+  CLI::App* info_cmd =
+      app.add_subcommand("info", "Version, build options and the GPUs this process sees");
   info_cmd->add_flag("--json", info.json, "Print JSON");
 
   BenchOptions bench;
   CLI::App* bench_cmd = app.add_subcommand(
-      "bench", "Time the expert MLP forward+backward on a case and check it against the fp64 oracle");
-  bench_cmd->add_option("kind", bench.kind, "What to benchmark")->check(CLI::IsMember({"mlp"}))->capture_default_str();
-  bench_cmd->add_option("--case", bench.case_name, "'tiny' or a case of bench/workloads.json (or a unique part of its name)")
+      "bench",
+      "Time the expert MLP forward+backward on a case and check it against the fp64 oracle");
+  bench_cmd->add_option("kind", bench.kind, "What to benchmark")
+      ->check(CLI::IsMember({"mlp"}))
       ->capture_default_str();
-  bench_cmd->add_option("--device", bench.device, "auto (a GPU when the CUDA backend runs the op, else the CPU), cpu, cuda[:N]")
+  bench_cmd
+      ->add_option("--case", bench.case_name,
+                   "'tiny' or a case of bench/workloads.json (or a unique part of its name)")
       ->capture_default_str();
-  bench_cmd->add_option("--dtype", bench.dtype, "bfloat16, float16 or float32")->capture_default_str();
-  bench_cmd->add_option("--glu-layout", bench.glu_layout, "halves, pairs or blocks:S")->capture_default_str();
+  bench_cmd
+      ->add_option("--device", bench.device,
+                   "auto (a GPU when the CUDA backend runs the op, else the CPU), cpu, cuda[:N]")
+      ->capture_default_str();
+  bench_cmd->add_option("--dtype", bench.dtype, "bfloat16, float16 or float32")
+      ->capture_default_str();
+  bench_cmd->add_option("--glu-layout", bench.glu_layout, "halves, pairs or blocks:S")
+      ->capture_default_str();
   bench_cmd->add_option("--workloads", bench.workloads, "Path of workloads.json");
-  bench_cmd->add_option("--warmup", bench.warmup, "Untimed runs first")->check(CLI::NonNegativeNumber)->capture_default_str();
+  bench_cmd->add_option("--warmup", bench.warmup, "Untimed runs first")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   bench_cmd->add_option("--iters", bench.iters, "Timed runs (median reported; 0 = device default)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   bench_cmd->add_option("--seed", bench.seed, "Seed of the random inputs")->capture_default_str();
   bench_cmd->add_flag("!--no-check", bench.check, "Skip the comparison with the fp64 oracle");
   bench_cmd->add_flag("--json", bench.json, "Print JSON only");
   bench_cmd->add_flag("--list", bench.list, "List the cases and exit");
 
   CheckOptions check;
-  CLI::App* check_cmd = app.add_subcommand("check", "Run the self-checks of every backend present (CPU, CUDA)");
+  CLI::App* check_cmd =
+      app.add_subcommand("check", "Run the self-checks of every backend present (CPU, CUDA)");
   check_cmd->add_flag("--json", check.json, "Print JSON");
   check_cmd->add_option("--seed", check.seed, "Seed of the random inputs")->capture_default_str();
 

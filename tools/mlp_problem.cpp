@@ -9,7 +9,9 @@
 namespace moe::tools {
 namespace {
 
-GroupedParam param(const Tensor& t) { return t.defined() ? GroupedParam::packed(t) : GroupedParam(); }
+GroupedParam param(const Tensor& t) {
+  return t.defined() ? GroupedParam::packed(t) : GroupedParam();
+}
 
 Tensor host_copy(const Tensor& t) { return t.defined() ? t.to(Device::cpu()) : Tensor(); }
 
@@ -21,10 +23,14 @@ oracle::Matrix head(const oracle::Matrix& m, int64_t rows) {
 
 double tolerance_for(DType dtype) {
   switch (dtype) {
-    case DType::kBFloat16: return 1e-2;  // bf16 intermediates (pre-activation, act) and outputs
-    case DType::kFloat16: return 6e-3;
-    case DType::kFloat32: return 1e-4;
-    default: return 1e-10;
+    case DType::kBFloat16:
+      return 1e-2;  // bf16 intermediates (pre-activation, act) and outputs
+    case DType::kFloat16:
+      return 6e-3;
+    case DType::kFloat32:
+      return 1e-4;
+    default:
+      return 1e-10;
   }
 }
 
@@ -123,8 +129,10 @@ OracleCheck MlpProblem::check_against_oracle() const {
   c.rel_error["dprobs"] = oracle::rel_error(oracle::to_vector(host_copy(dprobs_)), g.dprobs);
   c.rel_error["dw1"] = oracle::rel_error(oracle::to_matrices(param(host_copy(dw1_))), g.dw1);
   c.rel_error["dw2"] = oracle::rel_error(oracle::to_matrices(param(host_copy(dw2_))), g.dw2);
-  if (db1_.defined()) c.rel_error["db1"] = oracle::rel_error(oracle::to_matrix(host_copy(db1_)), g.db1);
-  if (db2_.defined()) c.rel_error["db2"] = oracle::rel_error(oracle::to_matrix(host_copy(db2_)), g.db2);
+  if (db1_.defined())
+    c.rel_error["db1"] = oracle::rel_error(oracle::to_matrix(host_copy(db1_)), g.db1);
+  if (db2_.defined())
+    c.rel_error["db2"] = oracle::rel_error(oracle::to_matrix(host_copy(db2_)), g.db2);
   for (const auto& [name, err] : c.rel_error) c.max_rel_error = std::max(c.max_rel_error, err);
   c.tolerance = tolerance_for(dtype_);
   c.passed = c.max_rel_error <= c.tolerance;  // NaN/inf errors are inf: they fail

@@ -19,7 +19,9 @@ class RandomFill {
     std::uniform_real_distribution<double> d(lo, hi);
     return fill(shape, dtype, [&] { return d(gen_); });
   }
-  int64_t integer(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(gen_); }
+  int64_t integer(int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(gen_);
+  }
 
  private:
   template <class Draw>
@@ -28,11 +30,20 @@ class RandomFill {
     for (int64_t i = 0; i < t.numel(); ++i) {
       const double v = draw();
       switch (dtype) {
-        case DType::kFloat64: t.data_as<double>()[i] = v; break;
-        case DType::kFloat32: t.data_as<float>()[i] = float(v); break;
-        case DType::kBFloat16: t.data_as<BFloat16>()[i] = BFloat16(float(v)); break;
-        case DType::kFloat16: t.data_as<Float16>()[i] = Float16(float(v)); break;
-        default: throw_error(ErrorCode::kDType, "RandomFill: not a float dtype: ", dtype_name(dtype));
+        case DType::kFloat64:
+          t.data_as<double>()[i] = v;
+          break;
+        case DType::kFloat32:
+          t.data_as<float>()[i] = float(v);
+          break;
+        case DType::kBFloat16:
+          t.data_as<BFloat16>()[i] = BFloat16(float(v));
+          break;
+        case DType::kFloat16:
+          t.data_as<Float16>()[i] = Float16(float(v));
+          break;
+        default:
+          throw_error(ErrorCode::kDType, "RandomFill: not a float dtype: ", dtype_name(dtype));
       }
     }
     return t;

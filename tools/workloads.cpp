@@ -42,9 +42,11 @@ std::string find_workloads_file(const std::string& explicit_path) {
   if (!explicit_path.empty()) return explicit_path;
   if (const char* env = std::getenv("MOE_ENGINE_WORKLOADS")) return env;
   for (const std::string& candidate :
-       {std::string(MOE_ENGINE_INSTALLED_WORKLOADS), std::string(MOE_ENGINE_SOURCE_DIR) + "/bench/workloads.json"})
+       {std::string(MOE_ENGINE_INSTALLED_WORKLOADS),
+        std::string(MOE_ENGINE_SOURCE_DIR) + "/bench/workloads.json"})
     if (!candidate.empty() && fs::exists(candidate)) return candidate;
-  throw_error(ErrorCode::kIo, "cannot find bench/workloads.json; pass --workloads PATH or set "
+  throw_error(ErrorCode::kIo,
+              "cannot find bench/workloads.json; pass --workloads PATH or set "
               "MOE_ENGINE_WORKLOADS");
 }
 
@@ -66,8 +68,8 @@ std::vector<Workload> load_workloads(const std::string& path) {
       w.activation = c.at("activation").get<std::string>();
       w.bias = c.at("bias").get<bool>();
       MOE_CHECK(int64_t(w.tokens_per_expert.size()) == w.experts, ErrorCode::kIo, "workload '",
-                w.name, "': tokens_per_expert has ", w.tokens_per_expert.size(), " entries, expected ",
-                w.experts);
+                w.name, "': tokens_per_expert has ", w.tokens_per_expert.size(),
+                " entries, expected ", w.experts);
       MOE_CHECK(w.routed_tokens() <= w.capacity, ErrorCode::kIo, "workload '", w.name,
                 "': tokens_per_expert sums past tokens");
       out.push_back(std::move(w));

@@ -9,10 +9,10 @@
 namespace moe::tools {
 
 struct Workload {
-  std::string name;        // "qwen3-30b-a3b/balanced" or "tiny"
-  int64_t experts = 0;     // G
-  int64_t hidden = 0;      // H
-  int64_t ffn = 0;         // F
+  std::string name;     // "qwen3-30b-a3b/balanced" or "tiny"
+  int64_t experts = 0;  // G
+  int64_t hidden = 0;   // H
+  int64_t ffn = 0;      // F
   std::vector<int64_t> tokens_per_expert;
   int64_t capacity = 0;    // T: rows of the token buffer (>= the routed tokens)
   std::string activation;  // "swiglu" or "clamped_qgeglu"

@@ -29,7 +29,7 @@ struct Device {
   }
 };
 
-MOE_API std::string to_string(Device device);  // "cpu", "cuda:0"
+MOE_API std::string to_string(Device device);          // "cpu", "cuda:0"
 MOE_API Device parse_device(const std::string& text);  // "cpu", "cuda", "cuda:1"
 
 }  // namespace moe

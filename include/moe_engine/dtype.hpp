@@ -11,9 +11,9 @@
 #include "moe_engine/export.hpp"
 
 #if defined(__CUDACC__)
-#  define MOE_HOST_DEVICE __host__ __device__
+#define MOE_HOST_DEVICE __host__ __device__
 #else
-#  define MOE_HOST_DEVICE
+#define MOE_HOST_DEVICE
 #endif
 
 namespace moe {
@@ -31,9 +31,10 @@ enum class DType : uint8_t {
 };
 
 MOE_API size_t dtype_size(DType dtype);
-MOE_API const char* dtype_name(DType dtype);        // "bfloat16", "float32", ...
-MOE_API DType dtype_from_name(std::string_view name);  // accepts the names above and bf16/fp16/fp32/fp64
-MOE_API bool is_floating(DType dtype);                  // the float types the ops compute with (not fp8)
+MOE_API const char* dtype_name(DType dtype);  // "bfloat16", "float32", ...
+MOE_API DType
+dtype_from_name(std::string_view name);  // accepts the names above and bf16/fp16/fp32/fp64
+MOE_API bool is_floating(DType dtype);   // the float types the ops compute with (not fp8)
 
 namespace detail {
 MOE_HOST_DEVICE inline uint32_t float_bits(float f) {
@@ -54,7 +55,9 @@ struct BFloat16 {
 
   BFloat16() = default;
   MOE_HOST_DEVICE explicit BFloat16(float f) : bits(from_float(f)) {}
-  MOE_HOST_DEVICE explicit operator float() const { return detail::bits_float(uint32_t(bits) << 16); }
+  MOE_HOST_DEVICE explicit operator float() const {
+    return detail::bits_float(uint32_t(bits) << 16);
+  }
   static MOE_HOST_DEVICE BFloat16 from_bits(uint16_t b) {
     BFloat16 v;
     v.bits = b;
@@ -64,7 +67,7 @@ struct BFloat16 {
   static MOE_HOST_DEVICE uint16_t from_float(float f) {
     uint32_t u = detail::float_bits(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x0040u);  // quiet NaN
-    u += 0x7fffu + ((u >> 16) & 1u);                                            // round to nearest even
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
     return uint16_t(u >> 16);
   }
 };
@@ -99,8 +102,8 @@ struct Float16 {
     const uint32_t a = u & 0x7fffffffu;
     if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // nan, kept quiet
     if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: inf
-    if (a >= 0x38800000u) {                                  // normal half range (>= 2^-14)
-      const uint32_t r = a + 0xfffu + ((a >> 13) & 1u);     // round mantissa to 10 bits, nearest even
+    if (a >= 0x38800000u) {                                 // normal half range (>= 2^-14)
+      const uint32_t r = a + 0xfffu + ((a >> 13) & 1u);  // round mantissa to 10 bits, nearest even
       return uint16_t(sign | ((r - 0x38000000u) >> 13));
     }
     // subnormal half (or zero): value / 2^-24 rounded to nearest even integer
@@ -118,13 +121,34 @@ struct Float16 {
 
 template <class T>
 struct dtype_of;
-template <> struct dtype_of<double> { static constexpr DType value = DType::kFloat64; };
-template <> struct dtype_of<float> { static constexpr DType value = DType::kFloat32; };
-template <> struct dtype_of<BFloat16> { static constexpr DType value = DType::kBFloat16; };
-template <> struct dtype_of<Float16> { static constexpr DType value = DType::kFloat16; };
-template <> struct dtype_of<int64_t> { static constexpr DType value = DType::kInt64; };
-template <> struct dtype_of<int32_t> { static constexpr DType value = DType::kInt32; };
-template <> struct dtype_of<uint8_t> { static constexpr DType value = DType::kUInt8; };
+template <>
+struct dtype_of<double> {
+  static constexpr DType value = DType::kFloat64;
+};
+template <>
+struct dtype_of<float> {
+  static constexpr DType value = DType::kFloat32;
+};
+template <>
+struct dtype_of<BFloat16> {
+  static constexpr DType value = DType::kBFloat16;
+};
+template <>
+struct dtype_of<Float16> {
+  static constexpr DType value = DType::kFloat16;
+};
+template <>
+struct dtype_of<int64_t> {
+  static constexpr DType value = DType::kInt64;
+};
+template <>
+struct dtype_of<int32_t> {
+  static constexpr DType value = DType::kInt32;
+};
+template <>
+struct dtype_of<uint8_t> {
+  static constexpr DType value = DType::kUInt8;
+};
 template <class T>
 inline constexpr DType dtype_of_v = dtype_of<T>::value;
 

@@ -55,7 +55,7 @@ template <class... Parts>
 }  // namespace moe
 
 // MOE_CHECK(cond, code, message parts...): throws moe::Error when cond is false.
-#define MOE_CHECK(cond, code, ...)                      \
-  do {                                                  \
+#define MOE_CHECK(cond, code, ...)                        \
+  do {                                                    \
     if (!(cond)) ::moe::throw_error((code), __VA_ARGS__); \
   } while (0)

@@ -4,8 +4,8 @@
 //   fc2 weight G x [H, F], bias G x [H]; probs [T] float32 (undefined: p = 1).
 #pragma once
 
-#include <cstdint>
 #include <cstddef>
+#include <cstdint>
 
 #include "moe_engine/export.hpp"
 #include "moe_engine/glu.hpp"

@@ -2,9 +2,9 @@
 #pragma once
 
 #if defined(_WIN32)
-#  define MOE_API
+#define MOE_API
 #elif defined(MOE_ENGINE_BUILDING)
-#  define MOE_API __attribute__((visibility("default")))
+#define MOE_API __attribute__((visibility("default")))
 #else
-#  define MOE_API
+#define MOE_API
 #endif

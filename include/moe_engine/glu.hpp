@@ -29,13 +29,13 @@ class MOE_API GluLayout {
   enum class Kind { kHalves, kBlocks, kPairs };
 
   static GluLayout halves() { return GluLayout(Kind::kHalves, 0); }  // Megatron / TE default
-  static GluLayout blocks(int64_t s);                                  // moe_mlp_glu_interleave_size
+  static GluLayout blocks(int64_t s);                                // moe_mlp_glu_interleave_size
   static GluLayout pairs() { return GluLayout(Kind::kPairs, 0); }    // HF GPT-OSS
   static GluLayout parse(std::string_view text);  // "halves", "pairs", "blocks:32"
 
   Kind kind() const { return kind_; }
   int64_t block() const { return block_; }  // s of blocks:s (0 for the others)
-  int64_t block_size(int64_t ffn) const;     // s for this F (F for halves, 1 for pairs)
+  int64_t block_size(int64_t ffn) const;    // s for this F (F for halves, 1 for pairs)
   int64_t gate_column(int64_t j, int64_t ffn) const;
   int64_t linear_column(int64_t j, int64_t ffn) const;
   std::string name() const;  // parse(name()) == *this
@@ -56,7 +56,8 @@ struct GluSpec {
   float offset = 1.0f;   // clamped_qgeglu only
   GluLayout layout = GluLayout::halves();
 };
-MOE_API std::string describe(const GluSpec& spec);  // "clamped_qgeglu(limit=7, alpha=1.702, offset=1), blocks:32"
+MOE_API std::string describe(
+    const GluSpec& spec);  // "clamped_qgeglu(limit=7, alpha=1.702, offset=1), blocks:32"
 
 // out[r, j] = act(gate_j(h[r]), linear_j(h[r])) * p[r] for rows r < offsets[G].
 // h [T, 2F]; probs [T] float32 (undefined: p = 1); out [T, F].

@@ -15,16 +15,16 @@ namespace moe {
 // What kernels report about their inputs. Lives in device memory; written by kernels, read by
 // DeviceErrorFlag::check on the host outside graph capture.
 enum DeviceErrorBits : uint32_t {
-  kNegativeSplit = 1u << 0,           // some splits[g] < 0
-  kSplitsExceedCapacity = 1u << 1,    // sum(splits) > capacity T
+  kNegativeSplit = 1u << 0,         // some splits[g] < 0
+  kSplitsExceedCapacity = 1u << 1,  // sum(splits) > capacity T
 };
 
 struct DeviceErrorRecord {
-  uint32_t bits;       // DeviceErrorBits of every error since the last check
-  int32_t group;       // details of the first error recorded: the offending expert (or -1)
-  int64_t value;       //   its split value
-  int64_t total;       //   sum of the non-negative splits (saturated at INT64_MAX)
-  int64_t capacity;    //   the buffer capacity T
+  uint32_t bits;     // DeviceErrorBits of every error since the last check
+  int32_t group;     // details of the first error recorded: the offending expert (or -1)
+  int64_t value;     //   its split value
+  int64_t total;     //   sum of the non-negative splits (saturated at INT64_MAX)
+  int64_t capacity;  //   the buffer capacity T
 };
 
 // Owns one DeviceErrorRecord on a device (host memory for the CPU).
@@ -35,7 +35,8 @@ class MOE_API DeviceErrorFlag {
   DeviceErrorRecord* record() const { return record_.data_as<DeviceErrorRecord>(); }
 
   // Waits for `stream`, reads the record and clears it. Returns the record as it was.
-  // Must not be called while `stream` is being captured into a CUDA graph (throws kInvalidArgument).
+  // Must not be called while `stream` is being captured into a CUDA graph (throws
+  // kInvalidArgument).
   DeviceErrorRecord read_and_clear(Stream stream = nullptr);
   // read_and_clear, then throws Error(kDeviceReported, <what was wrong>) if any bit was set.
   void check(Stream stream = nullptr);

@@ -1,5 +1,6 @@
 // A per-expert tensor (weight [N,K], bias [N], their gradients) held either packed as one
-// [G, ...] tensor ("single grouped weight") or as G separate tensors. Both give bit-identical results.
+// [G, ...] tensor ("single grouped weight") or as G separate tensors. Both give bit-identical
+// results.
 #pragma once
 
 #include <cstdint>
@@ -26,9 +27,10 @@ class MOE_API GroupedParam {
   Device device() const { return device_; }
 
   TensorView expert(int64_t g) const;  // expert g's tensor, whatever the layout
-  const TensorView& packed_view() const { return packed_; }         // packed layout only
+  const TensorView& packed_view() const { return packed_; }            // packed layout only
   const std::vector<TensorView>& experts() const { return experts_; }  // per-expert layout only
-  std::string describe() const;  // "packed bfloat16[8, 128, 64] on cpu" / "8 x bfloat16[128, 64] on cpu"
+  std::string describe()
+      const;  // "packed bfloat16[8, 128, 64] on cpu" / "8 x bfloat16[128, 64] on cpu"
 
  private:
   TensorView packed_;

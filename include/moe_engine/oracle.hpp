@@ -24,7 +24,8 @@ struct Matrix {  // row-major
   double operator()(int64_t r, int64_t c) const { return data[size_t(r * cols + c)]; }
 };
 using Vector = std::vector<double>;
-using Splits = std::vector<int64_t>;  // host copy of the routing; every output covers sum(splits) rows
+using Splits =
+    std::vector<int64_t>;  // host copy of the routing; every output covers sum(splits) rows
 
 // Conversions from tensors on the CPU (any float dtype; 1-D tensors become one column).
 MOE_API Matrix to_matrix(const TensorView& t);

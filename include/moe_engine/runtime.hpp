@@ -17,7 +17,7 @@ struct BuildInfo {
   std::string cuda_compiler;       // nvcc version the kernels were built with
   std::string cxx_compiler;
   std::string build_type;
-  bool with_openmp = false;        // the CPU backend runs multi-threaded
+  bool with_openmp = false;  // the CPU backend runs multi-threaded
 };
 MOE_API BuildInfo build_info();
 

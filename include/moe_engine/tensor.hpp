@@ -32,7 +32,7 @@ class MOE_API Shape {
   const int64_t* begin() const { return dims_.data(); }
   const int64_t* end() const { return dims_.data() + rank_; }
   void push_back(int64_t d);
-  int64_t numel() const;  // product of extents (1 for rank 0)
+  int64_t numel() const;          // product of extents (1 for rank 0)
   std::string to_string() const;  // "[3, 4]"
   friend MOE_API bool operator==(const Shape& a, const Shape& b);
 

@@ -4,18 +4,30 @@ namespace moe {
 
 const char* error_code_name(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kInvalidArgument: return "invalid argument";
-    case ErrorCode::kShape: return "shape";
-    case ErrorCode::kDType: return "dtype";
-    case ErrorCode::kAlignment: return "alignment";
-    case ErrorCode::kDevice: return "device";
-    case ErrorCode::kGroupMismatch: return "group mismatch";
-    case ErrorCode::kWorkspace: return "workspace";
-    case ErrorCode::kNotImplemented: return "not implemented";
-    case ErrorCode::kCuda: return "cuda";
-    case ErrorCode::kDeviceReported: return "device-reported";
-    case ErrorCode::kIo: return "io";
-    case ErrorCode::kInternal: return "internal";
+    case ErrorCode::kInvalidArgument:
+      return "invalid argument";
+    case ErrorCode::kShape:
+      return "shape";
+    case ErrorCode::kDType:
+      return "dtype";
+    case ErrorCode::kAlignment:
+      return "alignment";
+    case ErrorCode::kDevice:
+      return "device";
+    case ErrorCode::kGroupMismatch:
+      return "group mismatch";
+    case ErrorCode::kWorkspace:
+      return "workspace";
+    case ErrorCode::kNotImplemented:
+      return "not implemented";
+    case ErrorCode::kCuda:
+      return "cuda";
+    case ErrorCode::kDeviceReported:
+      return "device-reported";
+    case ErrorCode::kIo:
+      return "io";
+    case ErrorCode::kInternal:
+      return "internal";
   }
   return "unknown";
 }

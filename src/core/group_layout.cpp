@@ -48,7 +48,8 @@ std::string describe_device_errors(const DeviceErrorRecord& r) {
   }
   if (r.bits & kSplitsExceedCapacity) {
     os << sep << "sum(splits) = " << r.total << " exceeds the buffer capacity T = " << r.capacity
-       << " (expected sum(splits) <= T; the offsets were clamped to T, rows past it were not written)";
+       << " (expected sum(splits) <= T; the offsets were clamped to T, rows past it were not "
+          "written)";
     sep = "; ";
   }
   const uint32_t known = kNegativeSplit | kSplitsExceedCapacity;
@@ -66,9 +67,10 @@ void compute_offsets_cpu(const T* splits, int64_t num_groups, int64_t capacity, 
     const int64_t s = int64_t(splits[g]);
     MOE_CHECK(s >= 0, ErrorCode::kInvalidArgument, "GroupLayout: splits[", g, "] = ", s,
               " is negative (expected every split >= 0)");
-    MOE_CHECK(s <= capacity - total, ErrorCode::kInvalidArgument, "GroupLayout: sum(splits) exceeds "
-              "the buffer capacity T = ", capacity, " at expert ", g,
-              " (expected sum(splits) <= T)");
+    MOE_CHECK(s <= capacity - total, ErrorCode::kInvalidArgument,
+              "GroupLayout: sum(splits) exceeds "
+              "the buffer capacity T = ",
+              capacity, " at expert ", g, " (expected sum(splits) <= T)");
     offsets[g] = total;
     total += s;
   }
@@ -83,8 +85,8 @@ GroupLayout GroupLayout::compute(const TensorView& splits, int64_t capacity,
             "GroupLayout: splits: expected a 1-D [G] tensor, got ", splits.describe());
   MOE_CHECK(splits.dtype() == DType::kInt64 || splits.dtype() == DType::kInt32, ErrorCode::kDType,
             "GroupLayout: splits: expected int64 or int32, got ", dtype_name(splits.dtype()));
-  MOE_CHECK(splits.is_contiguous(), ErrorCode::kShape, "GroupLayout: splits must be contiguous, got ",
-            splits.describe());
+  MOE_CHECK(splits.is_contiguous(), ErrorCode::kShape,
+            "GroupLayout: splits must be contiguous, got ", splits.describe());
   const int64_t G = splits.size(0);
   MOE_CHECK(G >= 1, ErrorCode::kShape, "GroupLayout: expected G >= 1 experts, got splits ",
             splits.describe());
@@ -97,9 +99,9 @@ GroupLayout GroupLayout::compute(const TensorView& splits, int64_t capacity,
             "GroupLayout: offsets: expected int64, got ", dtype_name(offsets.dtype()));
   MOE_CHECK(offsets.is_contiguous(), ErrorCode::kShape,
             "GroupLayout: offsets must be contiguous, got ", offsets.describe());
-  MOE_CHECK(offsets.device() == splits.device(), ErrorCode::kDevice,
-            "GroupLayout: offsets are on ", to_string(offsets.device()), " but splits on ",
-            to_string(splits.device()), "; expected the same device");
+  MOE_CHECK(offsets.device() == splits.device(), ErrorCode::kDevice, "GroupLayout: offsets are on ",
+            to_string(offsets.device()), " but splits on ", to_string(splits.device()),
+            "; expected the same device");
   MOE_CHECK(errors == nullptr || errors->device() == splits.device(), ErrorCode::kDevice,
             "GroupLayout: the error flag is on ", to_string(errors ? errors->device() : Device{}),
             " but splits on ", to_string(splits.device()), "; expected the same device");

@@ -3,9 +3,11 @@
 namespace moe {
 
 GroupedParam GroupedParam::packed(const TensorView& tensor) {
-  MOE_CHECK(tensor.defined(), ErrorCode::kInvalidArgument, "GroupedParam::packed: undefined tensor");
+  MOE_CHECK(tensor.defined(), ErrorCode::kInvalidArgument,
+            "GroupedParam::packed: undefined tensor");
   MOE_CHECK(tensor.dim() >= 2, ErrorCode::kShape,
-            "GroupedParam::packed: expected a [G, ...] tensor of rank >= 2, got ", tensor.describe());
+            "GroupedParam::packed: expected a [G, ...] tensor of rank >= 2, got ",
+            tensor.describe());
   MOE_CHECK(tensor.size(0) >= 1, ErrorCode::kShape,
             "GroupedParam::packed: expected G >= 1 experts, got ", tensor.describe());
   MOE_CHECK(tensor.is_contiguous(), ErrorCode::kShape,

@@ -58,7 +58,12 @@ TensorView::TensorView(void* data, Shape shape, DType dtype, Device device)
     : TensorView(data, shape, contiguous_strides(shape), dtype, device) {}
 
 TensorView::TensorView(void* data, Shape shape, Shape strides, DType dtype, Device device)
-    : data_(data), shape_(shape), strides_(strides), dtype_(dtype), device_(device), defined_(true) {
+    : data_(data),
+      shape_(shape),
+      strides_(strides),
+      dtype_(dtype),
+      device_(device),
+      defined_(true) {
   MOE_CHECK(shape.size() == strides.size(), ErrorCode::kShape, "tensor view: shape ",
             shape.to_string(), " and strides ", strides.to_string(), " differ in rank");
   for (int i = 0; i < shape.size(); ++i) {
@@ -106,16 +111,17 @@ TensorView TensorView::slice(int64_t begin, int64_t end) const {
 }
 
 TensorView TensorView::reshape(Shape shape) const {
-  MOE_CHECK(defined_ && is_contiguous(), ErrorCode::kShape, "reshape: needs a contiguous tensor, got ",
-            describe());
-  MOE_CHECK(shape.numel() == numel(), ErrorCode::kShape, "reshape: cannot view ", describe(), " as ",
-            shape.to_string());
+  MOE_CHECK(defined_ && is_contiguous(), ErrorCode::kShape,
+            "reshape: needs a contiguous tensor, got ", describe());
+  MOE_CHECK(shape.numel() == numel(), ErrorCode::kShape, "reshape: cannot view ", describe(),
+            " as ", shape.to_string());
   return TensorView(data_, shape, dtype_, device_);
 }
 
 std::string TensorView::describe() const {
   if (!defined_) return "undefined";
-  std::string s = std::string(dtype_name(dtype_)) + shape_.to_string() + " on " + to_string(device_);
+  std::string s =
+      std::string(dtype_name(dtype_)) + shape_.to_string() + " on " + to_string(device_);
   if (!is_contiguous()) s += " (strides " + strides_.to_string() + ")";
   return s;
 }
@@ -128,7 +134,8 @@ Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
   const size_t bytes = size_t(shape.numel()) * dtype_size(dtype);
   Tensor t;
   if (device.is_cpu()) {
-    const size_t padded = ((bytes + 63) / 64) * 64;  // aligned_alloc needs a multiple of the alignment
+    const size_t padded =
+        ((bytes + 63) / 64) * 64;  // aligned_alloc needs a multiple of the alignment
     void* p = std::aligned_alloc(64, padded ? padded : 64);
     MOE_CHECK(p != nullptr, ErrorCode::kInvalidArgument, "Tensor::empty: out of host memory (",
               bytes, " bytes)");

@@ -10,7 +10,8 @@
 namespace moe::cpu {
 
 void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
-                            const GroupLayout& groups, const TensorView& y, const BiasEpilogue& bias);
+                            const GroupLayout& groups, const TensorView& y,
+                            const BiasEpilogue& bias);
 void grouped_linear_dgrad(const TensorView& dy, const GroupedParam& weight,
                           const GroupLayout& groups, const TensorView& dx);
 void grouped_linear_wgrad(const TensorView& dy, const TensorView& x, const GroupLayout& groups,
@@ -23,6 +24,7 @@ void grouped_linear_dscales(const TensorView& dy, const GroupedParam& bias,
 void glu_forward(const TensorView& h, const TensorView& probs, const GroupLayout& groups,
                  const TensorView& out, const GluSpec& spec);
 void glu_backward(const TensorView& h, const TensorView& probs, const TensorView& d_out,
-                  const GroupLayout& groups, const GluBackwardOutputs& outputs, const GluSpec& spec);
+                  const GroupLayout& groups, const GluBackwardOutputs& outputs,
+                  const GluSpec& spec);
 
 }  // namespace moe::cpu

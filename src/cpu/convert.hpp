@@ -25,11 +25,16 @@ void load(const void* src, DType dtype, int64_t n, int64_t stride, Acc* dst) {
       for (int64_t i = 0; i < n; ++i) dst[i] = Acc(float_value(p[i * stride]));
   };
   switch (dtype) {
-    case DType::kFloat64: return run(static_cast<const double*>(src));
-    case DType::kFloat32: return run(static_cast<const float*>(src));
-    case DType::kBFloat16: return run(static_cast<const BFloat16*>(src));
-    case DType::kFloat16: return run(static_cast<const Float16*>(src));
-    default: throw_error(ErrorCode::kInternal, "cpu::load: unsupported dtype ", dtype_name(dtype));
+    case DType::kFloat64:
+      return run(static_cast<const double*>(src));
+    case DType::kFloat32:
+      return run(static_cast<const float*>(src));
+    case DType::kBFloat16:
+      return run(static_cast<const BFloat16*>(src));
+    case DType::kFloat16:
+      return run(static_cast<const Float16*>(src));
+    default:
+      throw_error(ErrorCode::kInternal, "cpu::load: unsupported dtype ", dtype_name(dtype));
   }
 }
 
@@ -49,7 +54,8 @@ void store(const Acc* src, int64_t n, void* dst, DType dtype) {
     case DType::kFloat16:
       for (int64_t i = 0; i < n; ++i) static_cast<Float16*>(dst)[i] = Float16(float(src[i]));
       return;
-    default: throw_error(ErrorCode::kInternal, "cpu::store: unsupported dtype ", dtype_name(dtype));
+    default:
+      throw_error(ErrorCode::kInternal, "cpu::store: unsupported dtype ", dtype_name(dtype));
   }
 }
 

@@ -68,7 +68,6 @@ void backward(const TensorView& h, const TensorView& probs, const TensorView& d_
   }
 }
 
-
 }  // namespace
 
 void glu_forward(const TensorView& h, const TensorView& probs, const GroupLayout& groups,
@@ -78,7 +77,8 @@ void glu_forward(const TensorView& h, const TensorView& probs, const GroupLayout
 }
 
 void glu_backward(const TensorView& h, const TensorView& probs, const TensorView& d_out,
-                  const GroupLayout& groups, const GluBackwardOutputs& outputs, const GluSpec& spec) {
+                  const GroupLayout& groups, const GluBackwardOutputs& outputs,
+                  const GluSpec& spec) {
   with_accumulator(h.dtype(), [&](auto acc) {
     backward<decltype(acc)>(h, probs, d_out, groups, outputs, spec);
   });

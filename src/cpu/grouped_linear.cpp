@@ -30,9 +30,14 @@ void forward(const TensorView& x, const GroupedParam& weight, const GroupLayout&
   const bool has_bias = epi.bias.defined();
   const bool scaled = epi.row_scale.defined();
   grouped_gemm_tiles<Acc>(
-      groups.num_groups(), [&](int64_t g) { return GemmExtent{rows_of(groups, g), N, K}; },
+      groups.num_groups(),
+      [&](int64_t g) {
+        return GemmExtent{rows_of(groups, g), N, K};
+      },
       [&](int64_t g, int64_t i0, int64_t ni, Acc* p) { load_rows(x, off[g] + i0, ni, 0, K, p); },
-      [&](int64_t g, int64_t j0, int64_t nj, Acc* p) { load_rows(weight.expert(g), j0, nj, 0, K, p); },
+      [&](int64_t g, int64_t j0, int64_t nj, Acc* p) {
+        load_rows(weight.expert(g), j0, nj, 0, K, p);
+      },
       [&](int64_t g, int64_t i0, int64_t ni, int64_t j0, int64_t nj, const Acc* c) {
         Acc bias[kTile], out[kTile];
         if (has_bias) load(element_ptr_1d(epi.bias.expert(g), j0), epi.bias.dtype(), nj, 1, bias);
@@ -52,7 +57,10 @@ void dgrad(const TensorView& dy, const GroupedParam& weight, const GroupLayout& 
   const int64_t* off = offsets_of(groups);
   const int64_t N = dy.size(1), K = dx.size(1);
   grouped_gemm_tiles<Acc>(
-      groups.num_groups(), [&](int64_t g) { return GemmExtent{rows_of(groups, g), K, N}; },
+      groups.num_groups(),
+      [&](int64_t g) {
+        return GemmExtent{rows_of(groups, g), K, N};
+      },
       [&](int64_t g, int64_t i0, int64_t ni, Acc* p) { load_rows(dy, off[g] + i0, ni, 0, N, p); },
       [&](int64_t g, int64_t j0, int64_t nj, Acc* p) {
         load_columns(weight.expert(g), 0, N, j0, nj, p);
@@ -69,7 +77,10 @@ void wgrad(const TensorView& dy, const TensorView& x, const GroupLayout& groups,
   const int64_t* off = offsets_of(groups);
   const int64_t N = dy.size(1), K = x.size(1);
   grouped_gemm_tiles<Acc>(
-      groups.num_groups(), [&](int64_t g) { return GemmExtent{N, K, rows_of(groups, g)}; },
+      groups.num_groups(),
+      [&](int64_t g) {
+        return GemmExtent{N, K, rows_of(groups, g)};
+      },
       [&](int64_t g, int64_t i0, int64_t ni, Acc* p) {
         load_columns(dy, off[g], rows_of(groups, g), i0, ni, p);
       },
@@ -136,8 +147,10 @@ void dscales(const TensorView& dy, const GroupedParam& bias, const GroupLayout& 
 }  // namespace
 
 void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
-                            const GroupLayout& groups, const TensorView& y, const BiasEpilogue& bias) {
-  with_accumulator(x.dtype(), [&](auto acc) { forward<decltype(acc)>(x, weight, groups, y, bias); });
+                            const GroupLayout& groups, const TensorView& y,
+                            const BiasEpilogue& bias) {
+  with_accumulator(x.dtype(),
+                   [&](auto acc) { forward<decltype(acc)>(x, weight, groups, y, bias); });
 }
 
 void grouped_linear_dgrad(const TensorView& dy, const GroupedParam& weight,
@@ -151,8 +164,8 @@ void grouped_linear_wgrad(const TensorView& dy, const TensorView& x, const Group
                    [&](auto acc) { wgrad<decltype(acc)>(dy, x, groups, dweight, mode); });
 }
 
-void grouped_linear_dbias(const TensorView& dy, const GroupLayout& groups,
-                          const GroupedParam& db, GradMode mode, const TensorView& row_scale) {
+void grouped_linear_dbias(const TensorView& dy, const GroupLayout& groups, const GroupedParam& db,
+                          GradMode mode, const TensorView& row_scale) {
   with_accumulator(dy.dtype(),
                    [&](auto acc) { dbias<decltype(acc)>(dy, groups, db, mode, row_scale); });
 }

@@ -66,7 +66,8 @@ void grouped_gemm_tiles(int64_t num_groups, Extent extent, LoadA load_a, LoadB l
 
 // panel[i * l + k] = t(row0 + i, col0 + k) for i < nrows, k < l (rows of a 2-D view).
 template <class Acc>
-void load_rows(const TensorView& t, int64_t row0, int64_t nrows, int64_t col0, int64_t l, Acc* panel) {
+void load_rows(const TensorView& t, int64_t row0, int64_t nrows, int64_t col0, int64_t l,
+               Acc* panel) {
   for (int64_t i = 0; i < nrows; ++i)
     load(element_ptr(t, row0 + i, col0), t.dtype(), l, 1, panel + i * l);
 }

@@ -5,13 +5,13 @@
 
 #include "moe_engine/error.hpp"
 
-#define MOE_CUDA_CHECK(call, ...)                                                       \
-  do {                                                                                  \
-    const cudaError_t moe_cuda_status_ = (call);                                        \
-    if (moe_cuda_status_ != cudaSuccess)                                                \
-      ::moe::throw_error(::moe::ErrorCode::kCuda, __VA_ARGS__, ": ",                    \
-                         cudaGetErrorName(moe_cuda_status_), " (",                      \
-                         cudaGetErrorString(moe_cuda_status_), ")");                    \
+#define MOE_CUDA_CHECK(call, ...)                                    \
+  do {                                                               \
+    const cudaError_t moe_cuda_status_ = (call);                     \
+    if (moe_cuda_status_ != cudaSuccess)                             \
+      ::moe::throw_error(::moe::ErrorCode::kCuda, __VA_ARGS__, ": ", \
+                         cudaGetErrorName(moe_cuda_status_), " (",   \
+                         cudaGetErrorString(moe_cuda_status_), ")"); \
   } while (0)
 
 // After a kernel launch: reports a launch-configuration error at the call site.

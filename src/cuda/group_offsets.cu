@@ -1,6 +1,6 @@
+#include <climits>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
-#include <climits>
 
 #include "cuda/check.hpp"
 #include "cuda/group_offsets.hpp"
@@ -23,8 +23,8 @@ struct SaturatingAdd {
 
 template <class SplitT>
 __global__ void __launch_bounds__(kThreads)
-group_offsets_kernel(const SplitT* __restrict__ splits, int64_t num_groups, int64_t capacity,
-                     int64_t* __restrict__ offsets, DeviceErrorRecord* __restrict__ record) {
+    group_offsets_kernel(const SplitT* __restrict__ splits, int64_t num_groups, int64_t capacity,
+                         int64_t* __restrict__ offsets, DeviceErrorRecord* __restrict__ record) {
   using Scan = cub::BlockScan<int64_t, kThreads>;
   using Reduce = cub::BlockReduce<int64_t, kThreads>;
   __shared__ union {
@@ -32,7 +32,7 @@ group_offsets_kernel(const SplitT* __restrict__ splits, int64_t num_groups, int6
     typename Reduce::TempStorage reduce;
   } temp;
 
-  int64_t carry = 0;          // sum of the sanitized splits before this chunk (same in all threads)
+  int64_t carry = 0;  // sum of the sanitized splits before this chunk (same in all threads)
   int64_t first_negative = LLONG_MAX;
   for (int64_t base = 0; base < num_groups; base += kThreads) {
     const int64_t g = base + threadIdx.x;
@@ -71,11 +71,11 @@ void launch_group_offsets(const void* splits, bool splits_are_int32, int64_t num
                           int64_t capacity, int64_t* offsets, DeviceErrorRecord* record,
                           Stream stream) {
   if (splits_are_int32)
-    group_offsets_kernel<<<1, kThreads, 0, stream>>>(static_cast<const int32_t*>(splits), num_groups,
-                                                     capacity, offsets, record);
+    group_offsets_kernel<<<1, kThreads, 0, stream>>>(static_cast<const int32_t*>(splits),
+                                                     num_groups, capacity, offsets, record);
   else
-    group_offsets_kernel<<<1, kThreads, 0, stream>>>(static_cast<const int64_t*>(splits), num_groups,
-                                                     capacity, offsets, record);
+    group_offsets_kernel<<<1, kThreads, 0, stream>>>(static_cast<const int64_t*>(splits),
+                                                     num_groups, capacity, offsets, record);
   MOE_CUDA_CHECK_LAUNCH("group_offsets_kernel");
 }
 

@@ -43,7 +43,8 @@ int64_t check_mlp(const ops::Validator& v, const TensorView& x, const TensorView
   v.matrix("x", x, v.capacity(), -1, "[T, H]");
   const int64_t H = x.size(1);
   if (!w.fc2_weight.defined())
-    v.fail(ErrorCode::kInvalidArgument, "fc2_weight: required per-expert tensor [H, F] is undefined");
+    v.fail(ErrorCode::kInvalidArgument,
+           "fc2_weight: required per-expert tensor [H, F] is undefined");
   if (w.fc2_weight.expert_shape().size() != 2)
     v.fail(ErrorCode::kShape, "fc2_weight: expected G x [H, F], got ", w.fc2_weight.describe());
   const int64_t F = w.fc2_weight.expert_shape()[1];
@@ -62,7 +63,8 @@ void check_param_grad(const ops::Validator& v, const char* name, const ParamGrad
                       const GroupedParam& param) {
   if (!pg.grad.defined()) return;
   if (!param.defined())
-    v.fail(ErrorCode::kInvalidArgument, name, ": a gradient is requested but the MLP has no ", name);
+    v.fail(ErrorCode::kInvalidArgument, name, ": a gradient is requested but the MLP has no ",
+           name);
   v.param(name, pg.grad, param.expert_shape(), param.expert_shape().size() == 2 ? "[N, K]" : "[N]");
   v.grad_target(name, pg.grad, pg.mode);
 }
@@ -105,7 +107,8 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs,
     grouped_linear_forward(x, weights.fc1_weight, groups, h, {weights.fc1_bias, {}}, ctx);
     glu_forward(h, probs, groups, b.act, spec.glu, ctx);
     const TensorView fc2_scale = weights.fc2_bias.defined() ? probs : TensorView{};
-    grouped_linear_forward(b.act, weights.fc2_weight, groups, y, {weights.fc2_bias, fc2_scale}, ctx);
+    grouped_linear_forward(b.act, weights.fc2_weight, groups, y, {weights.fc2_bias, fc2_scale},
+                           ctx);
   });
 }
 
@@ -140,8 +143,8 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
       grouped_linear_forward(x, weights.fc1_weight, groups, h, {weights.fc1_bias, {}}, ctx);
     grouped_linear_dgrad(dy, weights.fc2_weight, groups, b.d_act, ctx);
     const bool need_act = grads.fc2_weight.grad.defined();
-    glu_backward(h, probs, b.d_act, groups, {b.d_fc1, grads.dprobs, need_act ? b.act : TensorView{}},
-                 spec.glu, ctx);
+    glu_backward(h, probs, b.d_act, groups,
+                 {b.d_fc1, grads.dprobs, need_act ? b.act : TensorView{}}, spec.glu, ctx);
     // y holds + p * b2, so dprobs also gets <b2_g, dy[r]>.
     if (grads.dprobs.defined() && weights.fc2_bias.defined())
       grouped_linear_dscales(dy, weights.fc2_bias, groups, grads.dprobs, /*accumulate=*/true, ctx);
@@ -153,7 +156,8 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
       grouped_linear_dbias(b.d_fc1, groups, grads.fc1_bias.grad, grads.fc1_bias.mode, {}, ctx);
     if (grads.fc1_weight.grad.defined())
       grouped_linear_wgrad(b.d_fc1, x, groups, grads.fc1_weight.grad, grads.fc1_weight.mode, ctx);
-    if (grads.dx.defined()) grouped_linear_dgrad(b.d_fc1, weights.fc1_weight, groups, grads.dx, ctx);
+    if (grads.dx.defined())
+      grouped_linear_dgrad(b.d_fc1, weights.fc1_weight, groups, grads.dx, ctx);
   });
 }
 

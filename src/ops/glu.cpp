@@ -11,8 +11,10 @@ namespace moe {
 
 const char* activation_name(GluActivation activation) {
   switch (activation) {
-    case GluActivation::kSwiGLU: return "swiglu";
-    case GluActivation::kClampedQGeGLU: return "clamped_qgeglu";
+    case GluActivation::kSwiGLU:
+      return "swiglu";
+    case GluActivation::kClampedQGeGLU:
+      return "clamped_qgeglu";
   }
   return "unknown";
 }
@@ -46,9 +48,12 @@ GluLayout GluLayout::parse(std::string_view text) {
 
 int64_t GluLayout::block_size(int64_t ffn) const {
   switch (kind_) {
-    case Kind::kHalves: return ffn;
-    case Kind::kPairs: return 1;
-    case Kind::kBlocks: return block_;
+    case Kind::kHalves:
+      return ffn;
+    case Kind::kPairs:
+      return 1;
+    case Kind::kBlocks:
+      return block_;
   }
   return 0;
 }
@@ -64,9 +69,12 @@ int64_t GluLayout::linear_column(int64_t j, int64_t ffn) const {
 
 std::string GluLayout::name() const {
   switch (kind_) {
-    case Kind::kHalves: return "halves";
-    case Kind::kPairs: return "pairs";
-    case Kind::kBlocks: return "blocks:" + std::to_string(block_);
+    case Kind::kHalves:
+      return "halves";
+    case Kind::kPairs:
+      return "pairs";
+    case Kind::kBlocks:
+      return "blocks:" + std::to_string(block_);
   }
   return "unknown";
 }
@@ -79,7 +87,6 @@ std::string describe(const GluSpec& spec) {
   os << ", " << spec.layout.name();
   return os.str();
 }
-
 
 void glu_forward(const TensorView& h, const TensorView& probs, const GroupLayout& groups,
                  const TensorView& out, const GluSpec& spec, const ExecContext&) {

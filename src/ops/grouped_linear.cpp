@@ -8,9 +8,12 @@ namespace moe {
 
 const char* grad_mode_name(GradMode mode) {
   switch (mode) {
-    case GradMode::kWrite: return "write";
-    case GradMode::kAccumulate: return "accumulate";
-    case GradMode::kOverwrite: return "overwrite";
+    case GradMode::kWrite:
+      return "write";
+    case GradMode::kAccumulate:
+      return "accumulate";
+    case GradMode::kOverwrite:
+      return "overwrite";
   }
   return "unknown";
 }
@@ -27,7 +30,8 @@ void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
   if (bias.bias.defined()) v.param("bias", bias.bias, {N}, "[N]");
   if (bias.row_scale.defined()) {
     if (!bias.bias.defined())
-      v.fail(ErrorCode::kInvalidArgument, "row_scale (scale_bias) is given but there is no bias to scale");
+      v.fail(ErrorCode::kInvalidArgument,
+             "row_scale (scale_bias) is given but there is no bias to scale");
     v.row_scale("row_scale", bias.row_scale);
   }
   ops::dispatch(v, [&] { cpu::grouped_linear_forward(x, weight, groups, y, bias); });

@@ -7,7 +7,8 @@ namespace moe::ops {
 
 Validator::Validator(const char* op, const GroupLayout& groups) : op_(op), groups_(&groups) {
   if (!groups.defined())
-    throw_error(ErrorCode::kInvalidArgument, op, ": the group layout is undefined; build it with "
+    throw_error(ErrorCode::kInvalidArgument, op,
+                ": the group layout is undefined; build it with "
                 "GroupLayout::compute(splits, capacity, offsets, ...)");
   device_ = groups.device();
 }
@@ -18,8 +19,10 @@ void Validator::float_dtype(const char* name, DType dtype) const {
     fail(ErrorCode::kDType, name, ": ", dtype_name(dtype),
          " is reserved for the FP8 GEMMs and not supported yet; expected float32, bfloat16, "
          "float16 or float64");
-  fail(ErrorCode::kDType, name, ": expected a float tensor (float32, bfloat16, float16 or "
-       "float64), got ", dtype_name(dtype));
+  fail(ErrorCode::kDType, name,
+       ": expected a float tensor (float32, bfloat16, float16 or "
+       "float64), got ",
+       dtype_name(dtype));
 }
 
 void Validator::on_device(const char* name, const TensorView& t) const {
@@ -37,11 +40,14 @@ void Validator::aligned(const char* name, const TensorView& t) const {
 
 void Validator::matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols,
                        const char* dims) const {
-  if (!t.defined()) fail(ErrorCode::kInvalidArgument, name, ": required tensor ", dims, " is undefined");
-  if (t.dim() != 2) fail(ErrorCode::kShape, name, ": expected a 2-D ", dims, " tensor, got ", t.describe());
+  if (!t.defined())
+    fail(ErrorCode::kInvalidArgument, name, ": required tensor ", dims, " is undefined");
+  if (t.dim() != 2)
+    fail(ErrorCode::kShape, name, ": expected a 2-D ", dims, " tensor, got ", t.describe());
   if ((rows >= 0 && t.size(0) != rows) || (cols >= 0 && t.size(1) != cols))
-    fail(ErrorCode::kShape, name, ": expected ", dims, " = [", rows >= 0 ? std::to_string(rows) : "*",
-         ", ", cols >= 0 ? std::to_string(cols) : "*", "], got ", t.describe());
+    fail(ErrorCode::kShape, name, ": expected ", dims, " = [",
+         rows >= 0 ? std::to_string(rows) : "*", ", ", cols >= 0 ? std::to_string(cols) : "*",
+         "], got ", t.describe());
   float_dtype(name, t.dtype());
   on_device(name, t);
   if (t.size(1) > 1 && t.stride(1) != 1)
@@ -51,26 +57,31 @@ void Validator::matrix(const char* name, const TensorView& t, int64_t rows, int6
 }
 
 void Validator::vector(const char* name, const TensorView& t, int64_t n, const char* dims) const {
-  if (!t.defined()) fail(ErrorCode::kInvalidArgument, name, ": required tensor ", dims, " is undefined");
+  if (!t.defined())
+    fail(ErrorCode::kInvalidArgument, name, ": required tensor ", dims, " is undefined");
   if (t.dim() != 1 || t.size(0) != n)
-    fail(ErrorCode::kShape, name, ": expected a 1-D ", dims, " = [", n, "] tensor, got ", t.describe());
+    fail(ErrorCode::kShape, name, ": expected a 1-D ", dims, " = [", n, "] tensor, got ",
+         t.describe());
   float_dtype(name, t.dtype());
   on_device(name, t);
-  if (!t.is_contiguous()) fail(ErrorCode::kShape, name, ": expected a contiguous tensor, got ", t.describe());
+  if (!t.is_contiguous())
+    fail(ErrorCode::kShape, name, ": expected a contiguous tensor, got ", t.describe());
   aligned(name, t);
 }
 
 void Validator::row_scale(const char* name, const TensorView& t) const {
   vector(name, t, capacity(), "[T]");
-  const bool ok = t.dtype() == DType::kFloat32 || (device_.is_cpu() && t.dtype() == DType::kFloat64);
+  const bool ok =
+      t.dtype() == DType::kFloat32 || (device_.is_cpu() && t.dtype() == DType::kFloat64);
   if (!ok)
-    fail(ErrorCode::kDType, name, ": expected float32", device_.is_cpu() ? " (or float64 on the CPU)" : "",
-         ", got ", dtype_name(t.dtype()));
+    fail(ErrorCode::kDType, name, ": expected float32",
+         device_.is_cpu() ? " (or float64 on the CPU)" : "", ", got ", dtype_name(t.dtype()));
 }
 
 void Validator::param(const char* name, const GroupedParam& p, const Shape& expert_shape,
                       const char* dims) const {
-  if (!p.defined()) fail(ErrorCode::kInvalidArgument, name, ": required per-expert tensor ", dims, " is undefined");
+  if (!p.defined())
+    fail(ErrorCode::kInvalidArgument, name, ": required per-expert tensor ", dims, " is undefined");
   if (p.num_groups() != num_groups())
     fail(ErrorCode::kGroupMismatch, name, " has G = ", p.num_groups(),
          " experts but the group layout has G = ", num_groups());
@@ -102,8 +113,8 @@ void Validator::grad_target(const char* name, const GroupedParam& p, GradMode mo
 void Validator::workspace(const Workspace& ws, size_t bytes, const char* size_function) const {
   if (bytes == 0) return;
   if (ws.data == nullptr || ws.bytes < bytes)
-    fail(ErrorCode::kWorkspace, "the workspace holds ", ws.data ? ws.bytes : 0, " bytes but ", bytes,
-         " are needed; size it with ", size_function, "(...)");
+    fail(ErrorCode::kWorkspace, "the workspace holds ", ws.data ? ws.bytes : 0, " bytes but ",
+         bytes, " are needed; size it with ", size_function, "(...)");
   if (!(ws.device == device_))
     fail(ErrorCode::kDevice, "the workspace is on ", to_string(ws.device),
          "; expected the group layout's device ", to_string(device_));
@@ -113,13 +124,14 @@ void Validator::glu_spec(const GluSpec& spec, int64_t ffn) const {
   const int64_t s = spec.layout.block_size(ffn);
   if (ffn > 0 && ffn % s != 0)
     fail(ErrorCode::kShape, "GLU layout ", spec.layout.name(), " needs F divisible by ", s,
-           ", got F = ", ffn);
+         ", got F = ", ffn);
   if (spec.activation == GluActivation::kClampedQGeGLU) {
     if (!(spec.limit > 0) || std::isnan(spec.limit))
       fail(ErrorCode::kInvalidArgument, "clamped_qgeglu limit must be > 0, got ", spec.limit);
     if (!std::isfinite(spec.alpha) || !std::isfinite(spec.offset))
-      fail(ErrorCode::kInvalidArgument, "clamped_qgeglu alpha and offset must be finite, got alpha = ",
-             spec.alpha, ", offset = ", spec.offset);
+      fail(ErrorCode::kInvalidArgument,
+           "clamped_qgeglu alpha and offset must be finite, got alpha = ", spec.alpha,
+           ", offset = ", spec.offset);
   }
 }
 

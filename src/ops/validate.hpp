@@ -2,8 +2,8 @@
 // what was expected and what was given.
 #pragma once
 
-#include <initializer_list>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "moe_engine/error.hpp"
@@ -33,13 +33,15 @@ class Validator {
 
   // A 2-D [rows, cols] tensor of a compute float dtype, unit column stride, on the device.
   // rows/cols < 0: any extent. `dims` names the expected shape, e.g. "[T, K]".
-  void matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols, const char* dims) const;
+  void matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols,
+              const char* dims) const;
   // A contiguous 1-D [n] tensor of a compute float dtype on the device.
   void vector(const char* name, const TensorView& t, int64_t n, const char* dims) const;
   // A per-row scale (router probs): [T], float32 (float64 too on the CPU backend).
   void row_scale(const char* name, const TensorView& t) const;
   // A per-expert tensor with G experts of shape `expert_shape` on the device.
-  void param(const char* name, const GroupedParam& p, const Shape& expert_shape, const char* dims) const;
+  void param(const char* name, const GroupedParam& p, const Shape& expert_shape,
+             const char* dims) const;
   // `b` has the dtype of `a`.
   void same_dtype(const char* name_b, DType b, const char* name_a, DType a) const;
   // float32 main_grad for accumulate / overwrite.

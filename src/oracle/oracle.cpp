@@ -22,7 +22,8 @@ int64_t total_rows(const Splits& splits) {
 // The expert that owns each of the sum(splits) rows.
 std::vector<int64_t> expert_of_rows(const Splits& splits) {
   std::vector<int64_t> owner;
-  for (size_t g = 0; g < splits.size(); ++g) owner.insert(owner.end(), size_t(splits[g]), int64_t(g));
+  for (size_t g = 0; g < splits.size(); ++g)
+    owner.insert(owner.end(), size_t(splits[g]), int64_t(g));
   return owner;
 }
 
@@ -34,8 +35,10 @@ struct Columns {
 
 Columns glu_columns(const GluLayout& layout, int64_t j, int64_t ffn) {
   switch (layout.kind()) {
-    case GluLayout::Kind::kHalves: return {j, ffn + j};
-    case GluLayout::Kind::kPairs: return {2 * j, 2 * j + 1};
+    case GluLayout::Kind::kHalves:
+      return {j, ffn + j};
+    case GluLayout::Kind::kPairs:
+      return {2 * j, 2 * j + 1};
     case GluLayout::Kind::kBlocks: {
       const int64_t s = layout.block(), block = j / s, within = j % s;
       return {block * 2 * s + within, block * 2 * s + s + within};
@@ -71,11 +74,16 @@ void activation_grad(const GluSpec& spec, double gate, double linear, double& d_
 
 double read(const TensorView& t, int64_t offset) {
   switch (t.dtype()) {
-    case DType::kFloat64: return static_cast<const double*>(t.data())[offset];
-    case DType::kFloat32: return static_cast<const float*>(t.data())[offset];
-    case DType::kBFloat16: return double(float(static_cast<const BFloat16*>(t.data())[offset]));
-    case DType::kFloat16: return double(float(static_cast<const Float16*>(t.data())[offset]));
-    default: throw_error(ErrorCode::kDType, "oracle: cannot read ", dtype_name(t.dtype()));
+    case DType::kFloat64:
+      return static_cast<const double*>(t.data())[offset];
+    case DType::kFloat32:
+      return static_cast<const float*>(t.data())[offset];
+    case DType::kBFloat16:
+      return double(float(static_cast<const BFloat16*>(t.data())[offset]));
+    case DType::kFloat16:
+      return double(float(static_cast<const Float16*>(t.data())[offset]));
+    default:
+      throw_error(ErrorCode::kDType, "oracle: cannot read ", dtype_name(t.dtype()));
   }
 }
 
@@ -218,8 +226,8 @@ Matrix glu_forward(const Matrix& h, const Vector& probs, const GluSpec& spec) {
   for (int64_t r = 0; r < h.rows; ++r)
     for (int64_t j = 0; j < F; ++j) {
       const Columns c = glu_columns(spec.layout, j, F);
-      out(r, j) = activation(spec, h(r, c.gate), h(r, c.linear)) *
-                  (probs.empty() ? 1.0 : probs[size_t(r)]);
+      out(r, j) =
+          activation(spec, h(r, c.gate), h(r, c.linear)) * (probs.empty() ? 1.0 : probs[size_t(r)]);
     }
   return out;
 }

@@ -11,8 +11,9 @@ TEST(DType, SizesNamesAndAliases) {
   EXPECT_EQ(dtype_size(DType::kBFloat16), 2u);
   EXPECT_EQ(dtype_size(DType::kFloat8E4M3), 1u);
   EXPECT_EQ(dtype_size(DType::kInt64), 8u);
-  for (DType d : {DType::kFloat64, DType::kFloat32, DType::kBFloat16, DType::kFloat16,
-                  DType::kFloat8E4M3, DType::kFloat8E5M2, DType::kInt64, DType::kInt32, DType::kUInt8})
+  for (DType d :
+       {DType::kFloat64, DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat8E4M3,
+        DType::kFloat8E5M2, DType::kInt64, DType::kInt32, DType::kUInt8})
     EXPECT_EQ(dtype_from_name(dtype_name(d)), d);
   EXPECT_EQ(dtype_from_name("bf16"), DType::kBFloat16);
   EXPECT_EQ(dtype_from_name("fp16"), DType::kFloat16);
@@ -63,8 +64,8 @@ TEST(DType, Float16ConversionIsExactAndRoundsToNearestEven) {
   EXPECT_EQ(Float16(65504.0f).bits, 0x7bff);
   EXPECT_EQ(Float16(65519.0f).bits, 0x7bff);
   EXPECT_EQ(Float16(65520.0f).bits, 0x7c00);                  // ties to even: inf
-  EXPECT_EQ(Float16(5.9604644775390625e-08f).bits, 0x0001);  // smallest subnormal
-  EXPECT_EQ(Float16(2.98023223876953125e-08f).bits, 0x0000); // half of it: ties to even (0)
+  EXPECT_EQ(Float16(5.9604644775390625e-08f).bits, 0x0001);   // smallest subnormal
+  EXPECT_EQ(Float16(2.98023223876953125e-08f).bits, 0x0000);  // half of it: ties to even (0)
   EXPECT_EQ(Float16(-0.0f).bits, 0x8000);
 }
 
@@ -74,7 +75,8 @@ TEST(Device, NamesRoundTrip) {
   EXPECT_EQ(parse_device("cuda:3"), Device::cuda(3));
   EXPECT_EQ(parse_device("cuda"), Device::cuda(0));
   EXPECT_EQ(parse_device("cpu"), Device::cpu());
-  EXPECT_MOE_ERROR(parse_device("gpu"), ErrorCode::kInvalidArgument, "expected cpu, cuda or cuda:N");
+  EXPECT_MOE_ERROR(parse_device("gpu"), ErrorCode::kInvalidArgument,
+                   "expected cpu, cuda or cuda:N");
   EXPECT_MOE_ERROR(parse_device("cuda:x"), ErrorCode::kInvalidArgument, "unknown device 'cuda:x'");
 }
 
@@ -159,8 +161,7 @@ TEST(GroupLayout, CpuOffsetsAreTheExclusivePrefixSum) {
 
 TEST(GroupLayout, BadSplitsAndArgumentsAreClearErrors) {
   auto make = [](std::vector<int64_t> s, int64_t cap) { Routing r(std::move(s), cap); };
-  EXPECT_MOE_ERROR(make({2, -3, 1}, 10), ErrorCode::kInvalidArgument,
-                   "splits[1] = -3 is negative");
+  EXPECT_MOE_ERROR(make({2, -3, 1}, 10), ErrorCode::kInvalidArgument, "splits[1] = -3 is negative");
   EXPECT_MOE_ERROR(make({4, 4, 4}, 10), ErrorCode::kInvalidArgument,
                    "sum(splits) exceeds the buffer capacity T = 10 at expert 2");
   Tensor fsplits = Tensor::empty({2}, DType::kFloat32);
@@ -187,8 +188,7 @@ TEST(DeviceErrorFlag, CpuRecordDescribesAndClears) {
   *flag.record() = DeviceErrorRecord{kNegativeSplit | kSplitsExceedCapacity, 4, -2, 130, 128};
   EXPECT_MOE_ERROR(flag.check(), ErrorCode::kDeviceReported, "splits[4] = -2 is negative");
   EXPECT_NO_THROW(flag.check());  // cleared by the first check
-  const std::string text =
-      describe_device_errors({kSplitsExceedCapacity, -1, 0, 130, 128});
+  const std::string text = describe_device_errors({kSplitsExceedCapacity, -1, 0, 130, 128});
   EXPECT_NE(text.find("sum(splits) = 130 exceeds the buffer capacity T = 128"), std::string::npos);
 }
 

@@ -41,7 +41,8 @@ MlpProblem make_problem(Rng& rng, std::vector<int64_t> splits, int64_t T, int64_
     m.b1 = random_tensor({G, 2 * F}, dt, rng, 0.5);
     m.b2 = random_tensor({G, H}, dt, rng, 0.5);
   }
-  if (probs) m.p = uniform_tensor({T}, dt == DType::kFloat64 ? dt : DType::kFloat32, rng, 0.05, 1.0);
+  if (probs)
+    m.p = uniform_tensor({T}, dt == DType::kFloat64 ? dt : DType::kFloat32, rng, 0.05, 1.0);
   m.dy = random_tensor({T, H}, dt, rng);
   return m;
 }
@@ -53,7 +54,9 @@ struct MlpRun {
 
 Tensor workspace_for(size_t bytes) { return Tensor::empty({int64_t(bytes)}, DType::kUInt8); }
 
-ExecContext ctx_with(const Tensor& ws) { return ExecContext{nullptr, {ws.data(), ws.nbytes(), Device::cpu()}}; }
+ExecContext ctx_with(const Tensor& ws) {
+  return ExecContext{nullptr, {ws.data(), ws.nbytes(), Device::cpu()}};
+}
 
 // Forward + backward; gradients in float32 (write mode), stored packed or per expert.
 MlpRun run(const MlpProblem& m, bool per_expert, bool save_fc1_out) {
@@ -84,16 +87,21 @@ MlpRun run(const MlpProblem& m, bool per_expert, bool save_fc1_out) {
   grads.fc1_bias = {r.db1.param, GradMode::kWrite};
   grads.fc2_bias = {r.db2.param, GradMode::kWrite};
   Tensor bws = workspace_for(expert_mlp_backward_workspace_size(T, H, F, m.dt, !save_fc1_out));
-  expert_mlp_backward(m.dy, m.x, m.p, weights, m.routing.layout, r.fc1_out, grads, spec, ctx_with(bws));
+  expert_mlp_backward(m.dy, m.x, m.p, weights, m.routing.layout, r.fc1_out, grads, spec,
+                      ctx_with(bws));
   return r;
 }
 
 double mlp_tolerance(DType dt) {
   switch (dt) {
-    case DType::kBFloat16: return 1e-2;  // bf16 intermediates (h, act) add to the output rounding
-    case DType::kFloat16: return 6e-3;
-    case DType::kFloat32: return 1e-4;
-    default: return 1e-10;
+    case DType::kBFloat16:
+      return 1e-2;  // bf16 intermediates (h, act) add to the output rounding
+    case DType::kFloat16:
+      return 6e-3;
+    case DType::kFloat32:
+      return 1e-4;
+    default:
+      return 1e-10;
   }
 }
 
@@ -107,7 +115,8 @@ void expect_matches_oracle(const MlpProblem& m, const MlpRun& r) {
   const auto g = oracle::mlp_backward(head(oracle::to_matrix(m.dy), rows), xm, probs, params,
                                       m.routing.splits, m.glu);
   EXPECT_LE(oracle::rel_error(oracle::to_matrix(r.y), f.y), tol) << "y";
-  if (r.fc1_out.defined()) EXPECT_LE(oracle::rel_error(oracle::to_matrix(r.fc1_out), f.h), tol) << "fc1_out";
+  if (r.fc1_out.defined())
+    EXPECT_LE(oracle::rel_error(oracle::to_matrix(r.fc1_out), f.h), tol) << "fc1_out";
   EXPECT_LE(oracle::rel_error(oracle::to_matrix(r.dx), g.dx), tol) << "dx";
   EXPECT_LE(oracle::rel_error(oracle::to_matrices(r.dw1.param), g.dw1), tol) << "dw1";
   EXPECT_LE(oracle::rel_error(oracle::to_matrices(r.dw2.param), g.dw2), tol) << "dw2";
@@ -121,7 +130,8 @@ void expect_matches_oracle(const MlpProblem& m, const MlpRun& r) {
   };
   if (m.b1.defined()) EXPECT_LE(oracle::rel_error(bias_matrix(r.db1.param), g.db1), tol) << "db1";
   if (m.b2.defined()) EXPECT_LE(oracle::rel_error(bias_matrix(r.db2.param), g.db2), tol) << "db2";
-  if (m.p.defined()) EXPECT_LE(oracle::rel_error(oracle::to_vector(r.dprobs), g.dprobs), tol) << "dprobs";
+  if (m.p.defined())
+    EXPECT_LE(oracle::rel_error(oracle::to_vector(r.dprobs), g.dprobs), tol) << "dprobs";
   // Rows past sum(splits) are never written.
   EXPECT_TRUE(tail_untouched(r.y, rows)) << "y tail";
   EXPECT_TRUE(tail_untouched(r.dx, rows)) << "dx tail";
@@ -150,7 +160,8 @@ TEST_P(ExpertMlp, MatchesOracleForEveryActivationLayoutBiasAndProbs) {
           // bf16/fp16 round the pre-activation, so values near the clamp could land on its
           // other side; past-the-clamp values are exercised in float32/float64.
           const double fc1_scale = (dt == DType::kFloat32 || dt == DType::kFloat64) ? 4.0 : 1.0;
-          const MlpProblem m = make_problem(rng, {0, 13, 1, 29}, 50, 40, 24, dt, spec, bias, probs, fc1_scale);
+          const MlpProblem m =
+              make_problem(rng, {0, 13, 1, 29}, 50, 40, 24, dt, spec, bias, probs, fc1_scale);
           expect_matches_oracle(m, run(m, /*per_expert=*/false, /*save_fc1_out=*/true));
         }
 }
@@ -180,8 +191,10 @@ TEST_P(ExpertMlp, RecomputeAndPerExpertAreBitIdentical) {
   const GluSpec spec = glu(GluActivation::kClampedQGeGLU, GluLayout::blocks(4));
   const MlpProblem m = make_problem(rng, {9, 0, 1, 30}, 48, 32, 16, dt, spec, true, true);
   const MlpRun base = run(m, false, true);
-  for (auto [per_expert, save] : {std::pair{false, false}, std::pair{true, true}, std::pair{true, false}}) {
-    SCOPED_TRACE(std::string(per_expert ? "per-expert" : "packed") + (save ? ", saved" : ", recompute"));
+  for (auto [per_expert, save] :
+       {std::pair{false, false}, std::pair{true, true}, std::pair{true, false}}) {
+    SCOPED_TRACE(std::string(per_expert ? "per-expert" : "packed") +
+                 (save ? ", saved" : ", recompute"));
     const MlpRun r = run(m, per_expert, save);
     EXPECT_TRUE(bitwise_equal(r.y, base.y));
     EXPECT_TRUE(bitwise_equal(r.dx, base.dx));
@@ -216,8 +229,10 @@ TEST(ExpertMlpGradModes, AccumulateTwiceIsTwiceAndOverwriteReplaces) {
   Tensor bws = workspace_for(expert_mlp_backward_workspace_size(T, H, F, m.dt, false));
   for (GradMode mode : {GradMode::kAccumulate, GradMode::kOverwrite}) {
     SCOPED_TRACE(grad_mode_name(mode));
-    Tensor mg1 = Tensor::zeros({G, 2 * F, H}, DType::kFloat32), mg2 = Tensor::zeros({G, H, F}, DType::kFloat32);
-    Tensor mb1 = Tensor::zeros({G, 2 * F}, DType::kFloat32), mb2 = Tensor::zeros({G, H}, DType::kFloat32);
+    Tensor mg1 = Tensor::zeros({G, 2 * F, H}, DType::kFloat32),
+           mg2 = Tensor::zeros({G, H, F}, DType::kFloat32);
+    Tensor mb1 = Tensor::zeros({G, 2 * F}, DType::kFloat32),
+           mb2 = Tensor::zeros({G, H}, DType::kFloat32);
     if (mode == GradMode::kOverwrite)
       for (const Tensor* t : {&mg1, &mg2, &mb1, &mb2}) fill_bytes(*t, kPoison);
     ExpertMlpGrads grads;
@@ -226,7 +241,8 @@ TEST(ExpertMlpGradModes, AccumulateTwiceIsTwiceAndOverwriteReplaces) {
     grads.fc1_bias = {GroupedParam::packed(mb1), mode};
     grads.fc2_bias = {GroupedParam::packed(mb2), mode};
     for (int step = 0; step < 2; ++step)
-      expert_mlp_backward(m.dy, m.x, m.p, weights, m.routing.layout, fc1_out, grads, {spec}, ctx_with(bws));
+      expert_mlp_backward(m.dy, m.x, m.p, weights, m.routing.layout, fc1_out, grads, {spec},
+                          ctx_with(bws));
     const double factor = mode == GradMode::kAccumulate ? 2.0 : 1.0;
     auto check = [&](const Tensor& got, const GroupedParam& one, const char* what) {
       for (int64_t g = 0; g < G; ++g) {
@@ -262,17 +278,20 @@ TEST(ExpertMlpBackward, AgreesWithFiniteDifferences) {
         expert_mlp_forward(m.x, m.p, weights, m.routing.layout, y, h, {spec}, ctx_with(fws));
         if (fc1_out) *fc1_out = h;
         double l = 0;
-        for (int64_t i = 0; i < m.routing.rows() * H; ++i) l += y.data_as<double>()[i] * m.dy.data_as<double>()[i];
+        for (int64_t i = 0; i < m.routing.rows() * H; ++i)
+          l += y.data_as<double>()[i] * m.dy.data_as<double>()[i];
         return l;
       };
       Tensor h;
       loss(&h);
       for (int64_t i = 0; i < m.routing.rows() * 2 * F; ++i)  // stay clear of the clamp kinks
-        ASSERT_GT(std::abs(std::abs(h.data_as<double>()[i]) - spec.limit), 1e-4) << "resample: kink";
+        ASSERT_GT(std::abs(std::abs(h.data_as<double>()[i]) - spec.limit), 1e-4)
+            << "resample: kink";
       const MlpRun r = run(m, false, true);
       const double eps = 1e-6;
       int64_t checked = 0;
-      auto check = [&](const Tensor& param, const TensorView& grad, int64_t count, const char* what) {
+      auto check = [&](const Tensor& param, const TensorView& grad, int64_t count,
+                       const char* what) {
         for (int64_t i = 0; i < count; ++i) {
           double& v = param.data_as<double>()[i];
           const double saved = v;
@@ -282,7 +301,8 @@ TEST(ExpertMlpBackward, AgreesWithFiniteDifferences) {
           const double down = loss(nullptr);
           v = saved;
           const double numeric = (up - down) / (2 * eps);
-          EXPECT_NEAR(grad.data_as<double>()[i], numeric, 1e-6 * (1 + std::abs(numeric))) << what << "[" << i << "]";
+          EXPECT_NEAR(grad.data_as<double>()[i], numeric, 1e-6 * (1 + std::abs(numeric)))
+              << what << "[" << i << "]";
           ++checked;
         }
       };
@@ -305,7 +325,8 @@ TEST(ExpertMlpWorkspace, ExactSizeWorksOneByteLessIsAClearError) {
   EXPECT_GT(need, expert_mlp_forward_workspace_size(8, 16, 8, DType::kBFloat16, true));
   Tensor ws = workspace_for(need);
   Tensor y = poisoned({8, 16}, DType::kBFloat16);
-  EXPECT_NO_THROW(expert_mlp_forward(m.x, {}, weights, m.routing.layout, y, {}, {spec}, ctx_with(ws)));
+  EXPECT_NO_THROW(
+      expert_mlp_forward(m.x, {}, weights, m.routing.layout, y, {}, {spec}, ctx_with(ws)));
   const ExecContext small{nullptr, {ws.data(), need - 1, Device::cpu()}};
   EXPECT_MOE_ERROR(expert_mlp_forward(m.x, {}, weights, m.routing.layout, y, {}, {spec}, small),
                    ErrorCode::kWorkspace, "size it with expert_mlp_forward_workspace_size");

@@ -38,10 +38,13 @@ TEST(GluLayout, ColumnMapsAndNames) {
     }
     for (int v : seen) EXPECT_EQ(v, 1) << l.name();
   }
-  EXPECT_MOE_ERROR(GluLayout::parse("blocks:0"), ErrorCode::kInvalidArgument, "expected halves, pairs or blocks:S");
-  EXPECT_MOE_ERROR(GluLayout::parse("interleaved"), ErrorCode::kInvalidArgument, "unknown GLU layout 'interleaved'");
+  EXPECT_MOE_ERROR(GluLayout::parse("blocks:0"), ErrorCode::kInvalidArgument,
+                   "expected halves, pairs or blocks:S");
+  EXPECT_MOE_ERROR(GluLayout::parse("interleaved"), ErrorCode::kInvalidArgument,
+                   "unknown GLU layout 'interleaved'");
   EXPECT_EQ(parse_activation("clamped_qgeglu"), GluActivation::kClampedQGeGLU);
-  EXPECT_MOE_ERROR(parse_activation("gelu"), ErrorCode::kInvalidArgument, "expected swiglu or clamped_qgeglu");
+  EXPECT_MOE_ERROR(parse_activation("gelu"), ErrorCode::kInvalidArgument,
+                   "expected swiglu or clamped_qgeglu");
   EXPECT_EQ(describe(spec_of(GluActivation::kClampedQGeGLU, GluLayout::blocks(32))),
             "clamped_qgeglu(limit=7, alpha=1.702, offset=1), blocks:32");
 }
@@ -66,7 +69,8 @@ TEST_P(Glu, ForwardAndBackwardMatchOracle) {
         Tensor p = uniform_tensor({T}, DType::kFloat32, rng, 0.0, 1.0);
         const TensorView probs = with_probs ? TensorView(p) : TensorView();
         // The oracle sees only the rows that belong to experts.
-        const oracle::Vector pv = with_probs ? head(oracle::to_vector(p), r.rows()) : oracle::Vector{};
+        const oracle::Vector pv =
+            with_probs ? head(oracle::to_vector(p), r.rows()) : oracle::Vector{};
         const oracle::Matrix hm = head(oracle::to_matrix(h), r.rows());
         const oracle::Matrix dm = head(oracle::to_matrix(d_out), r.rows());
 
@@ -84,9 +88,11 @@ TEST_P(Glu, ForwardAndBackwardMatchOracle) {
         const auto g = oracle::glu_backward(hm, pv, dm, spec);
         EXPECT_LE(oracle::rel_error(oracle::to_matrix(dh), g.dh), tolerance(dt));
         EXPECT_TRUE(tail_untouched(dh, r.rows()));
-        EXPECT_TRUE(bitwise_equal(out2, out)) << "backward's recomputed output differs from forward";
+        EXPECT_TRUE(bitwise_equal(out2, out))
+            << "backward's recomputed output differs from forward";
         if (with_probs) {
-          EXPECT_LE(oracle::rel_error(oracle::to_vector(dprobs), g.dprobs), std::max(tolerance(dt), 1e-5));
+          EXPECT_LE(oracle::rel_error(oracle::to_vector(dprobs), g.dprobs),
+                    std::max(tolerance(dt), 1e-5));
           EXPECT_TRUE(tail_untouched(dprobs, r.rows()));
         }
       }
@@ -107,11 +113,13 @@ TEST(GluLayouts, IdenticalAfterColumnPermutation) {
     Tensor d_out = random_tensor({T, F}, DType::kBFloat16, rng);
     Tensor p = uniform_tensor({T}, DType::kFloat32, rng, 0.0, 1.0);
     const GluSpec halves = spec_of(act, GluLayout::halves());
-    Tensor out_h = poisoned({T, F}, DType::kBFloat16), dh_h = poisoned({T, 2 * F}, DType::kBFloat16);
+    Tensor out_h = poisoned({T, F}, DType::kBFloat16),
+           dh_h = poisoned({T, 2 * F}, DType::kBFloat16);
     Tensor dp_h = poisoned({T}, DType::kFloat32);
     glu_forward(h, p, r.layout, out_h, halves);
     glu_backward(h, p, d_out, r.layout, {dh_h, dp_h, {}}, halves);
-    for (const GluLayout& layout : {GluLayout::pairs(), GluLayout::blocks(32), GluLayout::blocks(3)}) {
+    for (const GluLayout& layout :
+         {GluLayout::pairs(), GluLayout::blocks(32), GluLayout::blocks(3)}) {
       SCOPED_TRACE(layout.name());
       const GluSpec spec = spec_of(act, layout);
       // Move column j of each half to where `layout` keeps it.
@@ -177,7 +185,8 @@ TEST(GluBackward, AgreesWithFiniteDifferences) {
   const int64_t F = 6, T = 5;
   Routing r({2, 0, 3}, T);
   for (GluActivation act : kActivations)
-    for (const GluLayout& layout : {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(2)}) {
+    for (const GluLayout& layout :
+         {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(2)}) {
       SCOPED_TRACE(describe(spec_of(act, layout)));
       const GluSpec spec = spec_of(act, layout);
       Tensor h = wide_tensor({T, 2 * F}, DType::kFloat64, rng);
@@ -191,7 +200,8 @@ TEST(GluBackward, AgreesWithFiniteDifferences) {
         Tensor out = Tensor::zeros({T, F}, DType::kFloat64);
         glu_forward(h, p, r.layout, out, spec);
         double l = 0;
-        for (int64_t i = 0; i < out.numel(); ++i) l += out.data_as<double>()[i] * R.data_as<double>()[i];
+        for (int64_t i = 0; i < out.numel(); ++i)
+          l += out.data_as<double>()[i] * R.data_as<double>()[i];
         return l;
       };
       Tensor dh = Tensor::zeros({T, 2 * F}, DType::kFloat64);
@@ -210,7 +220,8 @@ TEST(GluBackward, AgreesWithFiniteDifferences) {
       };
       for (int64_t i = 0; i < r.rows() * 2 * F; ++i)
         check(h.data_as<double>() + i, dh.data_as<double>()[i], "dh", i);
-      for (int64_t i = 0; i < r.rows(); ++i) check(p.data_as<double>() + i, dp.data_as<double>()[i], "dprobs", i);
+      for (int64_t i = 0; i < r.rows(); ++i)
+        check(p.data_as<double>() + i, dp.data_as<double>()[i], "dprobs", i);
     }
 }
 

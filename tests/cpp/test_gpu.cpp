@@ -72,7 +72,8 @@ TEST_F(Gpu, OffsetsMatchTheCpuForManyShapes) {
       EXPECT_NO_THROW(flag.check());
       Tensor host = to_cpu(offsets);
       const auto expected = sanitized_offsets(s, sum + 5);
-      for (int64_t g = 0; g <= G; ++g) ASSERT_EQ(host.data_as<int64_t>()[g], expected[size_t(g)]) << g;
+      for (int64_t g = 0; g <= G; ++g)
+        ASSERT_EQ(host.data_as<int64_t>()[g], expected[size_t(g)]) << g;
     }
   }
 }
@@ -130,7 +131,8 @@ TEST_F(Gpu, OffsetsReplayFromACapturedGraphWithNewSplits) {
   CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
   GroupLayout::compute(splits, cap, offsets, &flag, stream);
   EXPECT_TRUE(stream_is_capturing(stream));
-  EXPECT_MOE_ERROR(flag.check(stream), ErrorCode::kInvalidArgument, "being captured into a CUDA graph");
+  EXPECT_MOE_ERROR(flag.check(stream), ErrorCode::kInvalidArgument,
+                   "being captured into a CUDA graph");
   CUDA_OK(cudaStreamEndCapture(stream, &graph));
   cudaGraphExec_t exec;
   CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
@@ -149,7 +151,8 @@ TEST_F(Gpu, OffsetsReplayFromACapturedGraphWithNewSplits) {
     synchronize(stream);
     EXPECT_TRUE(bitwise_equal(replayed, to_cpu(eager)));
     if (step == 3)
-      EXPECT_MOE_ERROR(flag.check(stream), ErrorCode::kDeviceReported, "splits[7] = -2 is negative");
+      EXPECT_MOE_ERROR(flag.check(stream), ErrorCode::kDeviceReported,
+                       "splits[7] = -2 is negative");
     else
       EXPECT_NO_THROW(flag.check(stream));
   }
@@ -167,7 +170,8 @@ TEST_F(Gpu, OpsWithoutCudaKernelsSaySo) {
   Tensor x = to_cuda(random_tensor({8, 16}, DType::kBFloat16, rng));
   Tensor w = to_cuda(random_tensor({2, 8, 16}, DType::kBFloat16, rng));
   Tensor y = Tensor::empty({8, 8}, DType::kBFloat16, Device::cuda(0));
-  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w), layout, y), ErrorCode::kNotImplemented,
+  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w), layout, y),
+                   ErrorCode::kNotImplemented,
                    "grouped_linear_forward: not implemented on cuda:0 yet");
   EXPECT_MOE_ERROR(GroupLayout::compute(splits, 8, offsets), ErrorCode::kInvalidArgument,
                    "on CUDA a DeviceErrorFlag is required");

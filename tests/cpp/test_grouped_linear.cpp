@@ -77,8 +77,8 @@ TEST_P(GroupedLinear, OutputDtypeMayDifferFromInput) {
   Tensor w = random_tensor({3, 8, 24}, dt, rng, 0.2);
   Tensor y = poisoned({16, 8}, DType::kFloat32);
   grouped_linear_forward(x, GroupedParam::packed(w), r.layout, y);
-  const auto ref = oracle::linear_forward(oracle::to_matrix(x),
-                                          oracle::to_matrices(GroupedParam::packed(w)), r.splits, {}, {});
+  const auto ref = oracle::linear_forward(
+      oracle::to_matrix(x), oracle::to_matrices(GroupedParam::packed(w)), r.splits, {}, {});
   EXPECT_LE(oracle::rel_error(oracle::to_matrix(y), ref), dt == DType::kFloat64 ? 1e-7 : 2e-5);
 }
 
@@ -125,15 +125,15 @@ TEST_P(GroupedLinear, WgradWriteAccumulateOverwrite) {
 
       // accumulate into a float32 main_grad: += ; empty experts untouched bit for bit
       Tensor start = random_tensor({G, c.n, c.k}, DType::kFloat32, rng);
-      for (int64_t i = 0; i < start.numel(); i += 3) start.data_as<float>()[i] = -0.0f;  // -0 + 0 = +0
+      for (int64_t i = 0; i < start.numel(); i += 3)
+        start.data_as<float>()[i] = -0.0f;  // -0 + 0 = +0
       OwnedParam main_grad(start.to(Device::cpu()), per_expert);
       grouped_linear_wgrad(dy, x, r.layout, main_grad.param, GradMode::kAccumulate);
       auto expected = oracle::to_matrices(GroupedParam::packed(start));
       for (int64_t g = 0; g < G; ++g)
         for (size_t i = 0; i < expected[size_t(g)].data.size(); ++i)
           expected[size_t(g)].data[i] += ref[size_t(g)].data[i];
-      EXPECT_LE(oracle::rel_error(oracle::to_matrices(main_grad.param), expected),
-                2e-5);
+      EXPECT_LE(oracle::rel_error(oracle::to_matrices(main_grad.param), expected), 2e-5);
       for (int64_t g = 0; g < G; ++g)
         if (r.splits[size_t(g)] == 0)
           EXPECT_TRUE(bitwise_equal(main_grad.param.expert(g), start.view().select(g)))
@@ -164,7 +164,8 @@ TEST_P(GroupedLinear, DbiasAndDscalesMatchOracle) {
     for (bool scaled : {false, true}) {
       OwnedParam db(poisoned({G, c.n}, DType::kFloat32), true);
       grouped_linear_dbias(dy, r.layout, db.param, GradMode::kWrite, scaled ? p : Tensor{});
-      const auto ref = oracle::linear_dbias(dym, r.splits, scaled ? oracle::to_vector(p) : oracle::Vector{});
+      const auto ref =
+          oracle::linear_dbias(dym, r.splits, scaled ? oracle::to_vector(p) : oracle::Vector{});
       oracle::Matrix got(G, c.n);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t n = 0; n < c.n; ++n) got(g, n) = oracle::to_matrix(db.param.expert(g))(n, 0);
@@ -192,8 +193,8 @@ TEST_P(GroupedLinear, StridedRowsAreHonoured) {
   Tensor w = random_tensor({2, 5, 24}, dt, rng, 0.2);
   Tensor y = poisoned({8, 5}, dt);
   grouped_linear_forward(x, GroupedParam::packed(w), r.layout, y);
-  const auto ref = oracle::linear_forward(oracle::to_matrix(x),
-                                          oracle::to_matrices(GroupedParam::packed(w)), r.splits, {}, {});
+  const auto ref = oracle::linear_forward(
+      oracle::to_matrix(x), oracle::to_matrices(GroupedParam::packed(w)), r.splits, {}, {});
   EXPECT_LE(oracle::rel_error(oracle::to_matrix(y), ref), tolerance(dt));
 }
 
@@ -208,8 +209,10 @@ TEST_P(GroupedLinear, Deterministic) {
   grouped_linear_forward(x, GroupedParam::packed(w), r.layout, y2);
   EXPECT_TRUE(bitwise_equal(y1, y2));
   Tensor d1 = poisoned({16, 80, 96}, DType::kFloat32), d2 = poisoned({16, 80, 96}, DType::kFloat32);
-  grouped_linear_wgrad(y1.view().reshape({700, 80}), x, r.layout, GroupedParam::packed(d1), GradMode::kWrite);
-  grouped_linear_wgrad(y2.view().reshape({700, 80}), x, r.layout, GroupedParam::packed(d2), GradMode::kWrite);
+  grouped_linear_wgrad(y1.view().reshape({700, 80}), x, r.layout, GroupedParam::packed(d1),
+                       GradMode::kWrite);
+  grouped_linear_wgrad(y2.view().reshape({700, 80}), x, r.layout, GroupedParam::packed(d2),
+                       GradMode::kWrite);
   EXPECT_TRUE(bitwise_equal(d1, d2));
 }
 

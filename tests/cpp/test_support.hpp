@@ -3,8 +3,8 @@
 
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -33,7 +33,9 @@ inline uint64_t test_seed() {
 struct Rng {
   std::mt19937_64 gen{test_seed()};
   double normal(double stddev = 1.0) { return std::normal_distribution<double>(0.0, stddev)(gen); }
-  double uniform(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(gen); }
+  double uniform(double lo, double hi) {
+    return std::uniform_real_distribution<double>(lo, hi)(gen);
+  }
   int64_t integer(int64_t lo, int64_t hi) {  // inclusive
     return std::uniform_int_distribution<int64_t>(lo, hi)(gen);
   }
@@ -42,11 +44,20 @@ struct Rng {
 // Writes value v into element i of a contiguous CPU tensor of any float dtype.
 inline void set_element(const TensorView& t, int64_t i, double v) {
   switch (t.dtype()) {
-    case DType::kFloat64: t.data_as<double>()[i] = v; break;
-    case DType::kFloat32: t.data_as<float>()[i] = float(v); break;
-    case DType::kBFloat16: t.data_as<BFloat16>()[i] = BFloat16(float(v)); break;
-    case DType::kFloat16: t.data_as<Float16>()[i] = Float16(float(v)); break;
-    default: FAIL() << "set_element: not a float dtype";
+    case DType::kFloat64:
+      t.data_as<double>()[i] = v;
+      break;
+    case DType::kFloat32:
+      t.data_as<float>()[i] = float(v);
+      break;
+    case DType::kBFloat16:
+      t.data_as<BFloat16>()[i] = BFloat16(float(v));
+      break;
+    case DType::kFloat16:
+      t.data_as<Float16>()[i] = Float16(float(v));
+      break;
+    default:
+      FAIL() << "set_element: not a float dtype";
   }
 }
 
@@ -74,7 +85,8 @@ inline Tensor poisoned(Shape shape, DType dtype) {
 
 // True if every byte of rows [from_row, rows) of a contiguous CPU tensor is still poison.
 inline bool tail_untouched(const TensorView& t, int64_t from_row) {
-  const int64_t row_bytes = t.dim() >= 2 ? t.size(1) * int64_t(t.element_size()) : int64_t(t.element_size());
+  const int64_t row_bytes =
+      t.dim() >= 2 ? t.size(1) * int64_t(t.element_size()) : int64_t(t.element_size());
   const auto* p = static_cast<const uint8_t*>(t.data());
   for (int64_t i = from_row * row_bytes; i < int64_t(t.nbytes()); ++i)
     if (p[i] != kPoison) return false;
@@ -154,30 +166,37 @@ inline oracle::Matrix head(const oracle::Matrix& m, int64_t rows) {
   std::copy(m.data.begin(), m.data.begin() + rows * m.cols, h.data.begin());
   return h;
 }
-inline oracle::Vector head(const oracle::Vector& v, int64_t n) { return {v.begin(), v.begin() + n}; }
+inline oracle::Vector head(const oracle::Vector& v, int64_t n) {
+  return {v.begin(), v.begin() + n};
+}
 
 // Floats with the tolerance a dtype's output rounding allows (norm-wise relative error).
 inline double tolerance(DType dtype) {
   switch (dtype) {
-    case DType::kFloat64: return 1e-12;
-    case DType::kFloat32: return 2e-5;
-    case DType::kBFloat16: return 1e-2;
-    case DType::kFloat16: return 3e-3;
-    default: return 0;
+    case DType::kFloat64:
+      return 1e-12;
+    case DType::kFloat32:
+      return 2e-5;
+    case DType::kBFloat16:
+      return 1e-2;
+    case DType::kFloat16:
+      return 3e-3;
+    default:
+      return 0;
   }
 }
 
 // EXPECT_MOE_ERROR(statement, ErrorCode::kShape, "substring of the message")
-#define EXPECT_MOE_ERROR(statement, expected_code, substring)                               \
-  do {                                                                                      \
-    try {                                                                                   \
-      statement;                                                                            \
-      ADD_FAILURE() << "expected moe::Error containing \"" << (substring) << "\"";          \
-    } catch (const ::moe::Error& e) {                                                       \
-      EXPECT_EQ(e.code(), (expected_code)) << e.what();                                     \
-      EXPECT_NE(std::string(e.what()).find(substring), std::string::npos)                   \
-          << "message: " << e.what() << "\nexpected to contain: " << (substring);           \
-    }                                                                                       \
+#define EXPECT_MOE_ERROR(statement, expected_code, substring)                      \
+  do {                                                                             \
+    try {                                                                          \
+      statement;                                                                   \
+      ADD_FAILURE() << "expected moe::Error containing \"" << (substring) << "\""; \
+    } catch (const ::moe::Error& e) {                                              \
+      EXPECT_EQ(e.code(), (expected_code)) << e.what();                            \
+      EXPECT_NE(std::string(e.what()).find(substring), std::string::npos)          \
+          << "message: " << e.what() << "\nexpected to contain: " << (substring);  \
+    }                                                                              \
   } while (0)
 
 }  // namespace moe::test

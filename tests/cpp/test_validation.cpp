@@ -18,25 +18,30 @@ class Validation : public ::testing::Test {
 
 TEST_F(Validation, Shapes) {
   const auto W = GroupedParam::packed(w);
-  EXPECT_MOE_ERROR(grouped_linear_forward(x.view().reshape({10, 2, 4}), W, r.layout, y),
-                   ErrorCode::kShape, "grouped_linear_forward: x: expected a 2-D [T, K] tensor, got bfloat16[10, 2, 4]");
+  EXPECT_MOE_ERROR(
+      grouped_linear_forward(x.view().reshape({10, 2, 4}), W, r.layout, y), ErrorCode::kShape,
+      "grouped_linear_forward: x: expected a 2-D [T, K] tensor, got bfloat16[10, 2, 4]");
   EXPECT_MOE_ERROR(grouped_linear_forward(x.view().slice(0, 9), W, r.layout, y), ErrorCode::kShape,
                    "x: expected [T, K] = [10, *], got bfloat16[9, 8]");
   Tensor w_bad = random_tensor({3, 6, 7}, DType::kBFloat16, rng);
-  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w_bad), r.layout, y), ErrorCode::kShape,
+  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w_bad), r.layout, y),
+                   ErrorCode::kShape,
                    "weight: expected G x [N, K] = 3 x [6, 8], got packed bfloat16[3, 6, 7]");
   Tensor b_bad = random_tensor({3, 5}, DType::kBFloat16, rng);
   EXPECT_MOE_ERROR(grouped_linear_forward(x, W, r.layout, y, {GroupedParam::packed(b_bad), {}}),
                    ErrorCode::kShape, "bias: expected G x [N] = 3 x [6]");
   EXPECT_MOE_ERROR(grouped_linear_dgrad(y, W, r.layout, Tensor::empty({10, 9}, DType::kBFloat16)),
-                   ErrorCode::kShape, "grouped_linear_dgrad: weight: expected G x [N, K] = 3 x [6, 9]");
-  EXPECT_MOE_ERROR(grouped_linear_dscales(y, GroupedParam::packed(b), r.layout, Tensor::empty({9}, DType::kFloat32)),
+                   ErrorCode::kShape,
+                   "grouped_linear_dgrad: weight: expected G x [N, K] = 3 x [6, 9]");
+  EXPECT_MOE_ERROR(grouped_linear_dscales(y, GroupedParam::packed(b), r.layout,
+                                          Tensor::empty({9}, DType::kFloat32)),
                    ErrorCode::kShape, "dscales: expected a 1-D [T] = [10] tensor");
 }
 
 TEST_F(Validation, GroupCountMismatch) {
   Tensor w4 = random_tensor({4, 6, 8}, DType::kBFloat16, rng);
-  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w4), r.layout, y), ErrorCode::kGroupMismatch,
+  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w4), r.layout, y),
+                   ErrorCode::kGroupMismatch,
                    "weight has G = 4 experts but the group layout has G = 3");
   Tensor b2 = random_tensor({2, 6}, DType::kBFloat16, rng);
   EXPECT_MOE_ERROR(grouped_linear_dbias(y, r.layout, GroupedParam::packed(b2), GradMode::kWrite),
@@ -45,27 +50,35 @@ TEST_F(Validation, GroupCountMismatch) {
 
 TEST_F(Validation, Dtypes) {
   Tensor w16 = random_tensor({3, 6, 8}, DType::kFloat16, rng);
-  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w16), r.layout, y), ErrorCode::kDType,
-                   "weight: expected bfloat16 like x, got float16");
+  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w16), r.layout, y),
+                   ErrorCode::kDType, "weight: expected bfloat16 like x, got float16");
   Tensor xi = Tensor::zeros({10, 8}, DType::kInt32);
-  EXPECT_MOE_ERROR(grouped_linear_forward(xi, GroupedParam::packed(w), r.layout, y), ErrorCode::kDType,
+  EXPECT_MOE_ERROR(grouped_linear_forward(xi, GroupedParam::packed(w), r.layout, y),
+                   ErrorCode::kDType,
                    "x: expected a float tensor (float32, bfloat16, float16 or float64), got int32");
   Tensor x8 = Tensor::zeros({10, 8}, DType::kFloat8E4M3);
-  EXPECT_MOE_ERROR(grouped_linear_forward(x8, GroupedParam::packed(w), r.layout, y), ErrorCode::kDType,
+  EXPECT_MOE_ERROR(grouped_linear_forward(x8, GroupedParam::packed(w), r.layout, y),
+                   ErrorCode::kDType,
                    "float8_e4m3 is reserved for the FP8 GEMMs and not supported yet");
   Tensor p16 = uniform_tensor({10}, DType::kBFloat16, rng, 0, 1);
-  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w), r.layout, y, {GroupedParam::packed(b), p16}),
-                   ErrorCode::kDType, "row_scale: expected float32 (or float64 on the CPU), got bfloat16");
+  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w), r.layout, y,
+                                          {GroupedParam::packed(b), p16}),
+                   ErrorCode::kDType,
+                   "row_scale: expected float32 (or float64 on the CPU), got bfloat16");
   Tensor main_grad_bf16 = Tensor::zeros({3, 6, 8}, DType::kBFloat16);
-  EXPECT_MOE_ERROR(grouped_linear_wgrad(y, x, r.layout, GroupedParam::packed(main_grad_bf16), GradMode::kAccumulate),
-                   ErrorCode::kDType, "dweight: accumulate mode writes a float32 main_grad, got bfloat16");
-  EXPECT_MOE_ERROR(grouped_linear_wgrad(y, x, r.layout, GroupedParam::packed(main_grad_bf16), GradMode::kOverwrite),
+  EXPECT_MOE_ERROR(grouped_linear_wgrad(y, x, r.layout, GroupedParam::packed(main_grad_bf16),
+                                        GradMode::kAccumulate),
+                   ErrorCode::kDType,
+                   "dweight: accumulate mode writes a float32 main_grad, got bfloat16");
+  EXPECT_MOE_ERROR(grouped_linear_wgrad(y, x, r.layout, GroupedParam::packed(main_grad_bf16),
+                                        GradMode::kOverwrite),
                    ErrorCode::kDType, "overwrite mode writes a float32 main_grad");
 }
 
 TEST_F(Validation, AlignmentStridesAndContiguity) {
   Tensor raw = Tensor::empty({10 * 8 + 1}, DType::kBFloat16);
-  const TensorView misaligned(static_cast<char*>(raw.data()) + 1, {10, 8}, DType::kBFloat16, Device::cpu());
+  const TensorView misaligned(static_cast<char*>(raw.data()) + 1, {10, 8}, DType::kBFloat16,
+                              Device::cpu());
   EXPECT_MOE_ERROR(grouped_linear_forward(misaligned, GroupedParam::packed(w), r.layout, y),
                    ErrorCode::kAlignment, "x: data pointer 0x");
   EXPECT_MOE_ERROR(grouped_linear_forward(misaligned, GroupedParam::packed(w), r.layout, y),
@@ -81,33 +94,42 @@ TEST_F(Validation, AlignmentStridesAndContiguity) {
 }
 
 TEST_F(Validation, Devices) {
-  const TensorView on_gpu(reinterpret_cast<void*>(0x10000), {10, 8}, DType::kBFloat16, Device::cuda(0));
-  EXPECT_MOE_ERROR(grouped_linear_forward(on_gpu, GroupedParam::packed(w), r.layout, y), ErrorCode::kDevice,
-                   "x is on cuda:0; expected the group layout's device cpu");
-  const TensorView w_gpu(reinterpret_cast<void*>(0x10000), {3, 6, 8}, DType::kBFloat16, Device::cuda(1));
-  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w_gpu), r.layout, y), ErrorCode::kDevice,
+  const TensorView on_gpu(reinterpret_cast<void*>(0x10000), {10, 8}, DType::kBFloat16,
+                          Device::cuda(0));
+  EXPECT_MOE_ERROR(grouped_linear_forward(on_gpu, GroupedParam::packed(w), r.layout, y),
+                   ErrorCode::kDevice, "x is on cuda:0; expected the group layout's device cpu");
+  const TensorView w_gpu(reinterpret_cast<void*>(0x10000), {3, 6, 8}, DType::kBFloat16,
+                         Device::cuda(1));
+  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w_gpu), r.layout, y),
+                   ErrorCode::kDevice,
                    "weight is on cuda:1; expected the group layout's device cpu");
   Tensor ws = Tensor::empty({1 << 16}, DType::kUInt8);
   const ExecContext gpu_ws{nullptr, {ws.data(), ws.nbytes(), Device::cuda(0)}};
-  const ExpertMlpWeights weights{GroupedParam::packed(Tensor::zeros({3, 8, 8}, DType::kBFloat16)), {},
-                                 GroupedParam::packed(Tensor::zeros({3, 8, 4}, DType::kBFloat16)), {}};
-  EXPECT_MOE_ERROR(expert_mlp_forward(x, {}, weights, r.layout, Tensor::empty({10, 8}, DType::kBFloat16), {}, {}, gpu_ws),
+  const ExpertMlpWeights weights{GroupedParam::packed(Tensor::zeros({3, 8, 8}, DType::kBFloat16)),
+                                 {},
+                                 GroupedParam::packed(Tensor::zeros({3, 8, 4}, DType::kBFloat16)),
+                                 {}};
+  EXPECT_MOE_ERROR(expert_mlp_forward(x, {}, weights, r.layout,
+                                      Tensor::empty({10, 8}, DType::kBFloat16), {}, {}, gpu_ws),
                    ErrorCode::kDevice, "the workspace is on cuda:0");
 }
 
 TEST_F(Validation, ArgumentCombinations) {
   EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w), GroupLayout(), y),
                    ErrorCode::kInvalidArgument, "the group layout is undefined");
-  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam(), r.layout, y), ErrorCode::kInvalidArgument,
+  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam(), r.layout, y),
+                   ErrorCode::kInvalidArgument,
                    "weight: required per-expert tensor [N, K] is undefined");
   EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w), r.layout, y, {{}, p}),
-                   ErrorCode::kInvalidArgument, "row_scale (scale_bias) is given but there is no bias");
+                   ErrorCode::kInvalidArgument,
+                   "row_scale (scale_bias) is given but there is no bias");
   Tensor h = random_tensor({10, 8}, DType::kBFloat16, rng);
   Tensor d = random_tensor({10, 4}, DType::kBFloat16, rng);
   Tensor dh = Tensor::empty({10, 8}, DType::kBFloat16);
   Tensor dp = Tensor::empty({10}, DType::kFloat32);
   GluSpec spec;
-  EXPECT_MOE_ERROR(glu_backward(h, {}, d, r.layout, {dh, dp, {}}, spec), ErrorCode::kInvalidArgument,
+  EXPECT_MOE_ERROR(glu_backward(h, {}, d, r.layout, {dh, dp, {}}, spec),
+                   ErrorCode::kInvalidArgument,
                    "glu_backward: dprobs is requested but no probs were given");
   EXPECT_MOE_ERROR(glu_backward(h, p, d, r.layout, {{}, dp, {}}, spec), ErrorCode::kInvalidArgument,
                    "dh: required tensor [T, 2F] is undefined");
@@ -129,20 +151,24 @@ TEST_F(Validation, ExpertMlpArguments) {
   Tensor out = Tensor::empty({10, H}, DType::kBFloat16);
   Tensor ws = Tensor::empty({1 << 16}, DType::kUInt8);
   const ExecContext ctx{nullptr, {ws.data(), ws.nbytes(), Device::cpu()}};
-  EXPECT_MOE_ERROR(expert_mlp_forward(x, {}, {GroupedParam::packed(w1_bad), {}, GroupedParam::packed(w2), {}},
-                                      r.layout, out, {}, {}, ctx),
-                   ErrorCode::kShape, "fc1_weight: expected G x [2F, H] = 3 x [8, 8]");
-  EXPECT_MOE_ERROR(expert_mlp_forward(x, {}, {GroupedParam::packed(w1), {}, {}, {}}, r.layout, out, {}, {}, ctx),
-                   ErrorCode::kInvalidArgument, "fc2_weight: required per-expert tensor [H, F] is undefined");
+  EXPECT_MOE_ERROR(
+      expert_mlp_forward(x, {}, {GroupedParam::packed(w1_bad), {}, GroupedParam::packed(w2), {}},
+                         r.layout, out, {}, {}, ctx),
+      ErrorCode::kShape, "fc1_weight: expected G x [2F, H] = 3 x [8, 8]");
+  EXPECT_MOE_ERROR(
+      expert_mlp_forward(x, {}, {GroupedParam::packed(w1), {}, {}, {}}, r.layout, out, {}, {}, ctx),
+      ErrorCode::kInvalidArgument, "fc2_weight: required per-expert tensor [H, F] is undefined");
   ExpertMlpGrads grads;
   grads.fc2_bias = {GroupedParam::packed(Tensor::zeros({3, H}, DType::kFloat32)), GradMode::kWrite};
-  EXPECT_MOE_ERROR(expert_mlp_backward(out, x, {}, {GroupedParam::packed(w1), {}, GroupedParam::packed(w2), {}},
-                                       r.layout, {}, grads, {}, ctx),
-                   ErrorCode::kInvalidArgument, "fc2_bias: a gradient is requested but the MLP has no fc2_bias");
+  EXPECT_MOE_ERROR(
+      expert_mlp_backward(out, x, {}, {GroupedParam::packed(w1), {}, GroupedParam::packed(w2), {}},
+                          r.layout, {}, grads, {}, ctx),
+      ErrorCode::kInvalidArgument, "fc2_bias: a gradient is requested but the MLP has no fc2_bias");
 }
 
 TEST(Names, UnknownNamesAreClearErrors) {
-  EXPECT_MOE_ERROR(dtype_from_name("bfloat"), ErrorCode::kInvalidArgument, "unknown dtype 'bfloat'");
+  EXPECT_MOE_ERROR(dtype_from_name("bfloat"), ErrorCode::kInvalidArgument,
+                   "unknown dtype 'bfloat'");
   EXPECT_STREQ(error_code_name(ErrorCode::kGroupMismatch), "group mismatch");
   EXPECT_STREQ(grad_mode_name(GradMode::kOverwrite), "overwrite");
   try {

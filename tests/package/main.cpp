@@ -1,8 +1,7 @@
 // Uses the installed library through its public headers only: one grouped linear forward.
-#include <moe_engine/moe_engine.hpp>
-
 #include <cstdio>
 #include <cstring>
+#include <moe_engine/moe_engine.hpp>
 
 int main() {
   moe::Tensor splits = moe::Tensor::empty({2}, moe::DType::kInt64);
@@ -16,6 +15,7 @@ int main() {
   x.data_as<float>()[0] = 2.0f;
   w.data_as<float>()[0] = 1.5f;
   moe::grouped_linear_forward(x, moe::GroupedParam::packed(w), groups, y);
-  std::printf("moe-engine %s: y[0][0] = %g\n", moe::build_info().version.c_str(), y.data_as<float>()[0]);
+  std::printf("moe-engine %s: y[0][0] = %g\n", moe::build_info().version.c_str(),
+              y.data_as<float>()[0]);
   return y.data_as<float>()[0] == 3.0f ? 0 : 1;
 }
