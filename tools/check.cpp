@@ -49,12 +49,6 @@ struct CpuRouting {
   int64_t rows() const { return capacity - 9; }
 };
 
-oracle::Matrix head(const oracle::Matrix& m, int64_t rows) {
-  oracle::Matrix h(rows, m.cols);
-  std::copy(m.data.begin(), m.data.begin() + rows * m.cols, h.data.begin());
-  return h;
-}
-
 Outcome check_conversions() {
   int bad = 0;
   for (uint32_t b = 0; b < 65536; ++b) {
@@ -85,9 +79,9 @@ Outcome check_grouped_linear(uint64_t seed) {
   grouped_linear_wgrad(dy, x, r.layout, GroupedParam::packed(dw), GradMode::kWrite);
   grouped_linear_dbias(dy, r.layout, GroupedParam::packed(db), GradMode::kWrite, p);
   grouped_linear_dscales(dy, B, r.layout, dp);
-  const auto xm = head(oracle::to_matrix(x), rows), dym = head(oracle::to_matrix(dy), rows);
-  oracle::Vector pv = oracle::to_vector(p);
-  pv.resize(size_t(rows));
+  const auto xm = oracle::head(oracle::to_matrix(x), rows),
+             dym = oracle::head(oracle::to_matrix(dy), rows);
+  const oracle::Vector pv = oracle::head(oracle::to_vector(p), rows);
   const auto wm = oracle::to_matrices(W);
   const double e = std::max(
       {oracle::rel_error(oracle::to_matrix(y),
@@ -120,9 +114,9 @@ Outcome check_glu(uint64_t seed) {
       Tensor dp = Tensor::empty({T}, DType::kFloat32);
       glu_forward(h, p, r.layout, out, spec);
       glu_backward(h, p, d, r.layout, {dh, dp, {}}, spec);
-      const auto hm = head(oracle::to_matrix(h), rows), dm = head(oracle::to_matrix(d), rows);
-      oracle::Vector pv = oracle::to_vector(p);
-      pv.resize(size_t(rows));
+      const auto hm = oracle::head(oracle::to_matrix(h), rows),
+                 dm = oracle::head(oracle::to_matrix(d), rows);
+      const oracle::Vector pv = oracle::head(oracle::to_vector(p), rows);
       const auto g = oracle::glu_backward(hm, pv, dm, spec);
       worst = std::max(
           {worst, oracle::rel_error(oracle::to_matrix(out), oracle::glu_forward(hm, pv, spec)),

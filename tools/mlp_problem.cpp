@@ -15,25 +15,6 @@ GroupedParam param(const Tensor& t) {
 
 Tensor host_copy(const Tensor& t) { return t.defined() ? t.to(Device::cpu()) : Tensor(); }
 
-oracle::Matrix head(const oracle::Matrix& m, int64_t rows) {
-  oracle::Matrix h(rows, m.cols);
-  std::copy(m.data.begin(), m.data.begin() + rows * m.cols, h.data.begin());
-  return h;
-}
-
-double tolerance_for(DType dtype) {
-  switch (dtype) {
-    case DType::kBFloat16:
-      return 1e-2;  // bf16 intermediates (pre-activation, act) and outputs
-    case DType::kFloat16:
-      return 6e-3;
-    case DType::kFloat32:
-      return 1e-4;
-    default:
-      return 1e-10;
-  }
-}
-
 }  // namespace
 
 MlpProblem::MlpProblem(const Workload& w, const GluLayout& layout, DType dtype, Device device,
@@ -115,12 +96,11 @@ OracleCheck MlpProblem::check_against_oracle() const {
   params.w2 = oracle::to_matrices(param(w2_host_));
   if (b1_host_.defined()) params.b1 = oracle::to_matrix(b1_host_);
   if (b2_host_.defined()) params.b2 = oracle::to_matrix(b2_host_);
-  const oracle::Matrix x = head(oracle::to_matrix(x_host_), rows);
-  oracle::Vector probs = oracle::to_vector(probs_host_);
-  probs.resize(size_t(rows));
+  const oracle::Matrix x = oracle::head(oracle::to_matrix(x_host_), rows);
+  const oracle::Vector probs = oracle::head(oracle::to_vector(probs_host_), rows);
   const auto f = oracle::mlp_forward(x, probs, params, splits, spec_.glu);
-  const auto g = oracle::mlp_backward(head(oracle::to_matrix(dy_host_), rows), x, probs, params,
-                                      splits, spec_.glu);
+  const auto g = oracle::mlp_backward(oracle::head(oracle::to_matrix(dy_host_), rows), x, probs,
+                                      params, splits, spec_.glu);
 
   OracleCheck c;
   c.rel_error["y"] = oracle::rel_error(oracle::to_matrix(host_copy(y_)), f.y);
@@ -134,7 +114,7 @@ OracleCheck MlpProblem::check_against_oracle() const {
   if (db2_.defined())
     c.rel_error["db2"] = oracle::rel_error(oracle::to_matrix(host_copy(db2_)), g.db2);
   for (const auto& [name, err] : c.rel_error) c.max_rel_error = std::max(c.max_rel_error, err);
-  c.tolerance = tolerance_for(dtype_);
+  c.tolerance = oracle::mlp_tolerance(dtype_);
   c.passed = c.max_rel_error <= c.tolerance;  // NaN/inf errors are inf: they fail
   return c;
 }

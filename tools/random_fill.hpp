@@ -27,25 +27,9 @@ class RandomFill {
   template <class Draw>
   Tensor fill(Shape shape, DType dtype, Draw draw) {
     Tensor t = Tensor::empty(shape, dtype);
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      const double v = draw();
-      switch (dtype) {
-        case DType::kFloat64:
-          t.data_as<double>()[i] = v;
-          break;
-        case DType::kFloat32:
-          t.data_as<float>()[i] = float(v);
-          break;
-        case DType::kBFloat16:
-          t.data_as<BFloat16>()[i] = BFloat16(float(v));
-          break;
-        case DType::kFloat16:
-          t.data_as<Float16>()[i] = Float16(float(v));
-          break;
-        default:
-          throw_error(ErrorCode::kDType, "RandomFill: not a float dtype: ", dtype_name(dtype));
-      }
-    }
+    oracle::Vector values(static_cast<size_t>(t.numel()));
+    for (double& v : values) v = draw();
+    oracle::assign(t, values);
     return t;
   }
   std::mt19937_64 gen_;

@@ -31,6 +31,18 @@ using Splits =
 MOE_API Matrix to_matrix(const TensorView& t);
 MOE_API Vector to_vector(const TensorView& t);
 MOE_API std::vector<Matrix> to_matrices(const GroupedParam& p);  // one per expert (1-D: a column)
+// Writes values (row-major, one per element) into a contiguous CPU tensor of any float dtype,
+// rounding to nearest even: how tests and benchmarks build inputs from float64 draws.
+MOE_API void assign(const TensorView& dst, const Vector& values);
+// The first `rows` rows of a matrix (entries of a vector): the part that belongs to experts.
+MOE_API Matrix head(const Matrix& m, int64_t rows);
+MOE_API Vector head(const Vector& v, int64_t n);
+
+// The rel_error a result rounded to `dtype` may show against this oracle: one op (only its
+// output is rounded), or the expert MLP (its pre-activation and activation are rounded too).
+MOE_API double op_tolerance(DType dtype);
+MOE_API double mlp_tolerance(DType dtype);
+
 // ||out - ref|| / ||ref|| over the first ref.rows rows (inf if shapes differ or out has NaN/inf).
 MOE_API double rel_error(const Matrix& out, const Matrix& ref);
 MOE_API double rel_error(const Vector& out, const Vector& ref);

@@ -2,6 +2,7 @@
 // column mapping per GLU layout and its own activation formulas.
 #include "moe_engine/oracle.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -106,6 +107,77 @@ std::vector<Matrix> to_matrices(const GroupedParam& p) {
   std::vector<Matrix> out;
   for (int64_t g = 0; g < p.num_groups(); ++g) out.push_back(to_matrix(p.expert(g)));
   return out;
+}
+
+void assign(const TensorView& dst, const Vector& values) {
+  MOE_CHECK(dst.defined() && dst.device().is_cpu() && dst.is_contiguous(), ErrorCode::kShape,
+            "oracle::assign: expected a contiguous CPU tensor, got ", dst.describe());
+  MOE_CHECK(int64_t(values.size()) == dst.numel(), ErrorCode::kShape,
+            "oracle::assign: ", values.size(), " values for ", dst.describe());
+  for (int64_t i = 0; i < dst.numel(); ++i) {
+    const double v = values[size_t(i)];
+    switch (dst.dtype()) {
+      case DType::kFloat64:
+        dst.data_as<double>()[i] = v;
+        break;
+      case DType::kFloat32:
+        dst.data_as<float>()[i] = float(v);
+        break;
+      case DType::kBFloat16:
+        dst.data_as<BFloat16>()[i] = BFloat16(float(v));
+        break;
+      case DType::kFloat16:
+        dst.data_as<Float16>()[i] = Float16(float(v));
+        break;
+      default:
+        throw_error(ErrorCode::kDType,
+                    "oracle::assign: not a float dtype: ", dtype_name(dst.dtype()));
+    }
+  }
+}
+
+Matrix head(const Matrix& m, int64_t rows) {
+  MOE_CHECK(rows >= 0 && rows <= m.rows, ErrorCode::kShape, "oracle::head: ", rows, " of ", m.rows,
+            " rows");
+  Matrix h(rows, m.cols);
+  std::copy(m.data.begin(), m.data.begin() + rows * m.cols, h.data.begin());
+  return h;
+}
+
+Vector head(const Vector& v, int64_t n) {
+  MOE_CHECK(n >= 0 && n <= int64_t(v.size()), ErrorCode::kShape, "oracle::head: ", n, " of ",
+            v.size(), " entries");
+  return Vector(v.begin(), v.begin() + n);
+}
+
+double op_tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat64:
+      return 1e-12;
+    case DType::kFloat32:
+      return 2e-5;
+    case DType::kBFloat16:
+      return 1e-2;  // 2^-9 rounding per element, a few times over
+    case DType::kFloat16:
+      return 3e-3;
+    default:
+      return 0;
+  }
+}
+
+double mlp_tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat64:
+      return 1e-10;
+    case DType::kFloat32:
+      return 1e-4;
+    case DType::kBFloat16:
+      return 1e-2;  // measured ~3.5e-3 on the tiny case
+    case DType::kFloat16:
+      return 6e-3;
+    default:
+      return 0;
+  }
 }
 
 namespace {

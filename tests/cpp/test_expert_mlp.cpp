@@ -92,21 +92,8 @@ MlpRun run(const MlpProblem& m, bool per_expert, bool save_fc1_out) {
   return r;
 }
 
-double mlp_tolerance(DType dt) {
-  switch (dt) {
-    case DType::kBFloat16:
-      return 1e-2;  // bf16 intermediates (h, act) add to the output rounding
-    case DType::kFloat16:
-      return 6e-3;
-    case DType::kFloat32:
-      return 1e-4;
-    default:
-      return 1e-10;
-  }
-}
-
 void expect_matches_oracle(const MlpProblem& m, const MlpRun& r) {
-  const double tol = mlp_tolerance(m.dt);
+  const double tol = oracle::mlp_tolerance(m.dt);
   const int64_t rows = m.routing.rows();
   const auto params = m.oracle_params();
   const auto probs = m.oracle_probs();

@@ -41,35 +41,19 @@ struct Rng {
   }
 };
 
-// Writes value v into element i of a contiguous CPU tensor of any float dtype.
-inline void set_element(const TensorView& t, int64_t i, double v) {
-  switch (t.dtype()) {
-    case DType::kFloat64:
-      t.data_as<double>()[i] = v;
-      break;
-    case DType::kFloat32:
-      t.data_as<float>()[i] = float(v);
-      break;
-    case DType::kBFloat16:
-      t.data_as<BFloat16>()[i] = BFloat16(float(v));
-      break;
-    case DType::kFloat16:
-      t.data_as<Float16>()[i] = Float16(float(v));
-      break;
-    default:
-      FAIL() << "set_element: not a float dtype";
-  }
-}
-
 inline Tensor random_tensor(Shape shape, DType dtype, Rng& rng, double stddev = 1.0) {
   Tensor t = Tensor::empty(shape, dtype);
-  for (int64_t i = 0; i < t.numel(); ++i) set_element(t, i, rng.normal(stddev));
+  oracle::Vector v(static_cast<size_t>(t.numel()));
+  for (double& x : v) x = rng.normal(stddev);
+  oracle::assign(t, v);
   return t;
 }
 
 inline Tensor uniform_tensor(Shape shape, DType dtype, Rng& rng, double lo, double hi) {
   Tensor t = Tensor::empty(shape, dtype);
-  for (int64_t i = 0; i < t.numel(); ++i) set_element(t, i, rng.uniform(lo, hi));
+  oracle::Vector v(static_cast<size_t>(t.numel()));
+  for (double& x : v) x = rng.uniform(lo, hi);
+  oracle::assign(t, v);
   return t;
 }
 
@@ -160,31 +144,10 @@ inline std::vector<int64_t> random_splits(Rng& rng, int64_t G, int64_t max_per_e
   return s;
 }
 
-// The first `rows` rows (entries) of an oracle matrix (vector).
-inline oracle::Matrix head(const oracle::Matrix& m, int64_t rows) {
-  oracle::Matrix h(rows, m.cols);
-  std::copy(m.data.begin(), m.data.begin() + rows * m.cols, h.data.begin());
-  return h;
-}
-inline oracle::Vector head(const oracle::Vector& v, int64_t n) {
-  return {v.begin(), v.begin() + n};
-}
+using oracle::head;
 
-// Floats with the tolerance a dtype's output rounding allows (norm-wise relative error).
-inline double tolerance(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat64:
-      return 1e-12;
-    case DType::kFloat32:
-      return 2e-5;
-    case DType::kBFloat16:
-      return 1e-2;
-    case DType::kFloat16:
-      return 3e-3;
-    default:
-      return 0;
-  }
-}
+// The tolerance for one op against the oracle.
+inline double tolerance(DType dtype) { return oracle::op_tolerance(dtype); }
 
 // EXPECT_MOE_ERROR(statement, ErrorCode::kShape, "substring of the message")
 #define EXPECT_MOE_ERROR(statement, expected_code, substring)                      \
