@@ -96,6 +96,7 @@ void glu_forward(const TensorView& h, const TensorView& probs, const GroupLayout
   v.matrix("h", h, v.capacity(), 2 * F, "[T, 2F]");
   if (probs.defined()) v.row_scale("probs", probs);
   v.glu_spec(spec, F);
+  v.no_overlap("out", out, "h", h);
   ops::dispatch(v, [&] { cpu::glu_forward(h, probs, groups, out, spec); });
 }
 
@@ -115,6 +116,9 @@ void glu_backward(const TensorView& h, const TensorView& probs, const TensorView
   }
   if (outputs.out.defined()) v.matrix("out", outputs.out, v.capacity(), F, "[T, F]");
   v.glu_spec(spec, F);
+  v.no_overlap("dh", outputs.dh, "h", h);
+  v.no_overlap("dh", outputs.dh, "d_out", d_out);
+  if (outputs.out.defined()) v.no_overlap("out", outputs.out, "d_out", d_out);
   ops::dispatch(v, [&] { cpu::glu_backward(h, probs, d_out, groups, outputs, spec); });
 }
 

@@ -34,6 +34,8 @@ void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
              "row_scale (scale_bias) is given but there is no bias to scale");
     v.row_scale("row_scale", bias.row_scale);
   }
+  v.no_overlap("y", y, "x", x);
+  v.no_overlap("y", y, "weight", weight);
   ops::dispatch(v, [&] { cpu::grouped_linear_forward(x, weight, groups, y, bias); });
 }
 
@@ -45,6 +47,8 @@ void grouped_linear_dgrad(const TensorView& dy, const GroupedParam& weight,
   const int64_t N = dy.size(1), K = dx.size(1);
   v.param("weight", weight, {N, K}, "[N, K]");
   v.same_dtype("weight", weight.dtype(), "dy", dy.dtype());
+  v.no_overlap("dx", dx, "dy", dy);
+  v.no_overlap("dx", dx, "weight", weight);
   ops::dispatch(v, [&] { cpu::grouped_linear_dgrad(dy, weight, groups, dx); });
 }
 
@@ -57,6 +61,8 @@ void grouped_linear_wgrad(const TensorView& dy, const TensorView& x, const Group
   const int64_t N = dy.size(1), K = x.size(1);
   v.param("dweight", dweight, {N, K}, "[N, K]");
   v.grad_target("dweight", dweight, mode);
+  v.no_overlap("dweight", dweight, "dy", dy);
+  v.no_overlap("dweight", dweight, "x", x);
   ops::dispatch(v, [&] { cpu::grouped_linear_wgrad(dy, x, groups, dweight, mode); });
 }
 
@@ -67,6 +73,7 @@ void grouped_linear_dbias(const TensorView& dy, const GroupLayout& groups,
   v.matrix("dy", dy, v.capacity(), -1, "[T, N]");
   v.param("dbias", dbias, {dy.size(1)}, "[N]");
   v.grad_target("dbias", dbias, mode);
+  v.no_overlap("dbias", dbias, "dy", dy);
   if (row_scale.defined()) v.row_scale("row_scale", row_scale);
   ops::dispatch(v, [&] { cpu::grouped_linear_dbias(dy, groups, dbias, mode, row_scale); });
 }
@@ -78,6 +85,7 @@ void grouped_linear_dscales(const TensorView& dy, const GroupedParam& bias,
   v.matrix("dy", dy, v.capacity(), -1, "[T, N]");
   v.param("bias", bias, {dy.size(1)}, "[N]");
   v.row_scale("dscales", dscales);
+  v.no_overlap("dscales", dscales, "dy", dy);
   ops::dispatch(v, [&] { cpu::grouped_linear_dscales(dy, bias, groups, dscales, accumulate); });
 }
 

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 namespace moe::ops {
 
@@ -20,8 +21,7 @@ void Validator::float_dtype(const char* name, DType dtype) const {
          " is reserved for the FP8 GEMMs and not supported yet; expected float32, bfloat16, "
          "float16 or float64");
   fail(ErrorCode::kDType, name,
-       ": expected a float tensor (float32, bfloat16, float16 or "
-       "float64), got ",
+       ": expected a float tensor (float32, bfloat16, float16 or float64), got ",
        dtype_name(dtype));
 }
 
@@ -67,6 +67,40 @@ void Validator::vector(const char* name, const TensorView& t, int64_t n, const c
   if (!t.is_contiguous())
     fail(ErrorCode::kShape, name, ": expected a contiguous tensor, got ", t.describe());
   aligned(name, t);
+}
+
+namespace {
+// The bytes [begin, end) a view can touch.
+std::pair<uintptr_t, uintptr_t> byte_range(const TensorView& t) {
+  const auto begin = reinterpret_cast<uintptr_t>(t.data());
+  if (!t.defined() || t.numel() == 0) return {begin, begin};
+  int64_t last = 0;
+  for (int d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return {begin, begin + uintptr_t(last + 1) * t.element_size()};
+}
+
+bool overlap(const TensorView& a, const TensorView& b) {
+  const auto [a0, a1] = byte_range(a);
+  const auto [b0, b1] = byte_range(b);
+  return a0 < b1 && b0 < a1;
+}
+}  // namespace
+
+void Validator::no_overlap(const char* out_name, const TensorView& out, const char* in_name,
+                           const TensorView& in) const {
+  if (overlap(out, in))
+    fail(ErrorCode::kInvalidArgument, "output ", out_name, " overlaps input ", in_name,
+         " in memory; expected separate buffers");
+}
+
+void Validator::no_overlap(const char* out_name, const TensorView& out, const char* in_name,
+                           const GroupedParam& in) const {
+  for (int64_t g = 0; g < in.num_groups(); ++g) no_overlap(out_name, out, in_name, in.expert(g));
+}
+
+void Validator::no_overlap(const char* out_name, const GroupedParam& out, const char* in_name,
+                           const TensorView& in) const {
+  for (int64_t g = 0; g < out.num_groups(); ++g) no_overlap(out_name, out.expert(g), in_name, in);
 }
 
 void Validator::row_scale(const char* name, const TensorView& t) const {

@@ -46,6 +46,13 @@ class Validator {
   void same_dtype(const char* name_b, DType b, const char* name_a, DType a) const;
   // float32 main_grad for accumulate / overwrite.
   void grad_target(const char* name, const GroupedParam& p, GradMode mode) const;
+  // An output must not share memory with an input (the result would depend on the order of work).
+  void no_overlap(const char* out_name, const TensorView& out, const char* in_name,
+                  const TensorView& in) const;
+  void no_overlap(const char* out_name, const TensorView& out, const char* in_name,
+                  const GroupedParam& in) const;
+  void no_overlap(const char* out_name, const GroupedParam& out, const char* in_name,
+                  const TensorView& in) const;
   // The GLU spec is usable with F gate/linear columns.
   void glu_spec(const GluSpec& spec, int64_t ffn) const;
   // The workspace can hold `bytes` on the device.

@@ -166,6 +166,27 @@ TEST_F(Validation, ExpertMlpArguments) {
       ErrorCode::kInvalidArgument, "fc2_bias: a gradient is requested but the MLP has no fc2_bias");
 }
 
+TEST_F(Validation, OutputsMustNotAliasInputs) {
+  const auto W = GroupedParam::packed(w);
+  Tensor buf = random_tensor({10, 16}, DType::kBFloat16, rng);
+  const TensorView left(buf.data(), {10, 8}, {16, 1}, DType::kBFloat16, Device::cpu());
+  const TensorView right(buf.data_as<BFloat16>() + 8, {10, 6}, {16, 1}, DType::kBFloat16,
+                         Device::cpu());
+  EXPECT_MOE_ERROR(grouped_linear_forward(left, W, r.layout, right), ErrorCode::kInvalidArgument,
+                   "grouped_linear_forward: output y overlaps input x in memory");
+  Tensor shared =
+      random_tensor({80 + 144}, DType::kBFloat16, rng);  // x, then dweight from x's middle
+  const TensorView xs(shared.data(), {10, 8}, DType::kBFloat16, Device::cpu());
+  const TensorView dw(shared.data_as<BFloat16>() + 40, {3, 6, 8}, DType::kBFloat16, Device::cpu());
+  EXPECT_MOE_ERROR(
+      grouped_linear_wgrad(y, xs, r.layout, GroupedParam::packed(dw), GradMode::kWrite),
+      ErrorCode::kInvalidArgument, "output dweight overlaps input x");
+  GluSpec spec;
+  Tensor h = random_tensor({10, 8}, DType::kBFloat16, rng);
+  EXPECT_MOE_ERROR(glu_forward(h, {}, r.layout, h.view().reshape({20, 4}).slice(0, 10), spec),
+                   ErrorCode::kInvalidArgument, "output out overlaps input h");
+}
+
 TEST(Names, UnknownNamesAreClearErrors) {
   EXPECT_MOE_ERROR(dtype_from_name("bfloat"), ErrorCode::kInvalidArgument,
                    "unknown dtype 'bfloat'");
