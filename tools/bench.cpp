@@ -90,6 +90,11 @@ int run_bench(const BenchOptions& o) {
     device = Device::cpu();
     problem.emplace(w, layout, dtype, device, o.seed);
   }
+  if (device.is_cpu() && w.mlp_flops() > 1e12)
+    std::fprintf(
+        stderr,
+        "note: %s is %.1f TFLOP per forward+backward; the CPU backend needs minutes per run\n",
+        w.name.c_str(), w.mlp_flops() / 1e12);
   const Stream stream = nullptr;
   const auto wait = [&] {
     if (device.is_cuda()) synchronize(stream);
