@@ -22,4 +22,16 @@ bool is_capturing(Stream stream);
 int device_count(std::string* why);
 GpuInfo device_info(int index);
 
+// Makes `device` the current CUDA device for the scope (no-op without CUDA).
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device);
+  ~ScopedDevice();
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 }  // namespace moe::cuda_api

@@ -22,5 +22,7 @@ int device_count(std::string* why) {
   return 0;
 }
 GpuInfo device_info(int) { unavailable(); }
+ScopedDevice::ScopedDevice(int) {}
+ScopedDevice::~ScopedDevice() = default;
 
 }  // namespace moe::cuda_api

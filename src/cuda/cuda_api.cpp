@@ -6,28 +6,18 @@
 #include "cuda/check.hpp"
 
 namespace moe::cuda_api {
-namespace {
-// Makes `device` current for the scope, restoring the previous one.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    MOE_CUDA_CHECK(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) MOE_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
-  }
-  ~DeviceGuard() {
-    int current = -1;
-    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
+ScopedDevice::ScopedDevice(int device) {
+  MOE_CUDA_CHECK(cudaGetDevice(&previous_), "cudaGetDevice");
+  if (previous_ != device) MOE_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
+}
 
- private:
-  int previous_ = 0;
-};
-}  // namespace
+ScopedDevice::~ScopedDevice() {
+  int current = -1;
+  if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
+}
 
 void* malloc(size_t bytes, int device) {
-  DeviceGuard guard(device);
+  ScopedDevice guard(device);
   void* p = nullptr;
   MOE_CUDA_CHECK(cudaMalloc(&p, bytes), "cudaMalloc(", bytes, " bytes) on cuda:", device);
   return p;

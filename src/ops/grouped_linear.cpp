@@ -2,6 +2,10 @@
 #include "moe_engine/grouped_linear.hpp"
 
 #include "cpu/backend.hpp"
+#include "moe_engine/config.hpp"
+#if MOE_ENGINE_WITH_CUDA
+#include "cuda/backend.hpp"
+#endif
 #include "ops/validate.hpp"
 
 namespace moe {
@@ -20,7 +24,7 @@ const char* grad_mode_name(GradMode mode) {
 
 void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
                             const GroupLayout& groups, const TensorView& y,
-                            const BiasEpilogue& bias, const ExecContext&) {
+                            const BiasEpilogue& bias, [[maybe_unused]] const ExecContext& ctx) {
   const ops::Validator v("grouped_linear_forward", groups);
   v.matrix("x", x, v.capacity(), -1, "[T, K]");
   v.matrix("y", y, v.capacity(), -1, "[T, N]");
@@ -36,11 +40,13 @@ void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
   }
   v.no_overlap("y", y, "x", x);
   v.no_overlap("y", y, "weight", weight);
-  ops::dispatch(v, [&] { cpu::grouped_linear_forward(x, weight, groups, y, bias); });
+  ops::dispatch(
+      v, [&] { cpu::grouped_linear_forward(x, weight, groups, y, bias); },
+      [&] { MOE_CUDA_ONLY(cuda::grouped_linear_forward(x, weight, groups, y, bias, ctx.stream)); });
 }
 
 void grouped_linear_dgrad(const TensorView& dy, const GroupedParam& weight,
-                          const GroupLayout& groups, const TensorView& dx, const ExecContext&) {
+                          const GroupLayout& groups, const TensorView& dx, [[maybe_unused]] const ExecContext& ctx) {
   const ops::Validator v("grouped_linear_dgrad", groups);
   v.matrix("dy", dy, v.capacity(), -1, "[T, N]");
   v.matrix("dx", dx, v.capacity(), -1, "[T, K]");
@@ -49,11 +55,13 @@ void grouped_linear_dgrad(const TensorView& dy, const GroupedParam& weight,
   v.same_dtype("weight", weight.dtype(), "dy", dy.dtype());
   v.no_overlap("dx", dx, "dy", dy);
   v.no_overlap("dx", dx, "weight", weight);
-  ops::dispatch(v, [&] { cpu::grouped_linear_dgrad(dy, weight, groups, dx); });
+  ops::dispatch(
+      v, [&] { cpu::grouped_linear_dgrad(dy, weight, groups, dx); },
+      [&] { MOE_CUDA_ONLY(cuda::grouped_linear_dgrad(dy, weight, groups, dx, ctx.stream)); });
 }
 
 void grouped_linear_wgrad(const TensorView& dy, const TensorView& x, const GroupLayout& groups,
-                          const GroupedParam& dweight, GradMode mode, const ExecContext&) {
+                          const GroupedParam& dweight, GradMode mode, [[maybe_unused]] const ExecContext& ctx) {
   const ops::Validator v("grouped_linear_wgrad", groups);
   v.matrix("dy", dy, v.capacity(), -1, "[T, N]");
   v.matrix("x", x, v.capacity(), -1, "[T, K]");
@@ -63,30 +71,36 @@ void grouped_linear_wgrad(const TensorView& dy, const TensorView& x, const Group
   v.grad_target("dweight", dweight, mode);
   v.no_overlap("dweight", dweight, "dy", dy);
   v.no_overlap("dweight", dweight, "x", x);
-  ops::dispatch(v, [&] { cpu::grouped_linear_wgrad(dy, x, groups, dweight, mode); });
+  ops::dispatch(
+      v, [&] { cpu::grouped_linear_wgrad(dy, x, groups, dweight, mode); },
+      [&] { MOE_CUDA_ONLY(cuda::grouped_linear_wgrad(dy, x, groups, dweight, mode, ctx.stream)); });
 }
 
 void grouped_linear_dbias(const TensorView& dy, const GroupLayout& groups,
                           const GroupedParam& dbias, GradMode mode, const TensorView& row_scale,
-                          const ExecContext&) {
+                          [[maybe_unused]] const ExecContext& ctx) {
   const ops::Validator v("grouped_linear_dbias", groups);
   v.matrix("dy", dy, v.capacity(), -1, "[T, N]");
   v.param("dbias", dbias, {dy.size(1)}, "[N]");
   v.grad_target("dbias", dbias, mode);
   v.no_overlap("dbias", dbias, "dy", dy);
   if (row_scale.defined()) v.row_scale("row_scale", row_scale);
-  ops::dispatch(v, [&] { cpu::grouped_linear_dbias(dy, groups, dbias, mode, row_scale); });
+  ops::dispatch(
+      v, [&] { cpu::grouped_linear_dbias(dy, groups, dbias, mode, row_scale); },
+      [&] { MOE_CUDA_ONLY(cuda::grouped_linear_dbias(dy, groups, dbias, mode, row_scale, ctx.stream)); });
 }
 
 void grouped_linear_dscales(const TensorView& dy, const GroupedParam& bias,
                             const GroupLayout& groups, const TensorView& dscales, bool accumulate,
-                            const ExecContext&) {
+                            [[maybe_unused]] const ExecContext& ctx) {
   const ops::Validator v("grouped_linear_dscales", groups);
   v.matrix("dy", dy, v.capacity(), -1, "[T, N]");
   v.param("bias", bias, {dy.size(1)}, "[N]");
   v.row_scale("dscales", dscales);
   v.no_overlap("dscales", dscales, "dy", dy);
-  ops::dispatch(v, [&] { cpu::grouped_linear_dscales(dy, bias, groups, dscales, accumulate); });
+  ops::dispatch(
+      v, [&] { cpu::grouped_linear_dscales(dy, bias, groups, dscales, accumulate); },
+      [&] { MOE_CUDA_ONLY(cuda::grouped_linear_dscales(dy, bias, groups, dscales, accumulate, ctx.stream)); });
 }
 
 }  // namespace moe

@@ -6,6 +6,8 @@
 #include <initializer_list>
 #include <string>
 
+#include "core/cuda_api.hpp"
+#include "moe_engine/config.hpp"
 #include "moe_engine/error.hpp"
 #include "moe_engine/glu.hpp"
 #include "moe_engine/group_layout.hpp"
@@ -13,6 +15,13 @@
 #include "moe_engine/grouped_param.hpp"
 #include "moe_engine/tensor.hpp"
 #include "moe_engine/workspace.hpp"
+
+// Compiles its argument only in builds with the CUDA backend (the dispatch never calls it otherwise).
+#if MOE_ENGINE_WITH_CUDA
+#define MOE_CUDA_ONLY(...) __VA_ARGS__
+#else
+#define MOE_CUDA_ONLY(...) (void)0
+#endif
 
 namespace moe::ops {
 
@@ -81,13 +90,22 @@ class WorkspaceCarver {
   size_t used_ = 0;
 };
 
+// Runs `cpu` for CPU tensors and `cuda` (with the tensors' device made current) for CUDA tensors.
+template <class CpuFn, class CudaFn>
+void dispatch(const Validator& v, CpuFn&& cpu, CudaFn&& cuda) {
+  if (v.device().is_cpu()) return cpu();
+  if (!MOE_ENGINE_WITH_CUDA)
+    v.fail(ErrorCode::kNotImplemented, "this build has no CUDA backend (MOE_ENGINE_CUDA=OFF)");
+  const cuda_api::ScopedDevice scoped(v.device().index);
+  cuda();
+}
+
 // Runs `cpu` for CPU tensors; other devices have no implementation of this op yet.
 template <class CpuFn>
 void dispatch(const Validator& v, CpuFn&& cpu) {
   if (v.device().is_cpu()) return cpu();
   v.fail(ErrorCode::kNotImplemented, "not implemented on ", to_string(v.device()),
-         " yet; the CPU backend runs it (CUDA kernels arrive with the grouped-GEMM and fused-MLP "
-         "work)");
+         " yet; the CPU backend runs it (the fused CUDA expert MLP is a later change)");
 }
 
 }  // namespace moe::ops

@@ -167,12 +167,10 @@ TEST_F(Gpu, OpsWithoutCudaKernelsSaySo) {
   Tensor offsets = Tensor::empty({3}, DType::kInt64, Device::cuda(0));
   DeviceErrorFlag flag(Device::cuda(0));
   const GroupLayout layout = GroupLayout::compute(splits, 8, offsets, &flag);
-  Tensor x = to_cuda(random_tensor({8, 16}, DType::kBFloat16, rng));
-  Tensor w = to_cuda(random_tensor({2, 8, 16}, DType::kBFloat16, rng));
-  Tensor y = Tensor::empty({8, 8}, DType::kBFloat16, Device::cuda(0));
-  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w), layout, y),
-                   ErrorCode::kNotImplemented,
-                   "grouped_linear_forward: not implemented on cuda:0 yet");
+  Tensor h = to_cuda(random_tensor({8, 16}, DType::kBFloat16, rng));
+  Tensor out = Tensor::empty({8, 8}, DType::kBFloat16, Device::cuda(0));
+  EXPECT_MOE_ERROR(glu_forward(h, {}, layout, out, {}), ErrorCode::kNotImplemented,
+                   "glu_forward: not implemented on cuda:0 yet");
   EXPECT_MOE_ERROR(GroupLayout::compute(splits, 8, offsets), ErrorCode::kInvalidArgument,
                    "on CUDA a DeviceErrorFlag is required");
   flag.check();

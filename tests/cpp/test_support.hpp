@@ -88,6 +88,13 @@ inline bool bitwise_equal(const GroupedParam& a, const GroupedParam& b) {
   return true;
 }
 
+// A host int64 tensor holding `splits`.
+inline Tensor splits_tensor_for(const std::vector<int64_t>& splits) {
+  Tensor t = Tensor::empty({int64_t(splits.size())}, DType::kInt64);
+  std::memcpy(t.data(), splits.data(), splits.size() * sizeof(int64_t));
+  return t;
+}
+
 // A routing on the CPU: splits, offsets and the layout over them.
 struct Routing {
   std::vector<int64_t> splits;
@@ -97,8 +104,7 @@ struct Routing {
 
   Routing(std::vector<int64_t> s, int64_t cap) : splits(std::move(s)), capacity(cap) {
     const auto G = int64_t(splits.size());
-    splits_tensor = Tensor::empty({G}, DType::kInt64);
-    std::memcpy(splits_tensor.data(), splits.data(), splits.size() * sizeof(int64_t));
+    splits_tensor = splits_tensor_for(splits);
     offsets_tensor = Tensor::empty({G + 1}, DType::kInt64);
     layout = GroupLayout::compute(splits_tensor, capacity, offsets_tensor);
   }

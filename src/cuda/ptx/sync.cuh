@@ -1,0 +1,79 @@
+// Thin PTX wrappers: mbarriers, named barriers, proxy fences, warp election, register reallocation.
+#pragma once
+
+#include <cstdint>
+
+namespace moe::cuda::ptx {
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarrier ----
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(arrivals));
+}
+
+// Makes mbarrier.init visible to the async proxy (TMA) before first use.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
+}
+
+// Arrives and announces `bytes` that asynchronous copies will deliver to this phase.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+// Waits until the phase with the given parity has completed. A deadlock (a protocol bug) traps
+// after 2^28 polls (seconds to a minute) instead of hanging the GPU forever.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  const uint32_t addr = smem_address(bar);
+  uint32_t done = 0;
+  for (uint32_t polls = 0;; ++polls) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (polls == (1u << 28)) __trap();
+  }
+}
+
+// ---- CTA-level synchronization ----
+
+// bar.sync on a named barrier among `threads` threads (a multiple of 32); id 0 is __syncthreads.
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy (TMA, wgmma) reads.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// ---- warps and registers ----
+
+__device__ __forceinline__ uint32_t lane_index() { return threadIdx.x & 31u; }
+
+// The warp index, made warp-uniform so branches on it do not diverge.
+__device__ __forceinline__ uint32_t warp_index() { return __shfl_sync(0xffffffffu, threadIdx.x / 32u, 0); }
+
+template <uint32_t kRegisters>
+__device__ __forceinline__ void setmaxnreg_increase() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegisters));
+}
+
+template <uint32_t kRegisters>
+__device__ __forceinline__ void setmaxnreg_decrease() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegisters));
+}
+
+}  // namespace moe::cuda::ptx

@@ -1,0 +1,43 @@
+// Compile-time shape of the Hopper grouped GEMM: tile sizes, pipeline depth, shared-memory map.
+// Shared by the kernel and its host launcher.
+#pragma once
+
+#include <cstdint>
+
+namespace moe::cuda::sm90 {
+
+// The three grouped GEMMs of a grouped linear layer.
+enum class Form : int {
+  kForward = 0,  // D[T, N]   = A[T, K] B_g^T, B_g = W_g [N, K]       (A, B K-major)
+  kDgrad = 1,    // D[T, K]   = A[T, N] B_g,   B_g = W_g [N, K]       (A K-major, B MN-major)
+  kWgrad = 2,    // D_g[N, K] = A_g^T B_g, A = dY [T, N], B = X [T, K] (A, B MN-major; K-grouped)
+};
+
+struct Config {
+  static constexpr int kBlockM = 128;  // two math warpgroups of 64 rows
+  static constexpr int kBlockN = 256;
+  static constexpr int kBlockK = 64;   // one 128-byte swizzle row of 16-bit values
+  static constexpr int kStages = 4;
+  static constexpr int kThreads = 384;  // warpgroup 0: TMA producer; 1 and 2: math
+  static constexpr int kMathWarpgroups = 2;
+
+  static constexpr uint32_t kABytes = kBlockM * kBlockK * 2;  // 16 KiB
+  static constexpr uint32_t kBBytes = kBlockN * kBlockK * 2;  // 32 KiB
+  static constexpr uint32_t kStageBytes = kABytes + kBBytes;
+  static constexpr uint32_t kPanelBytes = kBlockK * 128;      // one 64-wide MN-major panel: 8 KiB
+  // Epilogue: per math warpgroup, two buffers of 64 rows x 128 bytes (double-buffered TMA stores).
+  static constexpr uint32_t kEpilogueBufferBytes = 64 * 128;
+  static constexpr uint32_t kEpilogueBytes = kMathWarpgroups * 2 * kEpilogueBufferBytes;
+  // Forward bias: each math warpgroup stages the tile's kBlockN bias values (16-bit).
+  static constexpr uint32_t kBiasBytes = kMathWarpgroups * kBlockN * 2;
+  static constexpr uint32_t kBarrierBytes = 2 * kStages * sizeof(uint64_t);
+  // 1 KiB of slack: the dynamic shared-memory base is aligned up to 1024 (swizzle atoms).
+  static constexpr uint32_t kSharedBytes =
+      kStages * kStageBytes + kEpilogueBytes + kBiasBytes + kBarrierBytes + 1024;
+
+  static constexpr uint32_t kRaggedRows = 1u << 30;  // extent of the ragged dimension
+};
+
+static_assert(Config::kSharedBytes <= 232448, "exceeds the 227 KiB of shared memory per block");
+
+}  // namespace moe::cuda::sm90

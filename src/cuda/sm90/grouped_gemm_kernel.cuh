@@ -1,0 +1,307 @@
+// The Hopper grouped GEMM: one persistent, warp-specialized kernel for the forward, dgrad and wgrad
+// forms. Warpgroup 0 is the producer (one thread issues TMA loads into a kStages-deep ring of
+// shared-memory stages guarded by full/empty mbarriers); warpgroups 1 and 2 each multiply 64 rows
+// of the 128 x 256 tile with wgmma and store their results through swizzled shared memory with TMA.
+//
+// Group boundaries need no padding: token-indexed operands use "ragged" tensor maps (see
+// tensor_maps.hpp) whose bounds end at the group's last row, so TMA zero-fills loads and clips
+// stores there. Rows past offsets[G] belong to no group and are never written.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cuda/ptx/sync.cuh"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/ptx/wgmma.cuh"
+#include "cuda/sm90/config.hpp"
+#include "cuda/sm90/scheduler.cuh"
+
+namespace moe::cuda::sm90 {
+
+struct GemmParams {
+  const int64_t* offsets;  // [G + 1] group offsets, sanitized on the device by GroupLayout
+  int32_t num_groups;
+  int32_t m_out;           // wgrad: rows of each D_g
+  int32_t n_out;           // columns of D
+  int32_t k;               // forward/dgrad: contraction length
+  const void* bias;        // forward: [G, n_out] in the input dtype, or null
+  const float* row_scale;  // forward: [T] scales of the bias ("scale_bias"), or null
+  int32_t reduce_add;      // wgrad: add into D (fp32 main_grad) instead of storing
+};
+
+namespace detail {
+
+template <class In>
+struct InputTraits;
+template <>
+struct InputTraits<__nv_bfloat16> {
+  static constexpr bool kFp16 = false;
+};
+template <>
+struct InputTraits<__half> {
+  static constexpr bool kFp16 = true;
+};
+
+// Two 16-bit values packed in 32 bits, as floats.
+__device__ __forceinline__ void unpack_pair(uint32_t bits, float& a, float& b, __nv_bfloat16*) {
+  const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+  a = f.x;
+  b = f.y;
+}
+__device__ __forceinline__ void unpack_pair(uint32_t bits, float& a, float& b, __half*) {
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&bits));
+  a = f.x;
+  b = f.y;
+}
+
+// Writes two adjacent output values (columns c, c+1 of a row) to shared memory.
+__device__ __forceinline__ void store_pair(uint8_t* p, float a, float b, __nv_bfloat16*) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ void store_pair(uint8_t* p, float a, float b, __half*) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
+__device__ __forceinline__ void store_pair(uint8_t* p, float a, float b, float*) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+
+// Coordinate of `row` (within a group of `rows` rows) in a ragged tensor map.
+__device__ __forceinline__ int32_t ragged_row(const Tile& t, int32_t row) {
+  return int32_t(Config::kRaggedRows) - t.rows + row;
+}
+__device__ __forceinline__ int32_t ragged_end(const Tile& t) { return int32_t(t.row_begin + t.rows); }
+
+}  // namespace detail
+
+template <Form kForm, class In, class Out>
+__global__ void __launch_bounds__(Config::kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
+                        const __grid_constant__ CUtensorMap map_b,
+                        const __grid_constant__ CUtensorMap map_d, const GemmParams p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace detail;
+  constexpr bool kKGrouped = kForm == Form::kWgrad;
+  constexpr int kTransA = kForm == Form::kWgrad ? 1 : 0;   // A MN-major (dY^T)
+  constexpr int kTransB = kForm == Form::kForward ? 0 : 1;  // B MN-major (W for dgrad, X for wgrad)
+  constexpr int kBM = Config::kBlockM, kBN = Config::kBlockN, kBK = Config::kBlockK;
+  constexpr int kStages = Config::kStages;
+  constexpr int kAccRegs = kBN / 2;  // 64 x kBN f32 accumulators over 128 threads
+
+  extern __shared__ uint8_t shared_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* epilogue_smem = smem + kStages * Config::kStageBytes;
+  uint8_t* bias_smem = epilogue_smem + Config::kEpilogueBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(bias_smem + Config::kBiasBytes);
+  uint64_t* empty = full + kStages;
+  auto stage_a = [&](int s) { return smem + s * Config::kStageBytes; };
+  auto stage_b = [&](int s) { return smem + s * Config::kStageBytes + Config::kABytes; };
+
+  const uint32_t warp = ptx::warp_index(), lane = ptx::lane_index();
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&full[s], 1);
+      ptx::mbarrier_init(&empty[s], Config::kMathWarpgroups * 4);  // one arrival per math warp
+    }
+    ptx::fence_barrier_init();
+  }
+  if (threadIdx.x == 32) {
+    ptx::prefetch_tensor_map(&map_a);
+    ptx::prefetch_tensor_map(&map_b);
+    ptx::prefetch_tensor_map(&map_d);
+  }
+  __syncthreads();
+
+  auto make_scheduler = [&] {
+    if constexpr (kKGrouped)
+      return KGroupedScheduler(p.offsets, p.num_groups, p.m_out, p.n_out);
+    else
+      return MGroupedScheduler(p.offsets, p.num_groups, p.n_out, p.k);
+  };
+  // Accumulating into main_grad: an empty group contributes nothing and its tiles are skipped.
+  auto skipped = [&](const Tile& t) { return kKGrouped && p.reduce_add && t.k_blocks == 0; };
+
+  if (warp < 4) {
+    // ---------------- producer warpgroup ----------------
+    ptx::setmaxnreg_decrease<48>();
+    if (warp != 0 || lane != 0) return;
+    auto scheduler = make_scheduler();
+    int stage = 0;
+    uint32_t phase = 0;
+    Tile t;
+    for (int64_t i = blockIdx.x; scheduler.get(i, t); i += gridDim.x) {
+      if (skipped(t)) continue;
+      for (int kb = 0; kb < t.k_blocks; ++kb) {
+        ptx::mbarrier_wait(&empty[stage], phase ^ 1u);
+        ptx::mbarrier_arrive_expect_tx(&full[stage], Config::kStageBytes);
+        const int32_t k0 = kb * kBK;
+        if constexpr (kForm == Form::kWgrad) {
+          // A = dY rows [k0, k0 + 64) of the group, columns m0..m0+127 as two 64-wide panels.
+          for (int panel = 0; panel < kBM / 64; ++panel)
+            ptx::tma_load_4d(stage_a(stage) + panel * Config::kPanelBytes, &map_a, &full[stage],
+                             t.m0 + 64 * panel, ragged_row(t, k0), ragged_end(t), int32_t(Config::kRaggedRows));
+          for (int panel = 0; panel < kBN / 64; ++panel)
+            ptx::tma_load_4d(stage_b(stage) + panel * Config::kPanelBytes, &map_b, &full[stage],
+                             t.n0 + 64 * panel, ragged_row(t, k0), ragged_end(t), int32_t(Config::kRaggedRows));
+        } else {
+          // A = rows m0..m0+127 of the group (K-major), zero past the group's end.
+          ptx::tma_load_4d(stage_a(stage), &map_a, &full[stage], k0, ragged_row(t, t.m0), ragged_end(t),
+                           int32_t(Config::kRaggedRows));
+          if constexpr (kForm == Form::kForward) {
+            ptx::tma_load_3d(stage_b(stage), &map_b, &full[stage], k0, t.n0, t.group);
+          } else {
+            for (int panel = 0; panel < kBN / 64; ++panel)
+              ptx::tma_load_3d(stage_b(stage) + panel * Config::kPanelBytes, &map_b, &full[stage],
+                               t.n0 + 64 * panel, k0, t.group);
+          }
+        }
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1u;
+        }
+      }
+    }
+    return;
+  }
+
+  // ---------------- math warpgroups ----------------
+  ptx::setmaxnreg_increase<232>();
+  const uint32_t math = warp / 4 - 1;          // which 64 rows of the tile
+  const uint32_t wg_thread = threadIdx.x - 128 * (math + 1);
+  const uint32_t warp_row = 16 * (warp % 4);   // this warp's 16 rows within the 64
+
+  // Descriptor bases (low word varies by stage and k step).
+  constexpr uint32_t kLeadA = kTransA ? Config::kPanelBytes : 0;
+  constexpr uint32_t kLeadB = kTransB ? Config::kPanelBytes : 0;
+  constexpr uint32_t kStepA = kTransA ? 16 * 128 : 32;  // bytes per k16 step
+  constexpr uint32_t kStepB = kTransB ? 16 * 128 : 32;
+  const uint32_t a_offset = kTransA ? math * Config::kPanelBytes : math * 64 * 128;
+
+  using Wgmma = ptx::WgmmaSS<kBN, InputTraits<In>::kFp16>;
+  float acc[kAccRegs];
+  auto scheduler = make_scheduler();
+  int stage = 0;
+  uint32_t phase = 0;
+  uint32_t epilogue_count = 0;
+  Tile t;
+  for (int64_t i = blockIdx.x; scheduler.get(i, t); i += gridDim.x) {
+    if (skipped(t)) continue;
+    // ---- mainloop ----
+    int previous = -1;
+    for (int kb = 0; kb < t.k_blocks; ++kb) {
+      ptx::mbarrier_wait(&full[stage], phase);
+      const uint32_t a_base = ptx::smem_address(stage_a(stage)) + a_offset;
+      const uint32_t b_base = ptx::smem_address(stage_b(stage));
+      ptx::fence_accumulators(acc);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const uint64_t da = ptx::smem_descriptor(a_base + kk * kStepA, kLeadA, 1024);
+        const uint64_t db = ptx::smem_descriptor(b_base + kk * kStepB, kLeadB, 1024);
+        Wgmma::template mma<kTransA, kTransB>(acc, da, db, (kb > 0 || kk > 0) ? 1u : 0u);
+      }
+      ptx::wgmma_commit_group();
+      ptx::fence_accumulators(acc);
+      // The group before this one has retired: its stage can be refilled.
+      ptx::wgmma_wait_group<1>();
+      if (previous >= 0 && lane == 0) ptx::mbarrier_arrive(&empty[previous]);
+      previous = stage;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    }
+    ptx::wgmma_wait_group<0>();
+    ptx::fence_accumulators(acc);
+    if (previous >= 0 && lane == 0) ptx::mbarrier_arrive(&empty[previous]);
+    if (kKGrouped && t.k_blocks == 0) {  // an empty wgrad group writes zeros (no wgmma in flight)
+#pragma unroll
+      for (int r = 0; r < kAccRegs; ++r) acc[r] = 0.f;
+    }
+
+    // ---- epilogue: registers -> swizzled shared memory -> TMA store, 128 bytes of columns at a time ----
+    // Re-derived per tile behind an opaque asm: otherwise the compiler hoists every store address
+    // out of the tile loop and runs out of registers (spills).
+    uint32_t opaque_lane = lane;
+    asm volatile("" : "+r"(opaque_lane));
+    const uint32_t row_in_16 = opaque_lane / 4;
+    // This thread writes columns c, c+1 of rows r and r + 8, c = 8 jj + 2 (lane % 4). In a
+    // 128-byte-swizzled row, byte b of row r lives at r * 128 + (b ^ ((r % 8) << 4)).
+    const uint32_t row_base = (warp_row + row_in_16) * 128;
+    const uint32_t lane_bytes = 2 * (opaque_lane % 4) * uint32_t(sizeof(Out));
+    const uint32_t swizzle = (row_in_16 & 7u) << 4;  // rows r and r + 8 share r % 8
+    const int32_t tile_row0 = t.m0 + 64 * int32_t(math);  // first row of this warpgroup's slab
+    const int32_t row_limit = kKGrouped ? p.m_out : t.rows;
+    const bool slab_live = tile_row0 < row_limit;
+    float row_scale[2] = {1.f, 1.f};
+    // This warpgroup's copy of the tile's bias columns (pairs of 16-bit values).
+    uint32_t* bias_tile = reinterpret_cast<uint32_t*>(bias_smem + math * Config::kBlockN * 2);
+    if constexpr (kForm == Form::kForward) {
+      if (p.bias != nullptr) {
+        // n is even and n_out a multiple of 8 (TMA alignment): each pair is all in or all out.
+        const int32_t n = t.n0 + 2 * int32_t(wg_thread);
+        const In* bias = static_cast<const In*>(p.bias) + int64_t(t.group) * p.n_out;
+        bias_tile[wg_thread] = n < p.n_out ? __ldg(reinterpret_cast<const uint32_t*>(bias + n)) : 0u;
+      }
+      if (p.row_scale) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int32_t r = tile_row0 + int32_t(warp_row + row_in_16 + 8 * h);
+          row_scale[h] = r < t.rows ? __ldg(p.row_scale + t.row_begin + r) : 0.f;
+        }
+      }
+    }
+    constexpr int kChunkCols = 128 / int(sizeof(Out));  // columns per 128-byte row (a multiple of 8)
+    constexpr int kGroupsPerChunk = kChunkCols / 8;     // 8-column accumulator groups per chunk
+#pragma unroll
+    for (int chunk = 0; chunk < kBN / kChunkCols; ++chunk) {
+      const int32_t col0 = t.n0 + chunk * kChunkCols;
+      if (!slab_live || col0 >= p.n_out) break;  // uniform across the warpgroup
+      uint8_t* buffer = epilogue_smem + (math * 2 + (epilogue_count & 1u)) * Config::kEpilogueBufferBytes;
+      // The store issued from this buffer two chunks ago must have finished reading it.
+      if (wg_thread == 0) ptx::bulk_wait_group_read<1>();
+      ptx::named_barrier_sync(1 + math, 128);
+#pragma unroll
+      for (int jj = 0; jj < kGroupsPerChunk; ++jj) {
+        const int j = chunk * kGroupsPerChunk + jj;
+        const uint32_t offset = row_base + ((jj * 8 * uint32_t(sizeof(Out)) + lane_bytes) ^ swizzle);
+        float b0 = 0.f, b1 = 0.f;
+        if constexpr (kForm == Form::kForward) {
+          if (p.bias != nullptr)
+            unpack_pair(bias_tile[(chunk * kChunkCols + jj * 8) / 2 + opaque_lane % 4], b0, b1,
+                        static_cast<In*>(nullptr));
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+          if constexpr (kForm == Form::kForward) {
+            v0 += row_scale[h] * b0;
+            v1 += row_scale[h] * b1;
+          }
+          store_pair(buffer + offset + h * 8 * 128, v0, v1, static_cast<Out*>(nullptr));
+        }
+      }
+      ptx::fence_proxy_async_shared();
+      ptx::named_barrier_sync(1 + math, 128);
+      if (wg_thread == 0) {
+        if constexpr (kKGrouped) {
+          if (p.reduce_add)
+            ptx::tma_store_3d<true>(&map_d, buffer, col0, tile_row0, t.group);
+          else
+            ptx::tma_store_3d<false>(&map_d, buffer, col0, tile_row0, t.group);
+        } else {
+          ptx::tma_store_4d(&map_d, buffer, col0, ragged_row(t, tile_row0), ragged_end(t),
+                            int32_t(Config::kRaggedRows));
+        }
+        ptx::bulk_commit_group();
+      }
+      ++epilogue_count;
+    }
+  }
+  if (wg_thread == 0) ptx::bulk_wait_group_all();
+#endif
+}
+
+}  // namespace moe::cuda::sm90

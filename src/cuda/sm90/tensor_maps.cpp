@@ -1,0 +1,76 @@
+#include "cuda/sm90/tensor_maps.hpp"
+
+#include <cuda_runtime_api.h>
+#include <cudaTypedefs.h>
+
+#include <mutex>
+
+#include "cuda/check.hpp"
+#include "moe_engine/error.hpp"
+
+namespace moe::cuda::sm90 {
+namespace {
+
+// cuTensorMapEncodeTiled from the driver, found through the runtime (no link against libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                                    cudaEnableDefault, &status),
+                   "looking up cuTensorMapEncodeTiled");
+    MOE_CHECK(status == cudaDriverEntryPointSuccess && p != nullptr, ErrorCode::kCuda,
+              "the CUDA driver does not provide cuTensorMapEncodeTiled (needs a driver for CUDA 12+)");
+    fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  });
+  return fn;
+}
+
+CUtensorMapDataType tma_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16: return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    case DType::kFloat16: return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    case DType::kFloat32: return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+    default: throw_error(ErrorCode::kInternal, "tensor map: unsupported dtype ", dtype_name(dtype));
+  }
+}
+
+CUtensorMap encode(const void* base, DType dtype, uint32_t rank, const cuuint64_t* dims,
+                   const cuuint64_t* strides, const cuuint32_t* box) {
+  CUtensorMap map{};
+  const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  const CUresult r = encode_function()(&map, tma_dtype(dtype), rank, const_cast<void*>(base), dims,
+                                       strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOE_CHECK(r == CUDA_SUCCESS, ErrorCode::kCuda, "cuTensorMapEncodeTiled failed (CUresult ", int(r),
+            ") for a rank-", rank, " map at ", base, " with dims [", dims[0], ", ", dims[1], ", ",
+            dims[2], "]");
+  return map;
+}
+
+}  // namespace
+
+CUtensorMap make_tensor_map_3d(const void* base, DType dtype, int64_t groups, int64_t rows,
+                               int64_t cols, int64_t row_stride, int64_t group_stride,
+                               uint32_t box_cols, uint32_t box_rows) {
+  const uint64_t es = dtype_size(dtype);
+  const cuuint64_t dims[3] = {cuuint64_t(cols), cuuint64_t(rows), cuuint64_t(groups)};
+  const cuuint64_t strides[2] = {cuuint64_t(row_stride) * es, cuuint64_t(group_stride) * es};
+  const cuuint32_t box[3] = {box_cols, box_rows, 1};
+  return encode(base, dtype, 3, dims, strides, box);
+}
+
+CUtensorMap make_ragged_tensor_map(const void* base, DType dtype, int64_t cols, int64_t row_stride,
+                                   uint32_t box_cols, uint32_t box_rows) {
+  const uint64_t rs = uint64_t(row_stride) * dtype_size(dtype);
+  constexpr cuuint64_t kOuter = 0x7fff0000u;
+  const cuuint64_t dims[4] = {cuuint64_t(cols), cuuint64_t(1) << 30, kOuter, kOuter};
+  const cuuint64_t strides[3] = {rs, rs, (cuuint64_t(1) << 34) - rs};
+  const cuuint32_t box[4] = {box_cols, box_rows, 1, 1};
+  return encode(base, dtype, 4, dims, strides, box);
+}
+
+}  // namespace moe::cuda::sm90
