@@ -20,6 +20,12 @@ struct Config {
   static constexpr int kStages = 4;
   static constexpr int kThreads = 384;  // warpgroup 0: TMA producer; 1 and 2: math
   static constexpr int kMathWarpgroups = 2;
+  // setmaxnreg: the CTA starts with 168 registers per thread (65536 / 384, rounded down to 8);
+  // the producer gives some back and the math warpgroups take them. The sum must fit the pool,
+  // or a math warpgroup's setmaxnreg.inc waits forever.
+  static constexpr int kLaunchRegisters = 168;
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kMathRegisters = 232;
 
   static constexpr uint32_t kABytes = kBlockM * kBlockK * 2;  // 16 KiB
   static constexpr uint32_t kBBytes = kBlockN * kBlockK * 2;  // 32 KiB
@@ -39,5 +45,8 @@ struct Config {
 };
 
 static_assert(Config::kSharedBytes <= 232448, "exceeds the 227 KiB of shared memory per block");
+static_assert(Config::kProducerRegisters + Config::kMathWarpgroups * Config::kMathRegisters <=
+                  (Config::kMathWarpgroups + 1) * Config::kLaunchRegisters,
+              "setmaxnreg: the warpgroups' registers exceed the CTA's pool");
 
 }  // namespace moe::cuda::sm90

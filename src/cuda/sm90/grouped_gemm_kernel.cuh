@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
   if (warp < 4) {
     // ---------------- producer warpgroup ----------------
-    ptx::setmaxnreg_decrease<48>();
+    ptx::setmaxnreg_decrease<Config::kProducerRegisters>();
     if (warp != 0 || lane != 0) return;
     auto scheduler = make_scheduler();
     int stage = 0;
@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   }
 
   // ---------------- math warpgroups ----------------
-  ptx::setmaxnreg_increase<232>();
+  ptx::setmaxnreg_increase<Config::kMathRegisters>();
   const uint32_t math = warp / 4 - 1;          // which 64 rows of the tile
   const uint32_t wg_thread = threadIdx.x - 128 * (math + 1);
   const uint32_t warp_row = 16 * (warp % 4);   // this warp's 16 rows within the 64
