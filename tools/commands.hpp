@@ -24,9 +24,12 @@ struct BenchOptions {
   bool check = true;  // compare with the float64 oracle when small enough
   bool json = false;
   bool list = false;         // list the cases and exit
+  std::string anchor;        // gemm: torch_anchor.py's JSON from the same device run
+  std::string json_out;      // gemm: write the results as JSON to this file
   std::string command_line;  // recorded in the JSON
 };
 int run_bench(const BenchOptions& options);
+int run_bench_gemm(const BenchOptions& options);
 
 struct CheckOptions {
   bool json = false;

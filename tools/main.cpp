@@ -20,14 +20,14 @@ int main(int argc, char** argv) {
   BenchOptions bench;
   CLI::App* bench_cmd = app.add_subcommand(
       "bench",
-      "Time the expert MLP forward+backward on a case and check it against the fp64 oracle");
-  bench_cmd->add_option("kind", bench.kind, "What to benchmark")
-      ->check(CLI::IsMember({"mlp"}))
+      "mlp: time the expert MLP forward+backward on a case and check it against the fp64 oracle; "
+      "gemm: time the six grouped GEMMs of every case on a GPU");
+  bench_cmd->add_option("kind", bench.kind, "mlp or gemm")
+      ->check(CLI::IsMember({"mlp", "gemm"}))
       ->capture_default_str();
-  bench_cmd
-      ->add_option("--case", bench.case_name,
-                   "'tiny' or a case of bench/workloads.json (or a unique part of its name)")
-      ->capture_default_str();
+  bench_cmd->add_option("--case", bench.case_name,
+                        "mlp: 'tiny' (default) or a case of bench/workloads.json (or a unique part "
+                        "of its name); gemm: 'all' (default) or a part of case names");
   bench_cmd
       ->add_option("--device", bench.device,
                    "auto (a GPU when the CUDA backend runs the op, else the CPU), cpu, cuda[:N]")
@@ -47,6 +47,10 @@ int main(int argc, char** argv) {
   bench_cmd->add_flag("!--no-check", bench.check, "Skip the comparison with the fp64 oracle");
   bench_cmd->add_flag("--json", bench.json, "Print JSON only");
   bench_cmd->add_flag("--list", bench.list, "List the cases and exit");
+  bench_cmd->add_option("--anchor", bench.anchor,
+                        "gemm: JSON of ../shared/bench/torch_anchor.py from the same run");
+  bench_cmd->add_option("--json-out", bench.json_out,
+                        "gemm: write the results as JSON to this file");
 
   CheckOptions check;
   CLI::App* check_cmd =
@@ -58,7 +62,13 @@ int main(int argc, char** argv) {
   for (int i = 0; i < argc; ++i) bench.command_line += (i ? " " : "") + std::string(argv[i]);
   try {
     if (info_cmd->parsed()) return run_info(info);
-    if (bench_cmd->parsed()) return run_bench(bench);
+    if (bench_cmd->parsed()) {
+      if (bench.kind == "gemm") {
+        if (bench_cmd->count("--case") == 0) bench.case_name = "all";
+        return run_bench_gemm(bench);
+      }
+      return run_bench(bench);
+    }
     if (check_cmd->parsed()) return run_check(check);
   } catch (const moe::Error& e) {
     std::cerr << e.what() << "\n";

@@ -43,4 +43,23 @@ MOE_API void synchronize(Stream stream);
 // True while `stream` is being captured into a CUDA graph.
 MOE_API bool stream_is_capturing(Stream stream);
 
+// Times work on a stream: CUDA events on a CUDA device, the host clock on the CPU.
+class MOE_API StreamTimer {
+ public:
+  StreamTimer(Device device, Stream stream);
+  ~StreamTimer();
+  StreamTimer(const StreamTimer&) = delete;
+  StreamTimer& operator=(const StreamTimer&) = delete;
+  void start();
+  void stop();
+  double elapsed_ms();  // waits for the stop event
+
+ private:
+  Device device_;
+  Stream stream_;
+  void* start_ = nullptr;  // cudaEvent_t
+  void* stop_ = nullptr;
+  double host_start_ = 0, host_stop_ = 0;
+};
+
 }  // namespace moe

@@ -122,4 +122,9 @@ MOE_API void copy_tensor(const TensorView& dst, const TensorView& src, Stream st
 // Fills every byte of a contiguous tensor with `byte` (the way tests poison outputs).
 MOE_API void fill_bytes(const TensorView& dst, uint8_t byte, Stream stream = nullptr);
 
+// Fills a float tensor (contiguous) with uniform values in [lo, hi) from a counter-based hash of
+// (seed, element index): the same values on the CPU and on CUDA, generated where the tensor lives.
+MOE_API void fill_uniform(const TensorView& dst, uint64_t seed, float lo, float hi,
+                          Stream stream = nullptr);
+
 }  // namespace moe

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "moe_engine/device.hpp"
+#include "moe_engine/dtype.hpp"
 #include "moe_engine/runtime.hpp"
 
 namespace moe::cuda_api {
@@ -21,6 +22,12 @@ bool is_capturing(Stream stream);
 // Number of usable GPUs; 0 with the reason in *why when none can be used.
 int device_count(std::string* why);
 GpuInfo device_info(int index);
+
+void* event_create();
+void event_destroy(void* event) noexcept;
+void event_record(void* event, Stream stream);
+float event_elapsed_ms(void* start, void* stop);  // synchronizes on stop
+void fill_uniform(void* data, DType dtype, int64_t n, uint64_t seed, float lo, float hi, Stream stream);
 
 // Makes `device` the current CUDA device for the scope (no-op without CUDA).
 class ScopedDevice {

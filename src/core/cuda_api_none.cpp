@@ -22,6 +22,11 @@ int device_count(std::string* why) {
   return 0;
 }
 GpuInfo device_info(int) { unavailable(); }
+void* event_create() { unavailable(); }
+void event_destroy(void*) noexcept {}
+void event_record(void*, Stream) { unavailable(); }
+float event_elapsed_ms(void*, void*) { unavailable(); }
+void fill_uniform(void*, DType, int64_t, uint64_t, float, float, Stream) { unavailable(); }
 ScopedDevice::ScopedDevice(int) {}
 ScopedDevice::~ScopedDevice() = default;
 

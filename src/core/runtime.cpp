@@ -1,5 +1,7 @@
 #include "moe_engine/runtime.hpp"
 
+#include <chrono>
+
 #include "core/cuda_api.hpp"
 #include "moe_engine/config.hpp"
 #include "moe_engine/error.hpp"
@@ -35,5 +37,44 @@ bool cuda_device_available() { return !query_gpus().gpus.empty(); }
 void synchronize(Stream stream) { cuda_api::synchronize(stream); }
 
 bool stream_is_capturing(Stream stream) { return cuda_api::is_capturing(stream); }
+
+namespace {
+double host_ms() {
+  using clock = std::chrono::steady_clock;
+  return std::chrono::duration<double, std::milli>(clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+StreamTimer::StreamTimer(Device device, Stream stream) : device_(device), stream_(stream) {
+  if (device_.is_cuda()) {
+    const cuda_api::ScopedDevice scoped(device_.index);
+    start_ = cuda_api::event_create();
+    stop_ = cuda_api::event_create();
+  }
+}
+
+StreamTimer::~StreamTimer() {
+  cuda_api::event_destroy(start_);
+  cuda_api::event_destroy(stop_);
+}
+
+void StreamTimer::start() {
+  if (device_.is_cuda())
+    cuda_api::event_record(start_, stream_);
+  else
+    host_start_ = host_ms();
+}
+
+void StreamTimer::stop() {
+  if (device_.is_cuda())
+    cuda_api::event_record(stop_, stream_);
+  else
+    host_stop_ = host_ms();
+}
+
+double StreamTimer::elapsed_ms() {
+  if (device_.is_cuda()) return cuda_api::event_elapsed_ms(start_, stop_);
+  return host_stop_ - host_start_;
+}
 
 }  // namespace moe

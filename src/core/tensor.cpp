@@ -4,6 +4,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "common/hash_random.hpp"
 #include "core/cuda_api.hpp"
 
 namespace moe {
@@ -187,6 +188,24 @@ void fill_bytes(const TensorView& dst, uint8_t byte, Stream stream) {
     std::memset(dst.data(), byte, dst.nbytes());
   else
     cuda_api::memset_async(dst.data(), byte, dst.nbytes(), stream);
+}
+
+void fill_uniform(const TensorView& dst, uint64_t seed, float lo, float hi, Stream stream) {
+  MOE_CHECK(dst.defined() && dst.is_contiguous() && is_floating(dst.dtype()), ErrorCode::kInvalidArgument,
+            "fill_uniform: needs a contiguous float tensor, got ", dst.describe());
+  if (dst.device().is_cuda()) {
+    const cuda_api::ScopedDevice scoped(dst.device().index);
+    return cuda_api::fill_uniform(dst.data(), dst.dtype(), dst.numel(), seed, lo, hi, stream);
+  }
+  for (int64_t i = 0; i < dst.numel(); ++i) {
+    const float v = detail::hash_uniform(seed, uint64_t(i), lo, hi);
+    switch (dst.dtype()) {
+      case DType::kFloat64: dst.data_as<double>()[i] = v; break;
+      case DType::kFloat32: dst.data_as<float>()[i] = v; break;
+      case DType::kBFloat16: dst.data_as<BFloat16>()[i] = BFloat16(v); break;
+      default: dst.data_as<Float16>()[i] = Float16(v); break;
+    }
+  }
 }
 
 }  // namespace moe

@@ -6,6 +6,28 @@
 #include "cuda/check.hpp"
 
 namespace moe::cuda_api {
+void* event_create() {
+  cudaEvent_t e = nullptr;
+  MOE_CUDA_CHECK(cudaEventCreate(&e), "cudaEventCreate");
+  return e;
+}
+
+void event_destroy(void* event) noexcept {
+  if (event) cudaEventDestroy(static_cast<cudaEvent_t>(event));
+}
+
+void event_record(void* event, Stream stream) {
+  MOE_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), stream), "cudaEventRecord");
+}
+
+float event_elapsed_ms(void* start, void* stop) {
+  MOE_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(stop)), "cudaEventSynchronize");
+  float ms = 0;
+  MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start), static_cast<cudaEvent_t>(stop)),
+                 "cudaEventElapsedTime");
+  return ms;
+}
+
 ScopedDevice::ScopedDevice(int device) {
   MOE_CUDA_CHECK(cudaGetDevice(&previous_), "cudaGetDevice");
   if (previous_ != device) MOE_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");

@@ -1,0 +1,226 @@
+// moe-engine bench gemm: the six grouped GEMMs of every case (FC1 and FC2 x forward, dgrad,
+// wgrad) on a GPU, timed with CUDA events, with the roofline fraction and, given the JSON that
+// ../shared/bench/torch_anchor.py wrote in the same device run, the speedup over torch._grouped_mm.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "commands.hpp"
+#include "moe_engine/moe_engine.hpp"
+#include "workloads.hpp"
+
+namespace moe::tools {
+namespace {
+
+// Ceilings when no anchor is given: the H200 figures of ../shared/bench/anchor_h200_torch.json.
+constexpr double kDefaultBf16Tflops = 787.0;
+constexpr double kHbmTBps = 4.27;  // device-to-device copy, read + write
+
+struct Timing {
+  double median_ms = 0, min_ms = 0;
+};
+
+template <class F>
+Timing time_op(Device device, Stream stream, int warmup, int iters, F&& op) {
+  for (int i = 0; i < warmup; ++i) op();
+  StreamTimer timer(device, stream);
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    timer.start();
+    op();
+    timer.stop();
+    ms.push_back(timer.elapsed_ms());
+  }
+  std::sort(ms.begin(), ms.end());
+  return {ms[ms.size() / 2], ms.front()};
+}
+
+struct Entry {
+  std::string case_name, fc, gemm;
+  double ms = 0, min_ms = 0, flops = 0, bytes = 0, tflops = 0, roofline_fraction = 0;
+  double torch_ms = 0, speedup_vs_torch = 0, loop_ms = 0, speedup_vs_loop = 0;
+  bool in_geomean = false;
+};
+
+const nlohmann::json* anchor_case(const nlohmann::json& anchor, const std::string& name) {
+  for (const auto& c : anchor.at("cases"))
+    if (c.at("case") == name) return &c;
+  return nullptr;
+}
+
+}  // namespace
+
+int run_bench_gemm(const BenchOptions& o) {
+  const std::vector<Workload> all = load_workloads(find_workloads_file(o.workloads));
+  std::vector<Workload> cases;
+  for (const Workload& w : all)
+    if (o.case_name == "all" || w.name.find(o.case_name) != std::string::npos) cases.push_back(w);
+  MOE_CHECK(!cases.empty(), ErrorCode::kInvalidArgument, "bench gemm: no case matches '",
+            o.case_name, "'");
+  const GpuInventory inventory = query_gpus();
+  MOE_CHECK(!inventory.gpus.empty(), ErrorCode::kNotImplemented,
+            "bench gemm times the CUDA kernels and needs a GPU: ", inventory.note);
+  const Device device = o.device == "auto" ? Device::cuda(0) : parse_device(o.device);
+  MOE_CHECK(device.is_cuda(), ErrorCode::kInvalidArgument,
+            "bench gemm times the CUDA kernels: use a CUDA device");
+  const DType dt = dtype_from_name(o.dtype);
+
+  nlohmann::json anchor;
+  if (!o.anchor.empty()) {
+    std::ifstream in(o.anchor);
+    MOE_CHECK(in.good(), ErrorCode::kIo, "bench gemm: cannot open the anchor file '", o.anchor,
+              "'");
+    in >> anchor;
+  }
+  const double bf16_tflops = anchor.contains("dense_8192_tflops")
+                                 ? anchor["dense_8192_tflops"].get<double>()
+                                 : kDefaultBf16Tflops;
+  const Stream stream = nullptr;
+  const int iters = o.iters > 0 ? o.iters : 20;
+  const int warmup = std::max(o.warmup, 2);
+  std::vector<Entry> entries;
+  std::printf("%-36s %-4s %-10s %9s %8s %9s %9s %8s\n", "case", "fc", "gemm", "ms", "TFLOP/s",
+              "roofline", "torch ms", "speedup");
+  for (const Workload& w : cases) {
+    const int64_t G = w.experts, T = w.capacity, routed = w.routed_tokens();
+    Tensor splits_host = Tensor::empty({G}, DType::kInt64);
+    std::memcpy(splits_host.data(), w.tokens_per_expert.data(), size_t(G) * sizeof(int64_t));
+    const Tensor splits = splits_host.to(device);
+    const Tensor offsets = Tensor::empty({G + 1}, DType::kInt64, device);
+    DeviceErrorFlag errors(device);
+    const GroupLayout groups = GroupLayout::compute(splits, T, offsets, &errors, stream);
+    errors.check(stream);
+    const nlohmann::json* ref = anchor.is_null() ? nullptr : anchor_case(anchor, w.name);
+    for (const bool fc1 : {true, false}) {
+      const int64_t N = fc1 ? 2 * w.ffn : w.hidden, K = fc1 ? w.hidden : w.ffn;
+      const std::string fc = fc1 ? "fc1" : "fc2";
+      Tensor x = Tensor::empty({T, K}, dt, device), wt = Tensor::empty({G, N, K}, dt, device);
+      Tensor y = Tensor::empty({T, N}, dt, device), dy = Tensor::empty({T, N}, dt, device);
+      Tensor dx = Tensor::empty({T, K}, dt, device), dw = Tensor::empty({G, N, K}, dt, device);
+      Tensor main_grad = Tensor::zeros({G, N, K}, DType::kFloat32, device);
+      const float a = float(std::sqrt(3.0 / double(K)));
+      fill_uniform(x, o.seed, -1.f, 1.f, stream);
+      fill_uniform(wt, o.seed + 1, -a, a, stream);
+      fill_uniform(dy, o.seed + 2, -1.f, 1.f, stream);
+      const GroupedParam W = GroupedParam::packed(wt);
+      const ExecContext ctx{stream, {}};
+      const double flops = 2.0 * double(routed) * double(N) * double(K);
+      const double e = double(dtype_size(dt));
+      const double weights = double(G) * double(N) * double(K);
+      struct Gemm {
+        const char* name;
+        double bytes;
+        std::function<void()> run;
+        const char* anchor_key;  // torch._grouped_mm counterpart
+        bool in_geomean;
+      };
+      const std::vector<Gemm> gemms = {
+          {"fwd", e * (routed * K + weights + routed * N),
+           [&] { grouped_linear_forward(x, W, groups, y, {}, ctx); }, "grouped_mm_fwd", true},
+          {"dgrad", e * (routed * N + weights + routed * K),
+           [&] { grouped_linear_dgrad(dy, W, groups, dx, ctx); }, "grouped_mm_dgrad", true},
+          {"wgrad", e * (routed * N + routed * K + weights),
+           [&] {
+             grouped_linear_wgrad(dy, x, groups, GroupedParam::packed(dw), GradMode::kWrite, ctx);
+           },
+           "grouped_mm_wgrad", true},
+          {"wgrad_acc", e * (routed * N + routed * K) + 8.0 * weights,
+           [&] {
+             grouped_linear_wgrad(dy, x, groups, GroupedParam::packed(main_grad),
+                                  GradMode::kAccumulate, ctx);
+           },
+           "grouped_mm_wgrad", false},
+      };
+      for (const Gemm& g : gemms) {
+        const Timing t = time_op(device, stream, warmup, iters, g.run);
+        Entry en;
+        en.case_name = w.name;
+        en.fc = fc;
+        en.gemm = g.name;
+        en.ms = t.median_ms;
+        en.min_ms = t.min_ms;
+        en.flops = flops;
+        en.bytes = g.bytes;
+        en.tflops = flops / (t.median_ms * 1e9);
+        const double floor_ms = std::max(flops / (bf16_tflops * 1e9), g.bytes / (kHbmTBps * 1e9));
+        en.roofline_fraction = floor_ms / t.median_ms;
+        en.in_geomean = g.in_geomean;
+        if (ref) {
+          en.torch_ms = ref->at(fc + "_" + g.anchor_key + "_ms").get<double>();
+          en.speedup_vs_torch = en.torch_ms / en.ms;
+          if (std::string(g.name) == "fwd") {
+            en.loop_ms = ref->at(fc + "_loop_fwd_ms").get<double>();
+            en.speedup_vs_loop = en.loop_ms / en.ms;
+          }
+        }
+        std::printf("%-36s %-4s %-10s %9.4f %8.1f %9.3f %9.4f %8.3f\n", w.name.c_str(), fc.c_str(),
+                    g.name, en.ms, en.tflops, en.roofline_fraction, en.torch_ms,
+                    en.speedup_vs_torch);
+        std::fflush(stdout);
+        entries.push_back(en);
+      }
+      errors.check(stream);
+    }
+  }
+  double log_sum = 0, min_speedup = 1e30;
+  int counted = 0;
+  for (const Entry& en : entries)
+    if (en.in_geomean && en.speedup_vs_torch > 0) {
+      log_sum += std::log(en.speedup_vs_torch);
+      min_speedup = std::min(min_speedup, en.speedup_vs_torch);
+      ++counted;
+    }
+  const double geomean = counted ? std::exp(log_sum / counted) : 0;
+  if (counted)
+    std::printf("geomean speedup vs torch._grouped_mm over %d GEMMs: %.3f (min %.3f)\n", counted,
+                geomean, min_speedup);
+
+  if (!o.json_out.empty()) {
+    nlohmann::json j;
+    j["device"] = inventory.gpus[size_t(device.index)].name;
+    j["command"] = o.command_line;
+    j["dtype"] = dtype_name(dt);
+    j["iters"] = iters;
+    j["ceilings"] = {{"bf16_tflops", bf16_tflops},
+                     {"hbm_TBps", kHbmTBps},
+                     {"bf16_source", anchor.is_null() ? "default (no anchor given)"
+                                                      : "anchor dense_8192_tflops, same run"}};
+    if (!anchor.is_null()) j["anchor"] = {{"file", o.anchor}, {"torch", anchor.value("torch", "")}};
+    j["geomean_speedup_vs_torch"] = counted ? nlohmann::json(geomean) : nlohmann::json(nullptr);
+    j["min_speedup_vs_torch"] = counted ? nlohmann::json(min_speedup) : nlohmann::json(nullptr);
+    j["geomean_over"] =
+        "fc1/fc2 x fwd/dgrad/wgrad (wgrad: write mode, bf16 output, as torch); wgrad_acc reported "
+        "beside";
+    for (const Entry& en : entries) {
+      nlohmann::json e = {{"case", en.case_name},
+                          {"fc", en.fc},
+                          {"gemm", en.gemm},
+                          {"ms", en.ms},
+                          {"min_ms", en.min_ms},
+                          {"tflops", en.tflops},
+                          {"roofline_fraction", en.roofline_fraction},
+                          {"flops", en.flops},
+                          {"bytes", en.bytes},
+                          {"in_geomean", en.in_geomean}};
+      if (en.torch_ms > 0) {
+        e["torch_grouped_mm_ms"] = en.torch_ms;
+        e["speedup_vs_torch"] = en.speedup_vs_torch;
+      }
+      if (en.loop_ms > 0) {
+        e["cublas_loop_ms"] = en.loop_ms;
+        e["speedup_vs_cublas_loop"] = en.speedup_vs_loop;
+      }
+      j["entries"].push_back(e);
+    }
+    std::ofstream(o.json_out) << j.dump(1) << "\n";
+  }
+  return 0;
+}
+
+}  // namespace moe::tools
