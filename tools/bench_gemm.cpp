@@ -26,16 +26,25 @@ struct Timing {
   double median_ms = 0, min_ms = 0;
 };
 
+// Warm up for ~25 ms, then time single runs with CUDA events until both `iters` runs and ~100 ms
+// (as the anchor's do_bench) have been measured; the median is reported.
 template <class F>
 Timing time_op(Device device, Stream stream, int warmup, int iters, F&& op) {
-  for (int i = 0; i < warmup; ++i) op();
   StreamTimer timer(device, stream);
+  double spent = 0;
+  for (int i = 0; i < warmup || spent < 25.0; ++i) {
+    timer.start();
+    op();
+    timer.stop();
+    spent += timer.elapsed_ms();
+  }
   std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
+  for (double total = 0; int(ms.size()) < iters || total < 100.0;) {
     timer.start();
     op();
     timer.stop();
     ms.push_back(timer.elapsed_ms());
+    total += ms.back();
   }
   std::sort(ms.begin(), ms.end());
   return {ms[ms.size() / 2], ms.front()};
