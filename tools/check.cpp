@@ -140,6 +140,41 @@ Outcome check_mlp(Device device, uint64_t seed) {
   }
 }
 
+// The CUDA grouped GEMMs (forward with scaled bias, dgrad, wgrad) against the CPU backend.
+Outcome check_gpu_grouped_linear(Device device, uint64_t seed) {
+  RandomFill rng(seed);
+  CpuRouting r(rng, 9);
+  const int64_t G = 9, N = 136, K = 200, T = r.capacity, rows = r.rows();
+  const DType dt = DType::kBFloat16;
+  Tensor x = rng.normal({T, K}, dt), w = rng.normal({G, N, K}, dt, 0.1), b = rng.normal({G, N}, dt);
+  Tensor p = rng.uniform({T}, DType::kFloat32, 0, 1), dy = rng.normal({T, N}, dt);
+  Tensor offsets = Tensor::empty({G + 1}, DType::kInt64, device);
+  DeviceErrorFlag flag(device);
+  const GroupLayout groups = GroupLayout::compute(r.splits_t.to(device), T, offsets, &flag);
+  auto run = [&](Device d, const GroupLayout& layout) {
+    auto on = [&](const Tensor& t) { return t.to(d); };
+    Tensor y = Tensor::zeros({T, N}, dt, d), dx = Tensor::zeros({T, K}, dt, d);
+    Tensor dw = Tensor::zeros({G, N, K}, DType::kFloat32, d);
+    const Tensor xd = on(x), wd = on(w), dyd = on(dy);
+    grouped_linear_forward(xd, GroupedParam::packed(wd), layout, y,
+                           {GroupedParam::packed(on(b)), on(p)});
+    grouped_linear_dgrad(dyd, GroupedParam::packed(wd), layout, dx);
+    grouped_linear_wgrad(dyd, xd, layout, GroupedParam::packed(dw), GradMode::kWrite);
+    return std::vector<Tensor>{y.to(Device::cpu()), dx.to(Device::cpu()), dw.to(Device::cpu())};
+  };
+  const auto gpu = run(device, groups), cpu = run(Device::cpu(), r.layout);
+  flag.check();
+  double worst = 0;
+  for (int i = 0; i < 2; ++i)
+    worst =
+        std::max(worst, oracle::rel_error(oracle::to_matrix(gpu[size_t(i)]),
+                                          oracle::head(oracle::to_matrix(cpu[size_t(i)]), rows)));
+  worst = std::max(worst, oracle::rel_error(oracle::to_matrices(GroupedParam::packed(gpu[2])),
+                                            oracle::to_matrices(GroupedParam::packed(cpu[2]))));
+  return judge(worst, oracle::op_tolerance(dt),
+               "bfloat16 forward (scale_bias), dgrad, wgrad vs the CPU backend");
+}
+
 Outcome check_device_offsets(Device device, uint64_t seed) {
   RandomFill rng(seed);
   const int64_t G = 300;
@@ -190,6 +225,8 @@ int run_check(const CheckOptions& o) {
   for (const GpuInfo& g : inv.gpus) {
     const Device d = Device::cuda(g.index);
     run("device offsets/validation kernel", d, [&] { return check_device_offsets(d, o.seed); });
+    run("grouped linear fwd/dgrad/wgrad vs the CPU backend", d,
+        [&] { return check_gpu_grouped_linear(d, o.seed); });
     run("expert MLP forward+backward vs fp64 oracle", d, [&] { return check_mlp(d, o.seed); });
   }
 
