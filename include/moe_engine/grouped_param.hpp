@@ -16,8 +16,10 @@ class MOE_API GroupedParam {
   GroupedParam() = default;
   // One contiguous [G, ...] tensor, G >= 1.
   static GroupedParam packed(const TensorView& tensor);
-  // G >= 1 contiguous tensors of one shape, dtype and device.
-  static GroupedParam per_expert(std::vector<TensorView> experts);
+  // G >= 1 contiguous tensors of one shape, dtype and device. On CUDA the kernels read the
+  // experts' addresses from `pointer_table`, an int64 [G] device tensor holding them (build it
+  // once with make_pointer_table, outside graph capture, and keep it alive with the experts).
+  static GroupedParam per_expert(std::vector<TensorView> experts, TensorView pointer_table = {});
 
   bool defined() const { return num_groups_ > 0; }
   bool is_packed() const { return packed_.defined(); }
@@ -29,16 +31,21 @@ class MOE_API GroupedParam {
   TensorView expert(int64_t g) const;  // expert g's tensor, whatever the layout
   const TensorView& packed_view() const { return packed_; }            // packed layout only
   const std::vector<TensorView>& experts() const { return experts_; }  // per-expert layout only
+  const TensorView& pointer_table() const { return pointer_table_; }   // per-expert, may be undefined
   std::string describe()
       const;  // "packed bfloat16[8, 128, 64] on cpu" / "8 x bfloat16[128, 64] on cpu"
 
  private:
   TensorView packed_;
   std::vector<TensorView> experts_;
+  TensorView pointer_table_;
   Shape expert_shape_;
   int64_t num_groups_ = 0;
   DType dtype_ = DType::kFloat32;
   Device device_;
 };
+
+// An int64 [G] tensor on the experts' device holding their data addresses (synchronous upload).
+MOE_API Tensor make_pointer_table(const std::vector<TensorView>& experts);
 
 }  // namespace moe

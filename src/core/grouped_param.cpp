@@ -21,7 +21,7 @@ GroupedParam GroupedParam::packed(const TensorView& tensor) {
   return p;
 }
 
-GroupedParam GroupedParam::per_expert(std::vector<TensorView> experts) {
+GroupedParam GroupedParam::per_expert(std::vector<TensorView> experts, TensorView pointer_table) {
   MOE_CHECK(!experts.empty(), ErrorCode::kInvalidArgument,
             "GroupedParam::per_expert: expected G >= 1 tensors, got none");
   const TensorView& first = experts.front();
@@ -41,7 +41,17 @@ GroupedParam GroupedParam::per_expert(std::vector<TensorView> experts) {
     MOE_CHECK(t.is_contiguous(), ErrorCode::kShape, "GroupedParam::per_expert: tensor ", g,
               " is not contiguous: ", t.describe());
   }
+  if (pointer_table.defined()) {
+    MOE_CHECK(pointer_table.dim() == 1 && pointer_table.size(0) == int64_t(experts.size()) &&
+                  pointer_table.dtype() == DType::kInt64 && pointer_table.is_contiguous(),
+              ErrorCode::kShape, "GroupedParam::per_expert: pointer_table: expected a contiguous int64 [",
+              experts.size(), "] tensor, got ", pointer_table.describe());
+    MOE_CHECK(pointer_table.device() == first.device(), ErrorCode::kDevice,
+              "GroupedParam::per_expert: pointer_table is on ", to_string(pointer_table.device()),
+              ", expected the experts' device ", to_string(first.device()));
+  }
   GroupedParam p;
+  p.pointer_table_ = pointer_table;
   p.num_groups_ = int64_t(experts.size());
   p.expert_shape_ = first.shape();
   p.dtype_ = first.dtype();
@@ -60,6 +70,14 @@ std::string GroupedParam::describe() const {
   if (!defined()) return "undefined";
   if (is_packed()) return "packed " + packed_.describe();
   return std::to_string(num_groups_) + " x " + experts_.front().describe();
+}
+
+Tensor make_pointer_table(const std::vector<TensorView>& experts) {
+  MOE_CHECK(!experts.empty(), ErrorCode::kInvalidArgument, "make_pointer_table: no experts");
+  Tensor host = Tensor::empty({int64_t(experts.size())}, DType::kInt64);
+  for (size_t g = 0; g < experts.size(); ++g)
+    host.data_as<int64_t>()[g] = int64_t(reinterpret_cast<uintptr_t>(experts[g].data()));
+  return host.to(experts.front().device());
 }
 
 }  // namespace moe

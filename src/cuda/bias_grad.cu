@@ -21,7 +21,7 @@ constexpr int kDbiasThreads = 128;
 // grid (ceil(N / 128), G): one thread per (group, column), summing the group's rows in order.
 template <class In, class Out>
 __global__ void dbias_kernel(const In* __restrict__ dy, int64_t ld, const int64_t* __restrict__ offsets,
-                             int64_t n, Out* __restrict__ db, const float* __restrict__ scale,
+                             int64_t n, ExpertAddress db, const float* __restrict__ scale,
                              bool accumulate) {
   const int64_t col = int64_t(blockIdx.x) * kDbiasThreads + threadIdx.x;
   const int64_t g = blockIdx.y;
@@ -30,13 +30,13 @@ __global__ void dbias_kernel(const In* __restrict__ dy, int64_t ld, const int64_
   if (accumulate && begin == end) return;
   float sum = 0.f;
   for (int64_t r = begin; r < end; ++r) sum += (scale ? scale[r] : 1.f) * load_float(dy + r * ld + col);
-  Out* out = db + g * n + col;
+  Out* out = db.at<Out>(g) + col;
   store_float(out, accumulate ? load_float(out) + sum : sum);
 }
 
 // One warp per row r < offsets[G]; the row's expert is found by binary search over the offsets.
 template <class In, class B>
-__global__ void dscales_kernel(const In* __restrict__ dy, int64_t ld, const B* __restrict__ bias,
+__global__ void dscales_kernel(const In* __restrict__ dy, int64_t ld, ExpertAddress bias,
                                const int64_t* __restrict__ offsets, int64_t num_groups, int64_t n,
                                float* __restrict__ out, bool accumulate) {
   const int64_t rows = offsets[num_groups];
@@ -49,7 +49,8 @@ __global__ void dscales_kernel(const In* __restrict__ dy, int64_t ld, const B* _
       if (offsets[mid] <= r) lo = mid; else hi = mid - 1;
     }
     float sum = 0.f;
-    for (int64_t c = lane; c < n; c += 32) sum += load_float(dy + r * ld + c) * load_float(bias + lo * n + c);
+    const B* b = bias.at<const B>(lo);
+    for (int64_t c = lane; c < n; c += 32) sum += load_float(dy + r * ld + c) * load_float(b + c);
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (lane == 0) out[r] = accumulate ? out[r] + sum : sum;
   }
@@ -67,32 +68,31 @@ void with_type(DType dtype, F&& f) {
 
 }  // namespace
 
-void launch_dbias(const TensorView& dy, const GroupLayout& groups, const TensorView& db,
-                  bool accumulate, const TensorView& row_scale, Stream stream) {
+void launch_dbias(const TensorView& dy, const GroupLayout& groups, const ExpertAddress& db,
+                  DType db_dtype, bool accumulate, const TensorView& row_scale, Stream stream) {
   const int64_t n = dy.size(1), G = groups.num_groups();
   const dim3 grid(unsigned((n + kDbiasThreads - 1) / kDbiasThreads), unsigned(G));
   const float* scale = row_scale.defined() ? row_scale.data_as<float>() : nullptr;
   with_type(dy.dtype(), [&](auto in) {
-    with_type(db.dtype(), [&](auto out) {
+    with_type(db_dtype, [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
       if (n == 0) return;
       dbias_kernel<In, Out><<<grid, kDbiasThreads, 0, stream>>>(
-          dy.data_as<In>(), dy.stride(0), groups.offsets().data_as<int64_t>(), n, db.data_as<Out>(),
-          scale, accumulate);
+          dy.data_as<In>(), dy.stride(0), groups.offsets().data_as<int64_t>(), n, db, scale, accumulate);
       MOE_CUDA_CHECK_LAUNCH("dbias_kernel");
     });
   });
 }
 
-void launch_dscales(const TensorView& dy, const TensorView& bias, const GroupLayout& groups,
-                    const TensorView& dscales, bool accumulate, Stream stream) {
+void launch_dscales(const TensorView& dy, const ExpertAddress& bias, DType bias_dtype,
+                    const GroupLayout& groups, const TensorView& dscales, bool accumulate, Stream stream) {
   with_type(dy.dtype(), [&](auto in) {
-    with_type(bias.dtype(), [&](auto b) {
+    with_type(bias_dtype, [&](auto b) {
       using In = decltype(in);
       using B = decltype(b);
       dscales_kernel<In, B><<<264, 256, 0, stream>>>(
-          dy.data_as<In>(), dy.stride(0), bias.data_as<B>(), groups.offsets().data_as<int64_t>(),
+          dy.data_as<In>(), dy.stride(0), bias, groups.offsets().data_as<int64_t>(),
           groups.num_groups(), dy.size(1), dscales.data_as<float>(), accumulate);
       MOE_CUDA_CHECK_LAUNCH("dscales_kernel");
     });

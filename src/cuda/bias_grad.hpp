@@ -1,16 +1,18 @@
 // Bias gradients on CUDA: db_g = sum_r s[r] dy[r] and dscales[r] = <dy[r], b_g>.
 #pragma once
 
+#include "cuda/expert_address.hpp"
 #include "moe_engine/group_layout.hpp"
 #include "moe_engine/tensor.hpp"
 
 namespace moe::cuda {
 
-// db [G, N]: written (zeros for empty groups) or, with accumulate, added to (empty groups untouched).
-void launch_dbias(const TensorView& dy, const GroupLayout& groups, const TensorView& db,
-                  bool accumulate, const TensorView& row_scale, Stream stream);
-// dscales [T] float32 for rows < offsets[G].
-void launch_dscales(const TensorView& dy, const TensorView& bias, const GroupLayout& groups,
-                    const TensorView& dscales, bool accumulate, Stream stream);
+// db_g [N] per expert: written (zeros for empty groups) or, with accumulate, added to (empty
+// groups untouched).
+void launch_dbias(const TensorView& dy, const GroupLayout& groups, const ExpertAddress& db,
+                  DType db_dtype, bool accumulate, const TensorView& row_scale, Stream stream);
+// dscales [T] float32 for rows < offsets[G]; bias_g [N] per expert.
+void launch_dscales(const TensorView& dy, const ExpertAddress& bias, DType bias_dtype,
+                    const GroupLayout& groups, const TensorView& dscales, bool accumulate, Stream stream);
 
 }  // namespace moe::cuda
