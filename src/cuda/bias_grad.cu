@@ -12,7 +12,9 @@ namespace {
 __device__ __forceinline__ float load_float(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 __device__ __forceinline__ float load_float(const __half* p) { return __half2float(*p); }
 __device__ __forceinline__ float load_float(const float* p) { return *p; }
-__device__ __forceinline__ void store_float(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store_float(__nv_bfloat16* p, float v) {
+  *p = __float2bfloat16_rn(v);
+}
 __device__ __forceinline__ void store_float(__half* p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void store_float(float* p, float v) { *p = v; }
 
@@ -20,17 +22,20 @@ constexpr int kDbiasThreads = 128;
 
 // grid (ceil(N / 128), G): one thread per (group, column), summing the group's rows in order.
 template <class In, class Out>
-__global__ void dbias_kernel(const In* __restrict__ dy, int64_t ld, const int64_t* __restrict__ offsets,
-                             int64_t n, ExpertAddress db, const float* __restrict__ scale,
-                             bool accumulate) {
+__global__ void dbias_kernel(const In* __restrict__ dy, int64_t ld,
+                             const int64_t* __restrict__ offsets, int64_t n, ExpertAddress db,
+                             const float* __restrict__ scale, bool accumulate) {
   const int64_t col = int64_t(blockIdx.x) * kDbiasThreads + threadIdx.x;
   const int64_t g = blockIdx.y;
   if (col >= n) return;
   const int64_t begin = offsets[g], end = offsets[g + 1];
   if (accumulate && begin == end) return;
   float sum = 0.f;
-  for (int64_t r = begin; r < end; ++r) sum += (scale ? scale[r] : 1.f) * load_float(dy + r * ld + col);
-  Out* out = db.at<Out>(g) + col;
+  for (int64_t r = begin; r < end; ++r)
+    sum += (scale ? scale[r] : 1.f) * load_float(dy + r * ld + col);
+  const ExpertAddress address =
+      db;  // a local copy: calling a member on a kernel parameter spills it
+  Out* out = address.at<Out>(g) + col;
   store_float(out, accumulate ? load_float(out) + sum : sum);
 }
 
@@ -42,14 +47,19 @@ __global__ void dscales_kernel(const In* __restrict__ dy, int64_t ld, ExpertAddr
   const int64_t rows = offsets[num_groups];
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   const unsigned lane = threadIdx.x % 32;
-  for (int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
+  for (int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; r < rows;
+       r += warps) {
     int64_t lo = 0, hi = num_groups - 1;  // last g with offsets[g] <= r
     while (lo < hi) {
       const int64_t mid = (lo + hi + 1) / 2;
-      if (offsets[mid] <= r) lo = mid; else hi = mid - 1;
+      if (offsets[mid] <= r)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     float sum = 0.f;
-    const B* b = bias.at<const B>(lo);
+    const ExpertAddress address = bias;
+    const B* b = address.at<const B>(lo);
     for (int64_t c = lane; c < n; c += 32) sum += load_float(dy + r * ld + c) * load_float(b + c);
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (lane == 0) out[r] = accumulate ? out[r] + sum : sum;
@@ -59,10 +69,15 @@ __global__ void dscales_kernel(const In* __restrict__ dy, int64_t ld, ExpertAddr
 template <class F>
 void with_type(DType dtype, F&& f) {
   switch (dtype) {
-    case DType::kBFloat16: return f(__nv_bfloat16{});
-    case DType::kFloat16: return f(__half{});
-    case DType::kFloat32: return f(float{});
-    default: throw_error(ErrorCode::kNotImplemented, "bias gradients on CUDA: no kernel for ", dtype_name(dtype));
+    case DType::kBFloat16:
+      return f(__nv_bfloat16{});
+    case DType::kFloat16:
+      return f(__half{});
+    case DType::kFloat32:
+      return f(float{});
+    default:
+      throw_error(ErrorCode::kNotImplemented, "bias gradients on CUDA: no kernel for ",
+                  dtype_name(dtype));
   }
 }
 
@@ -78,15 +93,17 @@ void launch_dbias(const TensorView& dy, const GroupLayout& groups, const ExpertA
       using In = decltype(in);
       using Out = decltype(out);
       if (n == 0) return;
-      dbias_kernel<In, Out><<<grid, kDbiasThreads, 0, stream>>>(
-          dy.data_as<In>(), dy.stride(0), groups.offsets().data_as<int64_t>(), n, db, scale, accumulate);
+      dbias_kernel<In, Out><<<grid, kDbiasThreads, 0, stream>>>(dy.data_as<In>(), dy.stride(0),
+                                                                groups.offsets().data_as<int64_t>(),
+                                                                n, db, scale, accumulate);
       MOE_CUDA_CHECK_LAUNCH("dbias_kernel");
     });
   });
 }
 
 void launch_dscales(const TensorView& dy, const ExpertAddress& bias, DType bias_dtype,
-                    const GroupLayout& groups, const TensorView& dscales, bool accumulate, Stream stream) {
+                    const GroupLayout& groups, const TensorView& dscales, bool accumulate,
+                    Stream stream) {
   with_type(dy.dtype(), [&](auto in) {
     with_type(bias_dtype, [&](auto b) {
       using In = decltype(in);

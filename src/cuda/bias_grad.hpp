@@ -13,6 +13,7 @@ void launch_dbias(const TensorView& dy, const GroupLayout& groups, const ExpertA
                   DType db_dtype, bool accumulate, const TensorView& row_scale, Stream stream);
 // dscales [T] float32 for rows < offsets[G]; bias_g [N] per expert.
 void launch_dscales(const TensorView& dy, const ExpertAddress& bias, DType bias_dtype,
-                    const GroupLayout& groups, const TensorView& dscales, bool accumulate, Stream stream);
+                    const GroupLayout& groups, const TensorView& dscales, bool accumulate,
+                    Stream stream);
 
 }  // namespace moe::cuda

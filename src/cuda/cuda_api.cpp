@@ -23,8 +23,9 @@ void event_record(void* event, Stream stream) {
 float event_elapsed_ms(void* start, void* stop) {
   MOE_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(stop)), "cudaEventSynchronize");
   float ms = 0;
-  MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start), static_cast<cudaEvent_t>(stop)),
-                 "cudaEventElapsedTime");
+  MOE_CUDA_CHECK(
+      cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start), static_cast<cudaEvent_t>(stop)),
+      "cudaEventElapsedTime");
   return ms;
 }
 

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "moe_engine/dtype.hpp"  // MOE_HOST_DEVICE
 #include "moe_engine/grouped_param.hpp"
 
 namespace moe::cuda {
@@ -13,13 +14,14 @@ struct ExpertAddress {
   int64_t stride_bytes = 0;
   const int64_t* table = nullptr;
 
-  bool defined() const { return base != nullptr || table != nullptr; }
+  MOE_HOST_DEVICE bool defined() const { return base != nullptr || table != nullptr; }
 
 #if defined(__CUDACC__)
   template <class T>
   __device__ __forceinline__ T* at(int64_t g) const {
     return table ? reinterpret_cast<T*>(table[g])
-                 : reinterpret_cast<T*>(static_cast<char*>(const_cast<void*>(base)) + g * stride_bytes);
+                 : reinterpret_cast<T*>(static_cast<char*>(const_cast<void*>(base)) +
+                                        g * stride_bytes);
   }
 #endif
 };

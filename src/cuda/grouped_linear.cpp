@@ -13,7 +13,8 @@ namespace moe::cuda {
 ExpertAddress expert_address(const char* op, const char* name, const GroupedParam& p) {
   if (!p.defined()) return {};
   if (p.is_packed())
-    return {p.packed_view().data(), int64_t(p.expert_shape().numel() * int64_t(dtype_size(p.dtype()))), nullptr};
+    return {p.packed_view().data(),
+            int64_t(p.expert_shape().numel() * int64_t(dtype_size(p.dtype()))), nullptr};
   if (!p.pointer_table().defined())
     throw_error(ErrorCode::kInvalidArgument, op, ": ", name,
                 " is per-expert; on CUDA the kernels need its device pointer table: "
@@ -99,9 +100,18 @@ void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
                             const GroupLayout& groups, const TensorView& y,
                             const BiasEpilogue& bias, Stream stream) {
   const char* op = "grouped_linear_forward";
-  Operands o{Form::kForward, x.dtype(), y.dtype(), x.data(), x.stride(0),
-             expert_address(op, "weight", weight), weight.expert_shape()[1], plain(y.data()), y.stride(0),
-             y.size(1), x.size(1), expert_address(op, "bias", bias.bias)};
+  Operands o{Form::kForward,
+             x.dtype(),
+             y.dtype(),
+             x.data(),
+             x.stride(0),
+             expert_address(op, "weight", weight),
+             weight.expert_shape()[1],
+             plain(y.data()),
+             y.stride(0),
+             y.size(1),
+             x.size(1),
+             expert_address(op, "bias", bias.bias)};
   o.row_scale = bias.row_scale.defined() ? bias.row_scale.data_as<float>() : nullptr;
   o.packed = weight.is_packed() && (!bias.bias.defined() || bias.bias.is_packed());
   if (bias.bias.defined()) o.bias_dtype = bias.bias.dtype();
@@ -111,9 +121,18 @@ void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
 void grouped_linear_dgrad(const TensorView& dy, const GroupedParam& weight,
                           const GroupLayout& groups, const TensorView& dx, Stream stream) {
   const char* op = "grouped_linear_dgrad";
-  Operands o{Form::kDgrad, dy.dtype(), dx.dtype(), dy.data(), dy.stride(0),
-             expert_address(op, "weight", weight), weight.expert_shape()[1], plain(dx.data()), dx.stride(0),
-             dy.size(1), dx.size(1), {}};
+  Operands o{Form::kDgrad,
+             dy.dtype(),
+             dx.dtype(),
+             dy.data(),
+             dy.stride(0),
+             expert_address(op, "weight", weight),
+             weight.expert_shape()[1],
+             plain(dx.data()),
+             dx.stride(0),
+             dy.size(1),
+             dx.size(1),
+             {}};
   o.packed = weight.is_packed();
   run_gemm(op, o, groups, stream);
 }
@@ -121,8 +140,18 @@ void grouped_linear_dgrad(const TensorView& dy, const GroupedParam& weight,
 void grouped_linear_wgrad(const TensorView& dy, const TensorView& x, const GroupLayout& groups,
                           const GroupedParam& dweight, GradMode mode, Stream stream) {
   const char* op = "grouped_linear_wgrad";
-  Operands o{Form::kWgrad, dy.dtype(), dweight.dtype(), dy.data(), dy.stride(0), plain(x.data()), x.stride(0),
-             expert_address(op, "dweight", dweight), dweight.expert_shape()[1], dy.size(1), x.size(1), {}};
+  Operands o{Form::kWgrad,
+             dy.dtype(),
+             dweight.dtype(),
+             dy.data(),
+             dy.stride(0),
+             plain(x.data()),
+             x.stride(0),
+             expert_address(op, "dweight", dweight),
+             dweight.expert_shape()[1],
+             dy.size(1),
+             x.size(1),
+             {}};
   o.accumulate = mode == GradMode::kAccumulate;
   o.packed = dweight.is_packed();
   run_gemm(op, o, groups, stream);
@@ -138,8 +167,8 @@ void grouped_linear_dbias(const TensorView& dy, const GroupLayout& groups,
 void grouped_linear_dscales(const TensorView& dy, const GroupedParam& bias,
                             const GroupLayout& groups, const TensorView& dscales, bool accumulate,
                             Stream stream) {
-  launch_dscales(dy, expert_address("grouped_linear_dscales", "bias", bias), bias.dtype(), groups, dscales,
-                 accumulate, stream);
+  launch_dscales(dy, expert_address("grouped_linear_dscales", "bias", bias), bias.dtype(), groups,
+                 dscales, accumulate, stream);
 }
 
 }  // namespace moe::cuda

@@ -52,7 +52,9 @@ std::vector<Shape3> gpu_cases() {
   std::vector<int64_t> many = random_splits(rng, 256, 40);
   std::vector<int64_t> big(8);
   for (auto& v : big) v = rng.integer(0, 700);
-  const auto sum = [](const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t(0)); };
+  const auto sum = [](const std::vector<int64_t>& v) {
+    return std::accumulate(v.begin(), v.end(), int64_t(0));
+  };
   return {
       {"single_expert", {300}, 320, 136, 200},
       {"empty_and_one_row", {0, 1, 37, 0, 129}, 180, 64, 64},
@@ -74,7 +76,8 @@ class GpuGroupedLinear : public ::testing::TestWithParam<DType> {
 void expect_matches(const TensorView& gpu_out, const TensorView& cpu_out, int64_t routed_rows,
                     DType dtype, const char* what) {
   const Tensor got = to_host(gpu_out);
-  const double err = oracle::rel_error(oracle::to_matrix(got), head(oracle::to_matrix(cpu_out), routed_rows));
+  const double err =
+      oracle::rel_error(oracle::to_matrix(got), head(oracle::to_matrix(cpu_out), routed_rows));
   EXPECT_LE(err, tolerance(dtype)) << what << ": rel. error vs the CPU backend " << err;
   EXPECT_TRUE(tail_untouched(got, routed_rows)) << what << ": rows past sum(splits) were written";
 }
@@ -87,11 +90,15 @@ TEST_P(GpuGroupedLinear, ForwardEveryBiasModeAndOutputDtype) {
     DualRouting r(c.splits, c.capacity);
     const int64_t G = r.cpu.num_groups(), T = c.capacity;
     Tensor x = random_tensor({T, c.k}, dt, rng), w = random_tensor({G, c.n, c.k}, dt, rng, 0.1);
-    Tensor b = random_tensor({G, c.n}, dt, rng), p = uniform_tensor({T}, DType::kFloat32, rng, 0, 1);
+    Tensor b = random_tensor({G, c.n}, dt, rng),
+           p = uniform_tensor({T}, DType::kFloat32, rng, 0, 1);
     Tensor xd = to_gpu(x), wd = to_gpu(w), bd = to_gpu(b), pd = to_gpu(p);
     for (int mode = 0; mode < 3; ++mode)
       for (DType out : {dt, DType::kFloat32}) {
-        SCOPED_TRACE(std::string(mode == 0 ? "no bias" : mode == 1 ? "bias" : "scale_bias") + ", out " + dtype_name(out));
+        SCOPED_TRACE(std::string(mode == 0   ? "no bias"
+                                 : mode == 1 ? "bias"
+                                             : "scale_bias") +
+                     ", out " + dtype_name(out));
         BiasEpilogue cpu_epi, gpu_epi;
         if (mode > 0) {
           cpu_epi.bias = GroupedParam::packed(b);
@@ -154,7 +161,8 @@ TEST_P(GpuGroupedLinear, WgradWriteAccumulateOverwrite) {
       // Empty experts: zeros when writing, untouched (bit for bit) when accumulating.
       for (int64_t g = 0; g < G; ++g)
         if (c.splits[size_t(g)] == 0) {
-          EXPECT_TRUE(bitwise_equal(got.view().select(g), cpu.view().select(g))) << "empty expert " << g;
+          EXPECT_TRUE(bitwise_equal(got.view().select(g), cpu.view().select(g)))
+              << "empty expert " << g;
         }
     }
   }
@@ -185,7 +193,8 @@ TEST_P(GpuGroupedLinear, DbiasAndDscales) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, GpuGroupedLinear, ::testing::Values(DType::kBFloat16, DType::kFloat16),
+INSTANTIATE_TEST_SUITE_P(Dtypes, GpuGroupedLinear,
+                         ::testing::Values(DType::kBFloat16, DType::kFloat16),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
 class GpuGroupedLinearGraph : public GpuGroupedLinear {};
@@ -198,7 +207,8 @@ TEST_F(GpuGroupedLinearGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
   const int64_t G = 16, T = 2048, N = 264, K = 392;
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  Tensor x = to_gpu(random_tensor({T, K}, dt, rng)), w = to_gpu(random_tensor({G, N, K}, dt, rng, 0.1));
+  Tensor x = to_gpu(random_tensor({T, K}, dt, rng)),
+         w = to_gpu(random_tensor({G, N, K}, dt, rng, 0.1));
   Tensor dy = to_gpu(random_tensor({T, N}, dt, rng));
   Tensor start = to_gpu(random_tensor({G, N, K}, DType::kFloat32, rng));
   Tensor splits = Tensor::empty({G}, DType::kInt64, Device::cuda(0));
@@ -262,7 +272,8 @@ TEST_F(GpuGroupedLinearGraph, BadSplitsAreReportedAndNothingIsWrittenOutOfBounds
   Rng rng;
   const DType dt = DType::kBFloat16;
   const int64_t G = 6, T = 700, N = 128, K = 64;
-  Tensor x = to_gpu(random_tensor({T, K}, dt, rng)), w = to_gpu(random_tensor({G, N, K}, dt, rng, 0.1));
+  Tensor x = to_gpu(random_tensor({T, K}, dt, rng)),
+         w = to_gpu(random_tensor({G, N, K}, dt, rng, 0.1));
   for (const std::vector<int64_t>& s : {std::vector<int64_t>{100, -50, 200, 30, 0, 10},
                                         std::vector<int64_t>{300, 300, 300, 300, 0, 1}}) {
     Tensor splits = to_gpu(splits_tensor_for(s));
@@ -290,7 +301,8 @@ TEST_P(GpuGroupedLinear, PortableKernelTakesUnalignedShapes) {
   Tensor b = random_tensor({G, N}, dt, rng), p = uniform_tensor({T}, DType::kFloat32, rng, 0, 1);
   Tensor dy = random_tensor({T, N}, dt, rng);
   Tensor y_cpu = poisoned({T, N}, dt), dx_cpu = poisoned({T, K}, dt);
-  grouped_linear_forward(x, GroupedParam::packed(w), r.cpu.layout, y_cpu, {GroupedParam::packed(b), p});
+  grouped_linear_forward(x, GroupedParam::packed(w), r.cpu.layout, y_cpu,
+                         {GroupedParam::packed(b), p});
   grouped_linear_dgrad(dy, GroupedParam::packed(w), r.cpu.layout, dx_cpu);
   Tensor y = poisoned_gpu({T, N}, dt), dx = poisoned_gpu({T, K}, dt);
   grouped_linear_forward(to_gpu(x), GroupedParam::packed(to_gpu(w)), r.gpu, y,
@@ -305,10 +317,12 @@ TEST_P(GpuGroupedLinear, PortableKernelTakesUnalignedShapes) {
     grouped_linear_wgrad(to_gpu(dy), to_gpu(x), r.gpu, GroupedParam::packed(gpu), mode);
     const Tensor got = to_host(gpu);
     EXPECT_LE(oracle::rel_error(oracle::to_matrices(GroupedParam::packed(got)),
-                                oracle::to_matrices(GroupedParam::packed(cpu))), 2e-5)
+                                oracle::to_matrices(GroupedParam::packed(cpu))),
+              2e-5)
         << grad_mode_name(mode);
     for (int64_t g : {0, 4})  // empty experts: zeros, or untouched when accumulating
-      EXPECT_TRUE(bitwise_equal(got.view().select(g), cpu.view().select(g))) << grad_mode_name(mode);
+      EXPECT_TRUE(bitwise_equal(got.view().select(g), cpu.view().select(g)))
+          << grad_mode_name(mode);
   }
 }
 
@@ -335,14 +349,16 @@ TEST_P(GpuGroupedLinear, PerExpertTensorsThroughPointerTables) {
   };
   const GroupedParam W = per_expert_gpu(w), B = per_expert_gpu(b);
   Tensor y_cpu = poisoned({T, N}, dt), dx_cpu = poisoned({T, K}, dt);
-  grouped_linear_forward(x, GroupedParam::packed(w), r.cpu.layout, y_cpu, {GroupedParam::packed(b), {}});
+  grouped_linear_forward(x, GroupedParam::packed(w), r.cpu.layout, y_cpu,
+                         {GroupedParam::packed(b), {}});
   grouped_linear_dgrad(dy, GroupedParam::packed(w), r.cpu.layout, dx_cpu);
   Tensor y = poisoned_gpu({T, N}, dt), dx = poisoned_gpu({T, K}, dt);
   grouped_linear_forward(to_gpu(x), W, r.gpu, y, {B, {}});
   grouped_linear_dgrad(to_gpu(dy), W, r.gpu, dx);
   expect_matches(y, y_cpu, r.cpu.rows(), dt, "y");
   expect_matches(dx, dx_cpu, r.cpu.rows(), dt, "dx");
-  Tensor dw_cpu = Tensor::zeros({G, N, K}, DType::kFloat32), db_cpu = Tensor::zeros({G, N}, DType::kFloat32);
+  Tensor dw_cpu = Tensor::zeros({G, N, K}, DType::kFloat32),
+         db_cpu = Tensor::zeros({G, N}, DType::kFloat32);
   grouped_linear_wgrad(dy, x, r.cpu.layout, GroupedParam::packed(dw_cpu), GradMode::kWrite);
   grouped_linear_dbias(dy, r.cpu.layout, GroupedParam::packed(db_cpu), GradMode::kWrite);
   const GroupedParam dW = per_expert_gpu(Tensor::zeros({G, N, K}, DType::kFloat32));
@@ -350,14 +366,20 @@ TEST_P(GpuGroupedLinear, PerExpertTensorsThroughPointerTables) {
   grouped_linear_wgrad(to_gpu(dy), to_gpu(x), r.gpu, dW, GradMode::kWrite);
   grouped_linear_dbias(to_gpu(dy), r.gpu, dB, GradMode::kWrite);
   for (int64_t g = 0; g < G; ++g) {
-    EXPECT_LE(oracle::rel_error(oracle::to_matrix(to_host(dW.expert(g))), oracle::to_matrix(dw_cpu.view().select(g))), 2e-5)
+    EXPECT_LE(oracle::rel_error(oracle::to_matrix(to_host(dW.expert(g))),
+                                oracle::to_matrix(dw_cpu.view().select(g))),
+              2e-5)
         << "dW expert " << g;
-    EXPECT_LE(oracle::rel_error(oracle::to_vector(to_host(dB.expert(g))), oracle::to_vector(db_cpu.view().select(g))), 2e-5)
+    EXPECT_LE(oracle::rel_error(oracle::to_vector(to_host(dB.expert(g))),
+                                oracle::to_vector(db_cpu.view().select(g))),
+              2e-5)
         << "db expert " << g;
   }
   // Without its pointer table a per-expert tensor cannot reach the kernels: a clear error.
-  EXPECT_MOE_ERROR(grouped_linear_forward(to_gpu(x), GroupedParam::per_expert(W.experts()), r.gpu, y),
-                   ErrorCode::kInvalidArgument, "GroupedParam::per_expert(experts, make_pointer_table(experts))");
+  EXPECT_MOE_ERROR(
+      grouped_linear_forward(to_gpu(x), GroupedParam::per_expert(W.experts()), r.gpu, y),
+      ErrorCode::kInvalidArgument,
+      "GroupedParam::per_expert(experts, make_pointer_table(experts))");
 }
 
 }  // namespace

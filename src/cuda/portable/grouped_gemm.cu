@@ -19,7 +19,9 @@ constexpr int kMGroupedRowBlocks = 1024;  // fixed grid height of forward/dgrad 
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ void from_float(float v, __nv_bfloat16* p) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void from_float(float v, __nv_bfloat16* p) {
+  *p = __float2bfloat16_rn(v);
+}
 __device__ __forceinline__ void from_float(float v, __half* p) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void from_float(float v, float* p) { *p = v; }
 
@@ -43,7 +45,9 @@ template <class LoadA, class LoadB>
 __device__ void tile_product(int64_t length, LoadA load_a, LoadB load_b, float (&acc)[4][4]) {
   __shared__ float as[kStep][kTile + 1], bs[kStep][kTile + 1];
   const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
+#pragma unroll
   for (int i = 0; i < 4; ++i)
+#pragma unroll
     for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
   for (int64_t c0 = 0; c0 < length; c0 += kStep) {
     for (int e = tid; e < kTile * kStep; e += kThreads) {
@@ -83,7 +87,8 @@ __global__ void __launch_bounds__(kThreads) m_grouped_kernel(Params p) {
     }
     if (g >= p.num_groups) return;
     const int64_t m0 = (t - first) * kTile;
-    const In* w = p.b.at<const In>(g);
+    const ExpertAddress b = p.b, bias_address = p.bias;  // local copies (see k_grouped_kernel)
+    const In* w = b.at<const In>(g);
     float acc[4][4];
     tile_product(
         length,
@@ -98,11 +103,15 @@ __global__ void __launch_bounds__(kThreads) m_grouped_kernel(Params p) {
         acc);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     Out* d = static_cast<Out*>(const_cast<void*>(p.d.base));
-    const In* bias = (kForm == Form::kForward && p.bias.base != nullptr) ? p.bias.at<const In>(g) : nullptr;
+    const In* bias = (kForm == Form::kForward && bias_address.defined())
+                         ? bias_address.at<const In>(g)
+                         : nullptr;
+#pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int64_t m = m0 + 4 * ty + i;
       if (m >= rows) continue;
       const float scale = (bias && p.row_scale) ? p.row_scale[begin + m] : 1.f;
+#pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int64_t n = n0 + 4 * tx + j;
         if (n >= n_out) continue;
@@ -115,7 +124,7 @@ __global__ void __launch_bounds__(kThreads) m_grouped_kernel(Params p) {
 
 // Wgrad: grid (ceil(K / 64), ceil(N / 64), G); block (x, y, g) owns dW_g rows y*64.., cols x*64..
 template <class In, class Out>
-__global__ void __launch_bounds__(kThreads) k_grouped_kernel(Params p) {
+__global__ void __launch_bounds__(kThreads, 1) k_grouped_kernel(Params p) {
   const int64_t g = blockIdx.z, begin = p.offsets[g], rows = p.offsets[g + 1] - begin;
   if (p.accumulate && rows == 0) return;  // main_grad untouched for an empty expert
   const int64_t m0 = int64_t(blockIdx.y) * kTile, n0 = int64_t(blockIdx.x) * kTile;
@@ -132,10 +141,13 @@ __global__ void __launch_bounds__(kThreads) k_grouped_kernel(Params p) {
       },
       acc);
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-  Out* dw = p.d.at<Out>(g);
+  const ExpertAddress d = p.d;  // a local copy: calling a member on a kernel parameter spills it
+  Out* dw = d.at<Out>(g);
+#pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t m = m0 + 4 * ty + i;
     if (m >= p.n) continue;
+#pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t n = n0 + 4 * tx + j;
       if (n >= p.k) continue;
@@ -148,10 +160,15 @@ __global__ void __launch_bounds__(kThreads) k_grouped_kernel(Params p) {
 template <class F>
 void with_type(DType dtype, F&& f) {
   switch (dtype) {
-    case DType::kBFloat16: return f(__nv_bfloat16{});
-    case DType::kFloat16: return f(__half{});
-    case DType::kFloat32: return f(float{});
-    default: throw_error(ErrorCode::kInternal, "portable grouped GEMM: unsupported dtype ", dtype_name(dtype));
+    case DType::kBFloat16:
+      return f(__nv_bfloat16{});
+    case DType::kFloat16:
+      return f(__half{});
+    case DType::kFloat32:
+      return f(float{});
+    default:
+      throw_error(ErrorCode::kInternal, "portable grouped GEMM: unsupported dtype ",
+                  dtype_name(dtype));
   }
 }
 
@@ -159,7 +176,8 @@ void with_type(DType dtype, F&& f) {
 
 bool can_run(const GroupedGemmProblem& pr, std::string* why) {
   int major = 0;
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, pr.device), "compute capability");
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, pr.device),
+                 "compute capability");
   if (major < 8) {
     if (why) *why = "the CUDA kernels need compute capability 8.0 or newer";
     return false;
@@ -171,8 +189,9 @@ void run(const GroupedGemmProblem& pr, Stream stream) {
   const int64_t n_out = pr.form == Form::kForward ? pr.n : pr.k;
   // Nothing to write (a zero-sized grid would not launch). A zero-length contraction still writes.
   if (pr.num_groups == 0 || n_out == 0 || (pr.form == Form::kWgrad && pr.n == 0)) return;
-  const Params p{pr.a,         pr.a_row_stride, pr.b,      pr.b_row_stride, pr.d,         pr.d_row_stride,
-                 pr.num_groups, pr.n,          pr.k,      pr.offsets,      pr.bias,       pr.row_scale,
+  const Params p{pr.a,         pr.a_row_stride, pr.b,          pr.b_row_stride,
+                 pr.d,         pr.d_row_stride, pr.num_groups, pr.n,
+                 pr.k,         pr.offsets,      pr.bias,       pr.row_scale,
                  pr.accumulate};
   with_type(pr.in_dtype, [&](auto in) {
     with_type(pr.out_dtype, [&](auto out) {
@@ -181,16 +200,19 @@ void run(const GroupedGemmProblem& pr, Stream stream) {
       switch (pr.form) {
         case Form::kForward:
           m_grouped_kernel<Form::kForward, In, Out>
-              <<<dim3(unsigned((n_out + kTile - 1) / kTile), kMGroupedRowBlocks), kThreads, 0, stream>>>(p);
+              <<<dim3(unsigned((n_out + kTile - 1) / kTile), kMGroupedRowBlocks), kThreads, 0,
+                 stream>>>(p);
           break;
         case Form::kDgrad:
           m_grouped_kernel<Form::kDgrad, In, Out>
-              <<<dim3(unsigned((n_out + kTile - 1) / kTile), kMGroupedRowBlocks), kThreads, 0, stream>>>(p);
+              <<<dim3(unsigned((n_out + kTile - 1) / kTile), kMGroupedRowBlocks), kThreads, 0,
+                 stream>>>(p);
           break;
         case Form::kWgrad:
-          k_grouped_kernel<In, Out><<<dim3(unsigned((pr.k + kTile - 1) / kTile), unsigned((pr.n + kTile - 1) / kTile),
-                                           unsigned(pr.num_groups)),
-                                      kThreads, 0, stream>>>(p);
+          k_grouped_kernel<In, Out>
+              <<<dim3(unsigned((pr.k + kTile - 1) / kTile), unsigned((pr.n + kTile - 1) / kTile),
+                      unsigned(pr.num_groups)),
+                 kThreads, 0, stream>>>(p);
           break;
       }
       MOE_CUDA_CHECK_LAUNCH("portable grouped GEMM");
