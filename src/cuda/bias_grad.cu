@@ -1,22 +1,11 @@
 // Deterministic bias-gradient kernels: each output element is reduced by one thread (dbias) or one
 // warp with a fixed shuffle tree (dscales), in a fixed order.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "cuda/bias_grad.hpp"
 #include "cuda/check.hpp"
+#include "cuda/dtype_dispatch.cuh"
 
 namespace moe::cuda {
 namespace {
-
-__device__ __forceinline__ float load_float(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ float load_float(const __half* p) { return __half2float(*p); }
-__device__ __forceinline__ float load_float(const float* p) { return *p; }
-__device__ __forceinline__ void store_float(__nv_bfloat16* p, float v) {
-  *p = __float2bfloat16_rn(v);
-}
-__device__ __forceinline__ void store_float(__half* p, float v) { *p = __float2half_rn(v); }
-__device__ __forceinline__ void store_float(float* p, float v) { *p = v; }
 
 constexpr int kDbiasThreads = 128;
 
@@ -32,11 +21,11 @@ __global__ void dbias_kernel(const In* __restrict__ dy, int64_t ld,
   if (accumulate && begin == end) return;
   float sum = 0.f;
   for (int64_t r = begin; r < end; ++r)
-    sum += (scale ? scale[r] : 1.f) * load_float(dy + r * ld + col);
+    sum += (scale ? scale[r] : 1.f) * to_float(dy[r * ld + col]);
   const ExpertAddress address =
       db;  // a local copy: calling a member on a kernel parameter spills it
   Out* out = address.at<Out>(g) + col;
-  store_float(out, accumulate ? load_float(out) + sum : sum);
+  from_float(accumulate ? to_float(*out) + sum : sum, out);
 }
 
 // One warp per row r < offsets[G]; the row's expert is found by binary search over the offsets.
@@ -60,24 +49,9 @@ __global__ void dscales_kernel(const In* __restrict__ dy, int64_t ld, ExpertAddr
     float sum = 0.f;
     const ExpertAddress address = bias;
     const B* b = address.at<const B>(lo);
-    for (int64_t c = lane; c < n; c += 32) sum += load_float(dy + r * ld + c) * load_float(b + c);
+    for (int64_t c = lane; c < n; c += 32) sum += to_float(dy[r * ld + c]) * to_float(b[c]);
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (lane == 0) out[r] = accumulate ? out[r] + sum : sum;
-  }
-}
-
-template <class F>
-void with_type(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kBFloat16:
-      return f(__nv_bfloat16{});
-    case DType::kFloat16:
-      return f(__half{});
-    case DType::kFloat32:
-      return f(float{});
-    default:
-      throw_error(ErrorCode::kNotImplemented, "bias gradients on CUDA: no kernel for ",
-                  dtype_name(dtype));
   }
 }
 
@@ -88,8 +62,8 @@ void launch_dbias(const TensorView& dy, const GroupLayout& groups, const ExpertA
   const int64_t n = dy.size(1), G = groups.num_groups();
   const dim3 grid(unsigned((n + kDbiasThreads - 1) / kDbiasThreads), unsigned(G));
   const float* scale = row_scale.defined() ? row_scale.data_as<float>() : nullptr;
-  with_type(dy.dtype(), [&](auto in) {
-    with_type(db_dtype, [&](auto out) {
+  with_cuda_type(dy.dtype(), "bias gradients", [&](auto in) {
+    with_cuda_type(db_dtype, "bias gradients", [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
       if (n == 0) return;
@@ -104,8 +78,8 @@ void launch_dbias(const TensorView& dy, const GroupLayout& groups, const ExpertA
 void launch_dscales(const TensorView& dy, const ExpertAddress& bias, DType bias_dtype,
                     const GroupLayout& groups, const TensorView& dscales, bool accumulate,
                     Stream stream) {
-  with_type(dy.dtype(), [&](auto in) {
-    with_type(bias_dtype, [&](auto b) {
+  with_cuda_type(dy.dtype(), "bias gradients", [&](auto in) {
+    with_cuda_type(bias_dtype, "bias gradients", [&](auto b) {
       using In = decltype(in);
       using B = decltype(b);
       dscales_kernel<In, B><<<264, 256, 0, stream>>>(

@@ -4,7 +4,7 @@
 
 #include "cuda/backend.hpp"
 #include "cuda/bias_grad.hpp"
-#include "cuda/expert_address.hpp"
+#include "cuda/grouped_gemm_problem.hpp"
 #include "cuda/portable/grouped_gemm.hpp"
 #include "cuda/sm90/grouped_gemm.hpp"
 
@@ -24,71 +24,25 @@ ExpertAddress expert_address(const char* op, const char* name, const GroupedPara
 
 namespace {
 
-// The operands of one grouped GEMM, described once for both kernel families.
-struct Operands {
-  Form form;
-  DType in, out;
-  const void* a;
-  int64_t a_ld;
-  ExpertAddress b;  // forward/dgrad: weights; wgrad: x (base only)
-  int64_t b_ld;
-  ExpertAddress d;  // forward/dgrad: y/dx (base only); wgrad: dW
-  int64_t d_ld;
-  int64_t n, k;
-  ExpertAddress bias;
-  const float* row_scale = nullptr;
-  bool accumulate = false;
-  bool packed = true;  // every per-expert operand is packed (the Hopper kernel's requirement)
-  DType bias_dtype = DType::kBFloat16;
-};
-
-void run_gemm(const char* op, const Operands& o, const GroupLayout& groups, Stream stream) {
-  sm90::GroupedGemmProblem h;
-  h.form = o.form;
-  h.in_dtype = o.in;
-  h.out_dtype = o.out;
-  h.a = o.a;
-  h.a_row_stride = o.a_ld;
-  h.b = o.b.base;
-  h.b_row_stride = o.b_ld;
-  h.d = const_cast<void*>(o.d.base);
-  h.d_row_stride = o.d_ld;
-  h.num_groups = groups.num_groups();
-  h.capacity = groups.capacity();
-  h.n = o.n;
-  h.k = o.k;
-  h.offsets = groups.offsets().data_as<int64_t>();
-  h.bias = o.bias.base;
-  h.row_scale = o.row_scale;
-  h.reduce_add = o.accumulate;
-  h.device = groups.device().index;
-  if (o.packed && (!o.bias.defined() || o.bias_dtype == o.in) && sm90::can_run(h, nullptr))
-    return sm90::run(h, stream);
-
-  portable::GroupedGemmProblem p;
-  p.form = o.form;
-  p.in_dtype = o.in;
-  p.out_dtype = o.out;
-  p.a = o.a;
-  p.a_row_stride = o.a_ld;
-  p.b = o.b;
-  p.b_row_stride = o.b_ld;
-  p.d = o.d;
-  p.d_row_stride = o.d_ld;
+GroupedGemmProblem problem_for(Form form, const GroupLayout& groups, DType in, DType out) {
+  GroupedGemmProblem p;
+  p.form = form;
+  p.in_dtype = in;
+  p.out_dtype = out;
   p.num_groups = groups.num_groups();
   p.capacity = groups.capacity();
-  p.n = o.n;
-  p.k = o.k;
-  p.offsets = h.offsets;
-  p.bias = o.bias;
-  p.row_scale = o.row_scale;
-  p.accumulate = o.accumulate;
-  p.device = h.device;
+  p.offsets = groups.offsets().data_as<int64_t>();
+  p.device = groups.device().index;
+  return p;
+}
+
+void run(const char* op, const GroupedGemmProblem& p, Stream stream) {
+  if (sm90::can_run(p, nullptr)) return sm90::run(p, stream);
   std::string why;
   if (!portable::can_run(p, &why)) throw_error(ErrorCode::kNotImplemented, op, ": ", why);
-  if (o.bias.defined() && o.bias_dtype != o.in)
+  if (p.bias.defined() && p.bias_dtype != p.in_dtype)
     throw_error(ErrorCode::kNotImplemented, op, ": the CUDA kernels read the bias in x's dtype ",
-                dtype_name(o.in), ", got ", dtype_name(o.bias_dtype));
+                dtype_name(p.in_dtype), ", got ", dtype_name(p.bias_dtype));
   portable::run(p, stream);
 }
 
@@ -100,61 +54,50 @@ void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
                             const GroupLayout& groups, const TensorView& y,
                             const BiasEpilogue& bias, Stream stream) {
   const char* op = "grouped_linear_forward";
-  Operands o{Form::kForward,
-             x.dtype(),
-             y.dtype(),
-             x.data(),
-             x.stride(0),
-             expert_address(op, "weight", weight),
-             weight.expert_shape()[1],
-             plain(y.data()),
-             y.stride(0),
-             y.size(1),
-             x.size(1),
-             expert_address(op, "bias", bias.bias)};
-  o.row_scale = bias.row_scale.defined() ? bias.row_scale.data_as<float>() : nullptr;
-  o.packed = weight.is_packed() && (!bias.bias.defined() || bias.bias.is_packed());
-  if (bias.bias.defined()) o.bias_dtype = bias.bias.dtype();
-  run_gemm(op, o, groups, stream);
+  GroupedGemmProblem p = problem_for(Form::kForward, groups, x.dtype(), y.dtype());
+  p.a = x.data();
+  p.a_row_stride = x.stride(0);
+  p.b = expert_address(op, "weight", weight);
+  p.b_row_stride = weight.expert_shape()[1];
+  p.d = plain(y.data());
+  p.d_row_stride = y.stride(0);
+  p.n = y.size(1);
+  p.k = x.size(1);
+  p.bias = expert_address(op, "bias", bias.bias);
+  if (bias.bias.defined()) p.bias_dtype = bias.bias.dtype();
+  if (bias.row_scale.defined()) p.row_scale = bias.row_scale.data_as<float>();
+  run(op, p, stream);
 }
 
 void grouped_linear_dgrad(const TensorView& dy, const GroupedParam& weight,
                           const GroupLayout& groups, const TensorView& dx, Stream stream) {
   const char* op = "grouped_linear_dgrad";
-  Operands o{Form::kDgrad,
-             dy.dtype(),
-             dx.dtype(),
-             dy.data(),
-             dy.stride(0),
-             expert_address(op, "weight", weight),
-             weight.expert_shape()[1],
-             plain(dx.data()),
-             dx.stride(0),
-             dy.size(1),
-             dx.size(1),
-             {}};
-  o.packed = weight.is_packed();
-  run_gemm(op, o, groups, stream);
+  GroupedGemmProblem p = problem_for(Form::kDgrad, groups, dy.dtype(), dx.dtype());
+  p.a = dy.data();
+  p.a_row_stride = dy.stride(0);
+  p.b = expert_address(op, "weight", weight);
+  p.b_row_stride = weight.expert_shape()[1];
+  p.d = plain(dx.data());
+  p.d_row_stride = dx.stride(0);
+  p.n = dy.size(1);
+  p.k = dx.size(1);
+  run(op, p, stream);
 }
 
 void grouped_linear_wgrad(const TensorView& dy, const TensorView& x, const GroupLayout& groups,
                           const GroupedParam& dweight, GradMode mode, Stream stream) {
   const char* op = "grouped_linear_wgrad";
-  Operands o{Form::kWgrad,
-             dy.dtype(),
-             dweight.dtype(),
-             dy.data(),
-             dy.stride(0),
-             plain(x.data()),
-             x.stride(0),
-             expert_address(op, "dweight", dweight),
-             dweight.expert_shape()[1],
-             dy.size(1),
-             x.size(1),
-             {}};
-  o.accumulate = mode == GradMode::kAccumulate;
-  o.packed = dweight.is_packed();
-  run_gemm(op, o, groups, stream);
+  GroupedGemmProblem p = problem_for(Form::kWgrad, groups, dy.dtype(), dweight.dtype());
+  p.a = dy.data();
+  p.a_row_stride = dy.stride(0);
+  p.b = plain(x.data());
+  p.b_row_stride = x.stride(0);
+  p.d = expert_address(op, "dweight", dweight);
+  p.d_row_stride = dweight.expert_shape()[1];
+  p.n = dy.size(1);
+  p.k = x.size(1);
+  p.accumulate = mode == GradMode::kAccumulate;
+  run(op, p, stream);
 }
 
 void grouped_linear_dbias(const TensorView& dy, const GroupLayout& groups,

@@ -5,7 +5,7 @@
 
 #include <numeric>
 
-#include "test_support.hpp"
+#include "gpu_support.hpp"
 
 namespace moe::test {
 namespace {
@@ -15,18 +15,9 @@ namespace {
 class Gpu : public ::testing::Test {
  protected:
   void SetUp() override {
-    const GpuInventory inv = query_gpus();
-    if (inv.gpus.empty()) GTEST_SKIP() << "no CUDA GPU visible: " << inv.note;
+    if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
   }
 };
-
-Tensor to_cuda(const Tensor& t) { return t.to(Device::cuda(0)); }
-Tensor to_cpu(const TensorView& t) {
-  Tensor h = Tensor::empty(t.shape(), t.dtype());
-  copy_tensor(h, t);
-  synchronize(nullptr);
-  return h;
-}
 
 // What the kernel must produce, bad splits included: negative -> 0, offsets clamped to T.
 std::vector<int64_t> sanitized_offsets(const std::vector<int64_t>& splits, int64_t capacity) {
@@ -49,11 +40,11 @@ Tensor splits_tensor(const std::vector<int64_t>& s) {
 TEST_F(Gpu, TensorRoundTripAndFill) {
   Rng rng;
   Tensor a = random_tensor({33, 17}, DType::kBFloat16, rng);
-  Tensor d = to_cuda(a);
+  Tensor d = to_gpu(a);
   EXPECT_EQ(d.device(), Device::cuda(0));
-  EXPECT_TRUE(bitwise_equal(to_cpu(d), a));
+  EXPECT_TRUE(bitwise_equal(to_host(d), a));
   fill_bytes(d, kPoison);
-  EXPECT_TRUE(tail_untouched(to_cpu(d), 0));
+  EXPECT_TRUE(tail_untouched(to_host(d), 0));
 }
 
 TEST_F(Gpu, OffsetsMatchTheCpuForManyShapes) {
@@ -63,14 +54,14 @@ TEST_F(Gpu, OffsetsMatchTheCpuForManyShapes) {
       SCOPED_TRACE("G = " + std::to_string(G) + (int32 ? " int32" : " int64"));
       const std::vector<int64_t> s = random_splits(rng, G, 300);
       const int64_t sum = std::accumulate(s.begin(), s.end(), int64_t(0));
-      Tensor splits = to_cuda(int32 ? splits_tensor<int32_t>(s) : splits_tensor<int64_t>(s));
+      Tensor splits = to_gpu(int32 ? splits_tensor<int32_t>(s) : splits_tensor<int64_t>(s));
       Tensor offsets = Tensor::empty({G + 1}, DType::kInt64, Device::cuda(0));
       fill_bytes(offsets, kPoison);
       DeviceErrorFlag flag(Device::cuda(0));
       const GroupLayout layout = GroupLayout::compute(splits, sum + 5, offsets, &flag);
       EXPECT_EQ(layout.device(), Device::cuda(0));
       EXPECT_NO_THROW(flag.check());
-      Tensor host = to_cpu(offsets);
+      Tensor host = to_host(offsets);
       const auto expected = sanitized_offsets(s, sum + 5);
       for (int64_t g = 0; g <= G; ++g)
         ASSERT_EQ(host.data_as<int64_t>()[g], expected[size_t(g)]) << g;
@@ -87,8 +78,8 @@ TEST_F(Gpu, BadSplitsAreReportedAndNeverLeaveTheBuffer) {
   s[290] = -1;
   const int64_t cap = 4000;
   Tensor offsets = Tensor::empty({301}, DType::kInt64, Device::cuda(0));
-  GroupLayout::compute(to_cuda(splits_tensor<int64_t>(s)), cap, offsets, &flag);
-  Tensor host = to_cpu(offsets);
+  GroupLayout::compute(to_gpu(splits_tensor<int64_t>(s)), cap, offsets, &flag);
+  Tensor host = to_host(offsets);
   const auto expected = sanitized_offsets(s, cap);
   for (int g = 0; g <= 300; ++g) ASSERT_EQ(host.data_as<int64_t>()[g], expected[size_t(g)]);
   EXPECT_MOE_ERROR(flag.check(), ErrorCode::kDeviceReported, "splits[5] = -3 is negative");
@@ -96,15 +87,15 @@ TEST_F(Gpu, BadSplitsAreReportedAndNeverLeaveTheBuffer) {
 
   // sum past the capacity: offsets stay within [0, T]
   std::vector<int64_t> big(64, 100);
-  GroupLayout::compute(to_cuda(splits_tensor<int32_t>(big)), 1000,
+  GroupLayout::compute(to_gpu(splits_tensor<int32_t>(big)), 1000,
                        Tensor::empty({65}, DType::kInt64, Device::cuda(0)), &flag);
   const DeviceErrorRecord rec = flag.read_and_clear();
   EXPECT_EQ(rec.bits, uint32_t(kSplitsExceedCapacity));
   EXPECT_EQ(rec.total, 6400);
   EXPECT_EQ(rec.capacity, 1000);
   Tensor off2 = Tensor::empty({65}, DType::kInt64, Device::cuda(0));
-  GroupLayout::compute(to_cuda(splits_tensor<int64_t>(big)), 1000, off2, &flag);
-  Tensor h2 = to_cpu(off2);
+  GroupLayout::compute(to_gpu(splits_tensor<int64_t>(big)), 1000, off2, &flag);
+  Tensor h2 = to_host(off2);
   for (int g = 0; g <= 64; ++g) {
     ASSERT_LE(h2.data_as<int64_t>()[g], 1000);
     if (g) ASSERT_GE(h2.data_as<int64_t>()[g], h2.data_as<int64_t>()[g - 1]);
@@ -113,7 +104,7 @@ TEST_F(Gpu, BadSplitsAreReportedAndNeverLeaveTheBuffer) {
                    "sum(splits) = 6400 exceeds the buffer capacity T = 1000");
   // A huge split saturates instead of overflowing.
   std::vector<int64_t> huge = {INT64_MAX / 2, INT64_MAX / 2, 5};
-  GroupLayout::compute(to_cuda(splits_tensor<int64_t>(huge)), 10,
+  GroupLayout::compute(to_gpu(splits_tensor<int64_t>(huge)), 10,
                        Tensor::empty({4}, DType::kInt64, Device::cuda(0)), &flag);
   EXPECT_EQ(flag.read_and_clear().bits, uint32_t(kSplitsExceedCapacity));
 }
@@ -146,10 +137,10 @@ TEST_F(Gpu, OffsetsReplayFromACapturedGraphWithNewSplits) {
     copy_tensor(splits, host, stream);
     CUDA_OK(cudaGraphLaunch(exec, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
-    const Tensor replayed = to_cpu(offsets);
+    const Tensor replayed = to_host(offsets);
     GroupLayout::compute(splits, cap, eager, &flag, stream);  // eager run on the same splits
     synchronize(stream);
-    EXPECT_TRUE(bitwise_equal(replayed, to_cpu(eager)));
+    EXPECT_TRUE(bitwise_equal(replayed, to_host(eager)));
     if (step == 3)
       EXPECT_MOE_ERROR(flag.check(stream), ErrorCode::kDeviceReported,
                        "splits[7] = -2 is negative");
@@ -163,11 +154,11 @@ TEST_F(Gpu, OffsetsReplayFromACapturedGraphWithNewSplits) {
 
 TEST_F(Gpu, OpsWithoutCudaKernelsSaySo) {
   Rng rng;
-  Tensor splits = to_cuda(splits_tensor<int64_t>({3, 5}));
+  Tensor splits = to_gpu(splits_tensor<int64_t>({3, 5}));
   Tensor offsets = Tensor::empty({3}, DType::kInt64, Device::cuda(0));
   DeviceErrorFlag flag(Device::cuda(0));
   const GroupLayout layout = GroupLayout::compute(splits, 8, offsets, &flag);
-  Tensor h = to_cuda(random_tensor({8, 16}, DType::kBFloat16, rng));
+  Tensor h = to_gpu(random_tensor({8, 16}, DType::kBFloat16, rng));
   Tensor out = Tensor::empty({8, 8}, DType::kBFloat16, Device::cuda(0));
   EXPECT_MOE_ERROR(glu_forward(h, {}, layout, out, {}), ErrorCode::kNotImplemented,
                    "glu_forward: not implemented on cuda:0 yet");

@@ -5,27 +5,12 @@
 
 #include <numeric>
 
-#include "test_support.hpp"
+#include "gpu_support.hpp"
 
 namespace moe::test {
 namespace {
 
 #define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
-
-bool gpu_available(std::string* why) {
-  const GpuInventory inv = query_gpus();
-  if (inv.gpus.empty()) *why = inv.note;
-  return !inv.gpus.empty();
-}
-
-Tensor to_gpu(const Tensor& t) { return t.to(Device::cuda(0)); }
-Tensor to_host(const TensorView& t) {
-  Tensor h = Tensor::empty(t.shape(), t.dtype());
-  copy_tensor(h, t);
-  synchronize(nullptr);
-  return h;
-}
-Tensor poisoned_gpu(Shape shape, DType dtype) { return to_gpu(poisoned(shape, dtype)); }
 
 // The same routing on the CPU (for the reference) and on the GPU.
 struct DualRouting {
@@ -67,8 +52,7 @@ std::vector<Shape3> gpu_cases() {
 class GpuGroupedLinear : public ::testing::TestWithParam<DType> {
  protected:
   void SetUp() override {
-    std::string why;
-    if (!gpu_available(&why)) GTEST_SKIP() << "no CUDA GPU visible: " << why;
+    if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
   }
 };
 

@@ -2,12 +2,10 @@
 // staged through shared memory in steps of 16 along the contraction, fp32 accumulation in a fixed
 // order (deterministic). Every load and store is bounds-checked, so any size, stride and alignment
 // works. Launch shapes depend only on static sizes: graph safe.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <string>
 
 #include "cuda/check.hpp"
+#include "cuda/dtype_dispatch.cuh"
 #include "cuda/portable/grouped_gemm.hpp"
 
 namespace moe::cuda::portable {
@@ -15,15 +13,6 @@ namespace {
 
 constexpr int kTile = 64, kStep = 16, kThreads = 256;
 constexpr int kMGroupedRowBlocks = 1024;  // fixed grid height of forward/dgrad (grid-strided)
-
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ void from_float(float v, __nv_bfloat16* p) {
-  *p = __float2bfloat16_rn(v);
-}
-__device__ __forceinline__ void from_float(float v, __half* p) { *p = __float2half_rn(v); }
-__device__ __forceinline__ void from_float(float v, float* p) { *p = v; }
 
 struct Params {
   const void* a;
@@ -157,21 +146,6 @@ __global__ void __launch_bounds__(kThreads, 1) k_grouped_kernel(Params p) {
   }
 }
 
-template <class F>
-void with_type(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kBFloat16:
-      return f(__nv_bfloat16{});
-    case DType::kFloat16:
-      return f(__half{});
-    case DType::kFloat32:
-      return f(float{});
-    default:
-      throw_error(ErrorCode::kInternal, "portable grouped GEMM: unsupported dtype ",
-                  dtype_name(dtype));
-  }
-}
-
 }  // namespace
 
 bool can_run(const GroupedGemmProblem& pr, std::string* why) {
@@ -193,8 +167,8 @@ void run(const GroupedGemmProblem& pr, Stream stream) {
                  pr.d,         pr.d_row_stride, pr.num_groups, pr.n,
                  pr.k,         pr.offsets,      pr.bias,       pr.row_scale,
                  pr.accumulate};
-  with_type(pr.in_dtype, [&](auto in) {
-    with_type(pr.out_dtype, [&](auto out) {
+  with_cuda_type(pr.in_dtype, "grouped GEMM", [&](auto in) {
+    with_cuda_type(pr.out_dtype, "grouped GEMM", [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
       switch (pr.form) {

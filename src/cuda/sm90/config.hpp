@@ -13,7 +13,7 @@ using cuda::Form;
 struct Config {
   static constexpr int kBlockM = 128;  // two math warpgroups of 64 rows
   static constexpr int kBlockN = 256;
-  static constexpr int kBlockK = 64;   // one 128-byte swizzle row of 16-bit values
+  static constexpr int kBlockK = 64;  // one 128-byte swizzle row of 16-bit values
   static constexpr int kStages = 4;
   static constexpr int kThreads = 384;  // warpgroup 0: TMA producer; 1 and 2: math
   static constexpr int kMathWarpgroups = 2;
@@ -27,7 +27,7 @@ struct Config {
   static constexpr uint32_t kABytes = kBlockM * kBlockK * 2;  // 16 KiB
   static constexpr uint32_t kBBytes = kBlockN * kBlockK * 2;  // 32 KiB
   static constexpr uint32_t kStageBytes = kABytes + kBBytes;
-  static constexpr uint32_t kPanelBytes = kBlockK * 128;      // one 64-wide MN-major panel: 8 KiB
+  static constexpr uint32_t kPanelBytes = kBlockK * 128;  // one 64-wide MN-major panel: 8 KiB
   // Epilogue: per math warpgroup, two buffers of 64 rows x 128 bytes (double-buffered TMA stores).
   static constexpr uint32_t kEpilogueBufferBytes = 64 * 128;
   static constexpr uint32_t kEpilogueBytes = kMathWarpgroups * 2 * kEpilogueBufferBytes;

@@ -20,12 +20,16 @@ const DeviceTraits& device_traits(int device) {
   constexpr int kMaxDevices = 64;
   static DeviceTraits traits[kMaxDevices];
   static std::once_flag once[kMaxDevices];
-  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device, " out of range");
+  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device,
+            " out of range");
   std::call_once(once[device], [device] {
     DeviceTraits& t = traits[device];
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.sm_count, cudaDevAttrMultiProcessorCount, device), "SM count");
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.minor, cudaDevAttrComputeCapabilityMinor, device), "compute capability");
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.sm_count, cudaDevAttrMultiProcessorCount, device),
+                   "SM count");
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.major, cudaDevAttrComputeCapabilityMajor, device),
+                   "compute capability");
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.minor, cudaDevAttrComputeCapabilityMinor, device),
+                   "compute capability");
   });
   return traits[device];
 }
@@ -51,10 +55,14 @@ template <Form kForm, class In>
 void launch_out(const GroupedGemmProblem& pr, const CUtensorMap& a, const CUtensorMap& b,
                 const CUtensorMap& d, const GemmParams& params, Stream stream) {
   switch (pr.out_dtype) {
-    case DType::kBFloat16: return launch<kForm, In, __nv_bfloat16>(pr, a, b, d, params, stream);
-    case DType::kFloat16: return launch<kForm, In, __half>(pr, a, b, d, params, stream);
-    case DType::kFloat32: return launch<kForm, In, float>(pr, a, b, d, params, stream);
-    default: throw_error(ErrorCode::kInternal, "grouped GEMM: unsupported output dtype");
+    case DType::kBFloat16:
+      return launch<kForm, In, __nv_bfloat16>(pr, a, b, d, params, stream);
+    case DType::kFloat16:
+      return launch<kForm, In, __half>(pr, a, b, d, params, stream);
+    case DType::kFloat32:
+      return launch<kForm, In, float>(pr, a, b, d, params, stream);
+    default:
+      throw_error(ErrorCode::kInternal, "grouped GEMM: unsupported output dtype");
   }
 }
 
@@ -76,15 +84,24 @@ bool can_run(const GroupedGemmProblem& p, std::string* why) {
   };
   const DeviceTraits& t = device_traits(p.device);
   if (t.major != 9 || t.minor != 0) return no("the Hopper kernels need compute capability 9.0");
-  if (p.in_dtype != DType::kBFloat16 && p.in_dtype != DType::kFloat16) return no("inputs must be bfloat16 or float16");
-  if (p.out_dtype != DType::kBFloat16 && p.out_dtype != DType::kFloat16 && p.out_dtype != DType::kFloat32)
+  if (p.in_dtype != DType::kBFloat16 && p.in_dtype != DType::kFloat16)
+    return no("inputs must be bfloat16 or float16");
+  if (p.out_dtype != DType::kBFloat16 && p.out_dtype != DType::kFloat16 &&
+      p.out_dtype != DType::kFloat32)
     return no("outputs must be bfloat16, float16 or float32");
-  if (p.reduce_add && p.out_dtype != DType::kFloat32) return no("accumulation needs a float32 output");
+  if (!p.packed())
+    return no("per-expert tensors (pointer tables) are not supported by the Hopper kernel yet");
+  if (p.bias.defined() && p.bias_dtype != p.in_dtype)
+    return no("the bias must have the input dtype");
+  if (p.accumulate && p.out_dtype != DType::kFloat32)
+    return no("accumulation needs a float32 output");
   const size_t in = dtype_size(p.in_dtype), out = dtype_size(p.out_dtype);
-  if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d))
+  if (!aligned16(p.a) || !aligned16(p.b.base) || !aligned16(p.d.base))
     return no("TMA needs 16-byte aligned data pointers");
   if ((p.a_row_stride * in) % 16 || (p.b_row_stride * in) % 16 || (p.d_row_stride * out) % 16)
-    return no("TMA needs row strides that are multiples of 16 bytes (K and N multiples of 8 for 16-bit data)");
+    return no(
+        "TMA needs row strides that are multiples of 16 bytes (K and N multiples of 8 for 16-bit "
+        "data)");
   if (p.form == Form::kWgrad && (p.n * p.k * int64_t(out)) % 16)
     return no("TMA needs the per-expert gradient stride to be a multiple of 16 bytes");
   if (p.form != Form::kWgrad && (p.n * p.k * int64_t(in)) % 16)
@@ -96,15 +113,16 @@ bool can_run(const GroupedGemmProblem& p, std::string* why) {
 
 void run(const GroupedGemmProblem& pr, Stream stream) {
   std::string why;
-  MOE_CHECK(can_run(pr, &why), ErrorCode::kInternal, "sm90 grouped GEMM called for a problem it cannot run: ", why);
+  MOE_CHECK(can_run(pr, &why), ErrorCode::kInternal,
+            "sm90 grouped GEMM called for a problem it cannot run: ", why);
   constexpr uint32_t kBM = Config::kBlockM, kBN = Config::kBlockN, kBK = Config::kBlockK;
   const uint32_t chunk_cols = 128 / uint32_t(dtype_size(pr.out_dtype));
   GemmParams params{};
   params.offsets = pr.offsets;
   params.num_groups = int32_t(pr.num_groups);
-  params.bias = pr.bias;
+  params.bias = pr.bias.base;
   params.row_scale = pr.row_scale;
-  params.reduce_add = pr.reduce_add;
+  params.reduce_add = pr.accumulate;
   const int64_t G = pr.num_groups, N = pr.n, K = pr.k;
   CUtensorMap a, b, d;
   switch (pr.form) {
@@ -112,22 +130,23 @@ void run(const GroupedGemmProblem& pr, Stream stream) {
       params.n_out = int32_t(N);
       params.k = int32_t(K);
       a = make_ragged_tensor_map(pr.a, pr.in_dtype, K, pr.a_row_stride, kBK, kBM);
-      b = make_tensor_map_3d(pr.b, pr.in_dtype, G, N, K, pr.b_row_stride, N * K, kBK, kBN);
-      d = make_ragged_tensor_map(pr.d, pr.out_dtype, N, pr.d_row_stride, chunk_cols, 64);
+      b = make_tensor_map_3d(pr.b.base, pr.in_dtype, G, N, K, pr.b_row_stride, N * K, kBK, kBN);
+      d = make_ragged_tensor_map(pr.d.base, pr.out_dtype, N, pr.d_row_stride, chunk_cols, 64);
       return launch_in<Form::kForward>(pr, a, b, d, params, stream);
     case Form::kDgrad:
       params.n_out = int32_t(K);
       params.k = int32_t(N);
       a = make_ragged_tensor_map(pr.a, pr.in_dtype, N, pr.a_row_stride, kBK, kBM);
-      b = make_tensor_map_3d(pr.b, pr.in_dtype, G, N, K, pr.b_row_stride, N * K, 64, kBK);
-      d = make_ragged_tensor_map(pr.d, pr.out_dtype, K, pr.d_row_stride, chunk_cols, 64);
+      b = make_tensor_map_3d(pr.b.base, pr.in_dtype, G, N, K, pr.b_row_stride, N * K, 64, kBK);
+      d = make_ragged_tensor_map(pr.d.base, pr.out_dtype, K, pr.d_row_stride, chunk_cols, 64);
       return launch_in<Form::kDgrad>(pr, a, b, d, params, stream);
     case Form::kWgrad:
       params.m_out = int32_t(N);
       params.n_out = int32_t(K);
       a = make_ragged_tensor_map(pr.a, pr.in_dtype, N, pr.a_row_stride, 64, kBK);
-      b = make_ragged_tensor_map(pr.b, pr.in_dtype, K, pr.b_row_stride, 64, kBK);
-      d = make_tensor_map_3d(pr.d, pr.out_dtype, G, N, K, pr.d_row_stride, N * K, chunk_cols, 64);
+      b = make_ragged_tensor_map(pr.b.base, pr.in_dtype, K, pr.b_row_stride, 64, kBK);
+      d = make_tensor_map_3d(pr.d.base, pr.out_dtype, G, N, K, pr.d_row_stride, N * K, chunk_cols,
+                             64);
       return launch_in<Form::kWgrad>(pr, a, b, d, params, stream);
   }
 }

@@ -11,7 +11,8 @@
 
 namespace moe::cuda::sm90 {
 
-// A [groups, rows, cols] tensor (row stride and group stride in elements), box {box_cols, box_rows, 1}.
+// A [groups, rows, cols] tensor (row stride and group stride in elements), box {box_cols, box_rows,
+// 1}.
 CUtensorMap make_tensor_map_3d(const void* base, DType dtype, int64_t groups, int64_t rows,
                                int64_t cols, int64_t row_stride, int64_t group_stride,
                                uint32_t box_cols, uint32_t box_rows);

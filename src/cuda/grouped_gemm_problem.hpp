@@ -1,0 +1,39 @@
+// One grouped GEMM of a grouped linear layer with N output and K input features over T rows, as
+// both kernel families (sm90/, portable/) take it:
+//   forward: a = x [T, K],  b = W per expert [N, K], d = y [T, N]
+//   dgrad:   a = dy [T, N], b = W per expert [N, K], d = dx [T, K]
+//   wgrad:   a = dy [T, N], b = x [T, K],            d = dW per expert [N, K]
+// Row strides are in elements. Only the device offsets decide which rows belong to which group.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/expert_address.hpp"
+#include "cuda/gemm_form.hpp"
+#include "moe_engine/dtype.hpp"
+
+namespace moe::cuda {
+
+struct GroupedGemmProblem {
+  Form form = Form::kForward;
+  DType in_dtype = DType::kBFloat16;
+  DType out_dtype = DType::kBFloat16;
+  const void* a = nullptr;
+  int64_t a_row_stride = 0;
+  ExpertAddress b;  // forward/dgrad: the weights; wgrad: x (base only)
+  int64_t b_row_stride = 0;
+  ExpertAddress d;  // forward/dgrad: y / dx (base only); wgrad: dW
+  int64_t d_row_stride = 0;
+  int64_t num_groups = 0, capacity = 0, n = 0, k = 0;
+  const int64_t* offsets = nullptr;
+  ExpertAddress bias;                   // forward: per-expert [N]; undefined = no bias
+  DType bias_dtype = DType::kBFloat16;  // the kernels read it in in_dtype
+  const float* row_scale = nullptr;     // forward: [T] scales of the bias
+  bool accumulate = false;              // wgrad: d += result (fp32); empty groups untouched
+  int device = 0;
+
+  // Every per-expert operand is one packed tensor (base + stride, no pointer table).
+  bool packed() const { return !b.table && !d.table && !bias.table; }
+};
+
+}  // namespace moe::cuda
