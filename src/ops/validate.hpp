@@ -30,7 +30,6 @@ class Validator {
   // All tensors must live on the group layout's device.
   Validator(const char* op, const GroupLayout& groups);
 
-  const char* op() const { return op_; }
   Device device() const { return device_; }
   int64_t capacity() const { return groups_->capacity(); }
   int64_t num_groups() const { return groups_->num_groups(); }
