@@ -26,20 +26,21 @@ struct Timing {
   double median_ms = 0, min_ms = 0;
 };
 
-// Warm up for ~25 ms, then time single runs with CUDA events until both `iters` runs and ~100 ms
-// (as the anchor's do_bench) have been measured; the median is reported.
+// Warm up for a quarter of `min_ms`, then time single runs with CUDA events until both `iters`
+// runs and `min_ms` (100 ms by default, as the anchor's do_bench) have been measured; the median
+// is reported.
 template <class F>
-Timing time_op(Device device, Stream stream, int warmup, int iters, F&& op) {
+Timing time_op(Device device, Stream stream, int warmup, int iters, double min_ms, F&& op) {
   StreamTimer timer(device, stream);
   double spent = 0;
-  for (int i = 0; i < warmup || spent < 25.0; ++i) {
+  for (int i = 0; i < warmup || spent < min_ms / 4; ++i) {
     timer.start();
     op();
     timer.stop();
     spent += timer.elapsed_ms();
   }
   std::vector<double> ms;
-  for (double total = 0; int(ms.size()) < iters || total < 100.0;) {
+  for (double total = 0; int(ms.size()) < iters || total < min_ms;) {
     timer.start();
     op();
     timer.stop();
@@ -147,7 +148,8 @@ int run_bench_gemm(const BenchOptions& o) {
            "grouped_mm_wgrad", false},
       };
       for (const Gemm& g : gemms) {
-        const Timing t = time_op(device, stream, warmup, iters, g.run);
+        if (!o.gemm_filter.empty() && o.gemm_filter != fc + "/" + g.name) continue;
+        const Timing t = time_op(device, stream, warmup, iters, o.min_time_ms, g.run);
         Entry en;
         en.case_name = w.name;
         en.fc = fc;

@@ -26,6 +26,8 @@ struct BenchOptions {
   bool list = false;         // list the cases and exit
   std::string anchor;        // gemm: torch_anchor.py's JSON from the same device run
   std::string json_out;      // gemm: write the results as JSON to this file
+  std::string gemm_filter;   // gemm: only this GEMM ("fc2/wgrad"); empty: all
+  double min_time_ms = 100;  // gemm: time each GEMM at least this long (warm up a quarter of it)
   std::string command_line;  // recorded in the JSON
 };
 int run_bench(const BenchOptions& options);

@@ -49,6 +49,11 @@ int main(int argc, char** argv) {
   bench_cmd->add_flag("--list", bench.list, "List the cases and exit");
   bench_cmd->add_option("--anchor", bench.anchor,
                         "gemm: JSON of ../shared/bench/torch_anchor.py from the same run");
+  bench_cmd->add_option("--gemm", bench.gemm_filter,
+                        "gemm: only this GEMM of each case: fc1|fc2 / fwd|dgrad|wgrad|wgrad_acc, e.g. fc2/wgrad");
+  bench_cmd->add_option("--min-time-ms", bench.min_time_ms,
+                        "gemm: time each GEMM at least this long (0 with --iters 1: one run, for profilers)")
+      ->capture_default_str();
   bench_cmd->add_option("--json-out", bench.json_out,
                         "gemm: write the results as JSON to this file");
 
