@@ -28,6 +28,7 @@ struct BenchOptions {
   std::string json_out;      // gemm: write the results as JSON to this file
   std::string gemm_filter;   // gemm: only this GEMM ("fc2/wgrad"); empty: all
   double min_time_ms = 100;  // gemm: time each GEMM at least this long (warm up a quarter of it)
+  double settle_ms = 2000;   // gemm: run a dense GEMM this long first (steady power state)
   std::string command_line;  // recorded in the JSON
 };
 int run_bench(const BenchOptions& options);

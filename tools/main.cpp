@@ -54,6 +54,10 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--min-time-ms", bench.min_time_ms,
                         "gemm: time each GEMM at least this long (0 with --iters 1: one run, for profilers)")
       ->capture_default_str();
+  bench_cmd->add_option("--settle-ms", bench.settle_ms,
+                        "gemm: first run a dense GEMM this long, so that every timing sees the GPU's "
+                        "steady (power-capped) clocks rather than the boost of a cold start")
+      ->capture_default_str();
   bench_cmd->add_option("--json-out", bench.json_out,
                         "gemm: write the results as JSON to this file");
 

@@ -16,6 +16,7 @@ struct Config {
   static constexpr int kBlockK = 64;  // one 128-byte swizzle row of 16-bit values
   static constexpr int kStages = 4;
   static constexpr int kThreads = 384;  // warpgroup 0: TMA producer; 1 and 2: math
+  static constexpr int kClusterSize = 2;  // blocks per cluster: pairs of tiles sharing B (multicast)
   static constexpr int kMathWarpgroups = 2;
   // setmaxnreg: the CTA starts with 168 registers per thread (65536 / 384, rounded down to 8);
   // the producer gives some back and the math warpgroups take them. The sum must fit the pool,

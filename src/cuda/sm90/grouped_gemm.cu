@@ -1,6 +1,9 @@
 // Launcher and instantiations of the Hopper grouped GEMM.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <mutex>
 
 #include "cuda/check.hpp"
@@ -34,21 +37,65 @@ const DeviceTraits& device_traits(int device) {
   return traits[device];
 }
 
+// MOE_ENGINE_SM90_MULTICAST=0 turns the B multicast off (same results, for A/B measurements).
+bool multicast_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("MOE_ENGINE_SM90_MULTICAST");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return enabled;
+}
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+cudaLaunchConfig_t launch_config(int grid, Stream stream, cudaLaunchAttribute* cluster) {
+  cluster->id = cudaLaunchAttributeClusterDimension;
+  cluster->val.clusterDim.x = Config::kClusterSize;
+  cluster->val.clusterDim.y = 1;
+  cluster->val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(unsigned(grid));
+  config.blockDim = dim3(Config::kThreads);
+  config.dynamicSmemBytes = Config::kSharedBytes;
+  config.stream = stream;
+  config.attrs = cluster;
+  config.numAttrs = 1;
+  return config;
+}
+
+// Blocks of one kernel instance on `device`: as many whole clusters as can be resident at once
+// (a GPC with an odd number of free SMs leaves one idle), found once per device.
+template <class Kernel>
+int persistent_grid(Kernel kernel, int device) {
+  constexpr int kMaxDevices = 64;
+  static int grid[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  std::call_once(once[device], [&] {
+    MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        int(Config::kSharedBytes)),
+                   "raising the shared-memory limit of the grouped GEMM kernel");
+    const int sm_count = device_traits(device).sm_count;
+    cudaLaunchAttribute cluster{};
+    const cudaLaunchConfig_t config = launch_config(sm_count, nullptr, &cluster);
+    int clusters = 0;
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config),
+                   "querying how many grouped GEMM clusters fit on the device");
+    MOE_CHECK(clusters > 0, ErrorCode::kCuda,
+              "the grouped GEMM kernel's clusters do not fit on device ", device);
+    grid[device] = std::min(clusters, sm_count / Config::kClusterSize) * Config::kClusterSize;
+  });
+  return grid[device];
+}
 
 template <Form kForm, class In, class Out>
 void launch(const GroupedGemmProblem& pr, const CUtensorMap& a, const CUtensorMap& b,
             const CUtensorMap& d, const GemmParams& params, Stream stream) {
   auto kernel = grouped_gemm_kernel<kForm, In, Out>;
-  static std::once_flag once;
-  std::call_once(once, [&] {
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        int(Config::kSharedBytes)),
-                   "raising the shared-memory limit of the grouped GEMM kernel");
-  });
-  const int grid = device_traits(pr.device).sm_count;
-  kernel<<<grid, Config::kThreads, Config::kSharedBytes, stream>>>(a, b, d, params);
-  MOE_CUDA_CHECK_LAUNCH("grouped_gemm_kernel");
+  MOE_CHECK(pr.device >= 0 && pr.device < 64, ErrorCode::kDevice, "device index ", pr.device,
+            " out of range");
+  cudaLaunchAttribute cluster{};
+  const cudaLaunchConfig_t config = launch_config(persistent_grid(kernel, pr.device), stream, &cluster);
+  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a, b, d, params), "launching grouped_gemm_kernel");
 }
 
 template <Form kForm, class In>
@@ -108,6 +155,14 @@ bool can_run(const GroupedGemmProblem& p, std::string* why) {
     return no("TMA needs the per-expert weight stride to be a multiple of 16 bytes");
   if (p.capacity >= (int64_t(1) << 30) || p.n >= (int64_t(1) << 31) || p.k >= (int64_t(1) << 31))
     return no("sizes past 2^30 rows or 2^31 columns");
+  // The schedulers count tile pairs in 32 bits (M-grouped: at most capacity / kBlockM + G row
+  // tiles; pairs <= tiles + G).
+  const int64_t out_cols = p.form == Form::kForward ? p.n : p.k;
+  const int64_t row_tiles = p.form == Form::kWgrad
+                                ? p.num_groups * ((p.n + Config::kBlockM - 1) / Config::kBlockM)
+                                : p.capacity / Config::kBlockM + p.num_groups;
+  if (row_tiles * ((out_cols + Config::kBlockN - 1) / Config::kBlockN) + p.num_groups >= (int64_t(1) << 31))
+    return no("more than 2^31 output tiles");
   return true;
 }
 
@@ -123,6 +178,7 @@ void run(const GroupedGemmProblem& pr, Stream stream) {
   params.bias = pr.bias.base;
   params.row_scale = pr.row_scale;
   params.reduce_add = pr.accumulate;
+  params.multicast = multicast_enabled();
   const int64_t G = pr.num_groups, N = pr.n, K = pr.k;
   CUtensorMap a, b, d;
   switch (pr.form) {
@@ -130,7 +186,8 @@ void run(const GroupedGemmProblem& pr, Stream stream) {
       params.n_out = int32_t(N);
       params.k = int32_t(K);
       a = make_ragged_tensor_map(pr.a, pr.in_dtype, K, pr.a_row_stride, kBK, kBM);
-      b = make_tensor_map_3d(pr.b.base, pr.in_dtype, G, N, K, pr.b_row_stride, N * K, kBK, kBN);
+      // B in two halves of kBN / 2 rows (one per block of a multicasting cluster).
+      b = make_tensor_map_3d(pr.b.base, pr.in_dtype, G, N, K, pr.b_row_stride, N * K, kBK, kBN / 2);
       d = make_ragged_tensor_map(pr.d.base, pr.out_dtype, N, pr.d_row_stride, chunk_cols, 64);
       return launch_in<Form::kForward>(pr, a, b, d, params, stream);
     case Form::kDgrad:

@@ -3,6 +3,12 @@
 // shared-memory stages guarded by full/empty mbarriers); warpgroups 1 and 2 each multiply 64 rows
 // of the 128 x 256 tile with wgmma and store their results through swizzled shared memory with TMA.
 //
+// Blocks run in clusters of two that work on pairs of tiles (scheduler.cuh). When the pair shares
+// its B tile, each block's producer loads one half of it and multicasts it into both blocks. So a
+// stage may be refilled only once the consumers of *both* blocks have released it: every
+// consumer warp arrives on the empty barrier of both blocks, for every step, multicast or not,
+// which keeps the two blocks' barrier phases in lockstep.
+//
 // Group boundaries need no padding: token-indexed operands use "ragged" tensor maps (see
 // tensor_maps.hpp) whose bounds end at the group's last row, so TMA zero-fills loads and clips
 // stores there. Rows past offsets[G] belong to no group and are never written.
@@ -13,6 +19,7 @@
 
 #include <cstdint>
 
+#include "cuda/ptx/cluster.cuh"
 #include "cuda/ptx/sync.cuh"
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/wgmma.cuh"
@@ -30,6 +37,7 @@ struct GemmParams {
   const void* bias;        // forward: [G, n_out] in the input dtype, or null
   const float* row_scale;  // forward: [T] scales of the bias ("scale_bias"), or null
   int32_t reduce_add;      // wgrad: add into D (fp32 main_grad) instead of storing
+  int32_t multicast;       // 0: pairs never share B loads (an A/B switch for measurements)
 };
 
 namespace detail {
@@ -100,10 +108,14 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   auto stage_b = [&](int s) { return smem + s * Config::kStageBytes + Config::kABytes; };
 
   const uint32_t warp = ptx::warp_index(), lane = ptx::lane_index();
+  // Re-read from special registers where used, rather than held in registers across the loop.
+  auto first_pair = [] { return int32_t(ptx::cluster_id_x()); };
+  auto pair_stride = [] { return int32_t(ptx::cluster_count_x()); };
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&full[s], 1);
-      ptx::mbarrier_init(&empty[s], Config::kMathWarpgroups * 4);  // one arrival per math warp
+      // One arrival per math warp of each block of the cluster.
+      ptx::mbarrier_init(&empty[s], Config::kClusterSize * Config::kMathWarpgroups * 4);
     }
     ptx::fence_barrier_init();
   }
@@ -112,7 +124,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     ptx::prefetch_tensor_map(&map_b);
     ptx::prefetch_tensor_map(&map_d);
   }
-  __syncthreads();
+  // The peer block's barriers must be initialized before anything arrives on them.
+  ptx::cluster_sync();
 
   auto make_scheduler = [&] {
     if constexpr (kKGrouped)
@@ -120,49 +133,87 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     else
       return MGroupedScheduler(p.offsets, p.num_groups, p.n_out, p.k);
   };
+  // A consumer warp releases a stage in both blocks (see the top of this file).
+  auto release = [&](int s) {
+    if (lane == 0) {
+#pragma unroll
+      for (uint32_t r = 0; r < Config::kClusterSize; ++r) ptx::mbarrier_arrive_cluster(&empty[s], r);
+    }
+  };
   // Accumulating into main_grad: an empty group contributes nothing and its tiles are skipped.
   auto skipped = [&](const Tile& t) { return kKGrouped && p.reduce_add && t.k_blocks == 0; };
 
   if (warp < 4) {
     // ---------------- producer warpgroup ----------------
     ptx::setmaxnreg_decrease<Config::kProducerRegisters>();
-    if (warp != 0 || lane != 0) return;
-    auto scheduler = make_scheduler();
-    int stage = 0;
-    uint32_t phase = 0;
-    Tile t;
-    for (int64_t i = blockIdx.x; scheduler.get(i, t); i += gridDim.x) {
-      if (skipped(t)) continue;
-      for (int kb = 0; kb < t.k_blocks; ++kb) {
-        ptx::mbarrier_wait(&empty[stage], phase ^ 1u);
-        ptx::mbarrier_arrive_expect_tx(&full[stage], Config::kStageBytes);
-        const int32_t k0 = kb * kBK;
-        if constexpr (kForm == Form::kWgrad) {
-          // A = dY rows [k0, k0 + 64) of the group, columns m0..m0+127 as two 64-wide panels.
-          for (int panel = 0; panel < kBM / 64; ++panel)
-            ptx::tma_load_4d(stage_a(stage) + panel * Config::kPanelBytes, &map_a, &full[stage],
-                             t.m0 + 64 * panel, ragged_row(t, k0), ragged_end(t), int32_t(Config::kRaggedRows));
-          for (int panel = 0; panel < kBN / 64; ++panel)
-            ptx::tma_load_4d(stage_b(stage) + panel * Config::kPanelBytes, &map_b, &full[stage],
-                             t.n0 + 64 * panel, ragged_row(t, k0), ragged_end(t), int32_t(Config::kRaggedRows));
-        } else {
-          // A = rows m0..m0+127 of the group (K-major), zero past the group's end.
-          ptx::tma_load_4d(stage_a(stage), &map_a, &full[stage], k0, ragged_row(t, t.m0), ragged_end(t),
-                           int32_t(Config::kRaggedRows));
-          if constexpr (kForm == Form::kForward) {
-            ptx::tma_load_3d(stage_b(stage), &map_b, &full[stage], k0, t.n0, t.group);
-          } else {
-            for (int panel = 0; panel < kBN / 64; ++panel)
-              ptx::tma_load_3d(stage_b(stage) + panel * Config::kPanelBytes, &map_b, &full[stage],
-                               t.n0 + 64 * panel, k0, t.group);
+    if (warp == 0 && lane == 0) {
+      auto scheduler = make_scheduler();
+      int stage = 0;
+      uint32_t phase = 0;
+      Tile t;
+      for (int32_t i = first_pair(); scheduler.get(i, t); i += pair_stride()) {
+        if (skipped(t)) continue;
+        for (int kb = 0; kb < t.k_blocks; ++kb) {
+          ptx::mbarrier_wait(&empty[stage], phase ^ 1u);
+          // A ghost expects nothing: its arrival alone completes the phase.
+          ptx::mbarrier_arrive_expect_tx(&full[stage], t.live ? Config::kStageBytes : 0u);
+          if (t.live) {
+            const int32_t k0 = kb * kBK;
+            uint64_t* bar = &full[stage];
+            // B comes in two halves of kBN / 2 columns: with multicast this block loads half
+            // `rank` into both blocks (the peer loads the other), otherwise both halves locally.
+            auto load_b_half = [&](int half, bool multicast) {
+              uint8_t* dst = stage_b(stage) + half * (Config::kBBytes / 2);
+              const int32_t n = t.n0 + half * (kBN / 2);
+              const uint16_t mask = (1u << Config::kClusterSize) - 1u;
+              if constexpr (kForm == Form::kForward) {
+                if (multicast) ptx::tma_load_3d_multicast(dst, &map_b, bar, mask, k0, n, t.group);
+                else ptx::tma_load_3d(dst, &map_b, bar, k0, n, t.group);
+              } else {
+#pragma unroll
+                for (int panel = 0; panel < kBN / 2 / 64; ++panel) {
+                  uint8_t* pdst = dst + panel * Config::kPanelBytes;
+                  const int32_t pn = n + 64 * panel;
+                  if constexpr (kForm == Form::kWgrad) {
+                    if (multicast)
+                      ptx::tma_load_4d_multicast(pdst, &map_b, bar, mask, pn, ragged_row(t, k0), ragged_end(t),
+                                                 int32_t(Config::kRaggedRows));
+                    else
+                      ptx::tma_load_4d(pdst, &map_b, bar, pn, ragged_row(t, k0), ragged_end(t),
+                                       int32_t(Config::kRaggedRows));
+                  } else {
+                    if (multicast) ptx::tma_load_3d_multicast(pdst, &map_b, bar, mask, pn, k0, t.group);
+                    else ptx::tma_load_3d(pdst, &map_b, bar, pn, k0, t.group);
+                  }
+                }
+              }
+            };
+            if constexpr (kForm == Form::kWgrad) {
+              // A = dY rows [k0, k0 + 64) of the group, columns m0..m0+127 as two 64-wide panels.
+              for (int panel = 0; panel < kBM / 64; ++panel)
+                ptx::tma_load_4d(stage_a(stage) + panel * Config::kPanelBytes, &map_a, bar, t.m0 + 64 * panel,
+                                 ragged_row(t, k0), ragged_end(t), int32_t(Config::kRaggedRows));
+            } else {
+              // A = rows m0..m0+127 of the group (K-major), zero past the group's end.
+              ptx::tma_load_4d(stage_a(stage), &map_a, bar, k0, ragged_row(t, t.m0), ragged_end(t),
+                               int32_t(Config::kRaggedRows));
+            }
+            if (t.multicast && p.multicast) {
+              load_b_half(int(ptx::cluster_rank()), true);
+            } else {
+              load_b_half(0, false);
+              load_b_half(1, false);
+            }
           }
-        }
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1u;
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1u;
+          }
         }
       }
     }
+    // Neither block may exit while the other can still multicast into it or arrive on its barriers.
+    ptx::cluster_sync();
     return;
   }
 
@@ -186,8 +237,19 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   uint32_t phase = 0;
   uint32_t epilogue_count = 0;
   Tile t;
-  for (int64_t i = blockIdx.x; scheduler.get(i, t); i += gridDim.x) {
+  for (int32_t i = first_pair(); scheduler.get(i, t); i += pair_stride()) {
     if (skipped(t)) continue;
+    if (!t.live) {  // a ghost: keep the barrier phases in step with the peer, nothing else
+      for (int kb = 0; kb < t.k_blocks; ++kb) {
+        ptx::mbarrier_wait(&full[stage], phase);
+        release(stage);
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1u;
+        }
+      }
+      continue;
+    }
     // ---- mainloop ----
     int previous = -1;
     for (int kb = 0; kb < t.k_blocks; ++kb) {
@@ -206,7 +268,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       ptx::fence_accumulators(acc);
       // The group before this one has retired: its stage can be refilled.
       ptx::wgmma_wait_group<1>();
-      if (previous >= 0 && lane == 0) ptx::mbarrier_arrive(&empty[previous]);
+      if (previous >= 0) release(previous);
       previous = stage;
       if (++stage == kStages) {
         stage = 0;
@@ -215,7 +277,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
     ptx::wgmma_wait_group<0>();
     ptx::fence_accumulators(acc);
-    if (previous >= 0 && lane == 0) ptx::mbarrier_arrive(&empty[previous]);
+    if (previous >= 0) release(previous);
     if (kKGrouped && t.k_blocks == 0) {  // an empty wgrad group writes zeros (no wgmma in flight)
 #pragma unroll
       for (int r = 0; r < kAccRegs; ++r) acc[r] = 0.f;
@@ -301,6 +363,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
   }
   if (wg_thread == 0) ptx::bulk_wait_group_all();
+  ptx::cluster_sync();
 #endif
 }
 

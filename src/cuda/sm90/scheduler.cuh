@@ -1,39 +1,75 @@
-// Persistent tile schedulers: block b processes tiles b, b + grid, b + 2 grid, ... All state is
-// derived on the device from the group offsets, so the launch shape never depends on the routing.
+// Persistent tile schedulers for 2-block clusters. Work is handed out in pairs of output tiles,
+// one tile per block of a cluster: cluster c processes pairs c, c + clusters, c + 2 clusters, ...
+// Where the two tiles of a pair share their B tile (same group, same columns, adjacent row
+// tiles), each block loads half of it and multicasts it to both, which cuts the L2 -> SM traffic
+// by a third. All state is derived on the device from the group offsets, so the launch shape
+// never depends on the routing.
 #pragma once
 
 #include <cstdint>
 
+#include "cuda/ptx/cluster.cuh"
 #include "cuda/sm90/config.hpp"
 
 namespace moe::cuda::sm90 {
 
-// Raster of a group's m_tiles x n_tiles output tiles: bands of up to kBand M-tiles, M-fastest
-// within a band. The tiles running at once (one per SM) then cover about kBand M-tiles x
-// (132 / kBand) N-tiles, so the operand panels they share stay in L2.
-constexpr int32_t kRasterBand = 16;
+// Raster of a group's pair_rows x n_tiles paired tiles: bands of up to kRasterBand pair rows
+// (2 kRasterBand row tiles), row-fastest within a band. The tiles running at once (one per SM)
+// then cover about 2 kRasterBand row tiles x (132 / 2 kRasterBand) column tiles, so the operand
+// panels they share stay in L2.
+constexpr int32_t kRasterBand = 8;
 
-__device__ __forceinline__ void band_raster(int64_t local, int32_t m_tiles, int32_t n_tiles,
-                                            int32_t& m, int32_t& n) {
-  const int64_t band_size = int64_t(kRasterBand) * n_tiles;
-  const int32_t band = int32_t(local / band_size);
-  const int32_t height = min(kRasterBand, m_tiles - band * kRasterBand);
-  const int32_t within = int32_t(local - band * band_size);
-  m = band * kRasterBand + within % height;
-  n = within / height;
+__device__ __forceinline__ void band_raster(int32_t local, int32_t rows, int32_t cols, int32_t& r,
+                                            int32_t& c) {
+  const int32_t band_size = kRasterBand * cols;
+  const int32_t band = local / band_size;
+  const int32_t height = min(kRasterBand, rows - band * kRasterBand);
+  const int32_t within = local - band * band_size;
+  r = band * kRasterBand + within % height;
+  c = within / height;
 }
 
 struct Tile {
   int32_t group;
   int32_t m0, n0;      // origin of the output tile (M-grouped: row within the group)
-  int32_t k_blocks;    // kBlockK steps of the contraction
+  int32_t k_blocks;    // kBlockK steps of the contraction (the same for both tiles of a pair)
   int64_t row_begin;   // offsets[group]
   int32_t rows;        // rows (tokens) of the group
+  bool live;           // false: a ghost (the pair's other tile is the group's last); no loads, no math
+  bool multicast;      // the pair shares its B tile: each block loads half of it for both
 };
 
-// Forward and dgrad: the rows of each group are tiled by kBlockM; a group of R rows has
-// ceil(R / kBlockM) * ceil(N / kBlockN) tiles in band raster order. Tile indices only grow, so
-// the walk over the groups advances monotonically.
+// Pair indices are 32-bit: the host launcher checks that every problem has fewer than 2^31 pairs.
+// A group of m_tiles x n_tiles tiles is cut into pairs: first the tiles of rows 2i and 2i + 1 of
+// each column (sharing B), then, if m_tiles is odd, the last row in pairs of adjacent columns
+// (not sharing B), the very last pair holding a ghost when n_tiles is odd too.
+__device__ __forceinline__ int64_t pair_count(int64_t m_tiles, int64_t n_tiles) {
+  return (m_tiles / 2) * n_tiles + (m_tiles & 1) * ((n_tiles + 1) / 2);
+}
+
+__device__ __forceinline__ void pair_tile(int32_t q, int32_t m_tiles, int32_t n_tiles, Tile& tile) {
+  const uint32_t rank = ptx::cluster_rank();
+  const int32_t pair_rows = m_tiles / 2;
+  const int32_t paired = pair_rows * n_tiles;
+  int32_t m, n;
+  if (q < paired) {
+    int32_t pm;
+    band_raster(q, pair_rows, n_tiles, pm, n);
+    m = 2 * pm + int32_t(rank);
+    tile.live = true;
+    tile.multicast = true;
+  } else {
+    m = m_tiles - 1;
+    n = 2 * (q - paired) + int32_t(rank);
+    tile.live = n < n_tiles;
+    tile.multicast = false;
+  }
+  tile.m0 = m * Config::kBlockM;
+  tile.n0 = n * Config::kBlockN;
+}
+
+// Forward and dgrad: the rows of each group are tiled by kBlockM, its columns by kBlockN. Pair
+// indices only grow, so the walk over the groups advances monotonically.
 class MGroupedScheduler {
  public:
   __device__ MGroupedScheduler(const int64_t* offsets, int32_t num_groups, int32_t n, int32_t k)
@@ -42,17 +78,14 @@ class MGroupedScheduler {
         n_tiles_((n + Config::kBlockN - 1) / Config::kBlockN),
         k_blocks_((k + Config::kBlockK - 1) / Config::kBlockK) {}
 
-  __device__ bool get(int64_t t, Tile& tile) {
+  __device__ bool get(int32_t pair, Tile& tile) {
     while (group_ < num_groups_) {
       const int64_t begin = __ldg(offsets_ + group_), end = __ldg(offsets_ + group_ + 1);
-      const int64_t m_tiles = (end - begin + Config::kBlockM - 1) / Config::kBlockM;
-      const int64_t count = m_tiles * n_tiles_;
-      if (t < first_ + count) {
-        int32_t m, n;
-        band_raster(t - first_, int32_t(m_tiles), n_tiles_, m, n);
+      const int32_t m_tiles = int32_t((end - begin + Config::kBlockM - 1) / Config::kBlockM);
+      const int32_t count = int32_t(pair_count(m_tiles, n_tiles_));
+      if (pair < first_ + count) {
+        pair_tile(pair - first_, m_tiles, n_tiles_, tile);
         tile.group = group_;
-        tile.m0 = m * Config::kBlockM;
-        tile.n0 = n * Config::kBlockN;
         tile.k_blocks = k_blocks_;
         tile.row_begin = begin;
         tile.rows = int32_t(end - begin);
@@ -68,29 +101,27 @@ class MGroupedScheduler {
   const int64_t* offsets_;
   int32_t num_groups_, n_tiles_, k_blocks_;
   int32_t group_ = 0;
-  int64_t first_ = 0;  // index of the first tile of group_
+  int32_t first_ = 0;  // index of the first pair of group_
 };
 
-// Wgrad: every group owns the same ceil(M / kBlockM) * ceil(N / kBlockN) output tiles; the
+// Wgrad: every group owns the same ceil(M / kBlockM) x ceil(N / kBlockN) output tiles; the
 // contraction runs over the group's rows (ceil(R / kBlockK) steps, zero for an empty group).
+// Both tiles of a pair belong to one group, so they have the same number of steps.
 class KGroupedScheduler {
  public:
   __device__ KGroupedScheduler(const int64_t* offsets, int32_t num_groups, int32_t m, int32_t n)
       : offsets_(offsets),
         m_tiles_((m + Config::kBlockM - 1) / Config::kBlockM),
         n_tiles_((n + Config::kBlockN - 1) / Config::kBlockN),
-        tiles_per_group_(int64_t(m_tiles_) * n_tiles_),
-        total_(tiles_per_group_ * num_groups) {}
+        pairs_per_group_(int32_t(pair_count(m_tiles_, n_tiles_))),
+        total_(pairs_per_group_ * num_groups) {}
 
-  __device__ bool get(int64_t t, Tile& tile) const {
-    if (t >= total_) return false;
-    const int32_t g = int32_t(t / tiles_per_group_);
+  __device__ bool get(int32_t pair, Tile& tile) const {
+    if (pair >= total_) return false;
+    const int32_t g = pair / pairs_per_group_;
     const int64_t begin = __ldg(offsets_ + g), end = __ldg(offsets_ + g + 1);
-    int32_t m, n;
-    band_raster(t % tiles_per_group_, m_tiles_, n_tiles_, m, n);
+    pair_tile(pair - g * pairs_per_group_, m_tiles_, n_tiles_, tile);
     tile.group = g;
-    tile.m0 = m * Config::kBlockM;
-    tile.n0 = n * Config::kBlockN;
     tile.rows = int32_t(end - begin);
     tile.k_blocks = (tile.rows + Config::kBlockK - 1) / Config::kBlockK;
     tile.row_begin = begin;
@@ -100,7 +131,7 @@ class KGroupedScheduler {
  private:
   const int64_t* offsets_;
   int32_t m_tiles_, n_tiles_;
-  int64_t tiles_per_group_, total_;
+  int32_t pairs_per_group_, total_;
 };
 
 }  // namespace moe::cuda::sm90
