@@ -34,11 +34,13 @@ __device__ __forceinline__ void cluster_sync() {
 }
 
 // Arrives on the mbarrier at the same shared-memory offset as `bar` in the cluster block `rank`
-// (this block included), releasing this thread's prior shared-memory reads at cluster scope.
+// (this block included). Default (.release.cta) semantics: what the arrival publishes is that this
+// warp's wgmma reads of a stage have completed, and the next writer is TMA. The `.release.cluster`
+// form would put MEMBAR.ALL.GPU before every arrival, stalling the consumers (measured: -40%).
 __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t rank) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_address(bar)), "r"(rank));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
 }  // namespace moe::cuda::ptx

@@ -2,6 +2,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <mutex>
@@ -64,13 +65,14 @@ cudaLaunchConfig_t launch_config(int grid, Stream stream, cudaLaunchAttribute* c
 }
 
 // Blocks of one kernel instance on `device`: as many whole clusters as can be resident at once
-// (a GPC with an odd number of free SMs leaves one idle), found once per device.
-template <class Kernel>
-int persistent_grid(Kernel kernel, int device) {
+// (a GPC with an odd number of free SMs leaves one idle), found once per instance and device.
+template <Form kForm, class In, class Out>
+int persistent_grid(int device) {
   constexpr int kMaxDevices = 64;
   static int grid[kMaxDevices];
   static std::once_flag once[kMaxDevices];
-  std::call_once(once[device], [&] {
+  std::call_once(once[device], [device] {
+    auto kernel = grouped_gemm_kernel<kForm, In, Out>;
     MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         int(Config::kSharedBytes)),
                    "raising the shared-memory limit of the grouped GEMM kernel");
@@ -83,6 +85,9 @@ int persistent_grid(Kernel kernel, int device) {
     MOE_CHECK(clusters > 0, ErrorCode::kCuda,
               "the grouped GEMM kernel's clusters do not fit on device ", device);
     grid[device] = std::min(clusters, sm_count / Config::kClusterSize) * Config::kClusterSize;
+    if (std::getenv("MOE_ENGINE_VERBOSE"))
+      std::fprintf(stderr, "moe-engine: sm90 grouped GEMM (form %d) on device %d: %d clusters of %d (%d SMs)\n",
+                   int(kForm), device, grid[device] / Config::kClusterSize, Config::kClusterSize, sm_count);
   });
   return grid[device];
 }
@@ -94,7 +99,8 @@ void launch(const GroupedGemmProblem& pr, const CUtensorMap& a, const CUtensorMa
   MOE_CHECK(pr.device >= 0 && pr.device < 64, ErrorCode::kDevice, "device index ", pr.device,
             " out of range");
   cudaLaunchAttribute cluster{};
-  const cudaLaunchConfig_t config = launch_config(persistent_grid(kernel, pr.device), stream, &cluster);
+  const cudaLaunchConfig_t config =
+      launch_config(persistent_grid<kForm, In, Out>(pr.device), stream, &cluster);
   MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a, b, d, params), "launching grouped_gemm_kernel");
 }
 
