@@ -57,29 +57,29 @@ __device__ __forceinline__ void tma_load_4d_multicast(void* dst, const CUtensorM
       : "memory");
 }
 
-// Stores (or, with kReduceAdd, adds into global memory) one box from shared memory. Part of the
+// Stores (or, with kReduceAdd, adds into global memory) one box from shared memory (a 32-bit
+// shared address). Part of the
 // calling thread's bulk async-group: commit, then wait before reusing the shared buffer.
 template <bool kReduceAdd>
-__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int32_t c0,
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t src, int32_t c0,
                                              int32_t c1, int32_t c2) {
   if constexpr (kReduceAdd)
     asm volatile(
         "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group [%0, {%2, %3, %4}], [%1];"
-        ::"l"(reinterpret_cast<uint64_t>(map)), "r"(smem_address(src)), "r"(c0), "r"(c1), "r"(c2)
+        ::"l"(reinterpret_cast<uint64_t>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2)
         : "memory");
   else
     asm volatile(
         "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];"
-        ::"l"(reinterpret_cast<uint64_t>(map)), "r"(smem_address(src)), "r"(c0), "r"(c1), "r"(c2)
+        ::"l"(reinterpret_cast<uint64_t>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2)
         : "memory");
 }
 
-__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* src, int32_t c0,
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, uint32_t src, int32_t c0,
                                              int32_t c1, int32_t c2, int32_t c3) {
   asm volatile(
       "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
-      ::"l"(reinterpret_cast<uint64_t>(map)), "r"(smem_address(src)), "r"(c0), "r"(c1), "r"(c2),
-      "r"(c3)
+      ::"l"(reinterpret_cast<uint64_t>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
 

@@ -65,15 +65,17 @@ __device__ __forceinline__ void unpack_pair(uint32_t bits, float& a, float& b, _
   b = f.y;
 }
 
-// Writes two adjacent output values (columns c, c+1 of a row) to shared memory.
-__device__ __forceinline__ void store_pair(uint8_t* p, float a, float b, __nv_bfloat16*) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+// Writes two adjacent output values (columns c, c+1 of a row) to shared memory at `addr`.
+__device__ __forceinline__ void store_pair(uint32_t addr, float a, float b, __nv_bfloat16*) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  ptx::st_shared_b32(addr, *reinterpret_cast<const uint32_t*>(&v));
 }
-__device__ __forceinline__ void store_pair(uint8_t* p, float a, float b, __half*) {
-  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+__device__ __forceinline__ void store_pair(uint32_t addr, float a, float b, __half*) {
+  const __half2 v = __floats2half2_rn(a, b);
+  ptx::st_shared_b32(addr, *reinterpret_cast<const uint32_t*>(&v));
 }
-__device__ __forceinline__ void store_pair(uint8_t* p, float a, float b, float*) {
-  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+__device__ __forceinline__ void store_pair(uint32_t addr, float a, float b, float*) {
+  ptx::st_shared_v2_f32(addr, a, b);
 }
 
 // Coordinate of `row` (within a group of `rows` rows) in a ragged tensor map.
@@ -298,14 +300,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const int32_t row_limit = kKGrouped ? p.m_out : t.rows;
     const bool slab_live = tile_row0 < row_limit;
     float row_scale[2] = {1.f, 1.f};
-    // This warpgroup's copy of the tile's bias columns (pairs of 16-bit values).
-    uint32_t* bias_tile = reinterpret_cast<uint32_t*>(bias_smem + math * Config::kBlockN * 2);
+    // This warpgroup's copy of the tile's bias columns (pairs of 16-bit values). Shared memory is
+    // addressed explicitly (32-bit, st/ld.shared): through the aligned generic pointer the
+    // compiler emits generic 64-bit loads and stores, which made the epilogue issue-bound.
+    const uint32_t bias_tile = ptx::smem_address(bias_smem) + math * Config::kBlockN * 2;
     if constexpr (kForm == Form::kForward) {
       if (p.bias != nullptr) {
         // n is even and n_out a multiple of 8 (TMA alignment): each pair is all in or all out.
         const int32_t n = t.n0 + 2 * int32_t(wg_thread);
         const In* bias = static_cast<const In*>(p.bias) + int64_t(t.group) * p.n_out;
-        bias_tile[wg_thread] = n < p.n_out ? __ldg(reinterpret_cast<const uint32_t*>(bias + n)) : 0u;
+        ptx::st_shared_b32(bias_tile + 4 * wg_thread,
+                           n < p.n_out ? __ldg(reinterpret_cast<const uint32_t*>(bias + n)) : 0u);
       }
       if (p.row_scale) {
 #pragma unroll
@@ -321,7 +326,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     for (int chunk = 0; chunk < kBN / kChunkCols; ++chunk) {
       const int32_t col0 = t.n0 + chunk * kChunkCols;
       if (!slab_live || col0 >= p.n_out) break;  // uniform across the warpgroup
-      uint8_t* buffer = epilogue_smem + (math * 2 + (epilogue_count & 1u)) * Config::kEpilogueBufferBytes;
+      const uint32_t buffer = ptx::smem_address(epilogue_smem) +
+                              (math * 2 + (epilogue_count & 1u)) * Config::kEpilogueBufferBytes;
       // The store issued from this buffer two chunks ago must have finished reading it.
       if (wg_thread == 0) ptx::bulk_wait_group_read<1>();
       ptx::named_barrier_sync(1 + math, 128);
@@ -332,8 +338,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         float b0 = 0.f, b1 = 0.f;
         if constexpr (kForm == Form::kForward) {
           if (p.bias != nullptr)
-            unpack_pair(bias_tile[(chunk * kChunkCols + jj * 8) / 2 + opaque_lane % 4], b0, b1,
-                        static_cast<In*>(nullptr));
+            unpack_pair(ptx::ld_shared_b32(bias_tile + 4 * ((chunk * kChunkCols + jj * 8) / 2 + opaque_lane % 4)),
+                        b0, b1, static_cast<In*>(nullptr));
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
