@@ -29,9 +29,11 @@ struct Config {
   static constexpr uint32_t kBBytes = kBlockN * kBlockK * 2;  // 32 KiB
   static constexpr uint32_t kStageBytes = kABytes + kBBytes;
   static constexpr uint32_t kPanelBytes = kBlockK * 128;  // one 64-wide MN-major panel: 8 KiB
-  // Epilogue: per math warpgroup, two buffers of 64 rows x 128 bytes (double-buffered TMA stores).
+  // Epilogue: per math warpgroup, kEpilogueBuffers buffers of 64 rows x 128 bytes, filled and
+  // stored as one batch.
+  static constexpr int kEpilogueBuffers = 2;
   static constexpr uint32_t kEpilogueBufferBytes = 64 * 128;
-  static constexpr uint32_t kEpilogueBytes = kMathWarpgroups * 2 * kEpilogueBufferBytes;
+  static constexpr uint32_t kEpilogueBytes = kMathWarpgroups * kEpilogueBuffers * kEpilogueBufferBytes;
   // Forward bias: each math warpgroup stages the tile's kBlockN bias values (16-bit).
   static constexpr uint32_t kBiasBytes = kMathWarpgroups * kBlockN * 2;
   static constexpr uint32_t kBarrierBytes = 2 * kStages * sizeof(uint64_t);

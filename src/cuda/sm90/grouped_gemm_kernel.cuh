@@ -40,6 +40,13 @@ struct GemmParams {
   int32_t multicast;       // 0: pairs never share B loads (an A/B switch for measurements)
 };
 
+#ifdef MOE_SM90_PROBE
+// Diagnostics build only (-DMOE_SM90_PROBE): block 0's first math thread sums clock64() cycles per
+// phase: [0] mainloop, [1] epilogue, [2] gap to the next tile's first full stage, [3] tiles,
+// [4] k-steps. The launcher prints the per-tile averages after each launch.
+__device__ unsigned long long g_probe[8];  // [5..7]: timestamps in flight
+#endif
+
 namespace detail {
 
 template <class In>
@@ -237,7 +244,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   auto scheduler = make_scheduler();
   int stage = 0;
   uint32_t phase = 0;
-  uint32_t epilogue_count = 0;
   Tile t;
   for (int32_t i = first_pair(); scheduler.get(i, t); i += pair_stride()) {
     if (skipped(t)) continue;
@@ -254,8 +260,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
     // ---- mainloop ----
     int previous = -1;
+#ifdef MOE_SM90_PROBE
+    const bool probe = blockIdx.x == 0 && threadIdx.x == 128;
+#endif
     for (int kb = 0; kb < t.k_blocks; ++kb) {
       ptx::mbarrier_wait(&full[stage], phase);
+#ifdef MOE_SM90_PROBE
+      if (kb == 0 && probe) {
+        const unsigned long long now = clock64();
+        if (g_probe[7]) atomicAdd(&g_probe[2], now - g_probe[7]);
+        g_probe[6] = now;
+      }
+#endif
       const uint32_t a_base = ptx::smem_address(stage_a(stage)) + a_offset;
       const uint32_t b_base = ptx::smem_address(stage_b(stage));
       ptx::fence_accumulators(acc);
@@ -279,6 +295,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
     ptx::wgmma_wait_group<0>();
     ptx::fence_accumulators(acc);
+#ifdef MOE_SM90_PROBE
+    if (probe) {
+      const unsigned long long now = clock64();
+      atomicAdd(&g_probe[0], now - g_probe[6]);
+      g_probe[5] = now;
+      atomicAdd(&g_probe[3], 1ull);
+      atomicAdd(&g_probe[4], (unsigned long long)t.k_blocks);
+    }
+#endif
     if (previous >= 0) release(previous);
     if (kKGrouped && t.k_blocks == 0) {  // an empty wgrad group writes zeros (no wgmma in flight)
 #pragma unroll
@@ -322,51 +347,71 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
     constexpr int kChunkCols = 128 / int(sizeof(Out));  // columns per 128-byte row (a multiple of 8)
     constexpr int kGroupsPerChunk = kChunkCols / 8;     // 8-column accumulator groups per chunk
+    constexpr int kChunks = kBN / kChunkCols;
+    constexpr int kBatch = Config::kEpilogueBuffers;    // chunks staged per round trip
+    // Chunks go out in batches, one per epilogue buffer, with one pair of barriers per batch: the
+    // epilogue is a chain of barrier -> shared stores -> proxy fence -> barrier -> TMA store, and
+    // the tensor pipe idles for all of it (measured ~850 cycles per chunk with one chunk per trip).
+    const uint32_t buffers = ptx::smem_address(epilogue_smem) + math * kBatch * Config::kEpilogueBufferBytes;
 #pragma unroll
-    for (int chunk = 0; chunk < kBN / kChunkCols; ++chunk) {
-      const int32_t col0 = t.n0 + chunk * kChunkCols;
-      if (!slab_live || col0 >= p.n_out) break;  // uniform across the warpgroup
-      const uint32_t buffer = ptx::smem_address(epilogue_smem) +
-                              (math * 2 + (epilogue_count & 1u)) * Config::kEpilogueBufferBytes;
-      // The store issued from this buffer two chunks ago must have finished reading it.
-      if (wg_thread == 0) ptx::bulk_wait_group_read<1>();
+    for (int batch = 0; batch < kChunks / kBatch; ++batch) {
+      if (!slab_live || t.n0 + batch * kBatch * kChunkCols >= p.n_out) break;  // uniform
+      // The previous batch's (or tile's) stores must have finished reading the buffers.
+      if (wg_thread == 0) ptx::bulk_wait_group_read<0>();
       ptx::named_barrier_sync(1 + math, 128);
 #pragma unroll
-      for (int jj = 0; jj < kGroupsPerChunk; ++jj) {
-        const int j = chunk * kGroupsPerChunk + jj;
-        const uint32_t offset = row_base + ((jj * 8 * uint32_t(sizeof(Out)) + lane_bytes) ^ swizzle);
-        float b0 = 0.f, b1 = 0.f;
-        if constexpr (kForm == Form::kForward) {
-          if (p.bias != nullptr)
-            unpack_pair(ptx::ld_shared_b32(bias_tile + 4 * ((chunk * kChunkCols + jj * 8) / 2 + opaque_lane % 4)),
-                        b0, b1, static_cast<In*>(nullptr));
-        }
+      for (int c = 0; c < kBatch; ++c) {
+        const int chunk = batch * kBatch + c;
+        const uint32_t buffer = buffers + c * Config::kEpilogueBufferBytes;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+        for (int jj = 0; jj < kGroupsPerChunk; ++jj) {
+          const int j = chunk * kGroupsPerChunk + jj;
+          const uint32_t offset = row_base + ((jj * 8 * uint32_t(sizeof(Out)) + lane_bytes) ^ swizzle);
+          float b0 = 0.f, b1 = 0.f;
           if constexpr (kForm == Form::kForward) {
-            v0 += row_scale[h] * b0;
-            v1 += row_scale[h] * b1;
+            if (p.bias != nullptr)
+              unpack_pair(ptx::ld_shared_b32(bias_tile + 4 * ((chunk * kChunkCols + jj * 8) / 2 + opaque_lane % 4)),
+                          b0, b1, static_cast<In*>(nullptr));
           }
-          store_pair(buffer + offset + h * 8 * 128, v0, v1, static_cast<Out*>(nullptr));
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+            if constexpr (kForm == Form::kForward) {
+              v0 += row_scale[h] * b0;
+              v1 += row_scale[h] * b1;
+            }
+            store_pair(buffer + offset + h * 8 * 128, v0, v1, static_cast<Out*>(nullptr));
+          }
         }
       }
       ptx::fence_proxy_async_shared();
       ptx::named_barrier_sync(1 + math, 128);
       if (wg_thread == 0) {
-        if constexpr (kKGrouped) {
-          if (p.reduce_add)
-            ptx::tma_store_3d<true>(&map_d, buffer, col0, tile_row0, t.group);
-          else
-            ptx::tma_store_3d<false>(&map_d, buffer, col0, tile_row0, t.group);
-        } else {
-          ptx::tma_store_4d(&map_d, buffer, col0, ragged_row(t, tile_row0), ragged_end(t),
-                            int32_t(Config::kRaggedRows));
+#pragma unroll
+        for (int c = 0; c < kBatch; ++c) {
+          const int32_t col0 = t.n0 + (batch * kBatch + c) * kChunkCols;
+          if (col0 >= p.n_out) break;
+          const uint32_t buffer = buffers + c * Config::kEpilogueBufferBytes;
+          if constexpr (kKGrouped) {
+            if (p.reduce_add)
+              ptx::tma_store_3d<true>(&map_d, buffer, col0, tile_row0, t.group);
+            else
+              ptx::tma_store_3d<false>(&map_d, buffer, col0, tile_row0, t.group);
+          } else {
+            ptx::tma_store_4d(&map_d, buffer, col0, ragged_row(t, tile_row0), ragged_end(t),
+                              int32_t(Config::kRaggedRows));
+          }
         }
         ptx::bulk_commit_group();
       }
-      ++epilogue_count;
     }
+#ifdef MOE_SM90_PROBE
+    if (probe) {
+      const unsigned long long now = clock64();
+      atomicAdd(&g_probe[1], now - g_probe[5]);
+      g_probe[7] = now;
+    }
+#endif
   }
   if (wg_thread == 0) ptx::bulk_wait_group_all();
   ptx::cluster_sync();
