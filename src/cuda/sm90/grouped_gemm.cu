@@ -102,17 +102,21 @@ void launch(const GroupedGemmProblem& pr, const CUtensorMap& a, const CUtensorMa
   const cudaLaunchConfig_t config =
       launch_config(persistent_grid<kForm, In, Out>(pr.device), stream, &cluster);
 #ifdef MOE_SM90_PROBE
-  unsigned long long zero[8] = {};
+  unsigned long long zero[16] = {};
   MOE_CUDA_CHECK(cudaMemcpyToSymbol(g_probe, zero, sizeof(zero)), "probe reset");
 #endif
   MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a, b, d, params), "launching grouped_gemm_kernel");
 #ifdef MOE_SM90_PROBE
-  unsigned long long v[8];
+  unsigned long long v[16];
   MOE_CUDA_CHECK(cudaMemcpyFromSymbol(v, g_probe, sizeof(v)), "probe read");
   if (v[3])
     std::fprintf(stderr, "probe form %d: tiles %llu steps/tile %.1f, cycles/tile: mainloop %.0f epilogue %.0f gap %.0f\n",
                  int(kForm), v[3], double(v[4]) / v[3], double(v[0]) / v[3], double(v[1]) / v[3],
                  double(v[2]) / v[3]);
+  if (v[3])
+    std::fprintf(stderr, "probe epilogue steps/tile: setup %.0f wait %.0f bar %.0f st.shared %.0f fence %.0f bar %.0f issue %.0f\n",
+                 double(v[8]) / v[3], double(v[9]) / v[3], double(v[10]) / v[3], double(v[11]) / v[3],
+                 double(v[12]) / v[3], double(v[13]) / v[3], double(v[14]) / v[3]);
 #endif
 }
 

@@ -18,6 +18,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/ptx/cluster.cuh"
 #include "cuda/ptx/sync.cuh"
@@ -44,7 +45,8 @@ struct GemmParams {
 // Diagnostics build only (-DMOE_SM90_PROBE): block 0's first math thread sums clock64() cycles per
 // phase: [0] mainloop, [1] epilogue, [2] gap to the next tile's first full stage, [3] tiles,
 // [4] k-steps. The launcher prints the per-tile averages after each launch.
-__device__ unsigned long long g_probe[8];  // [5..7]: timestamps in flight
+// [8..15]: the epilogue's steps (setup, wait, barrier, shared stores, fence, barrier, store issue).
+__device__ unsigned long long g_probe[16];  // [5..7]: timestamps in flight
 #endif
 
 namespace detail {
@@ -353,39 +355,63 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // epilogue is a chain of barrier -> shared stores -> proxy fence -> barrier -> TMA store, and
     // the tensor pipe idles for all of it (measured ~850 cycles per chunk with one chunk per trip).
     const uint32_t buffers = ptx::smem_address(epilogue_smem) + math * kBatch * Config::kEpilogueBufferBytes;
+#ifdef MOE_SM90_PROBE
+    uint32_t probe_last = uint32_t(g_probe[5]);
+    auto probe_step = [&](int k) {
+      if (probe) {
+        const uint32_t now = uint32_t(clock64());
+        atomicAdd(&g_probe[8 + k], (unsigned long long)(now - probe_last));
+        probe_last = now;
+      }
+    };
+#else
+    auto probe_step = [](int) {};
+#endif
+    probe_step(0);
 #pragma unroll
     for (int batch = 0; batch < kChunks / kBatch; ++batch) {
       if (!slab_live || t.n0 + batch * kBatch * kChunkCols >= p.n_out) break;  // uniform
       // The previous batch's (or tile's) stores must have finished reading the buffers.
       if (wg_thread == 0) ptx::bulk_wait_group_read<0>();
+      probe_step(1);
       ptx::named_barrier_sync(1 + math, 128);
+      probe_step(2);
+      // Accumulators (+ bias) -> 16- or 32-bit values in the swizzled buffers. The bias path is a
+      // separate copy: its shared loads and FMAs tripled this step when merely predicated off.
+      auto stage_batch = [&](auto with_bias) {
 #pragma unroll
-      for (int c = 0; c < kBatch; ++c) {
-        const int chunk = batch * kBatch + c;
-        const uint32_t buffer = buffers + c * Config::kEpilogueBufferBytes;
+        for (int c = 0; c < kBatch; ++c) {
+          const int chunk = batch * kBatch + c;
+          const uint32_t buffer = buffers + c * Config::kEpilogueBufferBytes;
 #pragma unroll
-        for (int jj = 0; jj < kGroupsPerChunk; ++jj) {
-          const int j = chunk * kGroupsPerChunk + jj;
-          const uint32_t offset = row_base + ((jj * 8 * uint32_t(sizeof(Out)) + lane_bytes) ^ swizzle);
-          float b0 = 0.f, b1 = 0.f;
-          if constexpr (kForm == Form::kForward) {
-            if (p.bias != nullptr)
+          for (int jj = 0; jj < kGroupsPerChunk; ++jj) {
+            const int j = chunk * kGroupsPerChunk + jj;
+            const uint32_t offset = row_base + ((jj * 8 * uint32_t(sizeof(Out)) + lane_bytes) ^ swizzle);
+            float b0 = 0.f, b1 = 0.f;
+            if constexpr (decltype(with_bias)::value)
               unpack_pair(ptx::ld_shared_b32(bias_tile + 4 * ((chunk * kChunkCols + jj * 8) / 2 + opaque_lane % 4)),
                           b0, b1, static_cast<In*>(nullptr));
-          }
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-            if constexpr (kForm == Form::kForward) {
-              v0 += row_scale[h] * b0;
-              v1 += row_scale[h] * b1;
+            for (int h = 0; h < 2; ++h) {
+              float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+              if constexpr (decltype(with_bias)::value) {
+                v0 += row_scale[h] * b0;
+                v1 += row_scale[h] * b1;
+              }
+              store_pair(buffer + offset + h * 8 * 128, v0, v1, static_cast<Out*>(nullptr));
             }
-            store_pair(buffer + offset + h * 8 * 128, v0, v1, static_cast<Out*>(nullptr));
           }
         }
-      }
+      };
+      if (kForm == Form::kForward && p.bias != nullptr)
+        stage_batch(std::true_type{});
+      else
+        stage_batch(std::false_type{});
+      probe_step(3);
       ptx::fence_proxy_async_shared();
+      probe_step(4);
       ptx::named_barrier_sync(1 + math, 128);
+      probe_step(5);
       if (wg_thread == 0) {
 #pragma unroll
         for (int c = 0; c < kBatch; ++c) {
@@ -404,6 +430,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         }
         ptx::bulk_commit_group();
       }
+      probe_step(6);
     }
 #ifdef MOE_SM90_PROBE
     if (probe) {
