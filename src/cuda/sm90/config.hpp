@@ -14,13 +14,7 @@ struct Config {
   static constexpr int kBlockM = 128;  // two math warpgroups of 64 rows
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = 64;  // one 128-byte swizzle row of 16-bit values
-#ifndef MOE_SM90_STAGES
-#define MOE_SM90_STAGES 4
-#endif
-#ifndef MOE_SM90_EPILOGUE_BUFFERS
-#define MOE_SM90_EPILOGUE_BUFFERS 2
-#endif
-  static constexpr int kStages = MOE_SM90_STAGES;
+  static constexpr int kStages = 4;  // 3 stages + 4 epilogue buffers measured no better (s3)
   static constexpr int kThreads = 384;  // warpgroup 0: TMA producer; 1 and 2: math
   static constexpr int kClusterSize = 2;  // blocks per cluster: pairs of tiles sharing B (multicast)
   static constexpr int kMathWarpgroups = 2;
@@ -37,7 +31,7 @@ struct Config {
   static constexpr uint32_t kPanelBytes = kBlockK * 128;  // one 64-wide MN-major panel: 8 KiB
   // Epilogue: per math warpgroup, kEpilogueBuffers buffers of 64 rows x 128 bytes, filled and
   // stored as one batch.
-  static constexpr int kEpilogueBuffers = MOE_SM90_EPILOGUE_BUFFERS;
+  static constexpr int kEpilogueBuffers = 2;
   static constexpr uint32_t kEpilogueBufferBytes = 64 * 128;
   static constexpr uint32_t kEpilogueBytes = kMathWarpgroups * kEpilogueBuffers * kEpilogueBufferBytes;
   // Forward bias: each math warpgroup stages the tile's kBlockN bias values (16-bit).
