@@ -89,9 +89,9 @@ __device__ __forceinline__ void store_pair(uint32_t addr, float a, float b, floa
 
 // Coordinate of `row` (within a group of `rows` rows) in a ragged tensor map.
 __device__ __forceinline__ int32_t ragged_row(const Tile& t, int32_t row) {
-  return int32_t(Config::kRaggedRows) - t.rows() + row;
+  return int32_t(Config::kRaggedRows) - t.rows + row;
 }
-__device__ __forceinline__ int32_t ragged_end(const Tile& t) { return int32_t(t.row_end); }
+__device__ __forceinline__ int32_t ragged_end(const Tile& t) { return int32_t(t.row_begin + t.rows); }
 
 }  // namespace detail
 
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
   };
   // Accumulating into main_grad: an empty group contributes nothing and its tiles are skipped.
-  auto skipped = [&](const Tile& t) { return kKGrouped && p.reduce_add && t.steps() == 0; };
+  auto skipped = [&](const Tile& t) { return kKGrouped && p.reduce_add && t.k_blocks == 0; };
 
   if (warp < 4) {
     // ---------------- producer warpgroup ----------------
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       Tile t;
       for (int32_t i = first_pair(); scheduler.get(i, t); i += pair_stride()) {
         if (skipped(t)) continue;
-        for (int kb = 0; kb < t.steps(); ++kb) {
+        for (int kb = 0; kb < t.k_blocks; ++kb) {
           ptx::mbarrier_wait(&empty[stage], phase ^ 1u);
           // A ghost expects nothing: its arrival alone completes the phase.
           ptx::mbarrier_arrive_expect_tx(&full[stage], t.live ? Config::kStageBytes : 0u);
@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       continue;
     }
     if (!t.live) {  // a ghost: keep the barrier phases in step with the peer, nothing else
-      for (int kb = 0; kb < t.steps(); ++kb) {
+      for (int kb = 0; kb < t.k_blocks; ++kb) {
         ptx::mbarrier_wait(&full[stage], phase);
         release(stage);
         if (++stage == kStages) {
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 #ifdef MOE_SM90_PROBE
     const bool probe = blockIdx.x == 0 && threadIdx.x == 128;
 #endif
-    for (int kb = 0; kb < t.steps(); ++kb) {
+    for (int kb = 0; kb < t.k_blocks; ++kb) {
       ptx::mbarrier_wait(&full[stage], phase);
 #ifdef MOE_SM90_PROBE
       if (kb == 0 && probe) {
@@ -311,12 +311,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       atomicAdd(&g_probe[0], now - g_probe[6]);
       g_probe[5] = now;
       atomicAdd(&g_probe[3], 1ull);
-      atomicAdd(&g_probe[4], (unsigned long long)t.steps());
+      atomicAdd(&g_probe[4], (unsigned long long)t.k_blocks);
     }
 #endif
     if (previous >= 0) release(previous);
     have = scheduler.get(pair, next);
-    if (kKGrouped && t.steps() == 0) {  // an empty wgrad group writes zeros (no wgmma in flight)
+    if (kKGrouped && t.k_blocks == 0) {  // an empty wgrad group writes zeros (no wgmma in flight)
 #pragma unroll
       for (int r = 0; r < kAccRegs; ++r) acc[r] = 0.f;
     }
@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const uint32_t lane_bytes = 2 * (opaque_lane % 4) * uint32_t(sizeof(Out));
     const uint32_t swizzle = (row_in_16 & 7u) << 4;  // rows r and r + 8 share r % 8
     const int32_t tile_row0 = t.m0 + 64 * int32_t(math);  // first row of this warpgroup's slab
-    const int32_t row_limit = kKGrouped ? p.m_out : t.rows();
+    const int32_t row_limit = kKGrouped ? p.m_out : t.rows;
     const bool slab_live = tile_row0 < row_limit;
     float row_scale[2] = {1.f, 1.f};
     // This warpgroup's copy of the tile's bias columns (pairs of 16-bit values). Shared memory is
@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int32_t r = tile_row0 + int32_t(warp_row + row_in_16 + 8 * h);
-          row_scale[h] = r < t.rows() ? __ldg(p.row_scale + t.row_begin + r) : 0.f;
+          row_scale[h] = r < t.rows ? __ldg(p.row_scale + t.row_begin + r) : 0.f;
         }
       }
     }

@@ -31,20 +31,12 @@ __device__ __forceinline__ void band_raster(int32_t local, int32_t rows, int32_t
 
 struct Tile {
   int32_t group;
-  int32_t m0, n0;        // origin of the output tile (M-grouped: row within the group)
-  int32_t fixed_steps;   // M-grouped: the contraction's kBlockK steps; K-grouped: -1 (from the rows)
-  int64_t row_begin;     // offsets[group]
-  int64_t row_end;       // offsets[group + 1]
-  bool live;             // false: a ghost (the pair's other tile is the group's last); no loads, no math
-  bool multicast;        // the pair shares its B tile: each block loads half of it for both
-
-  // Derived where used, not in the scheduler: a tile is looked up before the previous tile's
-  // epilogue, and the offsets' load latency then hides behind it.
-  __device__ __forceinline__ int32_t rows() const { return int32_t(row_end - row_begin); }
-  // kBlockK steps of the contraction (the same for both tiles of a pair).
-  __device__ __forceinline__ int32_t steps() const {
-    return fixed_steps >= 0 ? fixed_steps : (rows() + Config::kBlockK - 1) / Config::kBlockK;
-  }
+  int32_t m0, n0;      // origin of the output tile (M-grouped: row within the group)
+  int32_t k_blocks;    // kBlockK steps of the contraction (the same for both tiles of a pair)
+  int64_t row_begin;   // offsets[group]
+  int32_t rows;        // rows (tokens) of the group
+  bool live;           // false: a ghost (the pair's other tile is the group's last); no loads, no math
+  bool multicast;      // the pair shares its B tile: each block loads half of it for both
 };
 
 // Pair indices are 32-bit: the host launcher checks that every problem has fewer than 2^31 pairs.
@@ -94,9 +86,9 @@ class MGroupedScheduler {
       if (pair < first_ + count) {
         pair_tile(pair - first_, m_tiles, n_tiles_, tile);
         tile.group = group_;
-        tile.fixed_steps = k_blocks_;
+        tile.k_blocks = k_blocks_;
         tile.row_begin = begin;
-        tile.row_end = end;
+        tile.rows = int32_t(end - begin);
         return true;
       }
       first_ += count;
@@ -130,9 +122,9 @@ class KGroupedScheduler {
     const int64_t begin = __ldg(offsets_ + g), end = __ldg(offsets_ + g + 1);
     pair_tile(pair - g * pairs_per_group_, m_tiles_, n_tiles_, tile);
     tile.group = g;
-    tile.fixed_steps = -1;
+    tile.rows = int32_t(end - begin);
+    tile.k_blocks = (tile.rows + Config::kBlockK - 1) / Config::kBlockK;
     tile.row_begin = begin;
-    tile.row_end = end;
     return true;
   }
 
