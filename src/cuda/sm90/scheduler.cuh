@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cuda/ptx/cluster.cuh"
+#include "cuda/ptx/sync.cuh"
 #include "cuda/sm90/config.hpp"
 
 namespace moe::cuda::sm90 {
@@ -68,11 +69,24 @@ __device__ __forceinline__ void pair_tile(int32_t q, int32_t m_tiles, int32_t n_
   tile.n0 = n * Config::kBlockN;
 }
 
+// offsets[g] from the shared-memory copy (shared address `smem`, 0 if there is none) or global memory.
+class GroupOffsets {
+ public:
+  __device__ GroupOffsets(const int64_t* global, uint32_t smem) : global_(global), smem_(smem) {}
+  __device__ __forceinline__ int64_t operator()(int32_t g) const {
+    return smem_ ? int64_t(ptx::ld_shared_b32(smem_ + 4u * uint32_t(g))) : __ldg(global_ + g);
+  }
+
+ private:
+  const int64_t* global_;
+  uint32_t smem_;
+};
+
 // Forward and dgrad: the rows of each group are tiled by kBlockM, its columns by kBlockN. Pair
 // indices only grow, so the walk over the groups advances monotonically.
 class MGroupedScheduler {
  public:
-  __device__ MGroupedScheduler(const int64_t* offsets, int32_t num_groups, int32_t n, int32_t k)
+  __device__ MGroupedScheduler(GroupOffsets offsets, int32_t num_groups, int32_t n, int32_t k)
       : offsets_(offsets),
         num_groups_(num_groups),
         n_tiles_((n + Config::kBlockN - 1) / Config::kBlockN),
@@ -80,7 +94,7 @@ class MGroupedScheduler {
 
   __device__ bool get(int32_t pair, Tile& tile) {
     while (group_ < num_groups_) {
-      const int64_t begin = __ldg(offsets_ + group_), end = __ldg(offsets_ + group_ + 1);
+      const int64_t begin = offsets_(group_), end = offsets_(group_ + 1);
       const int32_t m_tiles = int32_t((end - begin + Config::kBlockM - 1) / Config::kBlockM);
       const int32_t count = int32_t(pair_count(m_tiles, n_tiles_));
       if (pair < first_ + count) {
@@ -98,7 +112,7 @@ class MGroupedScheduler {
   }
 
  private:
-  const int64_t* offsets_;
+  GroupOffsets offsets_;
   int32_t num_groups_, n_tiles_, k_blocks_;
   int32_t group_ = 0;
   int32_t first_ = 0;  // index of the first pair of group_
@@ -109,7 +123,7 @@ class MGroupedScheduler {
 // Both tiles of a pair belong to one group, so they have the same number of steps.
 class KGroupedScheduler {
  public:
-  __device__ KGroupedScheduler(const int64_t* offsets, int32_t num_groups, int32_t m, int32_t n)
+  __device__ KGroupedScheduler(GroupOffsets offsets, int32_t num_groups, int32_t m, int32_t n)
       : offsets_(offsets),
         m_tiles_((m + Config::kBlockM - 1) / Config::kBlockM),
         n_tiles_((n + Config::kBlockN - 1) / Config::kBlockN),
@@ -119,7 +133,7 @@ class KGroupedScheduler {
   __device__ bool get(int32_t pair, Tile& tile) const {
     if (pair >= total_) return false;
     const int32_t g = pair / pairs_per_group_;
-    const int64_t begin = __ldg(offsets_ + g), end = __ldg(offsets_ + g + 1);
+    const int64_t begin = offsets_(g), end = offsets_(g + 1);
     pair_tile(pair - g * pairs_per_group_, m_tiles_, n_tiles_, tile);
     tile.group = g;
     tile.rows = int32_t(end - begin);
@@ -129,7 +143,7 @@ class KGroupedScheduler {
   }
 
  private:
-  const int64_t* offsets_;
+  GroupOffsets offsets_;
   int32_t m_tiles_, n_tiles_;
   int32_t pairs_per_group_, total_;
 };
