@@ -115,7 +115,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   uint8_t* bias_smem = epilogue_smem + Config::kEpilogueBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(bias_smem + Config::kBiasBytes);
   uint64_t* empty = full + kStages;
-  const uint32_t offsets_smem = ptx::smem_address(empty + kStages);
+  // M-grouped: pairs before each group, for the scheduler's lookups (scheduler.cuh).
+  const uint32_t prefix_smem = ptx::smem_address(empty + kStages);
+  const bool prefix_in_smem = !kKGrouped && p.num_groups + 1 <= int32_t(Config::kOffsetSlots);
   auto stage_a = [&](int s) { return smem + s * Config::kStageBytes; };
   auto stage_b = [&](int s) { return smem + s * Config::kStageBytes + Config::kABytes; };
 
@@ -136,22 +138,19 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     ptx::prefetch_tensor_map(&map_b);
     ptx::prefetch_tensor_map(&map_d);
   }
-  const bool offsets_in_smem = p.num_groups + 1 <= int32_t(Config::kOffsetSlots);
-  if (offsets_in_smem)
-    for (int32_t g = threadIdx.x; g <= p.num_groups; g += Config::kThreads)
-      ptx::st_shared_b32(offsets_smem + 4u * uint32_t(g), uint32_t(p.offsets[g]));
-  // The peer block's barriers must be initialized before anything arrives on them (and the
-  // offsets copied before the schedulers read them).
-  ptx::cluster_sync();
-
   auto make_scheduler = [&] {
     if constexpr (kKGrouped)
-      return KGroupedScheduler(GroupOffsets(p.offsets, offsets_in_smem ? offsets_smem : 0u),
-                               p.num_groups, p.m_out, p.n_out);
+      return KGroupedScheduler(p.offsets, p.num_groups, p.m_out, p.n_out);
     else
-      return MGroupedScheduler(GroupOffsets(p.offsets, offsets_in_smem ? offsets_smem : 0u),
-                               p.num_groups, p.n_out, p.k);
+      return MGroupedScheduler(p.offsets, prefix_in_smem ? prefix_smem : 0u, p.num_groups, p.n_out, p.k);
   };
+  if constexpr (!kKGrouped) {
+    if (prefix_in_smem && warp == 1) make_scheduler().fill_prefix(lane);
+  }
+  // The peer block's barriers must be initialized before anything arrives on them (and the
+  // prefix filled before any lookup).
+  ptx::cluster_sync();
+
   // A consumer warp releases a stage in both blocks (see the top of this file).
   auto release = [&](int s) {
     if (lane == 0) {

@@ -69,50 +69,83 @@ __device__ __forceinline__ void pair_tile(int32_t q, int32_t m_tiles, int32_t n_
   tile.n0 = n * Config::kBlockN;
 }
 
-// offsets[g] from the shared-memory copy (shared address `smem`, 0 if there is none) or global memory.
-class GroupOffsets {
- public:
-  __device__ GroupOffsets(const int64_t* global, uint32_t smem) : global_(global), smem_(smem) {}
-  __device__ __forceinline__ int64_t operator()(int32_t g) const {
-    return smem_ ? int64_t(ptx::ld_shared_b32(smem_ + 4u * uint32_t(g))) : __ldg(global_ + g);
-  }
-
- private:
-  const int64_t* global_;
-  uint32_t smem_;
-};
-
 // Forward and dgrad: the rows of each group are tiled by kBlockM, its columns by kBlockN. Pair
 // indices only grow, so the walk over the groups advances monotonically.
 class MGroupedScheduler {
  public:
-  __device__ MGroupedScheduler(GroupOffsets offsets, int32_t num_groups, int32_t n, int32_t k)
+  // `prefix`: shared address of pairs-before-group[0..G] (the kernel's prologue fills it when
+  // G + 1 <= Config::kOffsetSlots), or 0: then the scheduler walks the offsets in global memory,
+  // which costs ~250 dependent cycles per group (qwen3: ~4 groups per lookup, small batch: ~20).
+  __device__ MGroupedScheduler(const int64_t* offsets, uint32_t prefix, int32_t num_groups, int32_t n,
+                               int32_t k)
       : offsets_(offsets),
+        prefix_(prefix),
         num_groups_(num_groups),
         n_tiles_((n + Config::kBlockN - 1) / Config::kBlockN),
         k_blocks_((k + Config::kBlockK - 1) / Config::kBlockK) {}
 
   __device__ bool get(int32_t pair, Tile& tile) {
-    while (group_ < num_groups_) {
-      const int64_t begin = offsets_(group_), end = offsets_(group_ + 1);
-      const int32_t m_tiles = int32_t((end - begin + Config::kBlockM - 1) / Config::kBlockM);
-      const int32_t count = int32_t(pair_count(m_tiles, n_tiles_));
-      if (pair < first_ + count) {
-        pair_tile(pair - first_, m_tiles, n_tiles_, tile);
-        tile.group = group_;
-        tile.k_blocks = k_blocks_;
-        tile.row_begin = begin;
-        tile.rows = int32_t(end - begin);
-        return true;
+    if (prefix_) {
+      if (pair >= before(num_groups_)) return false;
+      // The last group g >= group_ with before(g) <= pair (pair indices only grow).
+      int32_t lo = group_, hi = num_groups_;
+      while (hi - lo > 1) {
+        const int32_t mid = (lo + hi) / 2;
+        if (before(mid) <= pair) lo = mid;
+        else hi = mid;
       }
-      first_ += count;
-      ++group_;
+      group_ = lo;
+      first_ = before(lo);
+    } else {
+      for (;; ++group_) {
+        if (group_ >= num_groups_) return false;
+        const int32_t count = pairs_of(group_);
+        if (pair < first_ + count) break;
+        first_ += count;
+      }
     }
-    return false;
+    const int64_t begin = __ldg(offsets_ + group_), end = __ldg(offsets_ + group_ + 1);
+    const int32_t m_tiles = int32_t((end - begin + Config::kBlockM - 1) / Config::kBlockM);
+    pair_tile(pair - first_, m_tiles, n_tiles_, tile);
+    tile.group = group_;
+    tile.k_blocks = k_blocks_;
+    tile.row_begin = begin;
+    tile.rows = int32_t(end - begin);
+    return true;
+  }
+
+  // Pairs of group g (from the offsets in global memory).
+  __device__ int32_t pairs_of(int32_t g) const {
+    const int64_t rows = __ldg(offsets_ + g + 1) - __ldg(offsets_ + g);
+    return int32_t(pair_count((rows + Config::kBlockM - 1) / Config::kBlockM, n_tiles_));
+  }
+
+  // Fills the shared prefix (one warp, before any get): lane l sums a run of groups, a warp scan
+  // gives each run its start.
+  __device__ void fill_prefix(uint32_t lane) const {
+    const int32_t per_lane = (num_groups_ + 31) / 32;
+    const int32_t g0 = min(num_groups_, int32_t(lane) * per_lane), g1 = min(num_groups_, g0 + per_lane);
+    int32_t sum = 0;
+    for (int32_t g = g0; g < g1; ++g) sum += pairs_of(g);
+    int32_t inclusive = sum;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int32_t v = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (int32_t(lane) >= d) inclusive += v;
+    }
+    int32_t run = inclusive - sum;
+    for (int32_t g = g0; g < g1; ++g) {
+      ptx::st_shared_b32(prefix_ + 4u * uint32_t(g), uint32_t(run));
+      run += pairs_of(g);
+    }
+    if (lane == 31) ptx::st_shared_b32(prefix_ + 4u * uint32_t(num_groups_), uint32_t(inclusive));
   }
 
  private:
-  GroupOffsets offsets_;
+  __device__ int32_t before(int32_t g) const { return int32_t(ptx::ld_shared_b32(prefix_ + 4u * uint32_t(g))); }
+
+  const int64_t* offsets_;
+  uint32_t prefix_;
   int32_t num_groups_, n_tiles_, k_blocks_;
   int32_t group_ = 0;
   int32_t first_ = 0;  // index of the first pair of group_
@@ -123,7 +156,7 @@ class MGroupedScheduler {
 // Both tiles of a pair belong to one group, so they have the same number of steps.
 class KGroupedScheduler {
  public:
-  __device__ KGroupedScheduler(GroupOffsets offsets, int32_t num_groups, int32_t m, int32_t n)
+  __device__ KGroupedScheduler(const int64_t* offsets, int32_t num_groups, int32_t m, int32_t n)
       : offsets_(offsets),
         m_tiles_((m + Config::kBlockM - 1) / Config::kBlockM),
         n_tiles_((n + Config::kBlockN - 1) / Config::kBlockN),
@@ -133,7 +166,7 @@ class KGroupedScheduler {
   __device__ bool get(int32_t pair, Tile& tile) const {
     if (pair >= total_) return false;
     const int32_t g = pair / pairs_per_group_;
-    const int64_t begin = offsets_(g), end = offsets_(g + 1);
+    const int64_t begin = __ldg(offsets_ + g), end = __ldg(offsets_ + g + 1);
     pair_tile(pair - g * pairs_per_group_, m_tiles_, n_tiles_, tile);
     tile.group = g;
     tile.rows = int32_t(end - begin);
@@ -143,7 +176,7 @@ class KGroupedScheduler {
   }
 
  private:
-  GroupOffsets offsets_;
+  const int64_t* offsets_;
   int32_t m_tiles_, n_tiles_;
   int32_t pairs_per_group_, total_;
 };
