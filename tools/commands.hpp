@@ -34,6 +34,16 @@ struct BenchOptions {
 int run_bench(const BenchOptions& options);
 int run_bench_gemm(const BenchOptions& options);
 
+struct CheckpointOptions {
+  std::string input, output;
+  bool json = false;
+  int64_t experts = 0;
+  std::string to;  // packed | per-expert
+  std::string prefix, glu_from, glu_to;
+};
+int run_checkpoint_info(const CheckpointOptions& options);
+int run_checkpoint_convert(const CheckpointOptions& options);
+
 struct CheckOptions {
   bool json = false;
   uint64_t seed = 7;

@@ -1,4 +1,4 @@
-// moe-engine: the command-line front end (info, bench, check).
+// moe-engine: the command-line front end (info, bench, check, checkpoint).
 #include <CLI/CLI.hpp>
 #include <iostream>
 
@@ -67,6 +67,24 @@ int main(int argc, char** argv) {
   check_cmd->add_flag("--json", check.json, "Print JSON");
   check_cmd->add_option("--seed", check.seed, "Seed of the random inputs")->capture_default_str();
 
+  CheckpointOptions ckpt;
+  CLI::App* ckpt_cmd = app.add_subcommand("checkpoint", "Inspect and convert safetensors checkpoints");
+  ckpt_cmd->require_subcommand(1);
+  CLI::App* ckpt_info = ckpt_cmd->add_subcommand("info", "List the tensors (name, dtype, shape) and metadata");
+  ckpt_info->add_option("file", ckpt.input, "A .safetensors file")->required();
+  ckpt_info->add_flag("--json", ckpt.json, "Print JSON");
+  CLI::App* ckpt_convert = ckpt_cmd->add_subcommand(
+      "convert", "Convert expert tensors between per-expert (P.weight0..) and packed (P.weight) keys");
+  ckpt_convert->add_option("input", ckpt.input, "Input .safetensors")->required();
+  ckpt_convert->add_option("output", ckpt.output, "Output .safetensors")->required();
+  ckpt_convert->add_option("--experts", ckpt.experts, "Number of experts G")->required();
+  ckpt_convert->add_option("--to", ckpt.to, "packed or per-expert")
+      ->required()
+      ->check(CLI::IsMember({"packed", "per-expert"}));
+  ckpt_convert->add_option("--prefix", ckpt.prefix, "Only keys starting with this are expert tensors");
+  ckpt_convert->add_option("--glu-from", ckpt.glu_from, "GLU layout of the input rows: halves, pairs, blocks:S");
+  ckpt_convert->add_option("--glu-to", ckpt.glu_to, "GLU layout of the output rows");
+
   CLI11_PARSE(app, argc, argv);
   for (int i = 0; i < argc; ++i) bench.command_line += (i ? " " : "") + std::string(argv[i]);
   try {
@@ -79,6 +97,8 @@ int main(int argc, char** argv) {
       return run_bench(bench);
     }
     if (check_cmd->parsed()) return run_check(check);
+    if (ckpt_info->parsed()) return run_checkpoint_info(ckpt);
+    if (ckpt_convert->parsed()) return run_checkpoint_convert(ckpt);
   } catch (const moe::Error& e) {
     std::cerr << e.what() << "\n";
     return 1;

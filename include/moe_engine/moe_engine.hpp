@@ -1,6 +1,7 @@
 // moe-engine: the whole public C++ API.
 #pragma once
 
+#include "moe_engine/checkpoint.hpp"
 #include "moe_engine/config.hpp"
 #include "moe_engine/device.hpp"
 #include "moe_engine/dtype.hpp"
@@ -12,5 +13,6 @@
 #include "moe_engine/grouped_param.hpp"
 #include "moe_engine/oracle.hpp"
 #include "moe_engine/runtime.hpp"
+#include "moe_engine/safetensors.hpp"
 #include "moe_engine/tensor.hpp"
 #include "moe_engine/workspace.hpp"

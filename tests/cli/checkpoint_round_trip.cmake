@@ -1,0 +1,33 @@
+# moe-engine checkpoint convert: per-expert -> packed -> per-expert must give back the input's
+# tensor data. The input is written by Python's json + struct (tests/data), so the file itself is
+# byte-identical too when the writer orders tensors as ours does; compare the data section only.
+foreach(step "packed;${INPUT};${WORK}/rt_packed.safetensors" "per-expert;${WORK}/rt_packed.safetensors;${WORK}/rt_back.safetensors")
+  list(GET step 0 layout)
+  list(GET step 1 in)
+  list(GET step 2 out)
+  execute_process(COMMAND ${EXE} checkpoint convert ${in} ${out} --experts 3 --to ${layout}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE text ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "convert --to ${layout} failed (${rc}): ${err}")
+  endif()
+endforeach()
+function(data_section file out)
+  file(READ ${file} hex HEX)
+  string(SUBSTRING "${hex}" 0 16 len_hex)
+  # Little-endian u64 header length (the headers here are far below 2^32).
+  set(n 0)
+  foreach(i 3 2 1 0)
+    math(EXPR pos "${i} * 2")
+    string(SUBSTRING "${len_hex}" ${pos} 2 byte)
+    math(EXPR n "${n} * 256 + 0x${byte}")
+  endforeach()
+  math(EXPR start "(8 + ${n}) * 2")
+  string(SUBSTRING "${hex}" ${start} -1 data)
+  set(${out} "${data}" PARENT_SCOPE)
+endfunction()
+data_section(${INPUT} original)
+data_section(${WORK}/rt_back.safetensors back)
+if(NOT original STREQUAL back)
+  message(FATAL_ERROR "round trip changed the tensor data:\n${original}\n${back}")
+endif()
+message(STATUS "round trip: tensor data identical")
