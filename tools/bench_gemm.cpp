@@ -13,6 +13,7 @@
 
 #include "commands.hpp"
 #include "moe_engine/moe_engine.hpp"
+#include "routing.hpp"
 #include "workloads.hpp"
 
 namespace moe::tools {
@@ -62,12 +63,8 @@ void settle(Device device, Stream stream, double ms) {
   Tensor y = Tensor::empty({kSize, kSize}, DType::kBFloat16, device);
   fill_uniform(x, 11, -1.f, 1.f, stream);
   fill_uniform(w, 12, -0.02f, 0.02f, stream);
-  Tensor splits_host = Tensor::empty({1}, DType::kInt64);
-  *static_cast<int64_t*>(splits_host.data()) = kSize;
-  const Tensor splits = splits_host.to(device);
-  const Tensor offsets = Tensor::empty({2}, DType::kInt64, device);
-  DeviceErrorFlag errors(device);
-  const GroupLayout groups = GroupLayout::compute(splits, kSize, offsets, &errors, stream);
+  DeviceRouting routing({kSize}, kSize, device, stream);
+  const GroupLayout& groups = routing.layout();
   const GroupedParam W = GroupedParam::packed(w);
   StreamTimer timer(device, stream);
   for (double spent = 0; spent < ms;) {
@@ -76,7 +73,7 @@ void settle(Device device, Stream stream, double ms) {
     timer.stop();
     spent += timer.elapsed_ms();
   }
-  errors.check(stream);
+  routing.check(stream);
 }
 
 struct Entry {
@@ -128,13 +125,8 @@ int run_bench_gemm(const BenchOptions& o) {
               "roofline", "torch ms", "speedup");
   for (const Workload& w : cases) {
     const int64_t G = w.experts, T = w.capacity, routed = w.routed_tokens();
-    Tensor splits_host = Tensor::empty({G}, DType::kInt64);
-    std::memcpy(splits_host.data(), w.tokens_per_expert.data(), size_t(G) * sizeof(int64_t));
-    const Tensor splits = splits_host.to(device);
-    const Tensor offsets = Tensor::empty({G + 1}, DType::kInt64, device);
-    DeviceErrorFlag errors(device);
-    const GroupLayout groups = GroupLayout::compute(splits, T, offsets, &errors, stream);
-    errors.check(stream);
+    DeviceRouting routing(w.tokens_per_expert, T, device, stream);
+    const GroupLayout& groups = routing.layout();
     const nlohmann::json* ref = anchor.is_null() ? nullptr : anchor_case(anchor, w.name);
     for (const bool fc1 : {true, false}) {
       const int64_t N = fc1 ? 2 * w.ffn : w.hidden, K = fc1 ? w.hidden : w.ffn;
@@ -205,7 +197,7 @@ int run_bench_gemm(const BenchOptions& o) {
         std::fflush(stdout);
         entries.push_back(en);
       }
-      errors.check(stream);
+      routing.check(stream);
     }
   }
   double log_sum = 0, min_speedup = 1e30;

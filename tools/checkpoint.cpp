@@ -33,12 +33,9 @@ int run_checkpoint_convert(const CheckpointOptions& o) {
   c.experts = o.experts;
   c.to = parse_expert_layout(o.to);
   c.prefix = o.prefix;
-  MOE_CHECK(o.glu_from.empty() == o.glu_to.empty(), ErrorCode::kInvalidArgument,
-            "checkpoint convert: give both --glu-from and --glu-to, or neither");
-  if (!o.glu_from.empty()) {
-    c.glu_from = GluLayout::parse(o.glu_from);
-    c.glu_to = GluLayout::parse(o.glu_to);
-  }
+  // Only one of the two is an error, reported by convert_checkpoint.
+  if (!o.glu_from.empty()) c.glu_from = GluLayout::parse(o.glu_from);
+  if (!o.glu_to.empty()) c.glu_to = GluLayout::parse(o.glu_to);
   const SafetensorsFile in = SafetensorsFile::load(o.input);
   const ConvertedCheckpoint out = convert_checkpoint(in, c);
   save_safetensors(o.output, out);

@@ -19,17 +19,10 @@ Tensor host_copy(const Tensor& t) { return t.defined() ? t.to(Device::cpu()) : T
 
 MlpProblem::MlpProblem(const Workload& w, const GluLayout& layout, DType dtype, Device device,
                        uint64_t seed)
-    : workload_(w), dtype_(dtype), device_(device), errors_(device) {
+    : workload_(w), dtype_(dtype), device_(device), routing_(w.tokens_per_expert, w.capacity, device) {
   spec_.glu.activation = parse_activation(w.activation);
   spec_.glu.layout = layout;
   const int64_t G = w.experts, H = w.hidden, F = w.ffn, T = w.capacity;
-
-  Tensor splits_host = Tensor::empty({G}, DType::kInt64);
-  std::memcpy(splits_host.data(), w.tokens_per_expert.data(), size_t(G) * sizeof(int64_t));
-  splits_ = device_copy(splits_host);
-  offsets_ = Tensor::empty({G + 1}, DType::kInt64, device);
-  layout_ = GroupLayout::compute(splits_, T, offsets_, &errors_);
-  errors_.check();
 
   RandomFill fill(seed);
   x_host_ = fill.normal({T, H}, dtype, 1.0);
@@ -72,7 +65,7 @@ Tensor MlpProblem::device_copy(const Tensor& host) const {
 void MlpProblem::forward(Stream stream) {
   const ExpertMlpWeights weights{param(w1_), param(b1_), param(w2_), param(b2_)};
   const ExecContext ctx{stream, {forward_ws_.data(), forward_ws_.nbytes(), device_}};
-  expert_mlp_forward(x_, probs_, weights, layout_, y_, fc1_out_, spec_, ctx);
+  expert_mlp_forward(x_, probs_, weights, routing_.layout(), y_, fc1_out_, spec_, ctx);
 }
 
 void MlpProblem::backward(Stream stream) {
@@ -85,7 +78,7 @@ void MlpProblem::backward(Stream stream) {
   grads.fc1_bias = {param(db1_), GradMode::kWrite};
   grads.fc2_bias = {param(db2_), GradMode::kWrite};
   const ExecContext ctx{stream, {backward_ws_.data(), backward_ws_.nbytes(), device_}};
-  expert_mlp_backward(dy_, x_, probs_, weights, layout_, fc1_out_, grads, spec_, ctx);
+  expert_mlp_backward(dy_, x_, probs_, weights, routing_.layout(), fc1_out_, grads, spec_, ctx);
 }
 
 OracleCheck MlpProblem::check_against_oracle() const {

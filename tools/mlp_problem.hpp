@@ -7,6 +7,7 @@
 #include <string>
 
 #include "moe_engine/moe_engine.hpp"
+#include "routing.hpp"
 #include "workloads.hpp"
 
 namespace moe::tools {
@@ -40,9 +41,7 @@ class MlpProblem {
   ExpertMlpSpec spec_;
   DType dtype_;
   Device device_;
-  Tensor splits_, offsets_;
-  DeviceErrorFlag errors_;
-  GroupLayout layout_;
+  DeviceRouting routing_;
   // Inputs and parameters (host copies kept for the oracle).
   Tensor x_host_, w1_host_, b1_host_, w2_host_, b2_host_, probs_host_, dy_host_;
   Tensor x_, w1_, b1_, w2_, b2_, probs_, dy_;

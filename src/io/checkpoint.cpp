@@ -11,31 +11,24 @@
 namespace moe {
 namespace {
 
+// PREFIX...weight or PREFIX...bias: a packed expert tensor's key, or an indexed key's base.
+bool is_packed_key(std::string_view key, std::string_view prefix) {
+  return key.starts_with(prefix) && (key.ends_with(".weight") || key.ends_with(".bias"));
+}
+
+bool is_bias(std::string_view key) { return key.ends_with(".bias"); }
+
 // "PREFIXstem.weight7" -> ("PREFIXstem.weight", 7); nullopt if the key is not an indexed
 // expert tensor under the prefix.
 std::optional<std::pair<std::string, int64_t>> indexed_key(const std::string& key, const std::string& prefix) {
-  if (key.compare(0, prefix.size(), prefix) != 0) return std::nullopt;
   size_t digits = key.size();
   while (digits > 0 && key[digits - 1] >= '0' && key[digits - 1] <= '9') --digits;
   if (digits == key.size() || key.size() - digits > 9) return std::nullopt;
-  const std::string base = key.substr(0, digits);
-  const bool weight = base.size() >= 7 && base.compare(base.size() - 7, 7, ".weight") == 0;
-  const bool bias = base.size() >= 5 && base.compare(base.size() - 5, 5, ".bias") == 0;
-  if (!weight && !bias) return std::nullopt;
   if (key.size() - digits > 1 && key[digits] == '0') return std::nullopt;  // "weight01" is no index
+  const std::string base = key.substr(0, digits);
+  if (!is_packed_key(base, prefix)) return std::nullopt;
   return std::make_pair(base, std::stoll(key.substr(digits)));
 }
-
-bool is_packed_key(const std::string& key, const std::string& prefix) {
-  if (key.compare(0, prefix.size(), prefix) != 0) return false;
-  auto ends = [&](const char* s) {
-    const size_t n = std::strlen(s);
-    return key.size() >= n && key.compare(key.size() - n, n, s) == 0;
-  };
-  return ends(".weight") || ends(".bias");
-}
-
-bool is_bias(const std::string& base) { return base.size() >= 5 && base.compare(base.size() - 5, 5, ".bias") == 0; }
 
 // The rows of one expert's tensor (dim 0 of [N, K] or [N]) reordered from GLU layout `from` to `to`.
 std::vector<uint8_t> permute_rows(std::span<const uint8_t> bytes, int64_t rows, const CheckpointConversion& c,
