@@ -11,12 +11,11 @@
 
 #include "moe_engine/export.hpp"
 #include "moe_engine/glu.hpp"
+#include "moe_engine/grouped_param.hpp"
 #include "moe_engine/safetensors.hpp"
 
 namespace moe {
 
-enum class ExpertLayout { kPacked, kPerExpert };
-MOE_API ExpertLayout parse_expert_layout(std::string_view text);  // "packed", "per-expert"
 
 struct CheckpointConversion {
   int64_t experts = 0;                 // G

@@ -4,12 +4,18 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "moe_engine/export.hpp"
 #include "moe_engine/tensor.hpp"
 
 namespace moe {
+
+// How G per-expert tensors are held: one [G, ...] tensor or G separate tensors.
+enum class ExpertLayout { kPacked, kPerExpert };
+MOE_API ExpertLayout parse_expert_layout(std::string_view text);  // "packed", "per-expert"
+MOE_API const char* expert_layout_name(ExpertLayout layout);
 
 class MOE_API GroupedParam {
  public:
@@ -47,5 +53,26 @@ class MOE_API GroupedParam {
 
 // An int64 [G] tensor on the experts' device holding their data addresses (synchronous upload).
 MOE_API Tensor make_pointer_table(const std::vector<TensorView>& experts);
+
+// Owning storage for G per-expert tensors in either layout, with its GroupedParam view (and, on
+// CUDA in the per-expert layout, the pointer table the kernels read). Copies share the storage.
+class MOE_API GroupedTensor {
+ public:
+  GroupedTensor() = default;
+  static GroupedTensor zeros(int64_t groups, const Shape& expert_shape, DType dtype, Device device,
+                             ExpertLayout layout);
+  bool defined() const { return view_.defined(); }
+  const GroupedParam& view() const { return view_; }
+  operator const GroupedParam&() const { return view_; }  // NOLINT: passes where views are expected
+  ExpertLayout layout() const { return packed_.defined() ? ExpertLayout::kPacked : ExpertLayout::kPerExpert; }
+  const Tensor& packed() const { return packed_; }                // packed layout only
+  const std::vector<Tensor>& experts() const { return experts_; }  // per-expert layout only
+
+ private:
+  Tensor packed_;
+  std::vector<Tensor> experts_;
+  Tensor pointer_table_;
+  GroupedParam view_;
+};
 
 }  // namespace moe

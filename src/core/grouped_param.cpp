@@ -80,4 +80,35 @@ Tensor make_pointer_table(const std::vector<TensorView>& experts) {
   return host.to(experts.front().device());
 }
 
+ExpertLayout parse_expert_layout(std::string_view text) {
+  if (text == "packed") return ExpertLayout::kPacked;
+  if (text == "per-expert") return ExpertLayout::kPerExpert;
+  throw_error(ErrorCode::kInvalidArgument, "expert layout '", text, "': expected packed or per-expert");
+}
+
+const char* expert_layout_name(ExpertLayout layout) {
+  return layout == ExpertLayout::kPacked ? "packed" : "per-expert";
+}
+
+GroupedTensor GroupedTensor::zeros(int64_t groups, const Shape& expert_shape, DType dtype, Device device,
+                                   ExpertLayout layout) {
+  MOE_CHECK(groups >= 1, ErrorCode::kInvalidArgument, "GroupedTensor: expected G >= 1, got ", groups);
+  GroupedTensor t;
+  if (layout == ExpertLayout::kPacked) {
+    Shape shape{groups};
+    for (int64_t d : expert_shape) shape.push_back(d);
+    t.packed_ = Tensor::zeros(shape, dtype, device);
+    t.view_ = GroupedParam::packed(t.packed_);
+    return t;
+  }
+  std::vector<TensorView> views;
+  for (int64_t g = 0; g < groups; ++g) {
+    t.experts_.push_back(Tensor::zeros(expert_shape, dtype, device));
+    views.push_back(t.experts_.back());
+  }
+  if (device.is_cuda()) t.pointer_table_ = make_pointer_table(views);
+  t.view_ = GroupedParam::per_expert(std::move(views), t.pointer_table_);
+  return t;
+}
+
 }  // namespace moe

@@ -49,12 +49,6 @@ std::vector<uint8_t> permute_rows(std::span<const uint8_t> bytes, int64_t rows, 
 
 }  // namespace
 
-ExpertLayout parse_expert_layout(std::string_view text) {
-  if (text == "packed") return ExpertLayout::kPacked;
-  if (text == "per-expert") return ExpertLayout::kPerExpert;
-  throw_error(ErrorCode::kInvalidArgument, "expert layout '", text, "': expected packed or per-expert");
-}
-
 ConvertedCheckpoint convert_checkpoint(const SafetensorsFile& in, const CheckpointConversion& c) {
   MOE_CHECK(c.experts >= 1, ErrorCode::kInvalidArgument, "checkpoint conversion: experts must be >= 1, got ",
             c.experts);

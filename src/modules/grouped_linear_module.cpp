@@ -1,0 +1,176 @@
+// GroupedLinear: parameters, the gradient contract (DESIGN.md section 4), delayed wgrad, checkpoints.
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include "moe_engine/modules.hpp"
+#include "modules/parameter_io.hpp"
+
+namespace moe {
+
+const char* grad_kind_name(GradKind kind) {
+  switch (kind) {
+    case GradKind::kNone: return "none";
+    case GradKind::kGrad: return "grad";
+    case GradKind::kDummy: return "dummy";
+  }
+  return "?";
+}
+
+GroupedLinear::GroupedLinear(int64_t groups, int64_t in_features, int64_t out_features,
+                             const GroupedLinearOptions& options)
+    : groups_(groups),
+      in_(in_features),
+      out_(out_features),
+      options_(options),
+      weight_(groups, {out_features, in_features}, options.dtype, options.device, options.layout) {
+  MOE_CHECK(groups >= 1 && in_features >= 1 && out_features >= 1, ErrorCode::kInvalidArgument,
+            "GroupedLinear: expected G, in_features, out_features >= 1, got ", groups, ", ", in_features,
+            ", ", out_features);
+  MOE_CHECK(!options.scale_bias || options.bias, ErrorCode::kInvalidArgument,
+            "GroupedLinear: scale_bias needs bias = true");
+  MOE_CHECK(!options.overwrite_main_grad || options.accumulate_into_main_grad, ErrorCode::kInvalidArgument,
+            "GroupedLinear: overwrite_main_grad needs accumulate_into_main_grad = true");
+  const float bound = 1.0f / std::sqrt(float(in_features));
+  detail::init_uniform(weight_.storage(), options.seed, -bound, bound);
+  if (options.bias) {
+    bias_.emplace(groups, Shape{out_features}, options.dtype, options.device, options.layout);
+    detail::init_uniform(bias_->storage(), options.seed + 1, -bound, bound);
+  }
+}
+
+Parameter& GroupedLinear::bias() {
+  MOE_CHECK(bias_.has_value(), ErrorCode::kInvalidArgument, "GroupedLinear: the module has no bias");
+  return *bias_;
+}
+
+LinearForwardResult GroupedLinear::forward(const Tensor& x, const GroupLayout& groups, const Tensor& row_scale,
+                                           bool input_requires_grad, const ExecContext& exec) {
+  MOE_CHECK(x.defined() && x.dim() == 2 && x.size(1) == in_, ErrorCode::kShape,
+            "GroupedLinear.forward: expected x [T, ", in_, "], got ", x.view().describe());
+  MOE_CHECK(groups.defined() && groups.num_groups() == groups_, ErrorCode::kInvalidArgument,
+            "GroupedLinear.forward: expected a routing of ", groups_, " experts, got ", groups.num_groups());
+  MOE_CHECK(options_.scale_bias == row_scale.defined(), ErrorCode::kInvalidArgument,
+            options_.scale_bias ? "GroupedLinear.forward: scale_bias needs the row scales"
+                                : "GroupedLinear.forward: row scales given to a module without scale_bias");
+  LinearForwardResult r;
+  r.y = Tensor::zeros({x.size(0), out_}, options_.dtype, options_.device);
+  BiasEpilogue bias;
+  if (bias_) bias = {bias_->value(), row_scale.view()};
+  grouped_linear_forward(x, weight_.value(), groups, r.y, bias, exec);
+  // Keep what backward needs, no more: x only for the weight gradient, the scales for the
+  // bias gradients.
+  LinearContext& c = r.ctx;
+  if (weight_.requires_grad) c.x_ = x;
+  if (options_.scale_bias) c.row_scale_ = row_scale;
+  c.groups_ = groups;
+  c.input_requires_grad_ = input_requires_grad;
+  c.live_ = true;
+  return r;
+}
+
+LinearBackwardResult GroupedLinear::backward(LinearContext& ctx, const Tensor& dy, const ExecContext& exec) {
+  MOE_CHECK(ctx.live_, ErrorCode::kInvalidArgument,
+            "GroupedLinear.backward: the context was already used (or comes from no forward)");
+  MOE_CHECK(dy.defined() && dy.dim() == 2 && dy.size(1) == out_ &&
+                dy.size(0) == ctx.groups_.capacity(),
+            ErrorCode::kShape, "GroupedLinear.backward: expected dy [", ctx.groups_.capacity(), ", ", out_,
+            "], got ", dy.view().describe());
+  if (weight_.requires_grad && options_.accumulate_into_main_grad)
+    MOE_CHECK(weight_.main_grad().defined(), ErrorCode::kInvalidArgument,
+              "GroupedLinear.backward: accumulate_into_main_grad, but the weight has no main_grad "
+              "(Parameter::set_main_grad)");
+  ctx.live_ = false;
+  const GroupLayout& groups = ctx.groups_;
+  const int64_t T = dy.size(0);
+  LinearBackwardResult r;
+  if (ctx.input_requires_grad_) {
+    r.dx = Tensor::zeros({T, in_}, options_.dtype, options_.device);
+    grouped_linear_dgrad(dy, weight_.value(), groups, r.dx, exec);
+  }
+  if (bias_) {
+    if (bias_->requires_grad) {
+      r.bias.kind = GradKind::kGrad;
+      r.bias.grad = GroupedTensor::zeros(groups_, {out_}, options_.dtype, options_.device, bias_->layout());
+      grouped_linear_dbias(dy, groups, r.bias.grad, GradMode::kWrite, ctx.row_scale_.view(), exec);
+    }
+    if (options_.scale_bias) {
+      r.dscales = Tensor::zeros({T}, DType::kFloat32, options_.device);
+      grouped_linear_dscales(dy, bias_->value(), groups, r.dscales, false, exec);
+    }
+  }
+  if (weight_.requires_grad) {
+    WgradJob job{dy, ctx.x_, groups};
+    if (options_.delay_wgrad_compute) {
+      queue_.push_back(std::move(job));
+      r.weight = main_grad_outcome(/*delayed=*/true, exec);
+    } else if (options_.accumulate_into_main_grad) {
+      run_wgrad(job, exec);
+      r.weight = main_grad_outcome(/*delayed=*/false, exec);
+    } else {
+      r.weight.kind = GradKind::kGrad;
+      r.weight.grad = GroupedTensor::zeros(groups_, {out_, in_}, options_.dtype, options_.device, weight_.layout());
+      grouped_linear_wgrad(dy, job.x, groups, r.weight.grad, GradMode::kWrite, exec);
+    }
+  }
+  ctx.x_ = Tensor();
+  ctx.row_scale_ = Tensor();
+  return r;
+}
+
+// Rows 2-6 of the table: none, unless the parameter carries grad_added_to_main_grad; then the
+// shared dummy, and the flag is set (now, or when backward_dw has run the delayed GEMM).
+ParamGradResult GroupedLinear::main_grad_outcome(bool delayed, const ExecContext& exec) {
+  ParamGradResult r;
+  if (!options_.accumulate_into_main_grad || !weight_.grad_added_to_main_grad.has_value()) return r;
+  if (!dummy_.defined())
+    dummy_ = GroupedTensor::zeros(groups_, {out_, in_}, options_.dtype, options_.device, weight_.layout());
+  else if (options_.zero_out_wgrad)
+    detail::zero(dummy_, exec.stream);
+  if (!delayed) weight_.grad_added_to_main_grad = true;
+  r.kind = GradKind::kDummy;
+  r.grad = dummy_;
+  return r;
+}
+
+void GroupedLinear::run_wgrad(const WgradJob& job, const ExecContext& exec) {
+  if (options_.accumulate_into_main_grad) {
+    MOE_CHECK(weight_.main_grad().defined(), ErrorCode::kInvalidArgument,
+              "GroupedLinear: accumulate_into_main_grad, but the weight has no main_grad");
+    grouped_linear_wgrad(job.dy, job.x, job.groups, weight_.main_grad(),
+                         options_.overwrite_main_grad ? GradMode::kOverwrite : GradMode::kAccumulate, exec);
+    return;
+  }
+  // A delayed gradient without main_grad: summed into the parameter's float32 .grad.
+  const bool first = !weight_.grad_.defined();
+  if (first)
+    weight_.grad_ = GroupedTensor::zeros(groups_, {out_, in_}, DType::kFloat32, options_.device, weight_.layout());
+  grouped_linear_wgrad(job.dy, job.x, job.groups, weight_.grad_, first ? GradMode::kWrite : GradMode::kAccumulate,
+                       exec);
+}
+
+void GroupedLinear::backward_dw(const ExecContext& exec) {
+  if (queue_.empty()) return;
+  while (!queue_.empty()) {
+    run_wgrad(queue_.front(), exec);
+    queue_.pop_front();
+    if (options_.accumulate_into_main_grad && weight_.grad_added_to_main_grad.has_value())
+      weight_.grad_added_to_main_grad = true;
+  }
+  for (const auto& hook : hooks_) hook();
+}
+
+std::map<std::string, Tensor> GroupedLinear::state_dict(const std::string& prefix) const {
+  std::map<std::string, Tensor> out;
+  detail::export_param(out, prefix + "weight", weight_.storage());
+  if (bias_) detail::export_param(out, prefix + "bias", bias_->storage());
+  return out;
+}
+
+void GroupedLinear::load_state_dict(std::map<std::string, Tensor> state, const std::string& prefix) {
+  detail::import_param(state, prefix + "weight", weight_.storage());
+  if (bias_) detail::import_param(state, prefix + "bias", bias_->storage());
+  detail::check_no_unexpected_keys(state, prefix, "GroupedLinear.load_state_dict");
+}
+
+}  // namespace moe
