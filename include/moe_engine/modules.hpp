@@ -157,6 +157,7 @@ class MOE_API GroupedLinear {
   };
   void run_wgrad(const WgradJob& job, const ExecContext& exec);
   ParamGradResult main_grad_outcome(bool delayed, const ExecContext& exec);
+  GroupedTensor weight_like(DType dtype) const;  // zeros shaped and laid out like the weight
 
   int64_t groups_, in_, out_;
   GroupedLinearOptions options_;

@@ -109,7 +109,7 @@ LinearBackwardResult GroupedLinear::backward(LinearContext& ctx, const Tensor& d
       r.weight = main_grad_outcome(/*delayed=*/false, exec);
     } else {
       r.weight.kind = GradKind::kGrad;
-      r.weight.grad = GroupedTensor::zeros(groups_, {out_, in_}, options_.dtype, options_.device, weight_.layout());
+      r.weight.grad = weight_like(options_.dtype);
       grouped_linear_wgrad(dy, job.x, groups, r.weight.grad, GradMode::kWrite, exec);
     }
   }
@@ -124,13 +124,17 @@ ParamGradResult GroupedLinear::main_grad_outcome(bool delayed, const ExecContext
   ParamGradResult r;
   if (!options_.accumulate_into_main_grad || !weight_.grad_added_to_main_grad.has_value()) return r;
   if (!dummy_.defined())
-    dummy_ = GroupedTensor::zeros(groups_, {out_, in_}, options_.dtype, options_.device, weight_.layout());
+    dummy_ = weight_like(options_.dtype);
   else if (options_.zero_out_wgrad)
     detail::zero(dummy_, exec.stream);
   if (!delayed) weight_.grad_added_to_main_grad = true;
   r.kind = GradKind::kDummy;
   r.grad = dummy_;
   return r;
+}
+
+GroupedTensor GroupedLinear::weight_like(DType dtype) const {
+  return GroupedTensor::zeros(groups_, weight_.expert_shape(), dtype, options_.device, weight_.layout());
 }
 
 void GroupedLinear::run_wgrad(const WgradJob& job, const ExecContext& exec) {
@@ -144,7 +148,7 @@ void GroupedLinear::run_wgrad(const WgradJob& job, const ExecContext& exec) {
   // A delayed gradient without main_grad: summed into the parameter's float32 .grad.
   const bool first = !weight_.grad_.defined();
   if (first)
-    weight_.grad_ = GroupedTensor::zeros(groups_, {out_, in_}, DType::kFloat32, options_.device, weight_.layout());
+    weight_.grad_ = weight_like(DType::kFloat32);
   grouped_linear_wgrad(job.dy, job.x, job.groups, weight_.grad_, first ? GradMode::kWrite : GradMode::kAccumulate,
                        exec);
 }

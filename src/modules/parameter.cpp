@@ -21,20 +21,11 @@ void Parameter::set_main_grad(const GroupedParam& main_grad) {
             main_grad.describe());
   MOE_CHECK(main_grad.device() == device(), ErrorCode::kDevice, "set_main_grad: main_grad is on ",
             to_string(main_grad.device()), ", the parameter on ", to_string(device()));
-  // GroupedParam guarantees contiguous experts; say so again here, where users meet it.
-  for (int64_t g = 0; g < main_grad.num_groups(); ++g)
-    MOE_CHECK(main_grad.expert(g).is_contiguous(), ErrorCode::kShape, "set_main_grad: expert ", g,
-              " of main_grad is not contiguous");
+  // Contiguity needs no check here: GroupedParam rejects non-contiguous experts when built.
   main_grad_ = main_grad;
 }
 
 namespace {
-
-Shape with_groups(int64_t groups, const Shape& expert_shape) {
-  Shape s{groups};
-  for (int64_t d : expert_shape) s.push_back(d);
-  return s;
-}
 
 const Tensor& cpu_contiguous(const Tensor& t, const std::string& key) {
   MOE_CHECK(t.device().is_cpu(), ErrorCode::kInvalidArgument, "checkpoint key normalization of '", key,
@@ -55,7 +46,8 @@ void normalize_grouped_keys(std::map<std::string, Tensor>& state, const std::str
   if (layout == ExpertLayout::kPacked && !packed_present && indexed == groups) {
     // Stack key0..key{G-1} into key [G, ...].
     const Tensor& first = cpu_contiguous(state.at(key + "0"), key + "0");
-    Tensor stacked = Tensor::empty(with_groups(groups, first.shape()), first.dtype());
+    const Tensor stacked =
+        GroupedTensor::zeros(groups, first.shape(), first.dtype(), Device::cpu(), ExpertLayout::kPacked).packed();
     for (int64_t g = 0; g < groups; ++g) {
       const std::string k = key + std::to_string(g);
       const Tensor& t = cpu_contiguous(state.at(k), k);
@@ -96,7 +88,8 @@ void init_uniform(const GroupedTensor& t, uint64_t seed, float lo, float hi) {
     fill_uniform(t.packed(), seed, lo, hi);
     return;
   }
-  Tensor packed = Tensor::empty(with_groups(v.num_groups(), v.expert_shape()), v.dtype(), v.device());
+  const Tensor packed =
+      GroupedTensor::zeros(v.num_groups(), v.expert_shape(), v.dtype(), v.device(), ExpertLayout::kPacked).packed();
   fill_uniform(packed, seed, lo, hi);
   for (int64_t g = 0; g < v.num_groups(); ++g) copy_tensor(t.experts()[size_t(g)], packed.view().select(g));
   if (v.device().is_cuda()) synchronize(nullptr);

@@ -50,6 +50,13 @@ Tensor reference_wgrad(const Batch& b, DType dtype) {
   return dw;
 }
 
+// 2 * t, exactly (float32).
+Tensor doubled(const Tensor& t) {
+  Tensor out = Tensor::zeros(t.shape(), DType::kFloat32);
+  for (int64_t i = 0; i < t.numel(); ++i) out.data_as<float>()[i] = 2 * t.data_as<float>()[i];
+  return out;
+}
+
 bool param_equals(const GroupedParam& a, const TensorView& packed) {
   return bitwise_equal(a, GroupedParam::packed(packed));
 }
@@ -222,9 +229,7 @@ TEST(GroupedLinearModule, DelayedEqualsImmediateAccumulateTwiceIsDoubleOverwrite
   EXPECT_EQ(later.queued_wgrads(), 0u);
   EXPECT_TRUE(bitwise_equal(mg_later.buffer, mg_now.buffer)) << "delayed != immediate";
   const Tensor once = reference_wgrad(b, DType::kFloat32);
-  Tensor twice = Tensor::zeros({kG, kOut, kIn}, DType::kFloat32);
-  for (int64_t i = 0; i < twice.numel(); ++i) twice.data_as<float>()[i] = 2 * once.data_as<float>()[i];
-  EXPECT_TRUE(bitwise_equal(mg_now.buffer, twice)) << "accumulating twice is not 2x";
+  EXPECT_TRUE(bitwise_equal(mg_now.buffer, doubled(once))) << "accumulating twice is not 2x";
 
   // Overwrite: main_grad = wgrad, whatever it held (empty experts: zeros).
   o.delay_wgrad_compute = false;
@@ -252,10 +257,8 @@ TEST(GroupedLinearModule, DelayedWithoutMainGradSumsTheQueuedGradientsIntoGrad) 
   }
   m.backward_dw();
   const Tensor once = reference_wgrad(b, DType::kFloat32);
-  Tensor twice = Tensor::zeros({kG, kOut, kIn}, DType::kFloat32);
-  for (int64_t i = 0; i < twice.numel(); ++i) twice.data_as<float>()[i] = 2 * once.data_as<float>()[i];
   EXPECT_EQ(m.weight().grad().layout(), ExpertLayout::kPerExpert);
-  EXPECT_TRUE(param_equals(m.weight().grad(), twice));
+  EXPECT_TRUE(param_equals(m.weight().grad(), doubled(once)));
   m.weight().zero_grad();
   EXPECT_FALSE(m.weight().grad().defined());
 }
