@@ -4,6 +4,7 @@
 // no host sync, no allocation, fixed launch shapes (CUDA-graph safe).
 #pragma once
 
+#include "moe_engine/glu.hpp"
 #include "moe_engine/grouped_linear.hpp"
 
 namespace moe::cuda {
@@ -21,5 +22,12 @@ void grouped_linear_dbias(const TensorView& dy, const GroupLayout& groups,
 void grouped_linear_dscales(const TensorView& dy, const GroupedParam& bias,
                             const GroupLayout& groups, const TensorView& dscales, bool accumulate,
                             Stream stream);
+
+
+void glu_forward(const TensorView& h, const TensorView& probs, const GroupLayout& groups,
+                 const TensorView& out, const GluSpec& spec, Stream stream);
+void glu_backward(const TensorView& h, const TensorView& probs, const TensorView& d_out,
+                  const GroupLayout& groups, const GluBackwardOutputs& outputs, const GluSpec& spec,
+                  Stream stream);
 
 }  // namespace moe::cuda

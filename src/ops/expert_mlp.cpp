@@ -1,5 +1,5 @@
-// The expert MLP, composed from the grouped-linear and GLU ops (the "unfused" path). Fused device
-// kernels plug in at the dispatch below.
+// The expert MLP, composed from the grouped-linear and GLU ops (the "unfused" path): the same
+// composition runs on every device. Fused device kernels plug in at the dispatch below.
 #include "moe_engine/expert_mlp.hpp"
 
 #include "ops/validate.hpp"
@@ -100,7 +100,7 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs,
   v.workspace(ctx.workspace,
               expert_mlp_forward_workspace_size(T, H, F, x.dtype(), fc1_out.defined()),
               "expert_mlp_forward_workspace_size");
-  ops::dispatch(v, [&] {
+  const auto compose = [&] {
     ops::WorkspaceCarver carver(ctx.workspace);
     const ForwardBuffers b = forward_buffers(carver, T, F, x.dtype(), fc1_out.defined());
     const TensorView h = fc1_out.defined() ? fc1_out : b.fc1_out;
@@ -109,7 +109,8 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs,
     const TensorView fc2_scale = weights.fc2_bias.defined() ? probs : TensorView{};
     grouped_linear_forward(b.act, weights.fc2_weight, groups, y, {weights.fc2_bias, fc2_scale},
                            ctx);
-  });
+  };
+  ops::dispatch(v, compose, compose);
 }
 
 void expert_mlp_backward(const TensorView& dy, const TensorView& x, const TensorView& probs,
@@ -135,7 +136,7 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
   const bool recompute = !fc1_out.defined();
   v.workspace(ctx.workspace, expert_mlp_backward_workspace_size(T, H, F, x.dtype(), recompute),
               "expert_mlp_backward_workspace_size");
-  ops::dispatch(v, [&] {
+  const auto compose = [&] {
     ops::WorkspaceCarver carver(ctx.workspace);
     const BackwardBuffers b = backward_buffers(carver, T, F, x.dtype(), recompute);
     const TensorView h = recompute ? b.fc1_out : fc1_out;
@@ -158,7 +159,8 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
       grouped_linear_wgrad(b.d_fc1, x, groups, grads.fc1_weight.grad, grads.fc1_weight.mode, ctx);
     if (grads.dx.defined())
       grouped_linear_dgrad(b.d_fc1, weights.fc1_weight, groups, grads.dx, ctx);
-  });
+  };
+  ops::dispatch(v, compose, compose);
 }
 
 }  // namespace moe

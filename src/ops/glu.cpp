@@ -5,6 +5,10 @@
 #include <sstream>
 
 #include "cpu/backend.hpp"
+#include "moe_engine/config.hpp"
+#if MOE_ENGINE_WITH_CUDA
+#include "cuda/backend.hpp"
+#endif
 #include "ops/validate.hpp"
 
 namespace moe {
@@ -89,7 +93,7 @@ std::string describe(const GluSpec& spec) {
 }
 
 void glu_forward(const TensorView& h, const TensorView& probs, const GroupLayout& groups,
-                 const TensorView& out, const GluSpec& spec, const ExecContext&) {
+                 const TensorView& out, const GluSpec& spec, [[maybe_unused]] const ExecContext& ctx) {
   const ops::Validator v("glu_forward", groups);
   v.matrix("out", out, v.capacity(), -1, "[T, F]");
   const int64_t F = out.size(1);
@@ -97,12 +101,14 @@ void glu_forward(const TensorView& h, const TensorView& probs, const GroupLayout
   if (probs.defined()) v.row_scale("probs", probs);
   v.glu_spec(spec, F);
   v.no_overlap("out", out, "h", h);
-  ops::dispatch(v, [&] { cpu::glu_forward(h, probs, groups, out, spec); });
+  ops::dispatch(
+      v, [&] { cpu::glu_forward(h, probs, groups, out, spec); },
+      [&] { MOE_CUDA_ONLY(cuda::glu_forward(h, probs, groups, out, spec, ctx.stream)); });
 }
 
 void glu_backward(const TensorView& h, const TensorView& probs, const TensorView& d_out,
                   const GroupLayout& groups, const GluBackwardOutputs& outputs, const GluSpec& spec,
-                  const ExecContext&) {
+                  [[maybe_unused]] const ExecContext& ctx) {
   const ops::Validator v("glu_backward", groups);
   v.matrix("d_out", d_out, v.capacity(), -1, "[T, F]");
   const int64_t F = d_out.size(1);
@@ -119,7 +125,9 @@ void glu_backward(const TensorView& h, const TensorView& probs, const TensorView
   v.no_overlap("dh", outputs.dh, "h", h);
   v.no_overlap("dh", outputs.dh, "d_out", d_out);
   if (outputs.out.defined()) v.no_overlap("out", outputs.out, "d_out", d_out);
-  ops::dispatch(v, [&] { cpu::glu_backward(h, probs, d_out, groups, outputs, spec); });
+  ops::dispatch(
+      v, [&] { cpu::glu_backward(h, probs, d_out, groups, outputs, spec); },
+      [&] { MOE_CUDA_ONLY(cuda::glu_backward(h, probs, d_out, groups, outputs, spec, ctx.stream)); });
 }
 
 }  // namespace moe

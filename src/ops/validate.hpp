@@ -99,12 +99,4 @@ void dispatch(const Validator& v, CpuFn&& cpu, CudaFn&& cuda) {
   cuda();
 }
 
-// Runs `cpu` for CPU tensors; other devices have no implementation of this op yet.
-template <class CpuFn>
-void dispatch(const Validator& v, CpuFn&& cpu) {
-  if (v.device().is_cpu()) return cpu();
-  v.fail(ErrorCode::kNotImplemented, "not implemented on ", to_string(v.device()),
-         " yet; the CPU backend runs it (the fused CUDA expert MLP is a later change)");
-}
-
 }  // namespace moe::ops

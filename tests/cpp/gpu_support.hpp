@@ -18,6 +18,19 @@ inline Tensor to_host(const TensorView& t) {
 
 inline Tensor poisoned_gpu(Shape shape, DType dtype) { return to_gpu(poisoned(shape, dtype)); }
 
+// The same routing on the CPU (for the reference) and on the GPU.
+struct DualRouting {
+  Routing cpu;
+  Tensor splits, offsets;
+  DeviceErrorFlag flag{Device::cuda(0)};
+  GroupLayout gpu;
+  DualRouting(std::vector<int64_t> s, int64_t capacity) : cpu(std::move(s), capacity) {
+    splits = to_gpu(cpu.splits_tensor);
+    offsets = Tensor::empty({cpu.num_groups() + 1}, DType::kInt64, Device::cuda(0));
+    gpu = GroupLayout::compute(splits, capacity, offsets, &flag);
+  }
+};
+
 // Empty when a GPU is visible; otherwise why not (the reason every GPU test skips with).
 inline std::string no_gpu_reason() {
   const GpuInventory inv = query_gpus();

@@ -12,19 +12,6 @@ namespace {
 
 #define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
 
-// The same routing on the CPU (for the reference) and on the GPU.
-struct DualRouting {
-  Routing cpu;
-  Tensor splits, offsets;
-  DeviceErrorFlag flag{Device::cuda(0)};
-  GroupLayout gpu;
-  DualRouting(std::vector<int64_t> s, int64_t capacity) : cpu(std::move(s), capacity) {
-    splits = to_gpu(cpu.splits_tensor);
-    offsets = Tensor::empty({cpu.num_groups() + 1}, DType::kInt64, Device::cuda(0));
-    gpu = GroupLayout::compute(splits, capacity, offsets, &flag);
-  }
-};
-
 struct Shape3 {
   const char* name;
   std::vector<int64_t> splits;

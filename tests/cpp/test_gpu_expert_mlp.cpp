@@ -1,0 +1,307 @@
+// GPU GLU kernels and the unfused expert MLP (label "gpu"): against the CPU backend on the same
+// inputs for both activations (values past the clamp limit), every GLU layout, with and without
+// biases and probs, saved or recomputed pre-activation; poisoned tails; CUDA-graph replay of the
+// whole forward + backward with new routings, bit-identical to eager runs. Skips without a GPU.
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+
+#include "gpu_support.hpp"
+
+namespace moe::test {
+namespace {
+
+#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+GluSpec spec_of(GluActivation activation, GluLayout layout) {
+  GluSpec s;
+  s.activation = activation;
+  s.layout = layout;
+  return s;
+}
+
+const GluActivation kActivations[] = {GluActivation::kSwiGLU, GluActivation::kClampedQGeGLU};
+const GluLayout kLayouts[] = {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(8)};
+
+// rel. error of rows [0, rows) of a GPU result against the CPU's, and its tail still poisoned.
+void expect_close(const TensorView& gpu, const TensorView& cpu, int64_t rows, double tol, const char* what) {
+  const Tensor got = to_host(gpu);
+  const Tensor want = to_host(cpu);
+  double err;
+  if (got.dim() == 1)
+    err = oracle::rel_error(head(oracle::to_vector(got), rows), head(oracle::to_vector(want), rows));
+  else
+    err = oracle::rel_error(head(oracle::to_matrix(got), rows), head(oracle::to_matrix(want), rows));
+  EXPECT_LE(err, tol) << what << ": rel. error vs the CPU backend " << err;
+  EXPECT_TRUE(tail_untouched(got, rows)) << what << ": rows past sum(splits) were written";
+}
+
+class GpuGlu : public ::testing::TestWithParam<DType> {
+ protected:
+  void SetUp() override {
+    if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+TEST_P(GpuGlu, ForwardAndBackwardMatchTheCpuForEveryActivationLayoutAndProbs) {
+  const DType dt = GetParam();
+  Rng rng;
+  const int64_t T = 300, F = 200;
+  DualRouting r({0, 1, 37, 0, 150, 40}, T);  // 228 routed rows
+  const int64_t rows = r.cpu.rows();
+  for (GluActivation act : kActivations)
+    for (const GluLayout& layout : kLayouts)
+      for (bool with_probs : {false, true}) {
+        const GluSpec spec = spec_of(act, layout);
+        SCOPED_TRACE(describe(spec) + (with_probs ? ", probs" : ""));
+        // Scale 4: some gate and linear values lie past the clamp limit (7).
+        const Tensor h = random_tensor({T, 2 * F}, dt, rng, 4.0);
+        const Tensor d_out = random_tensor({T, F}, dt, rng);
+        const Tensor p = with_probs ? uniform_tensor({T}, DType::kFloat32, rng, 0.05, 1.0) : Tensor();
+        const Tensor hd = to_gpu(h), dd = to_gpu(d_out), pd = with_probs ? to_gpu(p) : Tensor();
+
+        Tensor out_c = poisoned({T, F}, dt), out_g = poisoned_gpu({T, F}, dt);
+        glu_forward(h, p, r.cpu.layout, out_c, spec);
+        glu_forward(hd, pd, r.gpu, out_g, spec);
+        expect_close(out_g, out_c, rows, tolerance(dt), "out");
+
+        Tensor dh_c = poisoned({T, 2 * F}, dt), dh_g = poisoned_gpu({T, 2 * F}, dt);
+        Tensor re_c = poisoned({T, F}, dt), re_g = poisoned_gpu({T, F}, dt);
+        Tensor dp_c = with_probs ? poisoned({T}, DType::kFloat32) : Tensor();
+        Tensor dp_g = with_probs ? poisoned_gpu({T}, DType::kFloat32) : Tensor();
+        glu_backward(h, p, d_out, r.cpu.layout, {dh_c, dp_c, re_c}, spec);
+        glu_backward(hd, pd, dd, r.gpu, {dh_g, dp_g, re_g}, spec);
+        expect_close(dh_g, dh_c, rows, tolerance(dt), "dh");
+        expect_close(re_g, re_c, rows, tolerance(dt), "recomputed out");
+        if (with_probs) expect_close(dp_g, dp_c, rows, tolerance(DType::kFloat32) * 10, "dprobs");
+      }
+  EXPECT_NO_THROW(r.flag.check());
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GpuGlu,
+                         ::testing::Values(DType::kBFloat16, DType::kFloat16, DType::kFloat32),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+// One expert MLP problem: host inputs, and its forward + backward outputs on a device.
+struct MlpCase {
+  int64_t T, H, F;
+  DType dt;
+  GluSpec glu;
+  Tensor x, w1, b1, w2, b2, p, dy;  // host; b1, b2, p undefined when absent
+
+  MlpCase(Rng& rng, int64_t G, int64_t T_, int64_t H_, int64_t F_, DType dt_, GluSpec glu_, bool bias,
+          bool probs)
+      : T(T_), H(H_), F(F_), dt(dt_), glu(glu_) {
+    x = random_tensor({T, H}, dt, rng);
+    // 3 / sqrt(H): the pre-activation reaches past the clamp limit.
+    w1 = random_tensor({G, 2 * F, H}, dt, rng, 3.0 / std::sqrt(double(H)));
+    w2 = random_tensor({G, H, F}, dt, rng, 1.0 / std::sqrt(double(F)));
+    if (bias) {
+      b1 = random_tensor({G, 2 * F}, dt, rng, 0.5);
+      b2 = random_tensor({G, H}, dt, rng, 0.5);
+    }
+    if (probs) p = uniform_tensor({T}, DType::kFloat32, rng, 0.05, 1.0);
+    dy = random_tensor({T, H}, dt, rng);
+  }
+};
+
+struct MlpOutputs {
+  Tensor y, fc1_out, dx, dprobs, dw1, db1, dw2, db2;  // on the device it ran on
+};
+
+// Forward + backward on `device`; weight and bias gradients in float32, written.
+MlpOutputs run_mlp(const MlpCase& c, const GroupLayout& groups, Device device, bool save_fc1_out) {
+  const int64_t G = c.w1.size(0), T = c.T, H = c.H, F = c.F;
+  auto on = [&](const Tensor& t) { return t.defined() ? t.to(device) : Tensor(); };
+  auto poison = [&](Shape s, DType d) { return poisoned(s, d).to(device); };
+  const Tensor x = on(c.x), w1 = on(c.w1), b1 = on(c.b1), w2 = on(c.w2), b2 = on(c.b2), p = on(c.p),
+               dy = on(c.dy);
+  auto param = [](const Tensor& t) { return t.defined() ? GroupedParam::packed(t) : GroupedParam(); };
+  const ExpertMlpWeights weights{param(w1), param(b1), param(w2), param(b2)};
+  const ExpertMlpSpec spec{c.glu};
+  MlpOutputs o;
+  o.y = poison({T, H}, c.dt);
+  if (save_fc1_out) o.fc1_out = poison({T, 2 * F}, c.dt);
+  Tensor fws = Tensor::empty({int64_t(expert_mlp_forward_workspace_size(T, H, F, c.dt, save_fc1_out))},
+                             DType::kUInt8, device);
+  expert_mlp_forward(x, p, weights, groups, o.y, o.fc1_out, spec, {nullptr, {fws.data(), fws.nbytes(), device}});
+
+  o.dx = poison({T, H}, c.dt);
+  if (p.defined()) o.dprobs = poison({T}, DType::kFloat32);
+  o.dw1 = poison({G, 2 * F, H}, DType::kFloat32);
+  o.dw2 = poison({G, H, F}, DType::kFloat32);
+  if (b1.defined()) o.db1 = poison({G, 2 * F}, DType::kFloat32);
+  if (b2.defined()) o.db2 = poison({G, H}, DType::kFloat32);
+  ExpertMlpGrads grads;
+  grads.dx = o.dx;
+  grads.dprobs = o.dprobs;
+  grads.fc1_weight = {param(o.dw1), GradMode::kWrite};
+  grads.fc2_weight = {param(o.dw2), GradMode::kWrite};
+  grads.fc1_bias = {param(o.db1), GradMode::kWrite};
+  grads.fc2_bias = {param(o.db2), GradMode::kWrite};
+  Tensor bws = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(T, H, F, c.dt, !save_fc1_out))},
+                             DType::kUInt8, device);
+  expert_mlp_backward(dy, x, p, weights, groups, o.fc1_out, grads, spec,
+                      {nullptr, {bws.data(), bws.nbytes(), device}});
+  return o;
+}
+
+void expect_mlp_close(const MlpOutputs& gpu, const MlpOutputs& cpu, int64_t rows, DType dt) {
+  const double tol = oracle::mlp_tolerance(dt);
+  expect_close(gpu.y, cpu.y, rows, tol, "y");
+  if (cpu.fc1_out.defined()) expect_close(gpu.fc1_out, cpu.fc1_out, rows, tol, "fc1_out");
+  expect_close(gpu.dx, cpu.dx, rows, tol, "dx");
+  if (cpu.dprobs.defined()) expect_close(gpu.dprobs, cpu.dprobs, rows, tol, "dprobs");
+  // Weight-shaped gradients: every row is written (empty experts get zeros).
+  auto whole = [&](const Tensor& g, const Tensor& c, const char* what) {
+    if (!c.defined()) return;
+    const int64_t n = c.numel() / c.size(c.dim() - 1);
+    const Tensor gh = to_host(g);
+    const double err = oracle::rel_error(oracle::to_matrix(gh.view().reshape({n, c.size(c.dim() - 1)})),
+                                         oracle::to_matrix(c.view().reshape({n, c.size(c.dim() - 1)})));
+    EXPECT_LE(err, tol) << what << ": rel. error vs the CPU backend " << err;
+  };
+  whole(gpu.dw1, cpu.dw1, "dw1");
+  whole(gpu.dw2, cpu.dw2, "dw2");
+  whole(gpu.db1, cpu.db1, "db1");
+  whole(gpu.db2, cpu.db2, "db2");
+}
+
+class GpuExpertMlp : public GpuGlu {};
+
+// The unfused CUDA path (grouped GEMMs + GLU kernels) against the CPU backend.
+TEST_P(GpuExpertMlp, MatchesTheCpuForEveryActivationLayoutBiasAndProbs) {
+  const DType dt = GetParam();
+  Rng rng;
+  const int64_t T = 400, H = 264, F = 200;
+  DualRouting r({0, 1, 37, 0, 150, 40, 129}, T);  // 357 routed rows
+  bool save = false;
+  for (GluActivation act : kActivations)
+    for (const GluLayout& layout : kLayouts)
+      for (bool bias_and_probs : {false, true}) {
+        save = !save;  // alternate saved and recomputed pre-activation
+        const GluSpec glu = spec_of(act, layout);
+        SCOPED_TRACE(describe(glu) + (bias_and_probs ? ", biases and probs" : "") +
+                     (save ? ", fc1_out saved" : ", recomputed"));
+        const MlpCase c(rng, r.cpu.num_groups(), T, H, F, dt, glu, bias_and_probs, bias_and_probs);
+        const MlpOutputs cpu = run_mlp(c, r.cpu.layout, Device::cpu(), save);
+        const MlpOutputs gpu = run_mlp(c, r.gpu, Device::cuda(0), save);
+        expect_mlp_close(gpu, cpu, r.cpu.rows(), dt);
+      }
+  EXPECT_NO_THROW(r.flag.check());
+}
+
+TEST_P(GpuExpertMlp, ManyExpertsAndOneExpertTakingAll) {
+  const DType dt = GetParam();
+  Rng rng;
+  const GluSpec glu = spec_of(GluActivation::kClampedQGeGLU, GluLayout::pairs());
+  std::vector<int64_t> many = random_splits(rng, 256, 12);
+  int64_t sum = 0;
+  for (int64_t v : many) sum += v;
+  std::vector<int64_t> all(8, 0);
+  all[3] = 500;
+  for (const auto& [name, splits, T] : {std::tuple<const char*, std::vector<int64_t>, int64_t>{"G = 256", many, sum + 7},
+                                        {"one expert takes all", all, 512}}) {
+    SCOPED_TRACE(name);
+    DualRouting r(splits, T);
+    const MlpCase c(rng, r.cpu.num_groups(), T, 128, 64, dt, glu, true, true);
+    expect_mlp_close(run_mlp(c, r.gpu, Device::cuda(0), true), run_mlp(c, r.cpu.layout, Device::cpu(), true),
+                     r.cpu.rows(), dt);
+    EXPECT_NO_THROW(r.flag.check());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GpuExpertMlp, ::testing::Values(DType::kBFloat16, DType::kFloat16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+class GpuExpertMlpGraph : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+// Offsets + the whole forward + backward (main_grad accumulation, bias grads, dprobs, dx)
+// captured once; replayed with new routings, each replay equal bit for bit to eager runs (which are
+// deterministic), and right.
+TEST_F(GpuExpertMlpGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
+  Rng rng;
+  const DType dt = DType::kBFloat16;
+  const int64_t G = 16, T = 1024, H = 256, F = 192;
+  const GluSpec glu = spec_of(GluActivation::kClampedQGeGLU, GluLayout::pairs());
+  const MlpCase c(rng, G, T, H, F, dt, glu, true, true);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const Device dev = Device::cuda(0);
+  const Tensor x = to_gpu(c.x), w1 = to_gpu(c.w1), b1 = to_gpu(c.b1), w2 = to_gpu(c.w2), b2 = to_gpu(c.b2),
+               p = to_gpu(c.p), dy = to_gpu(c.dy);
+  const ExpertMlpWeights weights{GroupedParam::packed(w1), GroupedParam::packed(b1), GroupedParam::packed(w2),
+                                 GroupedParam::packed(b2)};
+  Tensor splits = Tensor::empty({G}, DType::kInt64, dev), offsets = Tensor::empty({G + 1}, DType::kInt64, dev);
+  Tensor y = poisoned_gpu({T, H}, dt), fc1_out = poisoned_gpu({T, 2 * F}, dt), dx = poisoned_gpu({T, H}, dt);
+  Tensor dprobs = poisoned_gpu({T}, DType::kFloat32);
+  const Tensor start_w1 = random_tensor({G, 2 * F, H}, DType::kFloat32, rng),
+               start_w2 = random_tensor({G, H, F}, DType::kFloat32, rng);
+  Tensor mg1 = to_gpu(start_w1), mg2 = to_gpu(start_w2);  // main_grad buffers: accumulated into
+  Tensor db1 = Tensor::empty({G, 2 * F}, DType::kFloat32, dev), db2 = Tensor::empty({G, H}, DType::kFloat32, dev);
+  Tensor fws = Tensor::empty({int64_t(expert_mlp_forward_workspace_size(T, H, F, dt, true))}, DType::kUInt8, dev);
+  Tensor bws = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(T, H, F, dt, false))}, DType::kUInt8, dev);
+  DeviceErrorFlag flag(dev);
+  ExpertMlpGrads grads;
+  grads.dx = dx;
+  grads.dprobs = dprobs;
+  grads.fc1_weight = {GroupedParam::packed(mg1), GradMode::kAccumulate};
+  grads.fc2_weight = {GroupedParam::packed(mg2), GradMode::kAccumulate};
+  grads.fc1_bias = {GroupedParam::packed(db1), GradMode::kWrite};
+  grads.fc2_bias = {GroupedParam::packed(db2), GradMode::kWrite};
+  auto step = [&] {
+    const GroupLayout groups = GroupLayout::compute(splits, T, offsets, &flag, stream);
+    expert_mlp_forward(x, p, weights, groups, y, fc1_out, {glu}, {stream, {fws.data(), fws.nbytes(), dev}});
+    expert_mlp_backward(dy, x, p, weights, groups, fc1_out, grads, {glu}, {stream, {bws.data(), bws.nbytes(), dev}});
+  };
+  auto reset = [&] {
+    for (Tensor* t : {&y, &fc1_out, &dx, &dprobs}) fill_bytes(*t, kPoison, stream);
+    copy_tensor(mg1, start_w1, stream);
+    copy_tensor(mg2, start_w2, stream);
+  };
+  copy_tensor(splits, splits_tensor_for(random_splits(rng, G, 2 * T / G)), stream);
+  step();  // warm-up outside capture
+  CUDA_OK(cudaStreamSynchronize(stream));
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  step();
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 4; ++replay) {
+    SCOPED_TRACE("routing " + std::to_string(replay));
+    std::vector<int64_t> s = random_splits(rng, G, 2 * T / G);
+    if (replay == 2) s.assign(size_t(G), 0), s[7] = T - 5;  // one expert takes (almost) all
+    copy_tensor(splits, splits_tensor_for(s), stream);
+    reset();
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const Tensor all[] = {to_host(y), to_host(fc1_out), to_host(dx), to_host(dprobs),
+                          to_host(mg1), to_host(mg2), to_host(db1), to_host(db2)};
+    for (int eager = 0; eager < 2; ++eager) {
+      reset();
+      step();
+      CUDA_OK(cudaStreamSynchronize(stream));
+      const Tensor again[] = {to_host(y), to_host(fc1_out), to_host(dx), to_host(dprobs),
+                              to_host(mg1), to_host(mg2), to_host(db1), to_host(db2)};
+      for (size_t i = 0; i < std::size(all); ++i) EXPECT_TRUE(bitwise_equal(again[i], all[i])) << "output " << i;
+    }
+    // and the replayed result is right: the CPU backend from the same start
+    DualRouting r(s, T);
+    const MlpOutputs cpu = run_mlp(c, r.cpu.layout, Device::cpu(), true);
+    expect_close(y, cpu.y, r.cpu.rows(), oracle::mlp_tolerance(dt), "replayed y");
+    expect_close(dx, cpu.dx, r.cpu.rows(), oracle::mlp_tolerance(dt), "replayed dx");
+    EXPECT_NO_THROW(flag.check(stream));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+}  // namespace moe::test
