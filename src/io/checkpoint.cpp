@@ -6,6 +6,7 @@
 #include <map>
 #include <set>
 
+#include "io/glu_rows.hpp"
 #include "moe_engine/error.hpp"
 
 namespace moe {
@@ -33,18 +34,8 @@ std::optional<std::pair<std::string, int64_t>> indexed_key(const std::string& ke
 // The rows of one expert's tensor (dim 0 of [N, K] or [N]) reordered from GLU layout `from` to `to`.
 std::vector<uint8_t> permute_rows(std::span<const uint8_t> bytes, int64_t rows, const CheckpointConversion& c,
                                   const std::string& what) {
-  std::vector<uint8_t> out(bytes.begin(), bytes.end());
-  if (!c.glu_from || !c.glu_to || *c.glu_from == *c.glu_to) return out;
-  MOE_CHECK(rows % 2 == 0, ErrorCode::kIo, what, ": ", rows, " rows cannot hold GLU gate/linear pairs (odd)");
-  const int64_t ffn = rows / 2;
-  const size_t row_bytes = rows ? bytes.size() / size_t(rows) : 0;
-  for (int64_t j = 0; j < ffn; ++j) {
-    const int64_t src[2] = {c.glu_from->gate_column(j, ffn), c.glu_from->linear_column(j, ffn)};
-    const int64_t dst[2] = {c.glu_to->gate_column(j, ffn), c.glu_to->linear_column(j, ffn)};
-    for (int h = 0; h < 2; ++h)
-      std::memcpy(out.data() + size_t(dst[h]) * row_bytes, bytes.data() + size_t(src[h]) * row_bytes, row_bytes);
-  }
-  return out;
+  if (!c.glu_from || !c.glu_to) return {bytes.begin(), bytes.end()};
+  return detail::permute_glu_rows(bytes, rows, *c.glu_from, *c.glu_to, ErrorCode::kIo, what);
 }
 
 }  // namespace

@@ -141,6 +141,11 @@ TEST(Checkpoint, RefusesInconsistentGroups) {
   glu.glu_from = GluLayout::halves();
   glu.glu_to = GluLayout::pairs();
   expect_io_error(file({safetensors_record("x.weight0", odd), safetensors_record("x.weight1", odd)}), glu, "odd");
+  // 6 rows: F = 3 pairs, which blocks:2 cannot hold (its gate columns would run past the rows).
+  const Tensor six = Tensor::zeros({6, 3}, DType::kFloat32);
+  glu.glu_to = GluLayout::blocks(2);
+  expect_io_error(file({safetensors_record("x.weight0", six), safetensors_record("x.weight1", six)}), glu,
+                  "do not fit GLU layout blocks:2");
   EXPECT_THROW(parse_expert_layout("stacked"), Error);
   glu.glu_to.reset();
   EXPECT_THROW(convert_checkpoint(file({}), glu), Error);  // one GLU layout without the other
