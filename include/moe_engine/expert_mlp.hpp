@@ -54,7 +54,8 @@ struct ExpertMlpGrads {
 MOE_API size_t expert_mlp_backward_workspace_size(int64_t capacity, int64_t hidden, int64_t ffn,
                                                   DType dtype, bool recompute_fc1);
 
-// fc1_out: the pre-activation saved by forward, or undefined to recompute it from x.
+// fc1_out: the pre-activation saved by forward, or undefined to recompute it from x. x may be
+// undefined when fc1_out is given and no FC1 weight gradient is asked for.
 MOE_API void expert_mlp_backward(const TensorView& dy, const TensorView& x, const TensorView& probs,
                                  const ExpertMlpWeights& weights, const GroupLayout& groups,
                                  const TensorView& fc1_out, const ExpertMlpGrads& grads,

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "moe_engine/checkpoint.hpp"
+#include "moe_engine/expert_mlp.hpp"
 #include "moe_engine/export.hpp"
 #include "moe_engine/group_layout.hpp"
 #include "moe_engine/grouped_linear.hpp"
@@ -28,6 +29,10 @@
 #include "moe_engine/workspace.hpp"
 
 namespace moe {
+
+namespace detail {
+class WeightGradContract;
+}
 
 // One grouped parameter (a weight G x [N, K] or a bias G x [N]) and the attributes a training
 // framework hangs on it. The module owns the values; main_grad is caller-owned memory.
@@ -59,7 +64,7 @@ class MOE_API Parameter {
   void zero_grad() { grad_ = GroupedTensor(); }
 
  private:
-  friend class GroupedLinear;
+  friend class detail::WeightGradContract;
   GroupedTensor value_;
   GroupedParam main_grad_;
   GroupedTensor grad_;
@@ -78,6 +83,37 @@ struct ParamGradResult {
   GradKind kind = GradKind::kNone;
   GroupedTensor grad;  // defined for kGrad and kDummy
 };
+
+namespace detail {
+
+// One weight's side of the gradient contract, shared by the modules: where its gradient goes
+// (a fresh tensor, main_grad, or the float32 .grad for delayed gradients without main_grad) and
+// what backward hands back for it.
+class MOE_API WeightGradContract {
+ public:
+  WeightGradContract(bool into_main_grad, bool overwrite_main_grad, bool zero_out_wgrad)
+      : into_main_grad_(into_main_grad), overwrite_(overwrite_main_grad), zero_out_(zero_out_wgrad) {}
+
+  // kInvalidArgument (naming `who`) when the gradient goes to main_grad and there is none.
+  void check_main_grad(const Parameter& w, const char* who) const;
+  // A gradient computed now: its target, and the outcome in `result` (row 1 of the table: a fresh
+  // tensor in the weight's dtype; rows 2-6: main_grad, handing back nothing or the dummy).
+  ParamGrad immediate(Parameter& w, ParamGradResult& result, const ExecContext& exec);
+  // A gradient queued for backward_dw: the outcome now (nothing, or the dummy).
+  ParamGradResult queued(const Parameter& w, const ExecContext& exec);
+  // backward_dw: the target of one queued gradient (main_grad, or .grad: written by the first
+  // since zero_grad, then added to), and ran() once it has run.
+  ParamGrad delayed_target(Parameter& w) const;
+  void ran(Parameter& w) const;
+
+ private:
+  ParamGradResult main_grad_outcome(const Parameter& w, const ExecContext& exec);
+
+  bool into_main_grad_, overwrite_, zero_out_;
+  GroupedTensor dummy_;  // the shared dummy gradient (weight dtype), made on first use
+};
+
+}  // namespace detail
 
 struct GroupedLinearOptions {
   ExpertLayout layout = ExpertLayout::kPacked;
@@ -155,15 +191,108 @@ class MOE_API GroupedLinear {
     Tensor dy, x;
     GroupLayout groups;
   };
-  void run_wgrad(const WgradJob& job, const ExecContext& exec);
-  ParamGradResult main_grad_outcome(bool delayed, const ExecContext& exec);
-  GroupedTensor weight_like(DType dtype) const;  // zeros shaped and laid out like the weight
-
   int64_t groups_, in_, out_;
   GroupedLinearOptions options_;
   Parameter weight_;
   std::optional<Parameter> bias_;
-  GroupedTensor dummy_;  // the shared dummy weight gradient (weight dtype), made on first use
+  detail::WeightGradContract weight_grad_;
+  std::deque<WgradJob> queue_;
+  std::vector<std::function<void()>> hooks_;
+};
+
+struct GroupedMLPOptions {
+  ExpertLayout layout = ExpertLayout::kPacked;
+  DType dtype = DType::kBFloat16;
+  Device device = Device::cpu();
+  bool bias = false;  // fc1 bias [2F] and fc2 bias [H]; the fc2 bias is added as p[r] * b2 (Megatron)
+  // The activation with its parameters, and the GLU column layout of the FC1 weight's rows.
+  GluSpec glu{};
+  bool recompute_fc1 = false;  // forward keeps x only (not the [T, 2F] pre-activation); backward recomputes it
+  bool accumulate_into_main_grad = false;  // the wgrad GEMMs add into each weight's main_grad
+  bool overwrite_main_grad = false;        // ... or overwrite it (Megatron-FSDP)
+  bool delay_wgrad_compute = false;        // backward queues the weight gradients; backward_dw runs them
+  bool zero_out_wgrad = false;             // the dummy gradients are zeroed when handed out
+  uint64_t seed = 0;                       // initialization (uniform, +-1/sqrt(fan-in))
+};
+
+// What a GroupedMLP forward saved for its backward (references to shared storage, not copies).
+class MOE_API MlpContext {
+ public:
+  bool saves_input() const { return x_.defined(); }
+  bool saves_fc1_out() const { return fc1_out_.defined(); }
+  bool computes_dgrad() const { return input_requires_grad_; }
+
+ private:
+  friend class GroupedMLP;
+  Tensor x_, fc1_out_, probs_;
+  GroupLayout groups_;
+  bool input_requires_grad_ = false;
+  bool live_ = false;  // backward may run once
+};
+
+struct MlpForwardResult {
+  Tensor y;
+  MlpContext ctx;
+};
+
+struct MlpBackwardResult {
+  Tensor dx;      // [T, H] when the input wanted a gradient
+  Tensor dprobs;  // [T] float32 when forward had probs
+  ParamGradResult fc1_weight, fc1_bias, fc2_weight, fc2_bias;  // bias gradients: never delayed
+};
+
+// The expert MLP of DESIGN.md section 3 with the training contract of GroupedLinear for both
+// weights: y = FC2(act(FC1(x) + b1) * p) + p * b2.
+class MOE_API GroupedMLP {
+ public:
+  GroupedMLP(int64_t groups, int64_t hidden, int64_t ffn, const GroupedMLPOptions& options = {});
+
+  int64_t num_groups() const { return groups_; }
+  int64_t hidden() const { return hidden_; }
+  int64_t ffn() const { return ffn_; }
+  const GroupedMLPOptions& options() const { return options_; }
+  Parameter& fc1_weight() { return fc1_weight_; }  // G x [2F, H], rows in options().glu.layout
+  Parameter& fc2_weight() { return fc2_weight_; }  // G x [H, F]
+  Parameter& fc1_bias();                          // G x [2F]; kInvalidArgument without biases
+  Parameter& fc2_bias();                          // G x [H]
+  bool has_bias() const { return fc1_bias_.has_value(); }
+
+  // x [T, H] -> y [T, H]; probs [T] float32 (undefined: 1). What is kept: the pre-activation (unless
+  // recompute_fc1) when anything needs a gradient; x when the FC1 weight needs one, or to recompute.
+  MlpForwardResult forward(const Tensor& x, const GroupLayout& groups, const Tensor& probs = {},
+                           bool input_requires_grad = true, const ExecContext& exec = {});
+  // dy [T, H]. Throws if ctx was already used.
+  MlpBackwardResult backward(MlpContext& ctx, const Tensor& dy, const ExecContext& exec = {});
+
+  // Runs the queued weight gradients in order (each recomputes the FC2 dgrad and the GLU backward
+  // rather than keeping their [T, 3F] outputs alive), then fires the hooks once. Nothing queued: no-op.
+  void backward_dw(const ExecContext& exec = {});
+  size_t queued_wgrads() const { return queue_.size(); }
+  void register_wgrad_hook(std::function<void()> hook) { hooks_.push_back(std::move(hook)); }
+
+  // Keys PREFIX + "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias" (packed), or with the expert
+  // index appended (per-expert), in the module's layout; FC1 rows in the module's GLU layout.
+  std::map<std::string, Tensor> state_dict(const std::string& prefix = "") const;
+  // As GroupedLinear's, and FC1 rows (weight and bias) are converted from `glu_from` (default: the
+  // module's own GLU layout) to the module's.
+  void load_state_dict(std::map<std::string, Tensor> state, const std::string& prefix = "",
+                       std::optional<GluLayout> glu_from = std::nullopt);
+
+ private:
+  struct WgradJob {
+    Tensor dy, x, probs, fc1_out;
+    GroupLayout groups;
+    bool fc1, fc2;  // which weight gradients it computes
+  };
+  ExpertMlpWeights weights() const;
+  void run_backward(const Tensor& dy, const Tensor& x, const Tensor& probs, const Tensor& fc1_out,
+                    const GroupLayout& groups, const ExpertMlpGrads& grads, const ExecContext& exec) const;
+
+  int64_t groups_, hidden_, ffn_;
+  GroupedMLPOptions options_;
+  Parameter fc1_weight_, fc2_weight_;
+  std::optional<Parameter> fc1_bias_, fc2_bias_;
+  detail::WeightGradContract fc1_grad_, fc2_grad_;
   std::deque<WgradJob> queue_;
   std::vector<std::function<void()>> hooks_;
 };

@@ -23,7 +23,8 @@ GroupedLinear::GroupedLinear(int64_t groups, int64_t in_features, int64_t out_fe
       in_(in_features),
       out_(out_features),
       options_(options),
-      weight_(groups, {out_features, in_features}, options.dtype, options.device, options.layout) {
+      weight_(groups, {out_features, in_features}, options.dtype, options.device, options.layout),
+      weight_grad_(options.accumulate_into_main_grad, options.overwrite_main_grad, options.zero_out_wgrad) {
   MOE_CHECK(groups >= 1 && in_features >= 1 && out_features >= 1, ErrorCode::kInvalidArgument,
             "GroupedLinear: expected G, in_features, out_features >= 1, got ", groups, ", ", in_features,
             ", ", out_features);
@@ -76,10 +77,7 @@ LinearBackwardResult GroupedLinear::backward(LinearContext& ctx, const Tensor& d
                 dy.size(0) == ctx.groups_.capacity(),
             ErrorCode::kShape, "GroupedLinear.backward: expected dy [", ctx.groups_.capacity(), ", ", out_,
             "], got ", dy.view().describe());
-  if (weight_.requires_grad && options_.accumulate_into_main_grad)
-    MOE_CHECK(weight_.main_grad().defined(), ErrorCode::kInvalidArgument,
-              "GroupedLinear.backward: accumulate_into_main_grad, but the weight has no main_grad "
-              "(Parameter::set_main_grad)");
+  weight_grad_.check_main_grad(weight_, "GroupedLinear.backward");
   ctx.live_ = false;
   const GroupLayout& groups = ctx.groups_;
   const int64_t T = dy.size(0);
@@ -100,17 +98,12 @@ LinearBackwardResult GroupedLinear::backward(LinearContext& ctx, const Tensor& d
     }
   }
   if (weight_.requires_grad) {
-    WgradJob job{dy, ctx.x_, groups};
     if (options_.delay_wgrad_compute) {
-      queue_.push_back(std::move(job));
-      r.weight = main_grad_outcome(/*delayed=*/true, exec);
-    } else if (options_.accumulate_into_main_grad) {
-      run_wgrad(job, exec);
-      r.weight = main_grad_outcome(/*delayed=*/false, exec);
+      queue_.push_back({dy, ctx.x_, groups});
+      r.weight = weight_grad_.queued(weight_, exec);
     } else {
-      r.weight.kind = GradKind::kGrad;
-      r.weight.grad = weight_like(options_.dtype);
-      grouped_linear_wgrad(dy, job.x, groups, r.weight.grad, GradMode::kWrite, exec);
+      const ParamGrad target = weight_grad_.immediate(weight_, r.weight, exec);
+      grouped_linear_wgrad(dy, ctx.x_, groups, target.grad, target.mode, exec);
     }
   }
   ctx.x_ = Tensor();
@@ -118,48 +111,14 @@ LinearBackwardResult GroupedLinear::backward(LinearContext& ctx, const Tensor& d
   return r;
 }
 
-// Rows 2-6 of the table: none, unless the parameter carries grad_added_to_main_grad; then the
-// shared dummy, and the flag is set (now, or when backward_dw has run the delayed GEMM).
-ParamGradResult GroupedLinear::main_grad_outcome(bool delayed, const ExecContext& exec) {
-  ParamGradResult r;
-  if (!options_.accumulate_into_main_grad || !weight_.grad_added_to_main_grad.has_value()) return r;
-  if (!dummy_.defined())
-    dummy_ = weight_like(options_.dtype);
-  else if (options_.zero_out_wgrad)
-    detail::zero(dummy_, exec.stream);
-  if (!delayed) weight_.grad_added_to_main_grad = true;
-  r.kind = GradKind::kDummy;
-  r.grad = dummy_;
-  return r;
-}
-
-GroupedTensor GroupedLinear::weight_like(DType dtype) const {
-  return GroupedTensor::zeros(groups_, weight_.expert_shape(), dtype, options_.device, weight_.layout());
-}
-
-void GroupedLinear::run_wgrad(const WgradJob& job, const ExecContext& exec) {
-  if (options_.accumulate_into_main_grad) {
-    MOE_CHECK(weight_.main_grad().defined(), ErrorCode::kInvalidArgument,
-              "GroupedLinear: accumulate_into_main_grad, but the weight has no main_grad");
-    grouped_linear_wgrad(job.dy, job.x, job.groups, weight_.main_grad(),
-                         options_.overwrite_main_grad ? GradMode::kOverwrite : GradMode::kAccumulate, exec);
-    return;
-  }
-  // A delayed gradient without main_grad: summed into the parameter's float32 .grad.
-  const bool first = !weight_.grad_.defined();
-  if (first)
-    weight_.grad_ = weight_like(DType::kFloat32);
-  grouped_linear_wgrad(job.dy, job.x, job.groups, weight_.grad_, first ? GradMode::kWrite : GradMode::kAccumulate,
-                       exec);
-}
-
 void GroupedLinear::backward_dw(const ExecContext& exec) {
   if (queue_.empty()) return;
   while (!queue_.empty()) {
-    run_wgrad(queue_.front(), exec);
+    const WgradJob& job = queue_.front();
+    const ParamGrad target = weight_grad_.delayed_target(weight_);
+    grouped_linear_wgrad(job.dy, job.x, job.groups, target.grad, target.mode, exec);
+    weight_grad_.ran(weight_);
     queue_.pop_front();
-    if (options_.accumulate_into_main_grad && weight_.grad_added_to_main_grad.has_value())
-      weight_.grad_added_to_main_grad = true;
   }
   for (const auto& hook : hooks_) hook();
 }

@@ -37,26 +37,28 @@ BackwardBuffers backward_buffers(ops::WorkspaceCarver& c, int64_t capacity, int6
   return b;
 }
 
-// Checks x, probs, weights and spec; returns F.
-int64_t check_mlp(const ops::Validator& v, const TensorView& x, const TensorView& probs,
-                  const ExpertMlpWeights& w, const ExpertMlpSpec& spec) {
-  v.matrix("x", x, v.capacity(), -1, "[T, H]");
-  const int64_t H = x.size(1);
+// Checks x (when given or required), probs, weights and spec; returns {H, F}.
+std::pair<int64_t, int64_t> check_mlp(const ops::Validator& v, const TensorView& x, bool x_required,
+                                      const TensorView& probs, const ExpertMlpWeights& w,
+                                      const ExpertMlpSpec& spec) {
   if (!w.fc2_weight.defined())
     v.fail(ErrorCode::kInvalidArgument,
            "fc2_weight: required per-expert tensor [H, F] is undefined");
   if (w.fc2_weight.expert_shape().size() != 2)
     v.fail(ErrorCode::kShape, "fc2_weight: expected G x [H, F], got ", w.fc2_weight.describe());
-  const int64_t F = w.fc2_weight.expert_shape()[1];
+  const int64_t H = w.fc2_weight.expert_shape()[0], F = w.fc2_weight.expert_shape()[1];
   v.param("fc2_weight", w.fc2_weight, {H, F}, "[H, F]");
   v.param("fc1_weight", w.fc1_weight, {2 * F, H}, "[2F, H]");
-  v.same_dtype("fc1_weight", w.fc1_weight.dtype(), "x", x.dtype());
-  v.same_dtype("fc2_weight", w.fc2_weight.dtype(), "x", x.dtype());
+  v.same_dtype("fc1_weight", w.fc1_weight.dtype(), "fc2_weight", w.fc2_weight.dtype());
+  if (x.defined() || x_required) {
+    v.matrix("x", x, v.capacity(), H, "[T, H]");
+    v.same_dtype("x", x.dtype(), "fc2_weight", w.fc2_weight.dtype());
+  }
   if (w.fc1_bias.defined()) v.param("fc1_bias", w.fc1_bias, {2 * F}, "[2F]");
   if (w.fc2_bias.defined()) v.param("fc2_bias", w.fc2_bias, {H}, "[H]");
   if (probs.defined()) v.row_scale("probs", probs);
   v.glu_spec(spec.glu, F);
-  return F;
+  return {H, F};
 }
 
 void check_param_grad(const ops::Validator& v, const char* name, const ParamGrad& pg,
@@ -90,8 +92,8 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs,
                         const TensorView& y, const TensorView& fc1_out, const ExpertMlpSpec& spec,
                         const ExecContext& ctx) {
   const ops::Validator v("expert_mlp_forward", groups);
-  const int64_t F = check_mlp(v, x, probs, weights, spec);
-  const int64_t T = v.capacity(), H = x.size(1);
+  const auto [H, F] = check_mlp(v, x, /*x_required=*/true, probs, weights, spec);
+  const int64_t T = v.capacity();
   v.matrix("y", y, T, H, "[T, H]");
   if (fc1_out.defined()) {
     v.matrix("fc1_out", fc1_out, T, 2 * F, "[T, 2F]");
@@ -118,10 +120,12 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
                          const TensorView& fc1_out, const ExpertMlpGrads& grads,
                          const ExpertMlpSpec& spec, const ExecContext& ctx) {
   const ops::Validator v("expert_mlp_backward", groups);
-  const int64_t F = check_mlp(v, x, probs, weights, spec);
-  const int64_t T = v.capacity(), H = x.size(1);
+  // x is needed to recompute the pre-activation and for the FC1 weight gradient, else optional.
+  const bool x_required = !fc1_out.defined() || grads.fc1_weight.grad.defined();
+  const auto [H, F] = check_mlp(v, x, x_required, probs, weights, spec);
+  const int64_t T = v.capacity();
   v.matrix("dy", dy, T, H, "[T, H]");
-  v.same_dtype("dy", dy.dtype(), "x", x.dtype());
+  v.same_dtype("dy", dy.dtype(), "fc2_weight", weights.fc2_weight.dtype());
   if (fc1_out.defined()) v.matrix("fc1_out", fc1_out, T, 2 * F, "[T, 2F]");
   if (grads.dx.defined()) v.matrix("dx", grads.dx, T, H, "[T, H]");
   if (grads.dprobs.defined()) {
@@ -134,11 +138,12 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
   check_param_grad(v, "fc2_weight", grads.fc2_weight, weights.fc2_weight);
   check_param_grad(v, "fc2_bias", grads.fc2_bias, weights.fc2_bias);
   const bool recompute = !fc1_out.defined();
-  v.workspace(ctx.workspace, expert_mlp_backward_workspace_size(T, H, F, x.dtype(), recompute),
+  const DType dtype = weights.fc2_weight.dtype();
+  v.workspace(ctx.workspace, expert_mlp_backward_workspace_size(T, H, F, dtype, recompute),
               "expert_mlp_backward_workspace_size");
   const auto compose = [&] {
     ops::WorkspaceCarver carver(ctx.workspace);
-    const BackwardBuffers b = backward_buffers(carver, T, F, x.dtype(), recompute);
+    const BackwardBuffers b = backward_buffers(carver, T, F, dtype, recompute);
     const TensorView h = recompute ? b.fc1_out : fc1_out;
     if (recompute)
       grouped_linear_forward(x, weights.fc1_weight, groups, h, {weights.fc1_bias, {}}, ctx);

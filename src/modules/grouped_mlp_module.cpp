@@ -1,0 +1,218 @@
+// GroupedMLP: the expert MLP op with GroupedLinear's training contract for both weights, delayed
+// weight gradients, checkpoints with GLU layout conversion.
+#include <cmath>
+#include <cstring>
+#include <span>
+#include <string>
+#include <utility>
+
+#include "io/glu_rows.hpp"
+#include "modules/parameter_io.hpp"
+#include "moe_engine/modules.hpp"
+
+namespace moe {
+namespace {
+
+// The ops' scratch, allocated per call on `device` (a module has no persistent workspace yet).
+struct Scratch {
+  Tensor bytes;
+  ExecContext exec;
+  Scratch(size_t size, Device device, const ExecContext& outer)
+      : bytes(Tensor::empty({int64_t(size > 0 ? size : 1)}, DType::kUInt8, device)),
+        exec{outer.stream, {bytes.data(), bytes.nbytes(), device}} {}
+};
+
+}  // namespace
+
+GroupedMLP::GroupedMLP(int64_t groups, int64_t hidden, int64_t ffn, const GroupedMLPOptions& o)
+    : groups_(groups),
+      hidden_(hidden),
+      ffn_(ffn),
+      options_(o),
+      fc1_weight_(groups, {2 * ffn, hidden}, o.dtype, o.device, o.layout),
+      fc2_weight_(groups, {hidden, ffn}, o.dtype, o.device, o.layout),
+      fc1_grad_(o.accumulate_into_main_grad, o.overwrite_main_grad, o.zero_out_wgrad),
+      fc2_grad_(o.accumulate_into_main_grad, o.overwrite_main_grad, o.zero_out_wgrad) {
+  MOE_CHECK(groups >= 1 && hidden >= 1 && ffn >= 1, ErrorCode::kInvalidArgument,
+            "GroupedMLP: expected G, hidden, ffn >= 1, got ", groups, ", ", hidden, ", ", ffn);
+  MOE_CHECK(!o.overwrite_main_grad || o.accumulate_into_main_grad, ErrorCode::kInvalidArgument,
+            "GroupedMLP: overwrite_main_grad needs accumulate_into_main_grad = true");
+  MOE_CHECK(ffn % o.glu.layout.block_size(ffn) == 0, ErrorCode::kShape, "GroupedMLP: GLU layout ",
+            o.glu.layout.name(), " needs F divisible by ", o.glu.layout.block_size(ffn), ", got F = ", ffn);
+  const float bound1 = 1.0f / std::sqrt(float(hidden)), bound2 = 1.0f / std::sqrt(float(ffn));
+  detail::init_uniform(fc1_weight_.storage(), o.seed, -bound1, bound1);
+  detail::init_uniform(fc2_weight_.storage(), o.seed + 1, -bound2, bound2);
+  if (o.bias) {
+    fc1_bias_.emplace(groups, Shape{2 * ffn}, o.dtype, o.device, o.layout);
+    fc2_bias_.emplace(groups, Shape{hidden}, o.dtype, o.device, o.layout);
+    detail::init_uniform(fc1_bias_->storage(), o.seed + 2, -bound1, bound1);
+    detail::init_uniform(fc2_bias_->storage(), o.seed + 3, -bound2, bound2);
+  }
+}
+
+Parameter& GroupedMLP::fc1_bias() {
+  MOE_CHECK(fc1_bias_.has_value(), ErrorCode::kInvalidArgument, "GroupedMLP: the module has no biases");
+  return *fc1_bias_;
+}
+
+Parameter& GroupedMLP::fc2_bias() {
+  MOE_CHECK(fc2_bias_.has_value(), ErrorCode::kInvalidArgument, "GroupedMLP: the module has no biases");
+  return *fc2_bias_;
+}
+
+ExpertMlpWeights GroupedMLP::weights() const {
+  return {fc1_weight_.value(), fc1_bias_ ? fc1_bias_->value() : GroupedParam(), fc2_weight_.value(),
+          fc2_bias_ ? fc2_bias_->value() : GroupedParam()};
+}
+
+MlpForwardResult GroupedMLP::forward(const Tensor& x, const GroupLayout& groups, const Tensor& probs,
+                                     bool input_requires_grad, const ExecContext& exec) {
+  MOE_CHECK(x.defined() && x.dim() == 2 && x.size(1) == hidden_, ErrorCode::kShape,
+            "GroupedMLP.forward: expected x [T, ", hidden_, "], got ", x.view().describe());
+  MOE_CHECK(groups.defined() && groups.num_groups() == groups_, ErrorCode::kInvalidArgument,
+            "GroupedMLP.forward: expected a routing of ", groups_, " experts, got ", groups.num_groups());
+  const int64_t T = x.size(0);
+  // What backward will need. Everything but the fc2 bias gradient goes through the activation's
+  // backward, which needs the pre-activation (kept, or recomputed from x).
+  const bool bias1 = fc1_bias_ && fc1_bias_->requires_grad, bias2 = fc2_bias_ && fc2_bias_->requires_grad;
+  const bool through_act = input_requires_grad || probs.defined() || fc1_weight_.requires_grad ||
+                           fc2_weight_.requires_grad || bias1;
+  MlpForwardResult r;
+  r.y = Tensor::zeros({T, hidden_}, options_.dtype, options_.device);
+  MlpContext& c = r.ctx;
+  if (through_act && !options_.recompute_fc1)
+    c.fc1_out_ = Tensor::zeros({T, 2 * ffn_}, options_.dtype, options_.device);
+  const Scratch scratch(expert_mlp_forward_workspace_size(T, hidden_, ffn_, options_.dtype, c.fc1_out_.defined()),
+                        options_.device, exec);
+  expert_mlp_forward(x, probs, weights(), groups, r.y, c.fc1_out_, {options_.glu}, scratch.exec);
+  if (fc1_weight_.requires_grad || (options_.recompute_fc1 && through_act)) c.x_ = x;
+  if (through_act || bias2) c.probs_ = probs;
+  c.groups_ = groups;
+  c.input_requires_grad_ = input_requires_grad;
+  c.live_ = true;
+  return r;
+}
+
+void GroupedMLP::run_backward(const Tensor& dy, const Tensor& x, const Tensor& probs, const Tensor& fc1_out,
+                              const GroupLayout& groups, const ExpertMlpGrads& grads,
+                              const ExecContext& exec) const {
+  const int64_t T = dy.size(0);
+  const Scratch scratch(
+      expert_mlp_backward_workspace_size(T, hidden_, ffn_, options_.dtype, !fc1_out.defined()), options_.device,
+      exec);
+  expert_mlp_backward(dy, x, probs, weights(), groups, fc1_out, grads, {options_.glu}, scratch.exec);
+}
+
+MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const ExecContext& exec) {
+  MOE_CHECK(ctx.live_, ErrorCode::kInvalidArgument,
+            "GroupedMLP.backward: the context was already used (or comes from no forward)");
+  MOE_CHECK(dy.defined() && dy.dim() == 2 && dy.size(1) == hidden_ && dy.size(0) == ctx.groups_.capacity(),
+            ErrorCode::kShape, "GroupedMLP.backward: expected dy [", ctx.groups_.capacity(), ", ", hidden_,
+            "], got ", dy.view().describe());
+  fc1_grad_.check_main_grad(fc1_weight_, "GroupedMLP.backward");
+  fc2_grad_.check_main_grad(fc2_weight_, "GroupedMLP.backward");
+  ctx.live_ = false;
+  const int64_t T = dy.size(0);
+  MlpBackwardResult r;
+  ExpertMlpGrads g;
+  if (ctx.input_requires_grad_) g.dx = r.dx = Tensor::zeros({T, hidden_}, options_.dtype, options_.device);
+  if (ctx.probs_.defined()) g.dprobs = r.dprobs = Tensor::zeros({T}, DType::kFloat32, options_.device);
+  auto bias_grad = [&](std::optional<Parameter>& bias, ParamGradResult& result, ParamGrad& target) {
+    if (!bias || !bias->requires_grad) return;
+    result.kind = GradKind::kGrad;
+    result.grad = GroupedTensor::zeros(groups_, bias->expert_shape(), options_.dtype, options_.device, bias->layout());
+    target = {result.grad.view(), GradMode::kWrite};
+  };
+  bias_grad(fc1_bias_, r.fc1_bias, g.fc1_bias);
+  bias_grad(fc2_bias_, r.fc2_bias, g.fc2_bias);
+  const bool fc1 = fc1_weight_.requires_grad, fc2 = fc2_weight_.requires_grad;
+  if (options_.delay_wgrad_compute) {
+    if (fc1 || fc2) queue_.push_back({dy, ctx.x_, ctx.probs_, ctx.fc1_out_, ctx.groups_, fc1, fc2});
+    if (fc1) r.fc1_weight = fc1_grad_.queued(fc1_weight_, exec);
+    if (fc2) r.fc2_weight = fc2_grad_.queued(fc2_weight_, exec);
+  } else {
+    if (fc1) g.fc1_weight = fc1_grad_.immediate(fc1_weight_, r.fc1_weight, exec);
+    if (fc2) g.fc2_weight = fc2_grad_.immediate(fc2_weight_, r.fc2_weight, exec);
+  }
+  const bool through_act = g.dx.defined() || g.dprobs.defined() || g.fc1_bias.grad.defined() ||
+                           g.fc1_weight.grad.defined() || g.fc2_weight.grad.defined();
+  if (through_act)
+    run_backward(dy, ctx.x_, ctx.probs_, ctx.fc1_out_, ctx.groups_, g, exec);
+  else if (g.fc2_bias.grad.defined())  // only db2 = sum_r p[r] dy[r]: no activation backward
+    grouped_linear_dbias(dy, ctx.groups_, g.fc2_bias.grad, GradMode::kWrite, ctx.probs_, exec);
+  ctx.x_ = ctx.fc1_out_ = ctx.probs_ = Tensor();
+  return r;
+}
+
+void GroupedMLP::backward_dw(const ExecContext& exec) {
+  if (queue_.empty()) return;
+  while (!queue_.empty()) {
+    const WgradJob& job = queue_.front();
+    ExpertMlpGrads g;
+    if (job.fc1) g.fc1_weight = fc1_grad_.delayed_target(fc1_weight_);
+    if (job.fc2) g.fc2_weight = fc2_grad_.delayed_target(fc2_weight_);
+    run_backward(job.dy, job.x, job.probs, job.fc1_out, job.groups, g, exec);
+    if (job.fc1) fc1_grad_.ran(fc1_weight_);
+    if (job.fc2) fc2_grad_.ran(fc2_weight_);
+    queue_.pop_front();
+  }
+  for (const auto& hook : hooks_) hook();
+}
+
+std::map<std::string, Tensor> GroupedMLP::state_dict(const std::string& prefix) const {
+  std::map<std::string, Tensor> out;
+  detail::export_param(out, prefix + "fc1.weight", fc1_weight_.storage());
+  detail::export_param(out, prefix + "fc2.weight", fc2_weight_.storage());
+  if (fc1_bias_) {
+    detail::export_param(out, prefix + "fc1.bias", fc1_bias_->storage());
+    detail::export_param(out, prefix + "fc2.bias", fc2_bias_->storage());
+  }
+  return out;
+}
+
+void GroupedMLP::load_state_dict(std::map<std::string, Tensor> state, const std::string& prefix,
+                                 std::optional<GluLayout> glu_from) {
+  const GluLayout& to = options_.glu.layout;
+  // FC1 rows from glu_from to the module's layout, into new tensors (the caller's stay as they were).
+  auto convert_fc1 = [&](const std::string& key) {
+    normalize_grouped_keys(state, key, groups_, options_.layout);
+    if (!glu_from || *glu_from == to) return;
+    auto permute = [&](const std::string& k, int64_t experts) {
+      auto it = state.find(k);
+      if (it == state.end()) return;  // reported as missing by import_param
+      const Tensor& t = it->second;
+      MOE_CHECK(t.device().is_cpu() && t.view().is_contiguous(), ErrorCode::kInvalidArgument,
+                "GroupedMLP.load_state_dict: converting the GLU layout of '", k, "' needs a contiguous CPU tensor, got ",
+                t.view().describe());
+      const size_t expert_bytes = t.nbytes() / size_t(experts);
+      MOE_CHECK(t.nbytes() % (size_t(experts) * size_t(2 * ffn_)) == 0, ErrorCode::kShape,
+                "GroupedMLP.load_state_dict: key '", k, "' is ", t.view().describe(), ", not ", experts, " x ", 2 * ffn_,
+                " FC1 rows");
+      Tensor out = Tensor::empty(t.shape(), t.dtype());
+      const auto* src = static_cast<const uint8_t*>(t.data());
+      for (int64_t e = 0; e < experts; ++e) {
+        const std::vector<uint8_t> rows = detail::permute_glu_rows(
+            std::span<const uint8_t>(src + size_t(e) * expert_bytes, expert_bytes), 2 * ffn_, *glu_from, to,
+            ErrorCode::kShape, "GroupedMLP.load_state_dict: '" + k + "'");
+        std::memcpy(static_cast<uint8_t*>(out.data()) + size_t(e) * expert_bytes, rows.data(), expert_bytes);
+      }
+      it->second = out;
+    };
+    if (options_.layout == ExpertLayout::kPacked) {
+      permute(key, groups_);
+    } else {
+      for (int64_t g = 0; g < groups_; ++g) permute(key + std::to_string(g), 1);
+    }
+  };
+  convert_fc1(prefix + "fc1.weight");
+  detail::import_param(state, prefix + "fc1.weight", fc1_weight_.storage());
+  detail::import_param(state, prefix + "fc2.weight", fc2_weight_.storage());
+  if (fc1_bias_) {
+    convert_fc1(prefix + "fc1.bias");
+    detail::import_param(state, prefix + "fc1.bias", fc1_bias_->storage());
+    detail::import_param(state, prefix + "fc2.bias", fc2_bias_->storage());
+  }
+  detail::check_no_unexpected_keys(state, prefix, "GroupedMLP.load_state_dict");
+}
+
+}  // namespace moe
