@@ -164,6 +164,19 @@ TEST_F(Validation, ExpertMlpArguments) {
       expert_mlp_backward(out, x, {}, {GroupedParam::packed(w1), {}, GroupedParam::packed(w2), {}},
                           r.layout, {}, grads, {}, ctx),
       ErrorCode::kInvalidArgument, "fc2_bias: a gradient is requested but the MLP has no fc2_bias");
+  // x may be left out only when the pre-activation is given and no FC1 weight gradient is asked.
+  const ExpertMlpWeights weights{GroupedParam::packed(w1), {}, GroupedParam::packed(w2), {}};
+  EXPECT_MOE_ERROR(expert_mlp_backward(out, {}, {}, weights, r.layout, {}, ExpertMlpGrads{}, {}, ctx),
+                   ErrorCode::kInvalidArgument, "x: required tensor [T, H] is undefined");
+  Tensor fc1_out = random_tensor({10, 2 * F}, DType::kBFloat16, rng);
+  ExpertMlpGrads dw1;
+  dw1.fc1_weight = {GroupedParam::packed(Tensor::zeros({3, 2 * F, H}, DType::kFloat32)), GradMode::kWrite};
+  EXPECT_MOE_ERROR(expert_mlp_backward(out, {}, {}, weights, r.layout, fc1_out, dw1, {}, ctx),
+                   ErrorCode::kInvalidArgument, "x: required tensor [T, H] is undefined");
+  Tensor dx = Tensor::zeros({10, H}, DType::kBFloat16);
+  ExpertMlpGrads dx_only;
+  dx_only.dx = dx;
+  EXPECT_NO_THROW(expert_mlp_backward(out, {}, {}, weights, r.layout, fc1_out, dx_only, {}, ctx));
 }
 
 TEST_F(Validation, OutputsMustNotAliasInputs) {
