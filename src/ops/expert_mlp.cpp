@@ -2,6 +2,8 @@
 // composition runs on every device. Fused device kernels plug in at the dispatch below.
 #include "moe_engine/expert_mlp.hpp"
 
+#include <utility>
+
 #include "ops/validate.hpp"
 
 namespace moe {
@@ -92,7 +94,10 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs,
                         const TensorView& y, const TensorView& fc1_out, const ExpertMlpSpec& spec,
                         const ExecContext& ctx) {
   const ops::Validator v("expert_mlp_forward", groups);
-  const auto [H, F] = check_mlp(v, x, /*x_required=*/true, probs, weights, spec);
+  // (Named variables, not a structured binding: the lambda below captures them, which clang
+  // before 16 rejects for bindings.)
+  const std::pair<int64_t, int64_t> dims = check_mlp(v, x, /*x_required=*/true, probs, weights, spec);
+  const int64_t H = dims.first, F = dims.second;
   const int64_t T = v.capacity();
   v.matrix("y", y, T, H, "[T, H]");
   if (fc1_out.defined()) {
@@ -122,7 +127,8 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
   const ops::Validator v("expert_mlp_backward", groups);
   // x is needed to recompute the pre-activation and for the FC1 weight gradient, else optional.
   const bool x_required = !fc1_out.defined() || grads.fc1_weight.grad.defined();
-  const auto [H, F] = check_mlp(v, x, x_required, probs, weights, spec);
+  const std::pair<int64_t, int64_t> dims = check_mlp(v, x, x_required, probs, weights, spec);
+  const int64_t H = dims.first, F = dims.second;
   const int64_t T = v.capacity();
   v.matrix("dy", dy, T, H, "[T, H]");
   v.same_dtype("dy", dy.dtype(), "fc2_weight", weights.fc2_weight.dtype());
