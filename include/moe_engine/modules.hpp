@@ -97,7 +97,8 @@ class MOE_API WeightGradContract {
   // kInvalidArgument (naming `who`) when the gradient goes to main_grad and there is none.
   void check_main_grad(const Parameter& w, const char* who) const;
   // A gradient computed now: its target, and the outcome in `result` (row 1 of the table: a fresh
-  // tensor in the weight's dtype; rows 2-6: main_grad, handing back nothing or the dummy).
+  // tensor in the weight's dtype; rows 2-6: main_grad, handing back nothing or the dummy). The
+  // caller has run check_main_grad (before consuming anything).
   ParamGrad immediate(Parameter& w, ParamGradResult& result, const ExecContext& exec);
   // A gradient queued for backward_dw: the outcome now (nothing, or the dummy).
   ParamGradResult queued(const Parameter& w, const ExecContext& exec);

@@ -23,7 +23,6 @@ ParamGrad WeightGradContract::immediate(Parameter& w, ParamGradResult& result, c
     result.grad = zeros_like(w, w.dtype());
     return {result.grad.view(), GradMode::kWrite};
   }
-  check_main_grad(w, "backward");
   result = main_grad_outcome(w, exec);
   if (result.kind == GradKind::kDummy) w.grad_added_to_main_grad = true;
   return {w.main_grad(), overwrite_ ? GradMode::kOverwrite : GradMode::kAccumulate};

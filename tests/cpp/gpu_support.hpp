@@ -1,6 +1,10 @@
-// Helpers for the GPU suites: moving tensors, poisoned device outputs, skipping without a GPU.
+// Helpers for the GPU suites: moving tensors, poisoned device outputs, the same routing on both
+// devices, captured CUDA graphs, skipping without a GPU.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
+#include <stdexcept>
 #include <string>
 
 #include "test_support.hpp"
@@ -29,6 +33,39 @@ struct DualRouting {
     offsets = Tensor::empty({cpu.num_groups() + 1}, DType::kInt64, Device::cuda(0));
     gpu = GroupLayout::compute(splits, capacity, offsets, &flag);
   }
+};
+
+// What `record` enqueues on `stream`, captured once (cudaStreamCaptureModeGlobal: any unsafe
+// call from any thread fails the capture) and replayed by launch(). Failures throw, which
+// GoogleTest reports with the CUDA error.
+class CapturedGraph {
+ public:
+  template <class Record>
+  CapturedGraph(cudaStream_t stream, Record&& record) : stream_(stream) {
+    check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+    record();
+    check(cudaStreamEndCapture(stream, &graph_), "end capture");
+    check(cudaGraphInstantiate(&exec_, graph_, 0), "instantiate");
+  }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  ~CapturedGraph() {
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (graph_) cudaGraphDestroy(graph_);
+  }
+  // Replays the graph and waits for it.
+  void launch() {
+    check(cudaGraphLaunch(exec_, stream_), "launch");
+    check(cudaStreamSynchronize(stream_), "synchronize after the replay");
+  }
+
+ private:
+  static void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA graph ") + what + ": " + cudaGetErrorString(e));
+  }
+  cudaStream_t stream_;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
 };
 
 // Empty when a GPU is visible; otherwise why not (the reason every GPU test skips with).

@@ -118,15 +118,12 @@ TEST_F(Gpu, OffsetsReplayFromACapturedGraphWithNewSplits) {
   Tensor offsets = Tensor::empty({G + 1}, DType::kInt64, Device::cuda(0));
   DeviceErrorFlag flag(Device::cuda(0));
 
-  cudaGraph_t graph;
-  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  GroupLayout::compute(splits, cap, offsets, &flag, stream);
-  EXPECT_TRUE(stream_is_capturing(stream));
-  EXPECT_MOE_ERROR(flag.check(stream), ErrorCode::kInvalidArgument,
-                   "being captured into a CUDA graph");
-  CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec;
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CapturedGraph graph(stream, [&] {
+    GroupLayout::compute(splits, cap, offsets, &flag, stream);
+    EXPECT_TRUE(stream_is_capturing(stream));
+    EXPECT_MOE_ERROR(flag.check(stream), ErrorCode::kInvalidArgument,
+                     "being captured into a CUDA graph");
+  });
 
   Tensor eager = Tensor::empty({G + 1}, DType::kInt64, Device::cuda(0));
   for (int step = 0; step < 5; ++step) {
@@ -135,8 +132,7 @@ TEST_F(Gpu, OffsetsReplayFromACapturedGraphWithNewSplits) {
     if (step == 3) s[7] = -2;  // one replay with a bad routing
     Tensor host = splits_tensor<int64_t>(s);
     copy_tensor(splits, host, stream);
-    CUDA_OK(cudaGraphLaunch(exec, stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
+    graph.launch();
     const Tensor replayed = to_host(offsets);
     GroupLayout::compute(splits, cap, eager, &flag, stream);  // eager run on the same splits
     synchronize(stream);
@@ -147,8 +143,6 @@ TEST_F(Gpu, OffsetsReplayFromACapturedGraphWithNewSplits) {
     else
       EXPECT_NO_THROW(flag.check(stream));
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 

@@ -267,20 +267,14 @@ TEST_F(GpuExpertMlpGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
   copy_tensor(splits, splits_tensor_for(random_splits(rng, G, 2 * T / G)), stream);
   step();  // warm-up outside capture
   CUDA_OK(cudaStreamSynchronize(stream));
-  cudaGraph_t graph;
-  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  step();
-  CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec;
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CapturedGraph graph(stream, step);
   for (int replay = 0; replay < 4; ++replay) {
     SCOPED_TRACE("routing " + std::to_string(replay));
     std::vector<int64_t> s = random_splits(rng, G, 2 * T / G);
     if (replay == 2) s.assign(size_t(G), 0), s[7] = T - 5;  // one expert takes (almost) all
     copy_tensor(splits, splits_tensor_for(s), stream);
     reset();
-    CUDA_OK(cudaGraphLaunch(exec, stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
+    graph.launch();
     const Tensor all[] = {to_host(y), to_host(fc1_out), to_host(dx), to_host(dprobs),
                           to_host(mg1), to_host(mg2), to_host(db1), to_host(db2)};
     for (int eager = 0; eager < 2; ++eager) {
@@ -298,8 +292,6 @@ TEST_F(GpuExpertMlpGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
     expect_close(dx, cpu.dx, r.cpu.rows(), oracle::mlp_tolerance(dt), "replayed dx");
     EXPECT_NO_THROW(flag.check(stream));
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 

@@ -201,12 +201,7 @@ TEST_F(GpuGroupedLinearGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
   copy_tensor(splits, splits_tensor_for(random_splits(rng, G, 120)), stream);
   step();  // warm-up outside capture (first-launch setup)
   CUDA_OK(cudaStreamSynchronize(stream));
-  cudaGraph_t graph;
-  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  step();
-  CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec;
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CapturedGraph graph(stream, step);
   for (int replay = 0; replay < 5; ++replay) {
     SCOPED_TRACE("routing " + std::to_string(replay));
     std::vector<int64_t> s = random_splits(rng, G, 2 * T / G);
@@ -214,8 +209,7 @@ TEST_F(GpuGroupedLinearGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
     const Tensor host_splits = splits_tensor_for(s);
     copy_tensor(splits, host_splits, stream);
     reset();
-    CUDA_OK(cudaGraphLaunch(exec, stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
+    graph.launch();
     const Tensor y1 = to_host(y), dx1 = to_host(dx), dw1 = to_host(dw);
     for (int eager = 0; eager < 2; ++eager) {
       reset();
@@ -232,8 +226,6 @@ TEST_F(GpuGroupedLinearGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
     expect_matches(y, y_cpu, cpu_routing.rows(), dt, "replayed y");
     EXPECT_NO_THROW(flag.check(stream));
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "moe_engine/modules.hpp"
+#include "grad_contract_rows.hpp"
 #include "test_support.hpp"
 
 namespace moe::test {
@@ -164,14 +165,8 @@ TEST(GroupedMlpModule, KeepsOnlyWhatBackwardNeeds) {
   EXPECT_MOE_ERROR(m.backward(f.ctx, b.dy), ErrorCode::kInvalidArgument, "already used");
 }
 
-// The six rows of DESIGN.md section 4, for both weights at once and both layouts.
-struct Row {
-  const char* name;
-  bool delay, main_grad, flag;
-  GradKind backward_kind;
-  bool flag_after_backward, flag_after_dw;
-};
-void PrintTo(const Row& row, std::ostream* os) { *os << row.name; }
+// The six rows of DESIGN.md section 4 (grad_contract_rows.hpp), for both weights at once and both
+// layouts.
 
 class MlpGradientContract : public ::testing::TestWithParam<std::tuple<Row, ExpertLayout>> {};
 
@@ -225,22 +220,7 @@ TEST_P(MlpGradientContract, Row) {
   }
 }
 
-const Row kRows[] = {
-    {"plain", false, false, false, GradKind::kGrad, false, false},
-    {"delayed", true, false, false, GradKind::kNone, false, false},
-    {"main_grad_no_flag", false, true, false, GradKind::kNone, false, false},
-    {"main_grad_flag", false, true, true, GradKind::kDummy, true, true},
-    {"delayed_main_grad_no_flag", true, true, false, GradKind::kNone, false, false},
-    {"delayed_main_grad_flag", true, true, true, GradKind::kDummy, false, true},
-};
-
-INSTANTIATE_TEST_SUITE_P(SixRows, MlpGradientContract,
-                         ::testing::Combine(::testing::ValuesIn(kRows),
-                                            ::testing::Values(ExpertLayout::kPacked, ExpertLayout::kPerExpert)),
-                         [](const auto& info) {
-                           return std::string(std::get<0>(info.param).name) + "_" +
-                                  (std::get<1>(info.param) == ExpertLayout::kPacked ? "packed" : "per_expert");
-                         });
+INSTANTIATE_TEST_SUITE_P(SixRows, MlpGradientContract, all_rows_and_layouts(), row_and_layout_name);
 
 TEST(GroupedMlpModule, DelayedEqualsImmediateTwiceIsDoubleOverwriteReplacesHooksOnce) {
   Rng rng;

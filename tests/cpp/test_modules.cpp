@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "moe_engine/modules.hpp"
+#include "grad_contract_rows.hpp"
 #include "test_support.hpp"
 
 namespace moe::test {
@@ -130,16 +131,7 @@ TEST(GroupedLinearModule, KeepsOnlyWhatBackwardNeeds) {
   EXPECT_MOE_ERROR(m.backward(f.ctx, b.dy), ErrorCode::kInvalidArgument, "already used");
 }
 
-// The six rows of DESIGN.md section 4, for both layouts.
-struct Row {
-  const char* name;
-  bool delay, main_grad, flag;
-  GradKind backward_kind;  // what backward hands back
-  bool flag_after_backward, flag_after_dw;
-};
-
-void PrintTo(const Row& row, std::ostream* os) { *os << row.name; }
-
+// The six rows of DESIGN.md section 4 (grad_contract_rows.hpp), for both layouts.
 class GradientContract : public ::testing::TestWithParam<std::tuple<Row, ExpertLayout>> {};
 
 TEST_P(GradientContract, Row) {
@@ -183,22 +175,7 @@ TEST_P(GradientContract, Row) {
     EXPECT_TRUE(param_equals(r.weight.grad, Tensor::zeros({kG, kOut, kIn}, DType::kBFloat16)));
 }
 
-const Row kRows[] = {
-    {"plain", false, false, false, GradKind::kGrad, false, false},
-    {"delayed", true, false, false, GradKind::kNone, false, false},
-    {"main_grad_no_flag", false, true, false, GradKind::kNone, false, false},
-    {"main_grad_flag", false, true, true, GradKind::kDummy, true, true},
-    {"delayed_main_grad_no_flag", true, true, false, GradKind::kNone, false, false},
-    {"delayed_main_grad_flag", true, true, true, GradKind::kDummy, false, true},
-};
-
-INSTANTIATE_TEST_SUITE_P(SixRows, GradientContract,
-                         ::testing::Combine(::testing::ValuesIn(kRows),
-                                            ::testing::Values(ExpertLayout::kPacked, ExpertLayout::kPerExpert)),
-                         [](const auto& info) {
-                           return std::string(std::get<0>(info.param).name) + "_" +
-                                  (std::get<1>(info.param) == ExpertLayout::kPacked ? "packed" : "per_expert");
-                         });
+INSTANTIATE_TEST_SUITE_P(SixRows, GradientContract, all_rows_and_layouts(), row_and_layout_name);
 
 TEST(GroupedLinearModule, DelayedEqualsImmediateAccumulateTwiceIsDoubleOverwriteReplaces) {
   Rng rng;
