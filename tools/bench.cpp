@@ -65,6 +65,7 @@ int run_bench(const BenchOptions& o) {
             ErrorCode::kDType, "bench: --dtype must be bfloat16, float16 or float32, got ",
             o.dtype);
   const GluLayout layout = GluLayout::parse(o.glu_layout);
+  const MlpFusion fusion = parse_fusion(o.fusion);
 
   std::string device_note;
   Device device = Device::cpu();
@@ -81,6 +82,7 @@ int run_bench(const BenchOptions& o) {
   std::optional<MlpProblem> problem;
   try {
     problem.emplace(w, layout, dtype, device, o.seed);
+    problem->set_fusion(fusion);
     problem->forward();
   } catch (const Error& e) {
     // auto never fails over silently: the fallback is printed and recorded.
@@ -105,8 +107,19 @@ int run_bench(const BenchOptions& o) {
     problem->backward(stream);
   }
   wait();
-  std::vector<double> fwd, bwd, total;
-  for (int i = 0; i < iters; ++i) {
+  // With --vs-unfused the unfused path is warmed up too, then each timed run of the fused path is
+  // followed by one of the unfused path (same inputs, same clocks on average).
+  if (o.vs_unfused) {
+    problem->set_fusion(MlpFusion::kNone);
+    for (int i = 0; i < o.warmup; ++i) {
+      problem->forward(stream);
+      problem->backward(stream);
+    }
+    wait();
+    problem->set_fusion(fusion);
+  }
+  std::vector<double> fwd, bwd, total, ufwd, ubwd, utotal;
+  auto timed = [&](std::vector<double>& vf, std::vector<double>& vb, std::vector<double>& vt) {
     const double t0 = now_ms();
     problem->forward(stream);
     wait();
@@ -114,9 +127,17 @@ int run_bench(const BenchOptions& o) {
     problem->backward(stream);
     wait();
     const double t2 = now_ms();
-    fwd.push_back(t1 - t0);
-    bwd.push_back(t2 - t1);
-    total.push_back(t2 - t0);
+    vf.push_back(t1 - t0);
+    vb.push_back(t2 - t1);
+    vt.push_back(t2 - t0);
+  };
+  for (int i = 0; i < iters; ++i) {
+    timed(fwd, bwd, total);
+    if (o.vs_unfused) {
+      problem->set_fusion(MlpFusion::kNone);
+      timed(ufwd, ubwd, utotal);
+      problem->set_fusion(fusion);
+    }
   }
   const Stats f = stats_of(fwd), b = stats_of(bwd), t = stats_of(total);
   const double flops = w.mlp_flops();
@@ -141,6 +162,7 @@ int run_bench(const BenchOptions& o) {
     j["kind"] = o.kind;
     j["dtype"] = dtype_name(dtype);
     j["glu"] = describe(problem->spec().glu);
+    j["fusion"] = fusion_name(fusion);
     j["case"] = {{"name", w.name},
                  {"experts", w.experts},
                  {"hidden", w.hidden},
@@ -157,6 +179,14 @@ int run_bench(const BenchOptions& o) {
                     {"backward", {{"median", b.median}, {"min", b.min}}},
                     {"total", {{"median", t.median}, {"min", t.min}}}};
     j["tflops"] = tflops;
+    j["saved_bytes_per_token"] = problem->saved_bytes_per_token();
+    if (o.vs_unfused) {
+      const Stats uf = stats_of(ufwd), ub = stats_of(ubwd), ut = stats_of(utotal);
+      j["unfused_time_ms"] = {{"forward", {{"median", uf.median}, {"min", uf.min}}},
+                              {"backward", {{"median", ub.median}, {"min", ub.min}}},
+                              {"total", {{"median", ut.median}, {"min", ut.min}}}};
+      j["speedup_vs_unfused"] = ut.median / t.median;
+    }
     j["roofline_fraction"] = nullptr;  // measured against the H200 ceilings on CUDA only
     if (check)
       j["check"] = {{"oracle", "float64"},
@@ -182,6 +212,13 @@ int run_bench(const BenchOptions& o) {
     std::printf("%-10s %12.3f %12.3f %12.4f\n", "backward", b.median, b.min,
                 flops * 2 / 3 / (b.median * 1e9));
     std::printf("%-10s %12.3f %12.3f %12.4f\n", "total", t.median, t.min, tflops);
+    if (o.vs_unfused) {
+      const Stats uf = stats_of(ufwd), ub = stats_of(ubwd), ut = stats_of(utotal);
+      std::printf("%-10s %12.3f %12.3f %12.4f   unfused: fwd %.3f bwd %.3f; fused is %.3fx faster\n",
+                  "unfused", ut.median, ut.min, flops / (ut.median * 1e9), uf.median, ub.median,
+                  ut.median / t.median);
+    }
+    std::printf("saved for backward: %lld bytes per token\n", (long long)problem->saved_bytes_per_token());
     std::printf("(median of %d runs after %d warm-up)\n", iters, o.warmup);
     if (check) {
       std::printf("check against the fp64 oracle: max rel. error %.3g (tolerance %.3g): %s\n",

@@ -24,6 +24,8 @@ struct BenchOptions {
   bool check = true;  // compare with the float64 oracle when small enough
   bool json = false;
   bool list = false;         // list the cases and exit
+  std::string fusion = "forward";  // mlp: none | forward | all (ExpertMlpSpec::fusion)
+  bool vs_unfused = false;   // mlp: also time the unfused path, alternating with the fused one
   std::string anchor;        // gemm: torch_anchor.py's JSON from the same device run
   std::string json_out;      // gemm: write the results as JSON to this file
   std::string gemm_filter;   // gemm: only this GEMM ("fc2/wgrad"); empty: all

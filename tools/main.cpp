@@ -47,6 +47,10 @@ int main(int argc, char** argv) {
   bench_cmd->add_flag("!--no-check", bench.check, "Skip the comparison with the fp64 oracle");
   bench_cmd->add_flag("--json", bench.json, "Print JSON only");
   bench_cmd->add_flag("--list", bench.list, "List the cases and exit");
+  bench_cmd->add_option("--fusion", bench.fusion, "mlp: fused steps on CUDA: none, forward or all")
+      ->capture_default_str();
+  bench_cmd->add_flag("--vs-unfused", bench.vs_unfused,
+                      "mlp: also time the unfused path (grouped GEMMs + GLU kernels), run by run alternating");
   bench_cmd->add_option("--anchor", bench.anchor,
                         "gemm: JSON of ../shared/bench/torch_anchor.py from the same run");
   bench_cmd->add_option("--gemm", bench.gemm_filter,

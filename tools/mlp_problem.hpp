@@ -31,6 +31,11 @@ class MlpProblem {
 
   const Workload& workload() const { return workload_; }
   const ExpertMlpSpec& spec() const { return spec_; }
+  void set_fusion(MlpFusion fusion) { spec_.fusion = fusion; }
+  // Bytes per routed token kept from forward for backward: x, the pre-activation and the prob.
+  int64_t saved_bytes_per_token() const {
+    return (workload_.hidden + 2 * workload_.ffn) * int64_t(dtype_size(dtype_)) + 4;
+  }
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
 

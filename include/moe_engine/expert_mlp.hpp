@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 
 #include "moe_engine/export.hpp"
 #include "moe_engine/glu.hpp"
@@ -24,8 +25,19 @@ struct ExpertMlpWeights {
   GroupedParam fc2_bias;  // optional; added as p[r] * b2_g
 };
 
+// Which steps run fused on CUDA (sm_90a, packed weights, GLU layout pairs or blocks:s with s in
+// 8..128 a power of two; elsewhere everything runs unfused). Results agree within rounding.
+enum class MlpFusion {
+  kNone,             // grouped GEMMs + GLU kernels
+  kForward,          // GLU (+ b1, probs) in FC1's epilogue; backward unfused
+  kForwardBackward,  // also dGLU + dprobs in FC2 dgrad's epilogue (slower today: see README)
+};
+MOE_API const char* fusion_name(MlpFusion fusion);  // "none", "forward", "all"
+MOE_API MlpFusion parse_fusion(std::string_view name);
+
 struct ExpertMlpSpec {
   GluSpec glu;
+  MlpFusion fusion = MlpFusion::kForward;
 };
 
 // Scratch the forward needs; save_fc1_out = whether the caller keeps the pre-activation.

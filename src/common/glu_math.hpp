@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "moe_engine/dtype.hpp"  // MOE_HOST_DEVICE
 #include "moe_engine/glu.hpp"
@@ -25,7 +26,14 @@ struct GluMath {
     return {T(spec.limit), T(spec.alpha), T(spec.offset)};
   }
 
-  MOE_HOST_DEVICE static T sigmoid(T x) { return T(1) / (T(1) + exp_of(-x)); }
+  // On the GPU in float: the hardware exp2 and reciprocal (a few ulp, far below the 16-bit output
+  // rounding). Every CUDA path (GLU kernels, fused epilogues) computes this same function.
+  MOE_HOST_DEVICE static T sigmoid(T x) {
+#ifdef __CUDA_ARCH__
+    if constexpr (std::is_same_v<T, float>) return __fdividef(1.f, 1.f + __expf(-x));
+#endif
+    return T(1) / (T(1) + exp_of(-x));
+  }
 
   // Comparisons are written so that NaN inputs propagate instead of being clamped away.
   MOE_HOST_DEVICE T clamp_gate(T gate) const { return gate > limit ? limit : gate; }

@@ -2,6 +2,9 @@
 // the routed rows, whose count the kernels read from the device offsets), the same math as the CPU
 // backend (common/glu_math.hpp). dprobs is reduced per row by one block in a fixed tree: the
 // result does not depend on timing.
+#include <algorithm>
+#include <type_traits>
+
 #include "common/glu_math.hpp"
 #include "cuda/backend.hpp"
 #include "cuda/check.hpp"
@@ -71,7 +74,89 @@ __global__ void glu_backward_kernel(const T* __restrict__ h, int64_t ldh, const 
   }
 }
 
+// The 16-bit backward two features per thread: (j, j + 1) with j even are adjacent in d_out, out
+// and, for blocks of an even size, among the gate and the linear columns; with pairs the four
+// values g(j), l(j), g(j + 1), l(j + 1) are one 64-bit word. Same math and order per row as the
+// scalar kernel except that dprobs adds the two features' terms in one step.
+template <class T, bool kPairs>
+__global__ void glu_backward_x2_kernel(const T* __restrict__ h, int64_t ldh, const float* __restrict__ probs,
+                                       const T* __restrict__ d_out, int64_t ldd,
+                                       const int64_t* __restrict__ offsets, int64_t num_groups, int32_t ffn,
+                                       int32_t block, detail::GluMath<float> math, T* __restrict__ dh,
+                                       int64_t lddh, float* __restrict__ dprobs, T* __restrict__ out, int64_t ldo) {
+  using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  __shared__ float warp_sums[kThreads / 32];
+  const int64_t rows = offsets[num_groups];
+  const auto to2 = [](T2 v) {
+    if constexpr (std::is_same_v<T, __half>) return __half22float2(v);
+    else return __bfloat1622float2(v);
+  };
+  const auto from2 = [](float a, float b) {
+    if constexpr (std::is_same_v<T, __half>) return __floats2half2_rn(a, b);
+    else return __floats2bfloat162_rn(a, b);
+  };
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float p = probs ? probs[r] : 1.f;
+    const T* hr = h + r * ldh;
+    float dp = 0.f;
+    for (int32_t j = 2 * threadIdx.x; j < ffn; j += 2 * kThreads) {
+      const float2 d = to2(*reinterpret_cast<const T2*>(d_out + r * ldd + j));
+      float2 gate, linear;
+      int32_t g = 0;
+      if constexpr (kPairs) {
+        const uint2 v = *reinterpret_cast<const uint2*>(hr + 2 * j);
+        const uint32_t gg = __byte_perm(v.x, v.y, 0x5410), ll = __byte_perm(v.x, v.y, 0x7632);
+        gate = to2(*reinterpret_cast<const T2*>(&gg));
+        linear = to2(*reinterpret_cast<const T2*>(&ll));
+      } else {
+        g = gate_column(j, block);
+        gate = to2(*reinterpret_cast<const T2*>(hr + g));
+        linear = to2(*reinterpret_cast<const T2*>(hr + g + block));
+      }
+      float act0, dg0, dl0, act1, dg1, dl1;
+      math.backward(gate.x, linear.x, d.x * p, act0, dg0, dl0);
+      math.backward(gate.y, linear.y, d.y * p, act1, dg1, dl1);
+      if constexpr (kPairs) {
+        const T2 lo = from2(dg0, dl0), hi = from2(dg1, dl1);
+        *reinterpret_cast<uint2*>(dh + r * lddh + 2 * j) =
+            make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+      } else {
+        *reinterpret_cast<T2*>(dh + r * lddh + g) = from2(dg0, dg1);
+        *reinterpret_cast<T2*>(dh + r * lddh + g + block) = from2(dl0, dl1);
+      }
+      dp += act0 * d.x + act1 * d.y;
+      if (out) *reinterpret_cast<T2*>(out + r * ldo + j) = from2(act0 * p, act1 * p);
+    }
+    if (dprobs) {  // uniform: the whole block reduces
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) dp += __shfl_xor_sync(0xffffffffu, dp, offset);
+      if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = dp;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < kThreads / 32; ++w) sum += warp_sums[w];
+        dprobs[r] = sum;
+      }
+      __syncthreads();  // warp_sums is reused by the next row
+    }
+  }
+}
+
+__global__ void glu_dprobs_reduce_kernel(const float* __restrict__ partial, int64_t stride, int32_t tiles,
+                                         const int64_t* __restrict__ offsets, int64_t num_groups,
+                                         float* __restrict__ dprobs) {
+  const int64_t rows = offsets[num_groups];
+  for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
+    float sum = 0.f;  // tiles in order: deterministic
+    for (int32_t t = 0; t < tiles; ++t) sum += partial[r * stride + t];
+    dprobs[r] = sum;
+  }
+}
+
 unsigned grid_for(int64_t capacity) { return unsigned(capacity < kMaxBlocks ? capacity : kMaxBlocks); }
+
+bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0; }
 
 void check_ffn(int64_t ffn) {
   if (ffn >= (int64_t(1) << 30))
@@ -79,6 +164,17 @@ void check_ffn(int64_t ffn) {
 }
 
 }  // namespace
+
+void glu_dprobs_reduce(const float* partial, int64_t stride, int64_t tiles, const GroupLayout& groups,
+                       const TensorView& dprobs, Stream stream) {
+  const int64_t T = groups.capacity();
+  if (T == 0) return;
+  const unsigned blocks = unsigned(std::min<int64_t>((T + kThreads - 1) / kThreads, 1024));
+  glu_dprobs_reduce_kernel<<<blocks, kThreads, 0, stream>>>(partial, stride, int32_t(tiles),
+                                                           groups.offsets().data_as<int64_t>(),
+                                                           groups.num_groups(), dprobs.data_as<float>());
+  MOE_CUDA_CHECK_LAUNCH("glu_dprobs_reduce_kernel");
+}
 
 void glu_forward(const TensorView& h, const TensorView& probs, const GroupLayout& groups,
                  const TensorView& out, const GluSpec& spec, Stream stream) {
@@ -103,6 +199,30 @@ void glu_backward(const TensorView& h, const TensorView& probs, const TensorView
   check_ffn(F);
   if (T == 0) return;
   const auto math = detail::GluMath<float>::from(spec);
+  const int64_t block = F > 0 ? spec.layout.block_size(F) : 1;
+  // Two features per thread where the layout and alignment allow (16-bit data).
+  const bool pairs = block == 1;
+  const bool x2 = h.dtype() != DType::kFloat32 && F % 2 == 0 && (pairs || block % 2 == 0) &&
+                  h.stride(0) % (pairs ? 4 : 2) == 0 && o.dh.stride(0) % (pairs ? 4 : 2) == 0 &&
+                  d_out.stride(0) % 2 == 0 && (!o.out.defined() || o.out.stride(0) % 2 == 0) &&
+                  aligned(h.data(), pairs ? 8 : 4) && aligned(o.dh.data(), pairs ? 8 : 4) &&
+                  aligned(d_out.data(), 4) && (!o.out.defined() || aligned(o.out.data(), 4));
+  if (x2) {
+    with_cuda_type(h.dtype(), "glu_backward", [&](auto type) {
+      using T_ = decltype(type);
+      if constexpr (!std::is_same_v<T_, float>) {
+        auto kernel = pairs ? glu_backward_x2_kernel<T_, true> : glu_backward_x2_kernel<T_, false>;
+        kernel<<<grid_for(T), kThreads, 0, stream>>>(
+            h.data_as<T_>(), h.stride(0), probs.defined() ? probs.data_as<float>() : nullptr,
+            d_out.data_as<T_>(), d_out.stride(0), groups.offsets().data_as<int64_t>(), groups.num_groups(),
+            int32_t(F), int32_t(block), math, o.dh.data_as<T_>(), o.dh.stride(0),
+            o.dprobs.defined() ? o.dprobs.data_as<float>() : nullptr,
+            o.out.defined() ? o.out.data_as<T_>() : nullptr, o.out.defined() ? o.out.stride(0) : 0);
+        MOE_CUDA_CHECK_LAUNCH("glu_backward_x2_kernel");
+      }
+    });
+    return;
+  }
   with_cuda_type(h.dtype(), "glu_backward", [&](auto type) {
     using T_ = decltype(type);
     glu_backward_kernel<T_><<<grid_for(T), kThreads, 0, stream>>>(

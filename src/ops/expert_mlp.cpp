@@ -1,9 +1,14 @@
-// The expert MLP, composed from the grouped-linear and GLU ops (the "unfused" path): the same
-// composition runs on every device. Fused device kernels plug in at the dispatch below.
+// The expert MLP, composed from the grouped-linear and GLU ops (the "unfused" path), with the
+// fused CUDA kernels (GLU in FC1's epilogue, dGLU + dprobs in FC2 dgrad's) taking the steps they
+// can: the same composition runs on every device.
 #include "moe_engine/expert_mlp.hpp"
 
 #include <utility>
 
+#include "moe_engine/config.hpp"
+#if MOE_ENGINE_WITH_CUDA
+#include "cuda/backend.hpp"
+#endif
 #include "ops/validate.hpp"
 
 namespace moe {
@@ -75,6 +80,25 @@ void check_param_grad(const ops::Validator& v, const char* name, const ParamGrad
 
 }  // namespace
 
+const char* fusion_name(MlpFusion fusion) {
+  switch (fusion) {
+    case MlpFusion::kNone:
+      return "none";
+    case MlpFusion::kForward:
+      return "forward";
+    case MlpFusion::kForwardBackward:
+      return "all";
+  }
+  return "unknown";
+}
+
+MlpFusion parse_fusion(std::string_view name) {
+  if (name == "none") return MlpFusion::kNone;
+  if (name == "forward") return MlpFusion::kForward;
+  if (name == "all") return MlpFusion::kForwardBackward;
+  throw_error(ErrorCode::kInvalidArgument, "unknown MLP fusion '", name, "'; expected none, forward or all");
+}
+
 size_t expert_mlp_forward_workspace_size(int64_t capacity, int64_t /*hidden*/, int64_t ffn,
                                          DType dtype, bool save_fc1_out) {
   ops::WorkspaceCarver c;
@@ -107,17 +131,31 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs,
   v.workspace(ctx.workspace,
               expert_mlp_forward_workspace_size(T, H, F, x.dtype(), fc1_out.defined()),
               "expert_mlp_forward_workspace_size");
-  const auto compose = [&] {
+  // fc1_glu(act) runs FC1 + GLU fused into act (and fc1_out) and returns true, or does nothing.
+  const auto compose = [&](auto&& fc1_glu) {
     ops::WorkspaceCarver carver(ctx.workspace);
     const ForwardBuffers b = forward_buffers(carver, T, F, x.dtype(), fc1_out.defined());
-    const TensorView h = fc1_out.defined() ? fc1_out : b.fc1_out;
-    grouped_linear_forward(x, weights.fc1_weight, groups, h, {weights.fc1_bias, {}}, ctx);
-    glu_forward(h, probs, groups, b.act, spec.glu, ctx);
+    if (!fc1_glu(b.act)) {
+      const TensorView h = fc1_out.defined() ? fc1_out : b.fc1_out;
+      grouped_linear_forward(x, weights.fc1_weight, groups, h, {weights.fc1_bias, {}}, ctx);
+      glu_forward(h, probs, groups, b.act, spec.glu, ctx);
+    }
     const TensorView fc2_scale = weights.fc2_bias.defined() ? probs : TensorView{};
     grouped_linear_forward(b.act, weights.fc2_weight, groups, y, {weights.fc2_bias, fc2_scale},
                            ctx);
   };
-  ops::dispatch(v, compose, compose);
+  const auto unfused = [](const TensorView&) { return false; };
+  ops::dispatch(
+      v, [&] { compose(unfused); },
+      [&] {
+#if MOE_ENGINE_WITH_CUDA
+        if (spec.fusion != MlpFusion::kNone)
+          return compose([&](const TensorView& act) {
+            return cuda::expert_mlp_fc1_glu(x, weights, groups, probs, spec.glu, fc1_out, act, ctx.stream);
+          });
+#endif
+        compose(unfused);
+      });
 }
 
 void expert_mlp_backward(const TensorView& dy, const TensorView& x, const TensorView& probs,
@@ -147,16 +185,19 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
   const DType dtype = weights.fc2_weight.dtype();
   v.workspace(ctx.workspace, expert_mlp_backward_workspace_size(T, H, F, dtype, recompute),
               "expert_mlp_backward_workspace_size");
-  const auto compose = [&] {
+  // dgrad_glu(h, b) runs FC2's dgrad + the GLU backward fused and returns true, or does nothing.
+  const auto compose = [&](auto&& dgrad_glu) {
     ops::WorkspaceCarver carver(ctx.workspace);
     const BackwardBuffers b = backward_buffers(carver, T, F, dtype, recompute);
     const TensorView h = recompute ? b.fc1_out : fc1_out;
     if (recompute)
       grouped_linear_forward(x, weights.fc1_weight, groups, h, {weights.fc1_bias, {}}, ctx);
-    grouped_linear_dgrad(dy, weights.fc2_weight, groups, b.d_act, ctx);
     const bool need_act = grads.fc2_weight.grad.defined();
-    glu_backward(h, probs, b.d_act, groups,
-                 {b.d_fc1, grads.dprobs, need_act ? b.act : TensorView{}}, spec.glu, ctx);
+    if (!dgrad_glu(h, b)) {
+      grouped_linear_dgrad(dy, weights.fc2_weight, groups, b.d_act, ctx);
+      glu_backward(h, probs, b.d_act, groups,
+                   {b.d_fc1, grads.dprobs, need_act ? b.act : TensorView{}}, spec.glu, ctx);
+    }
     // y holds + p * b2, so dprobs also gets <b2_g, dy[r]>.
     if (grads.dprobs.defined() && weights.fc2_bias.defined())
       grouped_linear_dscales(dy, weights.fc2_bias, groups, grads.dprobs, /*accumulate=*/true, ctx);
@@ -171,7 +212,22 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
     if (grads.dx.defined())
       grouped_linear_dgrad(b.d_fc1, weights.fc1_weight, groups, grads.dx, ctx);
   };
-  ops::dispatch(v, compose, compose);
+  const auto unfused = [](const TensorView&, const BackwardBuffers&) { return false; };
+  ops::dispatch(
+      v, [&] { compose(unfused); },
+      [&] {
+#if MOE_ENGINE_WITH_CUDA
+        if (spec.fusion == MlpFusion::kForwardBackward)
+          return compose([&](const TensorView& h, const BackwardBuffers& b) {
+            // The dprobs shares per 256-feature tile live in d_act's space, unused when fused.
+            const bool need_act = grads.fc2_weight.grad.defined();
+            return cuda::expert_mlp_fc2_dgrad_glu(dy, weights, groups, h, probs, spec.glu, b.d_fc1,
+                                                  need_act ? b.act : TensorView{}, grads.dprobs,
+                                                  b.d_act, ctx.stream);
+          });
+#endif
+        compose(unfused);
+      });
 }
 
 }  // namespace moe

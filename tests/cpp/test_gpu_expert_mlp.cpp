@@ -1,10 +1,12 @@
-// GPU GLU kernels and the unfused expert MLP (label "gpu"): against the CPU backend on the same
-// inputs for both activations (values past the clamp limit), every GLU layout, with and without
-// biases and probs, saved or recomputed pre-activation; poisoned tails; CUDA-graph replay of the
-// whole forward + backward with new routings, bit-identical to eager runs. Skips without a GPU.
+// GPU GLU kernels and the expert MLP, fused and unfused (label "gpu"): against the CPU backend on
+// the same inputs for both activations (values past the clamp limit), every GLU layout, with and
+// without biases and probs, saved or recomputed pre-activation; poisoned tails; CUDA-graph replay
+// of the whole forward + backward with new routings, bit-identical to eager runs. Skips without a
+// GPU.
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "gpu_support.hpp"
 
@@ -21,7 +23,8 @@ GluSpec spec_of(GluActivation activation, GluLayout layout) {
 }
 
 const GluActivation kActivations[] = {GluActivation::kSwiGLU, GluActivation::kClampedQGeGLU};
-const GluLayout kLayouts[] = {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(8)};
+// blocks:5 (odd) keeps the one-feature-per-thread 16-bit backward covered.
+const GluLayout kLayouts[] = {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(8), GluLayout::blocks(5)};
 
 // rel. error of rows [0, rows) of a GPU result against the CPU's, and its tail still poisoned.
 void expect_close(const TensorView& gpu, const TensorView& cpu, int64_t rows, double tol, const char* what) {
@@ -110,7 +113,8 @@ struct MlpOutputs {
 };
 
 // Forward + backward on `device`; weight and bias gradients in float32, written.
-MlpOutputs run_mlp(const MlpCase& c, const GroupLayout& groups, Device device, bool save_fc1_out) {
+MlpOutputs run_mlp(const MlpCase& c, const GroupLayout& groups, Device device, bool save_fc1_out,
+                   MlpFusion fusion = MlpFusion::kForwardBackward) {
   const int64_t G = c.w1.size(0), T = c.T, H = c.H, F = c.F;
   auto on = [&](const Tensor& t) { return t.defined() ? t.to(device) : Tensor(); };
   auto poison = [&](Shape s, DType d) { return poisoned(s, d).to(device); };
@@ -118,7 +122,8 @@ MlpOutputs run_mlp(const MlpCase& c, const GroupLayout& groups, Device device, b
                dy = on(c.dy);
   auto param = [](const Tensor& t) { return t.defined() ? GroupedParam::packed(t) : GroupedParam(); };
   const ExpertMlpWeights weights{param(w1), param(b1), param(w2), param(b2)};
-  const ExpertMlpSpec spec{c.glu};
+  ExpertMlpSpec spec{c.glu};
+  spec.fusion = fusion;
   MlpOutputs o;
   o.y = poison({T, H}, c.dt);
   if (save_fc1_out) o.fc1_out = poison({T, 2 * F}, c.dt);
@@ -169,24 +174,60 @@ void expect_mlp_close(const MlpOutputs& gpu, const MlpOutputs& cpu, int64_t rows
 
 class GpuExpertMlp : public GpuGlu {};
 
-// The unfused CUDA path (grouped GEMMs + GLU kernels) against the CPU backend.
+// Every CUDA path against the CPU backend: fused forward + backward (GLU in FC1's epilogue, dGLU +
+// dprobs in FC2 dgrad's; layouts pairs and blocks of 8..128), fused forward only, and unfused
+// (grouped GEMMs + GLU kernels; every layout). halves with F = 200 has no fused kernel: all runs
+// take the unfused path there.
 TEST_P(GpuExpertMlp, MatchesTheCpuForEveryActivationLayoutBiasAndProbs) {
   const DType dt = GetParam();
   Rng rng;
-  const int64_t T = 400, H = 264, F = 200;
+  const int64_t T = 400, H = 264;
   DualRouting r({0, 1, 37, 0, 150, 40, 129}, T);  // 357 routed rows
+  struct LayoutCase {
+    GluLayout layout;
+    int64_t F;
+    bool fusable;
+  };
+  // F not a multiple of 256 everywhere: FC1's last tile and FC2 dgrad's are partial.
+  const LayoutCase cases[] = {{GluLayout::halves(), 200, false}, {GluLayout::pairs(), 200, true},
+                              {GluLayout::blocks(8), 200, true},  {GluLayout::blocks(64), 320, true},
+                              {GluLayout::blocks(128), 384, true}, {GluLayout::halves(), 64, true}};
   bool save = false;
   for (GluActivation act : kActivations)
-    for (const GluLayout& layout : kLayouts)
+    for (const LayoutCase& lc : cases)
       for (bool bias_and_probs : {false, true}) {
         save = !save;  // alternate saved and recomputed pre-activation
-        const GluSpec glu = spec_of(act, layout);
-        SCOPED_TRACE(describe(glu) + (bias_and_probs ? ", biases and probs" : "") +
+        const GluSpec glu = spec_of(act, lc.layout);
+        SCOPED_TRACE(describe(glu) + ", F = " + std::to_string(lc.F) + (bias_and_probs ? ", biases and probs" : "") +
                      (save ? ", fc1_out saved" : ", recomputed"));
-        const MlpCase c(rng, r.cpu.num_groups(), T, H, F, dt, glu, bias_and_probs, bias_and_probs);
+        const MlpCase c(rng, r.cpu.num_groups(), T, H, lc.F, dt, glu, bias_and_probs, bias_and_probs);
         const MlpOutputs cpu = run_mlp(c, r.cpu.layout, Device::cpu(), save);
-        const MlpOutputs gpu = run_mlp(c, r.gpu, Device::cuda(0), save);
-        expect_mlp_close(gpu, cpu, r.cpu.rows(), dt);
+        const MlpOutputs fused = run_mlp(c, r.gpu, Device::cuda(0), save, MlpFusion::kForwardBackward);
+        const MlpOutputs forward_fused = run_mlp(c, r.gpu, Device::cuda(0), save, MlpFusion::kForward);
+        const MlpOutputs unfused = run_mlp(c, r.gpu, Device::cuda(0), save, MlpFusion::kNone);
+        {
+          SCOPED_TRACE("fused forward and backward");
+          expect_mlp_close(fused, cpu, r.cpu.rows(), dt);
+        }
+        {
+          SCOPED_TRACE("fused forward");
+          expect_mlp_close(forward_fused, cpu, r.cpu.rows(), dt);
+        }
+        {
+          SCOPED_TRACE("unfused");
+          expect_mlp_close(unfused, cpu, r.cpu.rows(), dt);
+        }
+        if (bias_and_probs) {
+          // The fused path sums dprobs per 256-feature tile, then over tiles: where it ran, its
+          // bits differ from the unfused per-row tree (this catches a silent fallback).
+          const Tensor a = to_host(fused.dprobs), b = to_host(unfused.dprobs);
+          const bool same = std::memcmp(a.data(), b.data(), size_t(r.cpu.rows()) * 4) == 0;
+          int major = 0;
+          CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+          EXPECT_EQ(same, !(lc.fusable && major == 9)) << "dprobs of the fused and unfused runs "
+                                       << (same ? "agree bit for bit: the fused path did not run"
+                                                : "differ: the fused path ran where it should not");
+        }
       }
   EXPECT_NO_THROW(r.flag.check());
 }
@@ -214,7 +255,7 @@ TEST_P(GpuExpertMlp, ManyExpertsAndOneExpertTakingAll) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, GpuExpertMlp, ::testing::Values(DType::kBFloat16, DType::kFloat16),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
-class GpuExpertMlpGraph : public ::testing::Test {
+class GpuExpertMlpGraph : public ::testing::TestWithParam<MlpFusion> {
  protected:
   void SetUp() override {
     if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
@@ -224,11 +265,13 @@ class GpuExpertMlpGraph : public ::testing::Test {
 // Offsets + the whole forward + backward (main_grad accumulation, bias grads, dprobs, dx)
 // captured once; replayed with new routings, each replay equal bit for bit to eager runs (which are
 // deterministic), and right.
-TEST_F(GpuExpertMlpGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
+TEST_P(GpuExpertMlpGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
   Rng rng;
   const DType dt = DType::kBFloat16;
   const int64_t G = 16, T = 1024, H = 256, F = 192;
   const GluSpec glu = spec_of(GluActivation::kClampedQGeGLU, GluLayout::pairs());
+  ExpertMlpSpec spec{glu};
+  spec.fusion = GetParam();
   const MlpCase c(rng, G, T, H, F, dt, glu, true, true);
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -256,8 +299,8 @@ TEST_F(GpuExpertMlpGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
   grads.fc2_bias = {GroupedParam::packed(db2), GradMode::kWrite};
   auto step = [&] {
     const GroupLayout groups = GroupLayout::compute(splits, T, offsets, &flag, stream);
-    expert_mlp_forward(x, p, weights, groups, y, fc1_out, {glu}, {stream, {fws.data(), fws.nbytes(), dev}});
-    expert_mlp_backward(dy, x, p, weights, groups, fc1_out, grads, {glu}, {stream, {bws.data(), bws.nbytes(), dev}});
+    expert_mlp_forward(x, p, weights, groups, y, fc1_out, spec, {stream, {fws.data(), fws.nbytes(), dev}});
+    expert_mlp_backward(dy, x, p, weights, groups, fc1_out, grads, spec, {stream, {bws.data(), bws.nbytes(), dev}});
   };
   auto reset = [&] {
     for (Tensor* t : {&y, &fc1_out, &dx, &dprobs}) fill_bytes(*t, kPoison, stream);
@@ -294,6 +337,10 @@ TEST_F(GpuExpertMlpGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
   }
   cudaStreamDestroy(stream);
 }
+
+INSTANTIATE_TEST_SUITE_P(Fusions, GpuExpertMlpGraph,
+                         ::testing::Values(MlpFusion::kNone, MlpFusion::kForward, MlpFusion::kForwardBackward),
+                         [](const auto& info) { return std::string(fusion_name(info.param)); });
 
 }  // namespace
 }  // namespace moe::test

@@ -10,6 +10,13 @@ namespace moe::cuda::sm90 {
 
 using cuda::Form;
 
+// What the epilogue does with a tile's accumulators.
+enum class Epilogue : int {
+  kStore = 0,        // D (+ bias / scaled bias), TMA stores (every form)
+  kGluForward = 1,   // forward only: h = D + b1 -> GLU(h) * p, h stored too if asked (glu_epilogue.cuh)
+  kGluBackward = 2,  // dgrad only: D = d(act * p) -> dh, act * p, dprobs shares (glu_epilogue.cuh)
+};
+
 struct Config {
   static constexpr int kBlockM = 128;  // two math warpgroups of 64 rows
   static constexpr int kBlockN = 256;

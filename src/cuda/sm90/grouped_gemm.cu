@@ -10,115 +10,13 @@
 #include "cuda/check.hpp"
 #include "cuda/sm90/grouped_gemm.hpp"
 #include "cuda/sm90/grouped_gemm_kernel.cuh"
+#include "cuda/sm90/launch.cuh"
 #include "cuda/sm90/tensor_maps.hpp"
 
 namespace moe::cuda::sm90 {
 namespace {
 
-struct DeviceTraits {
-  int sm_count = 0;
-  int major = 0, minor = 0;
-};
-
-const DeviceTraits& device_traits(int device) {
-  constexpr int kMaxDevices = 64;
-  static DeviceTraits traits[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device,
-            " out of range");
-  std::call_once(once[device], [device] {
-    DeviceTraits& t = traits[device];
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.sm_count, cudaDevAttrMultiProcessorCount, device),
-                   "SM count");
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.major, cudaDevAttrComputeCapabilityMajor, device),
-                   "compute capability");
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.minor, cudaDevAttrComputeCapabilityMinor, device),
-                   "compute capability");
-  });
-  return traits[device];
-}
-
-// MOE_ENGINE_SM90_MULTICAST=0 turns the B multicast off (same results, for A/B measurements).
-bool multicast_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("MOE_ENGINE_SM90_MULTICAST");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return enabled;
-}
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-cudaLaunchConfig_t launch_config(int grid, Stream stream, cudaLaunchAttribute* cluster) {
-  cluster->id = cudaLaunchAttributeClusterDimension;
-  cluster->val.clusterDim.x = Config::kClusterSize;
-  cluster->val.clusterDim.y = 1;
-  cluster->val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(unsigned(grid));
-  config.blockDim = dim3(Config::kThreads);
-  config.dynamicSmemBytes = Config::kSharedBytes;
-  config.stream = stream;
-  config.attrs = cluster;
-  config.numAttrs = 1;
-  return config;
-}
-
-// Blocks of one kernel instance on `device`: as many whole clusters as can be resident at once
-// (a GPC with an odd number of free SMs leaves one idle), found once per instance and device.
-template <Form kForm, class In, class Out>
-int persistent_grid(int device) {
-  constexpr int kMaxDevices = 64;
-  static int grid[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  std::call_once(once[device], [device] {
-    auto kernel = grouped_gemm_kernel<kForm, In, Out>;
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        int(Config::kSharedBytes)),
-                   "raising the shared-memory limit of the grouped GEMM kernel");
-    const int sm_count = device_traits(device).sm_count;
-    cudaLaunchAttribute cluster{};
-    const cudaLaunchConfig_t config = launch_config(sm_count, nullptr, &cluster);
-    int clusters = 0;
-    MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config),
-                   "querying how many grouped GEMM clusters fit on the device");
-    MOE_CHECK(clusters > 0, ErrorCode::kCuda,
-              "the grouped GEMM kernel's clusters do not fit on device ", device);
-    grid[device] = std::min(clusters, sm_count / Config::kClusterSize) * Config::kClusterSize;
-    if (std::getenv("MOE_ENGINE_VERBOSE"))
-      std::fprintf(stderr, "moe-engine: sm90 grouped GEMM (form %d) on device %d: %d clusters of %d (%d SMs)\n",
-                   int(kForm), device, grid[device] / Config::kClusterSize, Config::kClusterSize, sm_count);
-  });
-  return grid[device];
-}
-
-template <Form kForm, class In, class Out>
-void launch(const GroupedGemmProblem& pr, const CUtensorMap& a, const CUtensorMap& b,
-            const CUtensorMap& d, const GemmParams& params, Stream stream) {
-  auto kernel = grouped_gemm_kernel<kForm, In, Out>;
-  MOE_CHECK(pr.device >= 0 && pr.device < 64, ErrorCode::kDevice, "device index ", pr.device,
-            " out of range");
-  cudaLaunchAttribute cluster{};
-  const cudaLaunchConfig_t config =
-      launch_config(persistent_grid<kForm, In, Out>(pr.device), stream, &cluster);
-#ifdef MOE_SM90_PROBE
-  unsigned long long zero[16] = {};
-  MOE_CUDA_CHECK(cudaMemcpyToSymbol(g_probe, zero, sizeof(zero)), "probe reset");
-#endif
-  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a, b, d, params), "launching grouped_gemm_kernel");
-#ifdef MOE_SM90_PROBE
-  unsigned long long v[16];
-  MOE_CUDA_CHECK(cudaMemcpyFromSymbol(v, g_probe, sizeof(v)), "probe read");
-  if (v[3])
-    std::fprintf(stderr, "probe form %d: tiles %llu steps/tile %.1f, cycles/tile: mainloop %.0f epilogue %.0f gap %.0f\n",
-                 int(kForm), v[3], double(v[4]) / v[3], double(v[0]) / v[3], double(v[1]) / v[3],
-                 double(v[2]) / v[3]);
-  if (v[3])
-    std::fprintf(stderr, "probe epilogue steps/tile: setup %.0f wait %.0f bar %.0f st.shared %.0f fence %.0f bar %.0f issue %.0f\n",
-                 double(v[8]) / v[3], double(v[9]) / v[3], double(v[10]) / v[3], double(v[11]) / v[3],
-                 double(v[12]) / v[3], double(v[13]) / v[3], double(v[14]) / v[3]);
-#endif
-}
+using namespace launch_detail;
 
 template <Form kForm, class In>
 void launch_out(const GroupedGemmProblem& pr, const CUtensorMap& a, const CUtensorMap& b,
@@ -188,13 +86,14 @@ bool can_run(const GroupedGemmProblem& p, std::string* why) {
   return true;
 }
 
-void run(const GroupedGemmProblem& pr, Stream stream) {
+Prepared prepare(const GroupedGemmProblem& pr) {
   std::string why;
   MOE_CHECK(can_run(pr, &why), ErrorCode::kInternal,
             "sm90 grouped GEMM called for a problem it cannot run: ", why);
   constexpr uint32_t kBM = Config::kBlockM, kBN = Config::kBlockN, kBK = Config::kBlockK;
   const uint32_t chunk_cols = 128 / uint32_t(dtype_size(pr.out_dtype));
-  GemmParams params{};
+  Prepared r{};
+  GemmParams& params = r.params;
   params.offsets = pr.offsets;
   params.num_groups = int32_t(pr.num_groups);
   params.bias = pr.bias.base;
@@ -202,31 +101,43 @@ void run(const GroupedGemmProblem& pr, Stream stream) {
   params.reduce_add = pr.accumulate;
   params.multicast = multicast_enabled();
   const int64_t G = pr.num_groups, N = pr.n, K = pr.k;
-  CUtensorMap a, b, d;
   switch (pr.form) {
     case Form::kForward:
       params.n_out = int32_t(N);
       params.k = int32_t(K);
-      a = make_ragged_tensor_map(pr.a, pr.in_dtype, K, pr.a_row_stride, kBK, kBM);
+      r.a = make_ragged_tensor_map(pr.a, pr.in_dtype, K, pr.a_row_stride, kBK, kBM);
       // B in two halves of kBN / 2 rows (one per block of a multicasting cluster).
-      b = make_tensor_map_3d(pr.b.base, pr.in_dtype, G, N, K, pr.b_row_stride, N * K, kBK, kBN / 2);
-      d = make_ragged_tensor_map(pr.d.base, pr.out_dtype, N, pr.d_row_stride, chunk_cols, 64);
-      return launch_in<Form::kForward>(pr, a, b, d, params, stream);
+      r.b = make_tensor_map_3d(pr.b.base, pr.in_dtype, G, N, K, pr.b_row_stride, N * K, kBK, kBN / 2);
+      r.d = make_ragged_tensor_map(pr.d.base, pr.out_dtype, N, pr.d_row_stride, chunk_cols, 64);
+      break;
     case Form::kDgrad:
       params.n_out = int32_t(K);
       params.k = int32_t(N);
-      a = make_ragged_tensor_map(pr.a, pr.in_dtype, N, pr.a_row_stride, kBK, kBM);
-      b = make_tensor_map_3d(pr.b.base, pr.in_dtype, G, N, K, pr.b_row_stride, N * K, 64, kBK);
-      d = make_ragged_tensor_map(pr.d.base, pr.out_dtype, K, pr.d_row_stride, chunk_cols, 64);
-      return launch_in<Form::kDgrad>(pr, a, b, d, params, stream);
+      r.a = make_ragged_tensor_map(pr.a, pr.in_dtype, N, pr.a_row_stride, kBK, kBM);
+      r.b = make_tensor_map_3d(pr.b.base, pr.in_dtype, G, N, K, pr.b_row_stride, N * K, 64, kBK);
+      r.d = make_ragged_tensor_map(pr.d.base, pr.out_dtype, K, pr.d_row_stride, chunk_cols, 64);
+      break;
     case Form::kWgrad:
       params.m_out = int32_t(N);
       params.n_out = int32_t(K);
-      a = make_ragged_tensor_map(pr.a, pr.in_dtype, N, pr.a_row_stride, 64, kBK);
-      b = make_ragged_tensor_map(pr.b.base, pr.in_dtype, K, pr.b_row_stride, 64, kBK);
-      d = make_tensor_map_3d(pr.d.base, pr.out_dtype, G, N, K, pr.d_row_stride, N * K, chunk_cols,
-                             64);
-      return launch_in<Form::kWgrad>(pr, a, b, d, params, stream);
+      r.a = make_ragged_tensor_map(pr.a, pr.in_dtype, N, pr.a_row_stride, 64, kBK);
+      r.b = make_ragged_tensor_map(pr.b.base, pr.in_dtype, K, pr.b_row_stride, 64, kBK);
+      r.d = make_tensor_map_3d(pr.d.base, pr.out_dtype, G, N, K, pr.d_row_stride, N * K, chunk_cols,
+                               64);
+      break;
+  }
+  return r;
+}
+
+void run(const GroupedGemmProblem& pr, Stream stream) {
+  const Prepared r = prepare(pr);
+  switch (pr.form) {
+    case Form::kForward:
+      return launch_in<Form::kForward>(pr, r.a, r.b, r.d, r.params, stream);
+    case Form::kDgrad:
+      return launch_in<Form::kDgrad>(pr, r.a, r.b, r.d, r.params, stream);
+    case Form::kWgrad:
+      return launch_in<Form::kWgrad>(pr, r.a, r.b, r.d, r.params, stream);
   }
 }
 

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cuda/grouped_gemm_problem.hpp"
+#include "cuda/sm90/glu_params.hpp"
 #include "moe_engine/device.hpp"
 
 namespace moe::cuda::sm90 {
@@ -11,5 +12,11 @@ namespace moe::cuda::sm90 {
 // Whether the kernel runs this problem on its device; if not, *why says what is missing.
 bool can_run(const GroupedGemmProblem& problem, std::string* why);
 void run(const GroupedGemmProblem& problem, Stream stream);
+
+// The fused expert MLP's GEMMs with a GLU epilogue (glu_epilogue.cuh): FC1's forward (the problem's
+// output d is h [T, 2F], stored only if glu.store_h) or FC2's dgrad (d = d(act * p) [T, F], never
+// stored). can_run_glu adds the epilogue's own needs to can_run's.
+bool can_run_glu(const GroupedGemmProblem& problem, const GluEpilogueParams& glu, std::string* why);
+void run_glu(const GroupedGemmProblem& problem, const GluEpilogueParams& glu, Stream stream);
 
 }  // namespace moe::cuda::sm90

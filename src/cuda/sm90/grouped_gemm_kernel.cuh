@@ -25,6 +25,7 @@
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/wgmma.cuh"
 #include "cuda/sm90/config.hpp"
+#include "cuda/sm90/glu_epilogue.cuh"
 #include "cuda/sm90/scheduler.cuh"
 
 namespace moe::cuda::sm90 {
@@ -39,6 +40,7 @@ struct GemmParams {
   const float* row_scale;  // forward: [T] scales of the bias ("scale_bias"), or null
   int32_t reduce_add;      // wgrad: add into D (fp32 main_grad) instead of storing
   int32_t multicast;       // 0: pairs never share B loads (an A/B switch for measurements)
+  GluEpilogueParams glu;   // Epilogue::kGluForward / kGluBackward only
 };
 
 #ifdef MOE_SM90_PROBE
@@ -95,13 +97,16 @@ __device__ __forceinline__ int32_t ragged_end(const Tile& t) { return int32_t(t.
 
 }  // namespace detail
 
-template <Form kForm, class In, class Out>
+template <Form kForm, class In, class Out, Epilogue kEpi = Epilogue::kStore>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
                         const __grid_constant__ CUtensorMap map_d, const GemmParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace detail;
+  static_assert(kEpi == Epilogue::kStore || (kEpi == Epilogue::kGluForward && kForm == Form::kForward) ||
+                    (kEpi == Epilogue::kGluBackward && kForm == Form::kDgrad),
+                "GLU epilogues: forward on FC1, backward on FC2's dgrad");
   constexpr bool kKGrouped = kForm == Form::kWgrad;
   constexpr int kTransA = kForm == Form::kWgrad ? 1 : 0;   // A MN-major (dY^T)
   constexpr int kTransB = kForm == Form::kForward ? 0 : 1;  // B MN-major (W for dgrad, X for wgrad)
@@ -275,6 +280,14 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       have = scheduler.get(pair, next);
       continue;
     }
+    if constexpr (kEpi == Epilogue::kGluBackward) {
+      // The epilogue reads this tile's h (1 KiB per row): pull it into L2 under the mainloop.
+      const int32_t row = t.m0 + 64 * int32_t(math) + int32_t(wg_thread);
+      const int32_t h_cols = min(2 * kBN, 2 * (p.n_out - t.n0));
+      if (wg_thread < 64 && row < t.rows)
+        ptx::prefetch_l2(static_cast<const In*>(p.glu.h) + (t.row_begin + row) * p.glu.h_stride + 2 * t.n0,
+                         uint32_t(h_cols) * uint32_t(sizeof(In)));
+    }
     // ---- mainloop ----
     int previous = -1;
 #ifdef MOE_SM90_PROBE
@@ -322,7 +335,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
 #endif
     if (previous >= 0) release(previous);
-    have = scheduler.get(pair, next);
+    // (The dGLU epilogue looks up after itself: it needs the registers the next tile would hold.)
+    if constexpr (kEpi != Epilogue::kGluBackward) have = scheduler.get(pair, next);
     if (kKGrouped && t.k_blocks == 0) {  // an empty wgrad group writes zeros (no wgmma in flight)
 #pragma unroll
       for (int r = 0; r < kAccRegs; ++r) acc[r] = 0.f;
@@ -361,6 +375,60 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           const int32_t r = tile_row0 + int32_t(warp_row + row_in_16 + 8 * h);
           row_scale[h] = r < t.rows ? __ldg(p.row_scale + t.row_begin + r) : 0.f;
         }
+      }
+    }
+    if constexpr (kEpi != Epilogue::kStore) {
+      glu::Rows rows;
+      rows.row = t.row_begin + tile_row0 + int32_t(warp_row + row_in_16);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        rows.ok[h] = tile_row0 + int32_t(warp_row + row_in_16 + 8 * h) < t.rows;
+        rows.p[h] = rows.ok[h] && p.glu.probs != nullptr ? __ldg(p.glu.probs + rows.row + 8 * h) : 1.f;
+      }
+      const uint32_t q = opaque_lane % 4;
+      if constexpr (kEpi == Epilogue::kGluForward) {
+        if (p.bias != nullptr) {  // h = D + b1 (the bias pairs were staged above)
+          ptx::named_barrier_sync(1 + math, 128);
+#pragma unroll
+          for (int j = 0; j < kAccRegs / 4; ++j) {
+            float b0, b1;
+            unpack_pair(ptx::ld_shared_b32(bias_tile + 4 * (4 * j + q)), b0, b1, static_cast<In*>(nullptr));
+            acc[4 * j] += b0;
+            acc[4 * j + 1] += b1;
+            acc[4 * j + 2] += b0;
+            acc[4 * j + 3] += b1;
+          }
+          ptx::named_barrier_sync(1 + math, 128);  // bias reads done before the next tile stages
+        }
+        // h as stored (16-bit): the activation sees what backward will read.
+#pragma unroll
+        for (int r = 0; r < kAccRegs; ++r) acc[r] = glu::Pair<In>::round(acc[r]);
+        if (slab_live) {
+          In* act_rows[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            act_rows[h] = static_cast<In*>(p.glu.act) + (rows.row + 8 * h) * p.glu.act_stride + t.n0 / 2;
+          const int32_t col_limit = p.n_out - t.n0;
+          switch (p.glu.block) {
+            case 1: glu::forward_tile<1>(acc, p.glu.math, act_rows, rows, col_limit, q); break;
+            case 8: glu::forward_tile<8>(acc, p.glu.math, act_rows, rows, col_limit, q); break;
+            case 16: glu::forward_tile<16>(acc, p.glu.math, act_rows, rows, col_limit, q); break;
+            case 32: glu::forward_tile<32>(acc, p.glu.math, act_rows, rows, col_limit, q); break;
+            case 64: glu::forward_tile<64>(acc, p.glu.math, act_rows, rows, col_limit, q); break;
+            default: glu::forward_tile<128>(acc, p.glu.math, act_rows, rows, col_limit, q); break;
+          }
+        }
+        if (!p.glu.store_h) continue;
+      } else {
+        if (slab_live) {
+          const int32_t tile_index = t.n0 / kBN;
+          if (p.glu.block == 1)
+            glu::backward_tile<true, In>(acc, p.glu, rows, t.n0, p.n_out, tile_index, q);
+          else
+            glu::backward_tile<false, In>(acc, p.glu, rows, t.n0, p.n_out, tile_index, q);
+        }
+        have = scheduler.get(pair, next);
+        continue;
       }
     }
     constexpr int kChunkCols = 128 / int(sizeof(Out));  // columns per 128-byte row (a multiple of 8)
@@ -419,7 +487,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           }
         }
       };
-      if (kForm == Form::kForward && p.bias != nullptr)
+      if (kEpi == Epilogue::kStore && kForm == Form::kForward && p.bias != nullptr)
         stage_batch(std::true_type{});
       else
         stage_batch(std::false_type{});

@@ -1,0 +1,173 @@
+// GLU epilogues of the Hopper grouped GEMM: the fused expert MLP (DESIGN.md section 3).
+//   forward (FC1): the caller has turned the accumulators into h = x W1^T + b1 rounded to the
+//     input dtype (the values the unfused path stores); this writes act(gate, linear) * p [T, F].
+//     h itself goes out through the plain TMA epilogue when backward keeps it.
+//   backward (FC2 dgrad): the accumulators hold d(act * p) for 256 features; with the saved h this
+//     writes dh = dL/dh [T, 2F], the recomputed act * p (FC2's wgrad input) and, per row, the
+//     tile's share of dprobs (reduced over the tiles in a fixed order by a separate kernel).
+// Both compute exactly what the unfused GLU kernels compute (common/glu_math.hpp, same roundings).
+//
+// Accumulators of a math warpgroup (64 x 256 fp32 over 128 threads): acc[4j + 2h + e] holds row
+// lane / 4 + 8h of the warp's 16 and column 8j + 2q + e, q = lane % 4, j < 32.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common/glu_math.hpp"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/sm90/glu_params.hpp"
+
+namespace moe::cuda::sm90 {
+
+
+namespace glu {
+
+template <class T>
+struct Pair;
+template <>
+struct Pair<__nv_bfloat16> {
+  __device__ static uint32_t pack(float a, float b) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+  __device__ static float2 unpack(uint32_t bits) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+  }
+  __device__ static float round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+};
+template <>
+struct Pair<__half> {
+  __device__ static uint32_t pack(float a, float b) {
+    const __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+  __device__ static float2 unpack(uint32_t bits) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+  }
+  __device__ static float round(float v) { return __half2float(__float2half_rn(v)); }
+};
+
+// This thread's two rows of a tile: pointers are only dereferenced where ok[h].
+struct Rows {
+  int64_t row;    // global index of row h = 0 (row h = 1 is row + 8)
+  bool ok[2];     // inside the group
+  float p[2];     // router probs (1 without probs)
+};
+
+// Forward, layout with block size kBlock (1: pairs). `act` points at the tile's first feature of
+// row h; `col_limit` = columns of h left in the tile (n_out - n0).
+template <int kBlock, class T>
+__device__ __forceinline__ void forward_tile(const float (&acc)[128], const detail::GluMath<float>& math,
+                                             T* const (&act)[2], const Rows& rows, int32_t col_limit,
+                                             uint32_t q) {
+  if constexpr (kBlock == 1) {
+    // Gate and linear are the two columns of one accumulator pair: one feature per row and j.
+    // Lanes q and q ^ 1 swap values so that each stores one pair of adjacent features: the even
+    // lane row 0's, the odd lane row 1's.
+    const bool even = (q & 1u) == 0;
+    T* const row_act = even ? act[0] : act[1];  // selected, not indexed: no local-memory array
+    const bool row_ok = even ? rows.ok[0] : rows.ok[1];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const float v0 = math.forward(acc[4 * j], acc[4 * j + 1]) * rows.p[0];
+      const float v1 = math.forward(acc[4 * j + 2], acc[4 * j + 3]) * rows.p[1];
+      const float other0 = __shfl_xor_sync(0xffffffffu, v0, 1);
+      const float other1 = __shfl_xor_sync(0xffffffffu, v1, 1);
+      const uint32_t q0 = q & ~1u;
+      if (row_ok && int32_t(8 * j + 2 * q0) < col_limit) {
+        const uint32_t bits = even ? Pair<T>::pack(v0, other0) : Pair<T>::pack(other1, v1);
+        *reinterpret_cast<uint32_t*>(row_act + 4 * j + q0) = bits;
+      }
+    }
+  } else {
+    static_assert(kBlock % 8 == 0 && 128 % kBlock == 0, "blocks of 8..128 columns");
+    constexpr int kD = kBlock / 8;  // accumulator groups per half block
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      if ((j / kD) % 2 != 0) continue;  // a linear group: consumed with its gate group
+      const int32_t f = (j / (2 * kD)) * kBlock + (j % kD) * 8 + 2 * int32_t(q);
+      if (int32_t(8 * j + 2 * q) >= col_limit) continue;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float a0 = math.forward(acc[4 * j + 2 * h], acc[4 * (j + kD) + 2 * h]) * rows.p[h];
+        const float a1 = math.forward(acc[4 * j + 2 * h + 1], acc[4 * (j + kD) + 2 * h + 1]) * rows.p[h];
+        if (rows.ok[h]) *reinterpret_cast<uint32_t*>(act[h] + f) = Pair<T>::pack(a0, a1);
+      }
+    }
+  }
+}
+
+// Backward over one 64 x 256 slab of d(act * p): features f0 + 8j + 2q + e, f0 = the tile's
+// first; the layout is pairs or blocks of a power-of-two s >= 2. h was prefetched into L2 when
+// the tile started.
+template <bool kPairs, class T>
+__device__ __forceinline__ void backward_tile(const float (&acc)[128], const GluEpilogueParams& g, const Rows& rows,
+                                              int32_t f0, int32_t ffn, int32_t tile_index, uint32_t q) {
+  // Gate column of feature f: (f / s) * 2s + f % s, s a power of two. (Parameters are read from
+  // the kernel's parameter space where used: registers are short here.)
+  auto gate_col = [&](int32_t f) { return ((f >> g.block_shift) << (g.block_shift + 1)) + (f & (g.block - 1)); };
+  auto h_row = [&](int h) { return static_cast<const T*>(g.h) + (rows.row + 8 * h) * g.h_stride; };
+  // The accumulators hold every register but ~40: h is read one group at a time, so each group
+  // waits for its loads (L2 hits: the tile's h was prefetched). Measured slow (docs/performance-log.md).
+  float dp[2] = {0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int32_t f = f0 + 8 * j + 2 * int32_t(q);
+    uint32_t gate[2], linear[2];  // packed (f, f + 1) pairs
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      gate[h] = linear[h] = 0u;
+      if (!rows.ok[h] || f >= ffn) continue;
+      if constexpr (kPairs) {
+        // g(f), l(f), g(f + 1), l(f + 1): regroup into (g, g) and (l, l) pairs.
+        const uint2 v = *reinterpret_cast<const uint2*>(h_row(h) + 2 * f);
+        gate[h] = __byte_perm(v.x, v.y, 0x5410);
+        linear[h] = __byte_perm(v.x, v.y, 0x7632);
+      } else {
+        const int32_t col = gate_col(f);
+        gate[h] = *reinterpret_cast<const uint32_t*>(h_row(h) + col);
+        linear[h] = *reinterpret_cast<const uint32_t*>(h_row(h) + col + g.block);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // d(act * p) rounded to T, as the unfused path stores it.
+      const float d0 = Pair<T>::round(acc[4 * j + 2 * h]), d1 = Pair<T>::round(acc[4 * j + 2 * h + 1]);
+      if (!rows.ok[h] || f >= ffn) continue;
+      const float2 gv = Pair<T>::unpack(gate[h]), lv = Pair<T>::unpack(linear[h]);
+      float act0, dg0, dl0, act1, dg1, dl1;
+      g.math.backward(gv.x, lv.x, d0 * rows.p[h], act0, dg0, dl0);
+      g.math.backward(gv.y, lv.y, d1 * rows.p[h], act1, dg1, dl1);
+      dp[h] += act0 * d0;
+      dp[h] += act1 * d1;
+      const int64_t r = rows.row + 8 * h;
+      T* dhr = static_cast<T*>(g.dh) + r * g.dh_stride;
+      if constexpr (kPairs) {
+        const uint32_t lo = Pair<T>::pack(dg0, dl0), hi = Pair<T>::pack(dg1, dl1);
+        *reinterpret_cast<uint2*>(dhr + 2 * f) = make_uint2(lo, hi);
+      } else {
+        const int32_t col = gate_col(f);
+        *reinterpret_cast<uint32_t*>(dhr + col) = Pair<T>::pack(dg0, dg1);
+        *reinterpret_cast<uint32_t*>(dhr + col + g.block) = Pair<T>::pack(dl0, dl1);
+      }
+      if (g.act != nullptr)
+        *reinterpret_cast<uint32_t*>(static_cast<T*>(g.act) + r * g.act_stride + f) =
+            Pair<T>::pack(act0 * rows.p[h], act1 * rows.p[h]);
+    }
+  }
+  if (g.dprobs_partial != nullptr) {  // uniform
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // The quad holds the row's 256 features: a fixed butterfly, then lane q = 0 writes.
+      dp[h] += __shfl_xor_sync(0xffffffffu, dp[h], 1);
+      dp[h] += __shfl_xor_sync(0xffffffffu, dp[h], 2);
+      if (q == 0 && rows.ok[h]) g.dprobs_partial[(rows.row + 8 * h) * g.partial_stride + tile_index] = dp[h];
+    }
+  }
+}
+
+}  // namespace glu
+}  // namespace moe::cuda::sm90

@@ -1,0 +1,68 @@
+// Launcher and instantiations of the Hopper grouped GEMM with GLU epilogues (the fused expert
+// MLP): a translation unit of its own so that it compiles beside the plain instances.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <string>
+
+#include "cuda/sm90/grouped_gemm.hpp"
+#include "cuda/sm90/launch.cuh"
+
+namespace moe::cuda::sm90 {
+namespace {
+
+using namespace launch_detail;
+
+bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0; }
+
+}  // namespace
+
+bool can_run_glu(const GroupedGemmProblem& p, const GluEpilogueParams& g, std::string* why) {
+  auto no = [&](const std::string& reason) {
+    if (why) *why = reason;
+    return false;
+  };
+  if (!can_run(p, why)) return false;
+  if (p.out_dtype != p.in_dtype) return no("the GLU epilogues write the input dtype");
+  const int32_t s = g.block;
+  if (p.form == Form::kForward) {
+    if (!(s == 1 || s == 8 || s == 16 || s == 32 || s == 64 || s == 128))
+      return no("the fused FC1 epilogue needs the GLU layout pairs or blocks:s with s in 8..128 a power of two");
+    if (p.row_scale != nullptr) return no("FC1 has no scaled bias");
+    if (g.act == nullptr || !aligned(g.act, 4) || g.act_stride % 2) return no("act must be 4-byte aligned rows");
+    return true;
+  }
+  if (p.form == Form::kDgrad) {
+    if (s < 1 || (s & (s - 1)) != 0)
+      return no("the fused dGLU epilogue needs the GLU layout pairs or blocks of a power-of-two size");
+    if (!aligned(g.h, 16) || (g.h_stride * 2) % 16) return no("h must be 16-byte aligned rows");
+    if (!aligned(g.dh, 8) || g.dh_stride % 4) return no("dh must be 8-byte aligned rows");
+    if (g.act != nullptr && (!aligned(g.act, 4) || g.act_stride % 2)) return no("act must be 4-byte aligned rows");
+    return true;
+  }
+  return no("GLU epilogues exist for FC1's forward and FC2's dgrad only");
+}
+
+void run_glu(const GroupedGemmProblem& pr, const GluEpilogueParams& glu, Stream stream) {
+  std::string why;
+  MOE_CHECK(can_run_glu(pr, glu, &why), ErrorCode::kInternal,
+            "sm90 GLU GEMM called for a problem it cannot run: ", why);
+  Prepared r = prepare(pr);
+  r.params.glu = glu;
+  const bool fp16 = pr.in_dtype == DType::kFloat16;
+  if (pr.form == Form::kForward) {
+    if (fp16)
+      launch<Form::kForward, __half, __half, Epilogue::kGluForward>(pr, r.a, r.b, r.d, r.params, stream);
+    else
+      launch<Form::kForward, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluForward>(pr, r.a, r.b, r.d, r.params,
+                                                                                 stream);
+  } else {
+    if (fp16)
+      launch<Form::kDgrad, __half, __half, Epilogue::kGluBackward>(pr, r.a, r.b, r.d, r.params, stream);
+    else
+      launch<Form::kDgrad, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluBackward>(pr, r.a, r.b, r.d, r.params,
+                                                                                 stream);
+  }
+}
+
+}  // namespace moe::cuda::sm90

@@ -1,0 +1,134 @@
+// Launch machinery shared by the Hopper grouped GEMM's translation units: device traits, the
+// persistent grid of whole clusters, and one launch of a kernel instance.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#include "cuda/check.hpp"
+#include "cuda/grouped_gemm_problem.hpp"
+#include "cuda/sm90/grouped_gemm_kernel.cuh"
+
+namespace moe::cuda::sm90 {
+
+// A checked problem's tensor maps and kernel parameters (grouped_gemm.cu).
+struct Prepared {
+  CUtensorMap a, b, d;
+  GemmParams params;
+};
+Prepared prepare(const GroupedGemmProblem& problem);
+
+namespace launch_detail {
+
+struct DeviceTraits {
+  int sm_count = 0;
+  int major = 0, minor = 0;
+};
+
+inline const DeviceTraits& device_traits(int device) {
+  constexpr int kMaxDevices = 64;
+  static DeviceTraits traits[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device,
+            " out of range");
+  std::call_once(once[device], [device] {
+    DeviceTraits& t = traits[device];
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.sm_count, cudaDevAttrMultiProcessorCount, device),
+                   "SM count");
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.major, cudaDevAttrComputeCapabilityMajor, device),
+                   "compute capability");
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.minor, cudaDevAttrComputeCapabilityMinor, device),
+                   "compute capability");
+  });
+  return traits[device];
+}
+
+// MOE_ENGINE_SM90_MULTICAST=0 turns the B multicast off (same results, for A/B measurements).
+inline bool multicast_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("MOE_ENGINE_SM90_MULTICAST");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return enabled;
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+inline cudaLaunchConfig_t launch_config(int grid, Stream stream, cudaLaunchAttribute* cluster) {
+  cluster->id = cudaLaunchAttributeClusterDimension;
+  cluster->val.clusterDim.x = Config::kClusterSize;
+  cluster->val.clusterDim.y = 1;
+  cluster->val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(unsigned(grid));
+  config.blockDim = dim3(Config::kThreads);
+  config.dynamicSmemBytes = Config::kSharedBytes;
+  config.stream = stream;
+  config.attrs = cluster;
+  config.numAttrs = 1;
+  return config;
+}
+
+// Blocks of one kernel instance on `device`: as many whole clusters as can be resident at once
+// (a GPC with an odd number of free SMs leaves one idle), found once per instance and device.
+template <Form kForm, class In, class Out, Epilogue kEpi>
+int persistent_grid(int device) {
+  constexpr int kMaxDevices = 64;
+  static int grid[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  std::call_once(once[device], [device] {
+    auto kernel = grouped_gemm_kernel<kForm, In, Out, kEpi>;
+    MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        int(Config::kSharedBytes)),
+                   "raising the shared-memory limit of the grouped GEMM kernel");
+    const int sm_count = device_traits(device).sm_count;
+    cudaLaunchAttribute cluster{};
+    const cudaLaunchConfig_t config = launch_config(sm_count, nullptr, &cluster);
+    int clusters = 0;
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config),
+                   "querying how many grouped GEMM clusters fit on the device");
+    MOE_CHECK(clusters > 0, ErrorCode::kCuda,
+              "the grouped GEMM kernel's clusters do not fit on device ", device);
+    grid[device] = std::min(clusters, sm_count / Config::kClusterSize) * Config::kClusterSize;
+    if (std::getenv("MOE_ENGINE_VERBOSE"))
+      std::fprintf(stderr, "moe-engine: sm90 grouped GEMM (form %d) on device %d: %d clusters of %d (%d SMs)\n",
+                   int(kForm), device, grid[device] / Config::kClusterSize, Config::kClusterSize, sm_count);
+  });
+  return grid[device];
+}
+
+template <Form kForm, class In, class Out, Epilogue kEpi = Epilogue::kStore>
+void launch(const GroupedGemmProblem& pr, const CUtensorMap& a, const CUtensorMap& b,
+            const CUtensorMap& d, const GemmParams& params, Stream stream) {
+  auto kernel = grouped_gemm_kernel<kForm, In, Out, kEpi>;
+  MOE_CHECK(pr.device >= 0 && pr.device < 64, ErrorCode::kDevice, "device index ", pr.device,
+            " out of range");
+  cudaLaunchAttribute cluster{};
+  const cudaLaunchConfig_t config =
+      launch_config(persistent_grid<kForm, In, Out, kEpi>(pr.device), stream, &cluster);
+#ifdef MOE_SM90_PROBE
+  unsigned long long zero[16] = {};
+  MOE_CUDA_CHECK(cudaMemcpyToSymbol(g_probe, zero, sizeof(zero)), "probe reset");
+#endif
+  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a, b, d, params), "launching grouped_gemm_kernel");
+#ifdef MOE_SM90_PROBE
+  unsigned long long v[16];
+  MOE_CUDA_CHECK(cudaMemcpyFromSymbol(v, g_probe, sizeof(v)), "probe read");
+  if (v[3])
+    std::fprintf(stderr, "probe form %d: tiles %llu steps/tile %.1f, cycles/tile: mainloop %.0f epilogue %.0f gap %.0f\n",
+                 int(kForm), v[3], double(v[4]) / v[3], double(v[0]) / v[3], double(v[1]) / v[3],
+                 double(v[2]) / v[3]);
+  if (v[3])
+    std::fprintf(stderr, "probe epilogue steps/tile: setup %.0f wait %.0f bar %.0f st.shared %.0f fence %.0f bar %.0f issue %.0f\n",
+                 double(v[8]) / v[3], double(v[9]) / v[3], double(v[10]) / v[3], double(v[11]) / v[3],
+                 double(v[12]) / v[3], double(v[13]) / v[3], double(v[14]) / v[3]);
+#endif
+}
+
+}  // namespace launch_detail
+}  // namespace moe::cuda::sm90
