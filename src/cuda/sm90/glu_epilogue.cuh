@@ -72,8 +72,9 @@ __device__ __forceinline__ void forward_tile(const float (&acc)[128], const deta
     const bool row_ok = even ? rows.ok[0] : rows.ok[1];
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-      const float v0 = math.forward(acc[4 * j], acc[4 * j + 1]) * rows.p[0];
-      const float v1 = math.forward(acc[4 * j + 2], acc[4 * j + 3]) * rows.p[1];
+      // Rows past the group's end are skipped (whole warps past it skip the math).
+      const float v0 = rows.ok[0] ? math.forward(acc[4 * j], acc[4 * j + 1]) * rows.p[0] : 0.f;
+      const float v1 = rows.ok[1] ? math.forward(acc[4 * j + 2], acc[4 * j + 3]) * rows.p[1] : 0.f;
       const float other0 = __shfl_xor_sync(0xffffffffu, v0, 1);
       const float other1 = __shfl_xor_sync(0xffffffffu, v1, 1);
       const uint32_t q0 = q & ~1u;
@@ -92,9 +93,10 @@ __device__ __forceinline__ void forward_tile(const float (&acc)[128], const deta
       if (int32_t(8 * j + 2 * q) >= col_limit) continue;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
+        if (!rows.ok[h]) continue;  // past the group's end
         const float a0 = math.forward(acc[4 * j + 2 * h], acc[4 * (j + kD) + 2 * h]) * rows.p[h];
         const float a1 = math.forward(acc[4 * j + 2 * h + 1], acc[4 * (j + kD) + 2 * h + 1]) * rows.p[h];
-        if (rows.ok[h]) *reinterpret_cast<uint32_t*>(act[h] + f) = Pair<T>::pack(a0, a1);
+        *reinterpret_cast<uint32_t*>(act[h] + f) = Pair<T>::pack(a0, a1);
       }
     }
   }
