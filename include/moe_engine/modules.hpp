@@ -222,6 +222,9 @@ class MOE_API MlpContext {
   bool saves_input() const { return x_.defined(); }
   bool saves_fc1_out() const { return fc1_out_.defined(); }
   bool computes_dgrad() const { return input_requires_grad_; }
+  // Bytes of the tensors held for backward (x, the pre-activation, probs): [T, H] + [T, 2F] in the
+  // input dtype + [T] float32 when all are kept. x is the caller's tensor, referenced, not copied.
+  int64_t saved_bytes() const;
 
  private:
   friend class GroupedMLP;

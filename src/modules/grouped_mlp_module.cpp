@@ -11,6 +11,14 @@
 #include "moe_engine/modules.hpp"
 
 namespace moe {
+
+int64_t MlpContext::saved_bytes() const {
+  int64_t bytes = 0;
+  for (const Tensor* t : {&x_, &fc1_out_, &probs_})
+    if (t->defined()) bytes += int64_t(t->nbytes());
+  return bytes;
+}
+
 namespace {
 
 // The ops' scratch, allocated per call on `device` (a module has no persistent workspace yet).

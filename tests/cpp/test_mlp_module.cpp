@@ -123,6 +123,10 @@ TEST(GroupedMlpModule, RecomputeEqualsSavedAndKeepsOnlyX) {
   MlpForwardResult fr = recompute.forward(b.x, b.routing.layout, b.probs);
   EXPECT_FALSE(fr.ctx.saves_fc1_out());
   EXPECT_TRUE(fr.ctx.saves_input());
+  // DESIGN.md section 3's memory bound: 2 (H + 2F) bytes per token + the prob; recompute: x + prob.
+  const int64_t T = b.x.size(0);
+  EXPECT_EQ(fs.ctx.saved_bytes(), T * (2 * (kH + 2 * kF) + 4));
+  EXPECT_EQ(fr.ctx.saved_bytes(), T * (2 * kH + 4));
   EXPECT_TRUE(bitwise_equal(fs.y, fr.y));
   MlpBackwardResult rs = saved.backward(fs.ctx, b.dy), rr = recompute.backward(fr.ctx, b.dy);
   EXPECT_TRUE(bitwise_equal(rs.dx, rr.dx));
