@@ -83,6 +83,7 @@ int run_bench(const BenchOptions& o) {
   try {
     problem.emplace(w, layout, dtype, device, o.seed);
     problem->set_fusion(fusion);
+    problem->set_recompute(o.recompute);
     problem->forward();
   } catch (const Error& e) {
     // auto never fails over silently: the fallback is printed and recorded.
@@ -91,6 +92,8 @@ int run_bench(const BenchOptions& o) {
         to_string(device) + " has no expert-MLP kernel in this build yet: the CPU backend runs";
     device = Device::cpu();
     problem.emplace(w, layout, dtype, device, o.seed);
+    problem->set_fusion(fusion);
+    problem->set_recompute(o.recompute);
   }
   if (device.is_cpu() && w.mlp_flops() > 1e12)
     std::fprintf(
@@ -163,6 +166,7 @@ int run_bench(const BenchOptions& o) {
     j["dtype"] = dtype_name(dtype);
     j["glu"] = describe(problem->spec().glu);
     j["fusion"] = fusion_name(fusion);
+    j["recompute"] = o.recompute;
     j["case"] = {{"name", w.name},
                  {"experts", w.experts},
                  {"hidden", w.hidden},

@@ -25,6 +25,7 @@ struct BenchOptions {
   bool json = false;
   bool list = false;         // list the cases and exit
   std::string fusion = "forward";  // mlp: none | forward | all (ExpertMlpSpec::fusion)
+  bool recompute = false;    // mlp: keep only x; backward recomputes FC1
   bool vs_unfused = false;   // mlp: also time the unfused path, alternating with the fused one
   std::string anchor;        // gemm: torch_anchor.py's JSON from the same device run
   std::string json_out;      // gemm: write the results as JSON to this file

@@ -49,6 +49,7 @@ int main(int argc, char** argv) {
   bench_cmd->add_flag("--list", bench.list, "List the cases and exit");
   bench_cmd->add_option("--fusion", bench.fusion, "mlp: fused steps on CUDA: none, forward or all")
       ->capture_default_str();
+  bench_cmd->add_flag("--recompute", bench.recompute, "mlp: keep only x for backward (recompute FC1)");
   bench_cmd->add_flag("--vs-unfused", bench.vs_unfused,
                       "mlp: also time the unfused path (grouped GEMMs + GLU kernels), run by run alternating");
   bench_cmd->add_option("--anchor", bench.anchor,

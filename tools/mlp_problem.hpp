@@ -32,9 +32,12 @@ class MlpProblem {
   const Workload& workload() const { return workload_; }
   const ExpertMlpSpec& spec() const { return spec_; }
   void set_fusion(MlpFusion fusion) { spec_.fusion = fusion; }
-  // Bytes per routed token kept from forward for backward: x, the pre-activation and the prob.
+  // Recompute mode: forward keeps no pre-activation, backward recomputes FC1 from x.
+  void set_recompute(bool recompute) { recompute_ = recompute; }
+  // Bytes per token kept from forward for backward: x, the pre-activation (not with recompute) and
+  // the prob (GroupedMLP's MlpContext::saved_bytes() for the same mode, per row).
   int64_t saved_bytes_per_token() const {
-    return (workload_.hidden + 2 * workload_.ffn) * int64_t(dtype_size(dtype_)) + 4;
+    return (workload_.hidden + (recompute_ ? 0 : 2 * workload_.ffn)) * int64_t(dtype_size(dtype_)) + 4;
   }
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
@@ -53,6 +56,7 @@ class MlpProblem {
   // Outputs.
   Tensor y_, fc1_out_, dx_, dprobs_, dw1_, db1_, dw2_, db2_;
   Tensor forward_ws_, backward_ws_;
+  bool recompute_ = false;
 };
 
 }  // namespace moe::tools
