@@ -36,6 +36,21 @@ __global__ void glu_forward_kernel(const T* __restrict__ h, int64_t ldh, const f
   }
 }
 
+// The block's sum of dp (one value per thread) into *dst, in a fixed tree: deterministic.
+__device__ __forceinline__ void reduce_row(float dp, float (&warp_sums)[kThreads / 32], float* dst) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) dp += __shfl_xor_sync(0xffffffffu, dp, offset);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = dp;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) sum += warp_sums[w];
+    *dst = sum;
+  }
+  __syncthreads();  // warp_sums is reused by the next row
+}
+
 template <class T>
 __global__ void glu_backward_kernel(const T* __restrict__ h, int64_t ldh, const float* __restrict__ probs,
                                     const T* __restrict__ d_out, int64_t ldd, const int64_t* __restrict__ offsets,
@@ -58,19 +73,7 @@ __global__ void glu_backward_kernel(const T* __restrict__ h, int64_t ldh, const 
       dp += act * d;
       if (out) from_float(act * p, out + r * ldo + j);
     }
-    if (dprobs) {  // uniform: the whole block reduces
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) dp += __shfl_xor_sync(0xffffffffu, dp, offset);
-      if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = dp;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        float sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < kThreads / 32; ++w) sum += warp_sums[w];
-        dprobs[r] = sum;
-      }
-      __syncthreads();  // warp_sums is reused by the next row
-    }
+    if (dprobs) reduce_row(dp, warp_sums, dprobs + r);  // uniform: the whole block reduces
   }
 }
 
@@ -127,19 +130,7 @@ __global__ void glu_backward_x2_kernel(const T* __restrict__ h, int64_t ldh, con
       dp += act0 * d.x + act1 * d.y;
       if (out) *reinterpret_cast<T2*>(out + r * ldo + j) = from2(act0 * p, act1 * p);
     }
-    if (dprobs) {  // uniform: the whole block reduces
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) dp += __shfl_xor_sync(0xffffffffu, dp, offset);
-      if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = dp;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        float sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < kThreads / 32; ++w) sum += warp_sums[w];
-        dprobs[r] = sum;
-      }
-      __syncthreads();  // warp_sums is reused by the next row
-    }
+    if (dprobs) reduce_row(dp, warp_sums, dprobs + r);  // uniform: the whole block reduces
   }
 }
 
