@@ -10,17 +10,6 @@ namespace moe::cuda {
 
 namespace {
 
-GroupedGemmProblem problem_for(Form form, const GroupLayout& groups, DType dtype) {
-  GroupedGemmProblem p;
-  p.form = form;
-  p.in_dtype = p.out_dtype = dtype;
-  p.num_groups = groups.num_groups();
-  p.capacity = groups.capacity();
-  p.offsets = groups.offsets().data_as<int64_t>();
-  p.device = groups.device().index;
-  return p;
-}
-
 sm90::GluEpilogueParams epilogue_for(const GluSpec& spec, int64_t ffn, const TensorView& probs) {
   sm90::GluEpilogueParams g;
   g.math = detail::GluMath<float>::from(spec);
@@ -38,7 +27,7 @@ bool expert_mlp_fc1_glu(const TensorView& x, const ExpertMlpWeights& w, const Gr
   const char* op = "expert_mlp_forward";
   const int64_t F = act.size(1);
   if (!w.fc1_weight.is_packed() || (w.fc1_bias.defined() && !w.fc1_bias.is_packed())) return false;
-  GroupedGemmProblem p = problem_for(Form::kForward, groups, x.dtype());
+  GroupedGemmProblem p = problem_for(Form::kForward, groups, x.dtype(), x.dtype());
   p.a = x.data();
   p.a_row_stride = x.stride(0);
   p.b = expert_address(op, "fc1_weight", w.fc1_weight);
@@ -68,7 +57,7 @@ bool expert_mlp_fc2_dgrad_glu(const TensorView& dy, const ExpertMlpWeights& w, c
   const int64_t tiles = (F + 255) / 256;
   if (!w.fc2_weight.is_packed()) return false;
   if (dprobs.defined() && scratch.numel() * int64_t(dtype_size(scratch.dtype())) < T * tiles * 4) return false;
-  GroupedGemmProblem p = problem_for(Form::kDgrad, groups, dy.dtype());
+  GroupedGemmProblem p = problem_for(Form::kDgrad, groups, dy.dtype(), dy.dtype());
   p.a = dy.data();
   p.a_row_stride = dy.stride(0);
   p.b = expert_address(op, "fc2_weight", w.fc2_weight);

@@ -9,6 +9,7 @@
 #include "cuda/backend.hpp"
 #include "cuda/check.hpp"
 #include "cuda/dtype_dispatch.cuh"
+#include "cuda/pair16.cuh"
 
 namespace moe::cuda {
 namespace {
@@ -87,48 +88,37 @@ __global__ void glu_backward_x2_kernel(const T* __restrict__ h, int64_t ldh, con
                                        const int64_t* __restrict__ offsets, int64_t num_groups, int32_t ffn,
                                        int32_t block, detail::GluMath<float> math, T* __restrict__ dh,
                                        int64_t lddh, float* __restrict__ dprobs, T* __restrict__ out, int64_t ldo) {
-  using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  using P = Pair16<T>;
   __shared__ float warp_sums[kThreads / 32];
   const int64_t rows = offsets[num_groups];
-  const auto to2 = [](T2 v) {
-    if constexpr (std::is_same_v<T, __half>) return __half22float2(v);
-    else return __bfloat1622float2(v);
-  };
-  const auto from2 = [](float a, float b) {
-    if constexpr (std::is_same_v<T, __half>) return __floats2half2_rn(a, b);
-    else return __floats2bfloat162_rn(a, b);
-  };
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float p = probs ? probs[r] : 1.f;
     const T* hr = h + r * ldh;
     float dp = 0.f;
     for (int32_t j = 2 * threadIdx.x; j < ffn; j += 2 * kThreads) {
-      const float2 d = to2(*reinterpret_cast<const T2*>(d_out + r * ldd + j));
+      const float2 d = P::unpack(*reinterpret_cast<const uint32_t*>(d_out + r * ldd + j));
       float2 gate, linear;
       int32_t g = 0;
       if constexpr (kPairs) {
         const uint2 v = *reinterpret_cast<const uint2*>(hr + 2 * j);
-        const uint32_t gg = __byte_perm(v.x, v.y, 0x5410), ll = __byte_perm(v.x, v.y, 0x7632);
-        gate = to2(*reinterpret_cast<const T2*>(&gg));
-        linear = to2(*reinterpret_cast<const T2*>(&ll));
+        gate = P::unpack(__byte_perm(v.x, v.y, 0x5410));
+        linear = P::unpack(__byte_perm(v.x, v.y, 0x7632));
       } else {
         g = gate_column(j, block);
-        gate = to2(*reinterpret_cast<const T2*>(hr + g));
-        linear = to2(*reinterpret_cast<const T2*>(hr + g + block));
+        gate = P::unpack(*reinterpret_cast<const uint32_t*>(hr + g));
+        linear = P::unpack(*reinterpret_cast<const uint32_t*>(hr + g + block));
       }
       float act0, dg0, dl0, act1, dg1, dl1;
       math.backward(gate.x, linear.x, d.x * p, act0, dg0, dl0);
       math.backward(gate.y, linear.y, d.y * p, act1, dg1, dl1);
       if constexpr (kPairs) {
-        const T2 lo = from2(dg0, dl0), hi = from2(dg1, dl1);
-        *reinterpret_cast<uint2*>(dh + r * lddh + 2 * j) =
-            make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+        *reinterpret_cast<uint2*>(dh + r * lddh + 2 * j) = make_uint2(P::pack(dg0, dl0), P::pack(dg1, dl1));
       } else {
-        *reinterpret_cast<T2*>(dh + r * lddh + g) = from2(dg0, dg1);
-        *reinterpret_cast<T2*>(dh + r * lddh + g + block) = from2(dl0, dl1);
+        *reinterpret_cast<uint32_t*>(dh + r * lddh + g) = P::pack(dg0, dg1);
+        *reinterpret_cast<uint32_t*>(dh + r * lddh + g + block) = P::pack(dl0, dl1);
       }
       dp += act0 * d.x + act1 * d.y;
-      if (out) *reinterpret_cast<T2*>(out + r * ldo + j) = from2(act0 * p, act1 * p);
+      if (out) *reinterpret_cast<uint32_t*>(out + r * ldo + j) = P::pack(act0 * p, act1 * p);
     }
     if (dprobs) reduce_row(dp, warp_sums, dprobs + r);  // uniform: the whole block reduces
   }
@@ -146,8 +136,6 @@ __global__ void glu_dprobs_reduce_kernel(const float* __restrict__ partial, int6
 }
 
 unsigned grid_for(int64_t capacity) { return unsigned(capacity < kMaxBlocks ? capacity : kMaxBlocks); }
-
-bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0; }
 
 void check_ffn(int64_t ffn) {
   if (ffn >= (int64_t(1) << 30))
@@ -196,8 +184,8 @@ void glu_backward(const TensorView& h, const TensorView& probs, const TensorView
   const bool x2 = h.dtype() != DType::kFloat32 && F % 2 == 0 && (pairs || block % 2 == 0) &&
                   h.stride(0) % (pairs ? 4 : 2) == 0 && o.dh.stride(0) % (pairs ? 4 : 2) == 0 &&
                   d_out.stride(0) % 2 == 0 && (!o.out.defined() || o.out.stride(0) % 2 == 0) &&
-                  aligned(h.data(), pairs ? 8 : 4) && aligned(o.dh.data(), pairs ? 8 : 4) &&
-                  aligned(d_out.data(), 4) && (!o.out.defined() || aligned(o.out.data(), 4));
+                  is_aligned(h.data(), pairs ? 8 : 4) && is_aligned(o.dh.data(), pairs ? 8 : 4) &&
+                  is_aligned(d_out.data(), 4) && (!o.out.defined() || is_aligned(o.out.data(), 4));
   if (x2) {
     with_cuda_type(h.dtype(), "glu_backward", [&](auto type) {
       using T_ = decltype(type);

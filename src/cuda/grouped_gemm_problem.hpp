@@ -11,6 +11,7 @@
 #include "cuda/expert_address.hpp"
 #include "cuda/gemm_form.hpp"
 #include "moe_engine/dtype.hpp"
+#include "moe_engine/group_layout.hpp"
 
 namespace moe::cuda {
 
@@ -35,5 +36,18 @@ struct GroupedGemmProblem {
   // Every per-expert operand is one packed tensor (base + stride, no pointer table).
   bool packed() const { return !b.table && !d.table && !bias.table; }
 };
+
+// A problem of `form` over the routing `groups` (operands and sizes still to fill in).
+inline GroupedGemmProblem problem_for(Form form, const GroupLayout& groups, DType in, DType out) {
+  GroupedGemmProblem p;
+  p.form = form;
+  p.in_dtype = in;
+  p.out_dtype = out;
+  p.num_groups = groups.num_groups();
+  p.capacity = groups.capacity();
+  p.offsets = groups.offsets().data_as<int64_t>();
+  p.device = groups.device().index;
+  return p;
+}
 
 }  // namespace moe::cuda

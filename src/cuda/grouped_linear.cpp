@@ -24,18 +24,6 @@ ExpertAddress expert_address(const char* op, const char* name, const GroupedPara
 
 namespace {
 
-GroupedGemmProblem problem_for(Form form, const GroupLayout& groups, DType in, DType out) {
-  GroupedGemmProblem p;
-  p.form = form;
-  p.in_dtype = in;
-  p.out_dtype = out;
-  p.num_groups = groups.num_groups();
-  p.capacity = groups.capacity();
-  p.offsets = groups.offsets().data_as<int64_t>();
-  p.device = groups.device().index;
-  return p;
-}
-
 void run(const char* op, const GroupedGemmProblem& p, Stream stream) {
   if (sm90::can_run(p, nullptr)) return sm90::run(p, stream);
   std::string why;

@@ -185,7 +185,8 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
   const DType dtype = weights.fc2_weight.dtype();
   v.workspace(ctx.workspace, expert_mlp_backward_workspace_size(T, H, F, dtype, recompute),
               "expert_mlp_backward_workspace_size");
-  // dgrad_glu(h, b) runs FC2's dgrad + the GLU backward fused and returns true, or does nothing.
+  // dgrad_glu(h, b, act) runs FC2's dgrad + the GLU backward fused (act: the recomputed act * p,
+  // when FC2's weight gradient needs it) and returns true, or does nothing.
   const auto compose = [&](auto&& dgrad_glu) {
     ops::WorkspaceCarver carver(ctx.workspace);
     const BackwardBuffers b = backward_buffers(carver, T, F, dtype, recompute);
@@ -193,10 +194,10 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
     if (recompute)
       grouped_linear_forward(x, weights.fc1_weight, groups, h, {weights.fc1_bias, {}}, ctx);
     const bool need_act = grads.fc2_weight.grad.defined();
-    if (!dgrad_glu(h, b)) {
+    const TensorView act = need_act ? b.act : TensorView{};
+    if (!dgrad_glu(h, b, act)) {
       grouped_linear_dgrad(dy, weights.fc2_weight, groups, b.d_act, ctx);
-      glu_backward(h, probs, b.d_act, groups,
-                   {b.d_fc1, grads.dprobs, need_act ? b.act : TensorView{}}, spec.glu, ctx);
+      glu_backward(h, probs, b.d_act, groups, {b.d_fc1, grads.dprobs, act}, spec.glu, ctx);
     }
     // y holds + p * b2, so dprobs also gets <b2_g, dy[r]>.
     if (grads.dprobs.defined() && weights.fc2_bias.defined())
@@ -212,18 +213,16 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
     if (grads.dx.defined())
       grouped_linear_dgrad(b.d_fc1, weights.fc1_weight, groups, grads.dx, ctx);
   };
-  const auto unfused = [](const TensorView&, const BackwardBuffers&) { return false; };
+  const auto unfused = [](const TensorView&, const BackwardBuffers&, const TensorView&) { return false; };
   ops::dispatch(
       v, [&] { compose(unfused); },
       [&] {
 #if MOE_ENGINE_WITH_CUDA
         if (spec.fusion == MlpFusion::kForwardBackward)
-          return compose([&](const TensorView& h, const BackwardBuffers& b) {
+          return compose([&](const TensorView& h, const BackwardBuffers& b, const TensorView& act) {
             // The dprobs shares per 256-feature tile live in d_act's space, unused when fused.
-            const bool need_act = grads.fc2_weight.grad.defined();
-            return cuda::expert_mlp_fc2_dgrad_glu(dy, weights, groups, h, probs, spec.glu, b.d_fc1,
-                                                  need_act ? b.act : TensorView{}, grads.dprobs,
-                                                  b.d_act, ctx.stream);
+            return cuda::expert_mlp_fc2_dgrad_glu(dy, weights, groups, h, probs, spec.glu, b.d_fc1, act,
+                                                  grads.dprobs, b.d_act, ctx.stream);
           });
 #endif
         compose(unfused);

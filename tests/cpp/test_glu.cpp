@@ -7,15 +7,6 @@
 namespace moe::test {
 namespace {
 
-GluSpec spec_of(GluActivation act, GluLayout layout) {
-  GluSpec s;
-  s.activation = act;
-  s.layout = layout;
-  return s;
-}
-
-const GluActivation kActivations[] = {GluActivation::kSwiGLU, GluActivation::kClampedQGeGLU};
-
 std::vector<GluLayout> layouts() {
   return {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(4), GluLayout::blocks(32)};
 }

@@ -15,14 +15,6 @@ namespace {
 
 #define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
 
-GluSpec spec_of(GluActivation activation, GluLayout layout) {
-  GluSpec s;
-  s.activation = activation;
-  s.layout = layout;
-  return s;
-}
-
-const GluActivation kActivations[] = {GluActivation::kSwiGLU, GluActivation::kClampedQGeGLU};
 // blocks:5 (odd) keeps the one-feature-per-thread 16-bit backward covered.
 const GluLayout kLayouts[] = {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(8), GluLayout::blocks(5)};
 

@@ -30,6 +30,16 @@ inline uint64_t test_seed() {
   return base ^ std::hash<std::string>{}(name);
 }
 
+// A GLU spec with default activation parameters.
+inline GluSpec spec_of(GluActivation activation, GluLayout layout) {
+  GluSpec s;
+  s.activation = activation;
+  s.layout = layout;
+  return s;
+}
+
+inline constexpr GluActivation kActivations[] = {GluActivation::kSwiGLU, GluActivation::kClampedQGeGLU};
+
 struct Rng {
   std::mt19937_64 gen{test_seed()};
   double normal(double stddev = 1.0) { return std::normal_distribution<double>(0.0, stddev)(gen); }

@@ -17,38 +17,11 @@
 #include <cstdint>
 
 #include "common/glu_math.hpp"
-#include "cuda/ptx/tma.cuh"
+#include "cuda/pair16.cuh"
 #include "cuda/sm90/glu_params.hpp"
 
 namespace moe::cuda::sm90 {
-
-
 namespace glu {
-
-template <class T>
-struct Pair;
-template <>
-struct Pair<__nv_bfloat16> {
-  __device__ static uint32_t pack(float a, float b) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-  __device__ static float2 unpack(uint32_t bits) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
-  }
-  __device__ static float round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-};
-template <>
-struct Pair<__half> {
-  __device__ static uint32_t pack(float a, float b) {
-    const __half2 v = __floats2half2_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-  __device__ static float2 unpack(uint32_t bits) {
-    return __half22float2(*reinterpret_cast<const __half2*>(&bits));
-  }
-  __device__ static float round(float v) { return __half2float(__float2half_rn(v)); }
-};
 
 // This thread's two rows of a tile: pointers are only dereferenced where ok[h].
 struct Rows {
@@ -79,7 +52,7 @@ __device__ __forceinline__ void forward_tile(const float (&acc)[128], const deta
       const float other1 = __shfl_xor_sync(0xffffffffu, v1, 1);
       const uint32_t q0 = q & ~1u;
       if (row_ok && int32_t(8 * j + 2 * q0) < col_limit) {
-        const uint32_t bits = even ? Pair<T>::pack(v0, other0) : Pair<T>::pack(other1, v1);
+        const uint32_t bits = even ? Pair16<T>::pack(v0, other0) : Pair16<T>::pack(other1, v1);
         *reinterpret_cast<uint32_t*>(row_act + 4 * j + q0) = bits;
       }
     }
@@ -96,7 +69,7 @@ __device__ __forceinline__ void forward_tile(const float (&acc)[128], const deta
         if (!rows.ok[h]) continue;  // past the group's end
         const float a0 = math.forward(acc[4 * j + 2 * h], acc[4 * (j + kD) + 2 * h]) * rows.p[h];
         const float a1 = math.forward(acc[4 * j + 2 * h + 1], acc[4 * (j + kD) + 2 * h + 1]) * rows.p[h];
-        *reinterpret_cast<uint32_t*>(act[h] + f) = Pair<T>::pack(a0, a1);
+        *reinterpret_cast<uint32_t*>(act[h] + f) = Pair16<T>::pack(a0, a1);
       }
     }
   }
@@ -137,9 +110,9 @@ __device__ __forceinline__ void backward_tile(const float (&acc)[128], const Glu
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // d(act * p) rounded to T, as the unfused path stores it.
-      const float d0 = Pair<T>::round(acc[4 * j + 2 * h]), d1 = Pair<T>::round(acc[4 * j + 2 * h + 1]);
+      const float d0 = Pair16<T>::round(acc[4 * j + 2 * h]), d1 = Pair16<T>::round(acc[4 * j + 2 * h + 1]);
       if (!rows.ok[h] || f >= ffn) continue;
-      const float2 gv = Pair<T>::unpack(gate[h]), lv = Pair<T>::unpack(linear[h]);
+      const float2 gv = Pair16<T>::unpack(gate[h]), lv = Pair16<T>::unpack(linear[h]);
       float act0, dg0, dl0, act1, dg1, dl1;
       g.math.backward(gv.x, lv.x, d0 * rows.p[h], act0, dg0, dl0);
       g.math.backward(gv.y, lv.y, d1 * rows.p[h], act1, dg1, dl1);
@@ -148,16 +121,16 @@ __device__ __forceinline__ void backward_tile(const float (&acc)[128], const Glu
       const int64_t r = rows.row + 8 * h;
       T* dhr = static_cast<T*>(g.dh) + r * g.dh_stride;
       if constexpr (kPairs) {
-        const uint32_t lo = Pair<T>::pack(dg0, dl0), hi = Pair<T>::pack(dg1, dl1);
+        const uint32_t lo = Pair16<T>::pack(dg0, dl0), hi = Pair16<T>::pack(dg1, dl1);
         *reinterpret_cast<uint2*>(dhr + 2 * f) = make_uint2(lo, hi);
       } else {
         const int32_t col = gate_col(f);
-        *reinterpret_cast<uint32_t*>(dhr + col) = Pair<T>::pack(dg0, dg1);
-        *reinterpret_cast<uint32_t*>(dhr + col + g.block) = Pair<T>::pack(dl0, dl1);
+        *reinterpret_cast<uint32_t*>(dhr + col) = Pair16<T>::pack(dg0, dg1);
+        *reinterpret_cast<uint32_t*>(dhr + col + g.block) = Pair16<T>::pack(dl0, dl1);
       }
       if (g.act != nullptr)
         *reinterpret_cast<uint32_t*>(static_cast<T*>(g.act) + r * g.act_stride + f) =
-            Pair<T>::pack(act0 * rows.p[h], act1 * rows.p[h]);
+            Pair16<T>::pack(act0 * rows.p[h], act1 * rows.p[h]);
     }
   }
   if (g.dprobs_partial != nullptr) {  // uniform

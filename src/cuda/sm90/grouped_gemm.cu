@@ -63,7 +63,7 @@ bool can_run(const GroupedGemmProblem& p, std::string* why) {
   if (p.accumulate && p.out_dtype != DType::kFloat32)
     return no("accumulation needs a float32 output");
   const size_t in = dtype_size(p.in_dtype), out = dtype_size(p.out_dtype);
-  if (!aligned16(p.a) || !aligned16(p.b.base) || !aligned16(p.d.base))
+  if (!is_aligned(p.a, 16) || !is_aligned(p.b.base, 16) || !is_aligned(p.d.base, 16))
     return no("TMA needs 16-byte aligned data pointers");
   if ((p.a_row_stride * in) % 16 || (p.b_row_stride * in) % 16 || (p.d_row_stride * out) % 16)
     return no(

@@ -9,14 +9,6 @@
 #include "cuda/sm90/launch.cuh"
 
 namespace moe::cuda::sm90 {
-namespace {
-
-using namespace launch_detail;
-
-bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0; }
-
-}  // namespace
-
 bool can_run_glu(const GroupedGemmProblem& p, const GluEpilogueParams& g, std::string* why) {
   auto no = [&](const std::string& reason) {
     if (why) *why = reason;
@@ -29,15 +21,15 @@ bool can_run_glu(const GroupedGemmProblem& p, const GluEpilogueParams& g, std::s
     if (!(s == 1 || s == 8 || s == 16 || s == 32 || s == 64 || s == 128))
       return no("the fused FC1 epilogue needs the GLU layout pairs or blocks:s with s in 8..128 a power of two");
     if (p.row_scale != nullptr) return no("FC1 has no scaled bias");
-    if (g.act == nullptr || !aligned(g.act, 4) || g.act_stride % 2) return no("act must be 4-byte aligned rows");
+    if (g.act == nullptr || !is_aligned(g.act, 4) || g.act_stride % 2) return no("act must be 4-byte aligned rows");
     return true;
   }
   if (p.form == Form::kDgrad) {
     if (s < 1 || (s & (s - 1)) != 0)
       return no("the fused dGLU epilogue needs the GLU layout pairs or blocks of a power-of-two size");
-    if (!aligned(g.h, 16) || (g.h_stride * 2) % 16) return no("h must be 16-byte aligned rows");
-    if (!aligned(g.dh, 8) || g.dh_stride % 4) return no("dh must be 8-byte aligned rows");
-    if (g.act != nullptr && (!aligned(g.act, 4) || g.act_stride % 2)) return no("act must be 4-byte aligned rows");
+    if (!is_aligned(g.h, 16) || (g.h_stride * 2) % 16) return no("h must be 16-byte aligned rows");
+    if (!is_aligned(g.dh, 8) || g.dh_stride % 4) return no("dh must be 8-byte aligned rows");
+    if (g.act != nullptr && (!is_aligned(g.act, 4) || g.act_stride % 2)) return no("act must be 4-byte aligned rows");
     return true;
   }
   return no("GLU epilogues exist for FC1's forward and FC2's dgrad only");
@@ -52,15 +44,15 @@ void run_glu(const GroupedGemmProblem& pr, const GluEpilogueParams& glu, Stream 
   const bool fp16 = pr.in_dtype == DType::kFloat16;
   if (pr.form == Form::kForward) {
     if (fp16)
-      launch<Form::kForward, __half, __half, Epilogue::kGluForward>(pr, r.a, r.b, r.d, r.params, stream);
+      launch_detail::launch<Form::kForward, __half, __half, Epilogue::kGluForward>(pr, r.a, r.b, r.d, r.params, stream);
     else
-      launch<Form::kForward, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluForward>(pr, r.a, r.b, r.d, r.params,
+      launch_detail::launch<Form::kForward, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluForward>(pr, r.a, r.b, r.d, r.params,
                                                                                  stream);
   } else {
     if (fp16)
-      launch<Form::kDgrad, __half, __half, Epilogue::kGluBackward>(pr, r.a, r.b, r.d, r.params, stream);
+      launch_detail::launch<Form::kDgrad, __half, __half, Epilogue::kGluBackward>(pr, r.a, r.b, r.d, r.params, stream);
     else
-      launch<Form::kDgrad, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluBackward>(pr, r.a, r.b, r.d, r.params,
+      launch_detail::launch<Form::kDgrad, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluBackward>(pr, r.a, r.b, r.d, r.params,
                                                                                  stream);
   }
 }

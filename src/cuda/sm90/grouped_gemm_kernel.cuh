@@ -24,6 +24,7 @@
 #include "cuda/ptx/sync.cuh"
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/wgmma.cuh"
+#include "cuda/pair16.cuh"
 #include "cuda/sm90/config.hpp"
 #include "cuda/sm90/glu_epilogue.cuh"
 #include "cuda/sm90/scheduler.cuh"
@@ -64,26 +65,10 @@ struct InputTraits<__half> {
   static constexpr bool kFp16 = true;
 };
 
-// Two 16-bit values packed in 32 bits, as floats.
-__device__ __forceinline__ void unpack_pair(uint32_t bits, float& a, float& b, __nv_bfloat16*) {
-  const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
-  a = f.x;
-  b = f.y;
-}
-__device__ __forceinline__ void unpack_pair(uint32_t bits, float& a, float& b, __half*) {
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&bits));
-  a = f.x;
-  b = f.y;
-}
-
 // Writes two adjacent output values (columns c, c+1 of a row) to shared memory at `addr`.
-__device__ __forceinline__ void store_pair(uint32_t addr, float a, float b, __nv_bfloat16*) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  ptx::st_shared_b32(addr, *reinterpret_cast<const uint32_t*>(&v));
-}
-__device__ __forceinline__ void store_pair(uint32_t addr, float a, float b, __half*) {
-  const __half2 v = __floats2half2_rn(a, b);
-  ptx::st_shared_b32(addr, *reinterpret_cast<const uint32_t*>(&v));
+template <class Out>
+__device__ __forceinline__ void store_pair(uint32_t addr, float a, float b, Out*) {
+  ptx::st_shared_b32(addr, Pair16<Out>::pack(a, b));
 }
 __device__ __forceinline__ void store_pair(uint32_t addr, float a, float b, float*) {
   ptx::st_shared_v2_f32(addr, a, b);
@@ -391,18 +376,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           ptx::named_barrier_sync(1 + math, 128);
 #pragma unroll
           for (int j = 0; j < kAccRegs / 4; ++j) {
-            float b0, b1;
-            unpack_pair(ptx::ld_shared_b32(bias_tile + 4 * (4 * j + q)), b0, b1, static_cast<In*>(nullptr));
-            acc[4 * j] += b0;
-            acc[4 * j + 1] += b1;
-            acc[4 * j + 2] += b0;
-            acc[4 * j + 3] += b1;
+            const float2 b = Pair16<In>::unpack(ptx::ld_shared_b32(bias_tile + 4 * (4 * j + q)));
+            acc[4 * j] += b.x;
+            acc[4 * j + 1] += b.y;
+            acc[4 * j + 2] += b.x;
+            acc[4 * j + 3] += b.y;
           }
           ptx::named_barrier_sync(1 + math, 128);  // bias reads done before the next tile stages
         }
         // h as stored (16-bit): the activation sees what backward will read.
 #pragma unroll
-        for (int r = 0; r < kAccRegs; ++r) acc[r] = glu::Pair<In>::round(acc[r]);
+        for (int r = 0; r < kAccRegs; ++r) acc[r] = Pair16<In>::round(acc[r]);
         if (slab_live) {
           In* act_rows[2];
 #pragma unroll
@@ -472,9 +456,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
             const int j = chunk * kGroupsPerChunk + jj;
             const uint32_t offset = row_base + ((jj * 8 * uint32_t(sizeof(Out)) + lane_bytes) ^ swizzle);
             float b0 = 0.f, b1 = 0.f;
-            if constexpr (decltype(with_bias)::value)
-              unpack_pair(ptx::ld_shared_b32(bias_tile + 4 * ((chunk * kChunkCols + jj * 8) / 2 + opaque_lane % 4)),
-                          b0, b1, static_cast<In*>(nullptr));
+            if constexpr (decltype(with_bias)::value) {
+              const float2 b = Pair16<In>::unpack(
+                  ptx::ld_shared_b32(bias_tile + 4 * ((chunk * kChunkCols + jj * 8) / 2 + opaque_lane % 4)));
+              b0 = b.x;
+              b1 = b.y;
+            }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];

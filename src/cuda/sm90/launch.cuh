@@ -57,7 +57,6 @@ inline bool multicast_enabled() {
   return enabled;
 }
 
-inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 inline cudaLaunchConfig_t launch_config(int grid, Stream stream, cudaLaunchAttribute* cluster) {
   cluster->id = cudaLaunchAttributeClusterDimension;

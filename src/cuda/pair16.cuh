@@ -1,0 +1,37 @@
+// Two 16-bit floats in one 32-bit word (bf16x2 / half2), to and from float: the paired loads and
+// stores of the GEMM epilogues and the GLU kernels.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace moe::cuda {
+
+template <class T>
+struct Pair16;
+
+template <>
+struct Pair16<__nv_bfloat16> {
+  __device__ static uint32_t pack(float a, float b) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+  __device__ static float2 unpack(uint32_t bits) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+  }
+  __device__ static float round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+};
+
+template <>
+struct Pair16<__half> {
+  __device__ static uint32_t pack(float a, float b) {
+    const __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+  __device__ static float2 unpack(uint32_t bits) { return __half22float2(*reinterpret_cast<const __half2*>(&bits)); }
+  __device__ static float round(float v) { return __half2float(__float2half_rn(v)); }
+};
+
+}  // namespace moe::cuda
