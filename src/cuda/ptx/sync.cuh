@@ -51,8 +51,16 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-// Waits until the phase with the given parity has completed. A deadlock (a protocol bug) traps
-// after about 20 seconds instead of hanging the GPU: the kernel then fails with an error.
+// Ends the kernel with an error (cudaErrorIllegalAddress): a volatile store to address 0, which
+// is never mapped. Not `trap`: in a kernel whose warpgroups resize their register files with
+// setmaxnreg, a trap anywhere in the math warpgroups' code keeps ptxas from allocating past the
+// launch's 168 registers there (a reduced kernel spilled 184 bytes with trap, none without).
+__device__ __forceinline__ void abort_kernel() {
+  asm volatile("{ .reg .u64 null; mov.u64 null, 0; st.volatile.global.u32 [null], 0; }" ::: "memory");
+}
+
+// Waits until the phase with the given parity has completed. A deadlock (a protocol bug) aborts
+// the kernel after about 20 seconds instead of hanging the GPU: the kernel then fails with an error.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   const uint32_t addr = smem_address(bar);
   uint32_t done = 0;
@@ -67,7 +75,7 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
     if ((polls & 1023u) == 0) {
       const uint64_t now = global_timer_ns();
       if (since == 0) since = now;
-      else if (now - since > 20000000000ull) __trap();
+      else if (now - since > 20000000000ull) abort_kernel();
     }
   }
 }

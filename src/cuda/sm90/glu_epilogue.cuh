@@ -85,8 +85,9 @@ __device__ __forceinline__ void backward_tile(const float (&acc)[128], const Glu
   // the kernel's parameter space where used: registers are short here.)
   auto gate_col = [&](int32_t f) { return ((f >> g.block_shift) << (g.block_shift + 1)) + (f & (g.block - 1)); };
   auto h_row = [&](int h) { return static_cast<const T*>(g.h) + (rows.row + 8 * h) * g.h_stride; };
-  // The accumulators hold every register but ~40: h is read one group at a time, so each group
-  // waits for its loads (L2 hits: the tile's h was prefetched). Measured slow (docs/performance-log.md).
+  // h is read one group at a time, so each group waits for its loads (L2 hits: the tile's h was
+  // prefetched). Measured slow (docs/performance-log.md); four groups' loads in flight at once
+  // measured no faster (s7).
   float dp[2] = {0.f, 0.f};
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
