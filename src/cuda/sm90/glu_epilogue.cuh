@@ -81,8 +81,7 @@ __device__ __forceinline__ void forward_tile(const float (&acc)[128], const deta
 template <bool kPairs, class T>
 __device__ __forceinline__ void backward_tile(const float (&acc)[128], const GluEpilogueParams& g, const Rows& rows,
                                               int32_t f0, int32_t ffn, int32_t tile_index, uint32_t q) {
-  // Gate column of feature f: (f / s) * 2s + f % s, s a power of two. (Parameters are read from
-  // the kernel's parameter space where used: registers are short here.)
+  // Gate column of feature f: (f / s) * 2s + f % s, s a power of two.
   auto gate_col = [&](int32_t f) { return ((f >> g.block_shift) << (g.block_shift + 1)) + (f & (g.block - 1)); };
   auto h_row = [&](int h) { return static_cast<const T*>(g.h) + (rows.row + 8 * h) * g.h_stride; };
   // h is read one group at a time, so each group waits for its loads (L2 hits: the tile's h was

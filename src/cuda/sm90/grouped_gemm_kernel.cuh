@@ -282,7 +282,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // epilogue, which looks up after itself: it needs the registers the next tile would hold.
     constexpr bool kEarlyLookup = !kKGrouped && kEpi != Epilogue::kGluBackward;
     constexpr int kLookupStep = 4;
-    bool looked_up = false;
     for (int kb = 0; kb < t.k_blocks; ++kb) {
       ptx::mbarrier_wait(&full[stage], phase);
 #ifdef MOE_SM90_PROBE
@@ -312,10 +311,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         stage = 0;
         phase ^= 1u;
       }
-      if (kEarlyLookup && kb == kLookupStep) {
-        have = scheduler.get(pair, next);
-        looked_up = true;
-      }
+      if (kEarlyLookup && kb == kLookupStep) have = scheduler.get(pair, next);
     }
     ptx::wgmma_wait_group<0>();
     ptx::fence_accumulators(acc);
@@ -329,6 +325,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
 #endif
     if (previous >= 0) release(previous);
+    const bool looked_up = kEarlyLookup && t.k_blocks > kLookupStep;
     if (kEpi != Epilogue::kGluBackward && !looked_up) have = scheduler.get(pair, next);
     if (kKGrouped && t.k_blocks == 0) {  // an empty wgrad group writes zeros (no wgmma in flight)
 #pragma unroll
