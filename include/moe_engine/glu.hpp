@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "moe_engine/export.hpp"
 #include "moe_engine/group_layout.hpp"
@@ -48,6 +49,10 @@ class MOE_API GluLayout {
   Kind kind_;
   int64_t block_;
 };
+
+// The FC1 row order between GLU layouts for F gate/linear pairs: row i in `to` is row perm[i] in
+// `from` (weights [2F, H] and biases [2F] are permuted this way). kShape if F does not fit either.
+MOE_API std::vector<int64_t> glu_row_permutation(const GluLayout& from, const GluLayout& to, int64_t ffn);
 
 struct GluSpec {
   GluActivation activation = GluActivation::kSwiGLU;

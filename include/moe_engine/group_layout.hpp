@@ -79,4 +79,10 @@ class MOE_API GroupLayout {
   DeviceErrorRecord* error_record_ = nullptr;
 };
 
+// Zeroes rows [offsets[G], T) of t ([T, ...], rows contiguous, on the layout's device): the rows
+// no expert owns, which no op writes. Fresh outputs of the PyTorch layer get defined zeros there
+// (the gradient of an unrouted row is exactly zero). On CUDA one kernel of fixed shape that reads
+// offsets[G] on the device: graph safe; with sum(splits) == T it writes nothing.
+MOE_API void zero_unrouted_rows(const TensorView& t, const GroupLayout& groups, Stream stream = nullptr);
+
 }  // namespace moe

@@ -3,6 +3,8 @@
 //   x [T, K], y [T, N], weight G x [N, K], bias G x [N], T = groups.capacity().
 #pragma once
 
+#include <string_view>
+
 #include "moe_engine/export.hpp"
 #include "moe_engine/group_layout.hpp"
 #include "moe_engine/grouped_param.hpp"
@@ -17,7 +19,8 @@ enum class GradMode {
   kAccumulate,  // float32 main_grad += result; an empty expert leaves it untouched
   kOverwrite,   // float32 main_grad = result; an empty expert writes zeros
 };
-MOE_API const char* grad_mode_name(GradMode mode);
+MOE_API const char* grad_mode_name(GradMode mode);      // "write", "accumulate", "overwrite"
+MOE_API GradMode parse_grad_mode(std::string_view name);  // the names above
 
 struct BiasEpilogue {
   GroupedParam bias;     // G x [N]; undefined = no bias

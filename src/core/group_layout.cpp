@@ -1,5 +1,6 @@
 #include "moe_engine/group_layout.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 
@@ -125,6 +126,7 @@ GroupLayout GroupLayout::compute(const TensorView& splits, int64_t capacity,
             "GroupLayout: on CUDA a DeviceErrorFlag is required: bad splits cannot be reported "
             "otherwise");
 #if MOE_ENGINE_WITH_CUDA
+  const cuda_api::ScopedDevice scoped(splits.device().index);
   cuda::launch_group_offsets(splits.data(), splits.dtype() == DType::kInt32, G, capacity, off,
                              errors->record(), stream);
 #else
@@ -132,6 +134,30 @@ GroupLayout GroupLayout::compute(const TensorView& splits, int64_t capacity,
   throw_error(ErrorCode::kNotImplemented, "GroupLayout: this build has no CUDA backend");
 #endif
   return layout;
+}
+
+void zero_unrouted_rows(const TensorView& t, const GroupLayout& groups, Stream stream) {
+  MOE_CHECK(groups.defined(), ErrorCode::kInvalidArgument, "zero_unrouted_rows: the group layout is undefined");
+  MOE_CHECK(t.defined() && t.dim() >= 1 && t.size(0) == groups.capacity(), ErrorCode::kShape,
+            "zero_unrouted_rows: expected a [T = ", groups.capacity(), ", ...] tensor, got ", t.describe());
+  MOE_CHECK(t.is_contiguous(), ErrorCode::kShape, "zero_unrouted_rows: expected a contiguous tensor, got ",
+            t.describe());
+  MOE_CHECK(t.device() == groups.device(), ErrorCode::kDevice, "zero_unrouted_rows: the tensor is on ",
+            to_string(t.device()), " but the routing on ", to_string(groups.device()));
+  const int64_t rows = t.size(0), row_bytes = rows == 0 ? 0 : int64_t(t.nbytes()) / rows;
+  const auto* end = groups.offsets().data_as<int64_t>() + groups.num_groups();
+  if (t.device().is_cpu()) {
+    const int64_t first = std::clamp<int64_t>(*end, 0, rows);
+    std::memset(static_cast<uint8_t*>(t.data()) + first * row_bytes, 0, size_t((rows - first) * row_bytes));
+    return;
+  }
+#if MOE_ENGINE_WITH_CUDA
+  const cuda_api::ScopedDevice scoped(t.device().index);
+  cuda::launch_zero_unrouted_rows(t.data(), rows, row_bytes, end, stream);
+#else
+  (void)stream;
+  throw_error(ErrorCode::kNotImplemented, "zero_unrouted_rows: this build has no CUDA backend");
+#endif
 }
 
 }  // namespace moe

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <climits>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -77,6 +78,34 @@ void launch_group_offsets(const void* splits, bool splits_are_int32, int64_t num
     group_offsets_kernel<<<1, kThreads, 0, stream>>>(static_cast<const int64_t*>(splits),
                                                      num_groups, capacity, offsets, record);
   MOE_CUDA_CHECK_LAUNCH("group_offsets_kernel");
+}
+
+namespace {
+
+// Grid-stride over the 16-byte words of the tail when the buffer allows it, bytes otherwise.
+__global__ void zero_tail_kernel(uint8_t* __restrict__ data, int64_t rows, int64_t row_bytes,
+                                 const int64_t* __restrict__ end_offset) {
+  const int64_t end = *end_offset;
+  const int64_t first = (end < 0 ? 0 : end > rows ? rows : end) * row_bytes, last = rows * row_bytes;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t i = first + int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (((reinterpret_cast<uintptr_t>(data) | uintptr_t(first) | uintptr_t(last)) & 15) == 0) {
+    for (i = first / 16 + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < last / 16; i += stride)
+      reinterpret_cast<uint4*>(data)[i] = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  for (; i < last; i += stride) data[i] = 0;
+}
+
+}  // namespace
+
+void launch_zero_unrouted_rows(void* data, int64_t rows, int64_t row_bytes, const int64_t* end_offset,
+                               Stream stream) {
+  if (rows == 0 || row_bytes == 0) return;
+  const int64_t words = (rows * row_bytes + 15) / 16;
+  const int blocks = int(std::min<int64_t>((words + 255) / 256, 1024));
+  zero_tail_kernel<<<blocks, 256, 0, stream>>>(static_cast<uint8_t*>(data), rows, row_bytes, end_offset);
+  MOE_CUDA_CHECK_LAUNCH("zero_tail_kernel");
 }
 
 }  // namespace moe::cuda

@@ -14,4 +14,9 @@ void launch_group_offsets(const void* splits, bool splits_are_int32, int64_t num
                           int64_t capacity, int64_t* offsets, DeviceErrorRecord* record,
                           Stream stream);
 
+// Zeroes bytes [offsets[G] * row_bytes, rows * row_bytes) of data (rows past the routed ones).
+// Fixed grid; row_bytes need not be a multiple of anything.
+void launch_zero_unrouted_rows(void* data, int64_t rows, int64_t row_bytes, const int64_t* end_offset,
+                               Stream stream);
+
 }  // namespace moe::cuda

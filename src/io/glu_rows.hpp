@@ -25,13 +25,11 @@ inline std::vector<uint8_t> permute_glu_rows(std::span<const uint8_t> bytes, int
   for (const GluLayout* l : {&from, &to})
     MOE_CHECK(ffn == 0 || ffn % l->block_size(ffn) == 0, code, what, ": F = ", ffn, " gate/linear pairs do not fit GLU layout ",
               l->name());
-  const size_t row_bytes = rows ? bytes.size() / size_t(rows) : 0;
-  for (int64_t j = 0; j < ffn; ++j) {
-    const int64_t src[2] = {from.gate_column(j, ffn), from.linear_column(j, ffn)};
-    const int64_t dst[2] = {to.gate_column(j, ffn), to.linear_column(j, ffn)};
-    for (int h = 0; h < 2; ++h)
-      std::memcpy(out.data() + size_t(dst[h]) * row_bytes, bytes.data() + size_t(src[h]) * row_bytes, row_bytes);
-  }
+  if (ffn == 0) return out;
+  const size_t row_bytes = bytes.size() / size_t(rows);
+  const std::vector<int64_t> perm = glu_row_permutation(from, to, ffn);
+  for (size_t i = 0; i < perm.size(); ++i)
+    std::memcpy(out.data() + i * row_bytes, bytes.data() + size_t(perm[i]) * row_bytes, row_bytes);
   return out;
 }
 

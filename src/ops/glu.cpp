@@ -50,6 +50,18 @@ GluLayout GluLayout::parse(std::string_view text) {
               "'; expected halves, pairs or blocks:S with S >= 1 (e.g. blocks:32)");
 }
 
+std::vector<int64_t> glu_row_permutation(const GluLayout& from, const GluLayout& to, int64_t ffn) {
+  for (const GluLayout* l : {&from, &to})
+    MOE_CHECK(ffn >= 1 && ffn % l->block_size(ffn) == 0, ErrorCode::kShape, "GLU layout ", l->name(),
+              " needs F divisible by ", l->block_size(ffn), ", got F = ", ffn);
+  std::vector<int64_t> perm(size_t(2 * ffn));
+  for (int64_t j = 0; j < ffn; ++j) {
+    perm[size_t(to.gate_column(j, ffn))] = from.gate_column(j, ffn);
+    perm[size_t(to.linear_column(j, ffn))] = from.linear_column(j, ffn);
+  }
+  return perm;
+}
+
 int64_t GluLayout::block_size(int64_t ffn) const {
   switch (kind_) {
     case Kind::kHalves:

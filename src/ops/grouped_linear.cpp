@@ -22,6 +22,13 @@ const char* grad_mode_name(GradMode mode) {
   return "unknown";
 }
 
+GradMode parse_grad_mode(std::string_view name) {
+  for (GradMode m : {GradMode::kWrite, GradMode::kAccumulate, GradMode::kOverwrite})
+    if (name == grad_mode_name(m)) return m;
+  throw_error(ErrorCode::kInvalidArgument, "unknown gradient mode '", name,
+              "'; expected write, accumulate or overwrite");
+}
+
 void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
                             const GroupLayout& groups, const TensorView& y,
                             const BiasEpilogue& bias, [[maybe_unused]] const ExecContext& ctx) {

@@ -159,6 +159,23 @@ TEST(GroupLayout, CpuOffsetsAreTheExclusivePrefixSum) {
   EXPECT_EQ(off32.data_as<int64_t>()[3], 7);
 }
 
+// Rows past sum(splits) become zeros; the routed rows and other dtypes' byte counts are kept.
+TEST(GroupLayout, ZeroUnroutedRowsClearsOnlyTheTail) {
+  Routing r({3, 0, 2}, 9);
+  for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+    Tensor t = poisoned({9, 5}, dtype);
+    zero_unrouted_rows(t, r.layout);
+    const auto* bytes = static_cast<const uint8_t*>(t.data());
+    const size_t row = 5 * dtype_size(dtype);
+    for (size_t i = 0; i < 9 * row; ++i) ASSERT_EQ(bytes[i], i < 5 * row ? kPoison : 0) << i;
+  }
+  Tensor full = poisoned({5}, DType::kFloat32);  // sum(splits) == T: nothing to clear
+  zero_unrouted_rows(full, Routing({3, 2}, 5).layout);
+  EXPECT_TRUE(tail_untouched(full, 0));
+  EXPECT_MOE_ERROR(zero_unrouted_rows(poisoned({8, 5}, DType::kFloat32), r.layout), ErrorCode::kShape,
+                   "expected a [T = 9, ...] tensor");
+}
+
 TEST(GroupLayout, BadSplitsAndArgumentsAreClearErrors) {
   auto make = [](std::vector<int64_t> s, int64_t cap) { Routing r(std::move(s), cap); };
   EXPECT_MOE_ERROR(make({2, -3, 1}, 10), ErrorCode::kInvalidArgument, "splits[1] = -3 is negative");

@@ -109,6 +109,22 @@ TEST_F(Gpu, BadSplitsAreReportedAndNeverLeaveTheBuffer) {
   EXPECT_EQ(flag.read_and_clear().bits, uint32_t(kSplitsExceedCapacity));
 }
 
+// The device tail clear matches the CPU one for aligned and odd row sizes, full and empty routings.
+TEST_F(Gpu, ZeroUnroutedRowsMatchesTheCpu) {
+  Rng rng;
+  for (int64_t cols : {1, 3, 8, 129}) {
+    for (const auto& s : std::vector<std::vector<int64_t>>{{0, 0}, {4, 0, 9}, {20, 3}, {1}}) {
+      SCOPED_TRACE("cols " + std::to_string(cols));
+      const int64_t T = 23;
+      DualRouting r(s, T);
+      Tensor host = random_tensor({T, cols}, DType::kBFloat16, rng), dev = to_gpu(host);
+      zero_unrouted_rows(host, r.cpu.layout);
+      zero_unrouted_rows(dev, r.gpu);
+      EXPECT_TRUE(bitwise_equal(to_host(dev), host));
+    }
+  }
+}
+
 TEST_F(Gpu, OffsetsReplayFromACapturedGraphWithNewSplits) {
   Rng rng;
   const int64_t G = 128, cap = 128 * 64;

@@ -1,0 +1,18 @@
+"""PyTorch integration: custom ops (``torch.ops.moe_engine.*``), the functional API and the
+``GroupedLinear`` / ``GroupedMLP`` modules. See ``ops`` and ``modules`` for the contracts."""
+
+import torch as _torch  # noqa: F401  (fails early with a clear ImportError when PyTorch is missing)
+
+from .modules import GroupedLinear, GroupedMLP, normalize_grouped_keys
+from .ops import check_errors, expert_mlp, glu, grouped_linear, init_device
+
+__all__ = [
+    "GroupedLinear",
+    "GroupedMLP",
+    "check_errors",
+    "expert_mlp",
+    "glu",
+    "grouped_linear",
+    "init_device",
+    "normalize_grouped_keys",
+]

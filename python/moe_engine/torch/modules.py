@@ -1,0 +1,372 @@
+"""``GroupedLinear`` and ``GroupedMLP``: nn.Modules over the moe-engine ops with the training
+contract of TransformerEngine / Megatron-LM (DESIGN.md section 4):
+
+- parameters packed (``weight`` ``[G, N, K]``) or per expert (``weight0`` .. ``weight{G-1}``);
+- ``accumulate_into_main_grad``: the wgrad GEMM adds into (or, with ``overwrite_main_grad``,
+  overwrites) each weight's float32 ``param.main_grad``; ``__fsdp_param__`` parameters are asked
+  with ``get_main_grad()``; ``grad_added_to_main_grad`` / ``zero_out_wgrad`` get the dummy-gradient
+  treatment (see ``_contract.py`` for the six-row table);
+- ``delay_wgrad_compute``: backward computes dgrad (and bias gradients) only; ``backward_dw()`` runs
+  the queued weight gradients, then the hooks registered with
+  ``register_wgrad_accumulation_and_reduce_hooks``; weights carry ``skip_backward_post_hook``;
+- ``load_state_dict`` normalizes checkpoint keys between the packed and per-expert forms.
+
+The routing ``splits`` is a ``[G]`` tensor on the tokens' device; nothing reads it on the host, so
+forward and backward can be captured in a CUDA graph and replayed with new splits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .. import _C
+from . import ops
+from ._contract import WeightGradContract
+
+_LAYOUTS = ("packed", "per-expert")
+
+
+def normalize_grouped_keys(state: dict, key: str, num_groups: int, packed: bool) -> None:
+    """Checkpoint key normalization for one grouped parameter ``key`` (PREFIX + name): a packed
+    module gets ``key`` stacked from ``key0..key{G-1}`` when all of those are present and ``key``
+    is not; a per-expert module gets ``key`` split (``[G, ...]`` along dim 0, or ``[G*N, ...]``
+    into G equal chunks) when it is present and no indexed key is. Other mixes are left alone."""
+    indexed = [f"{key}{i}" for i in range(num_groups)]
+    if packed:
+        if key in state or not all(k in state for k in indexed):
+            return
+        state[key] = torch.stack([state.pop(k) for k in indexed])
+        return
+    if any(k in state for k in indexed) or key not in state:
+        return
+    t = state[key]
+    if t.dim() == 0 or t.shape[0] % num_groups != 0:
+        raise RuntimeError(
+            f"moe_engine: cannot split checkpoint tensor '{key}' of shape {tuple(t.shape)} into "
+            f"{num_groups} experts (expected [G, ...] or [G*N, ...])"
+        )
+    del state[key]
+    parts = t.unbind(0) if t.shape[0] == num_groups else t.chunk(num_groups, 0)
+    for k, part in zip(indexed, parts):
+        state[k] = part
+
+
+class _ExpertParams(nn.Module):
+    """G experts' weight ``[N, K]`` (and bias ``[N]``), packed or per expert, with the key
+    normalization on load."""
+
+    def __init__(self, num_groups: int, out_features: int, in_features: int, bias: bool, layout: str,
+                 device, dtype, fan_in: Optional[int] = None):
+        super().__init__()
+        if layout not in _LAYOUTS:
+            raise ValueError(f"moe_engine: unknown parameter layout '{layout}'; expected packed or per-expert")
+        if num_groups < 1 or out_features < 1 or in_features < 1:
+            raise ValueError(f"moe_engine: expected G, N, K >= 1, got {num_groups}, {out_features}, {in_features}")
+        self.num_groups, self.packed = num_groups, layout == "packed"
+        bound = 1.0 / math.sqrt(fan_in or in_features)
+
+        def make(shape):
+            return nn.Parameter(torch.empty(shape, device=device, dtype=dtype).uniform_(-bound, bound))
+
+        if self.packed:
+            self.weight = make((num_groups, out_features, in_features))
+            if bias:
+                self.bias = make((num_groups, out_features))
+        else:
+            for g in range(num_groups):
+                setattr(self, f"weight{g}", make((out_features, in_features)))
+            if bias:
+                for g in range(num_groups):
+                    setattr(self, f"bias{g}", make((out_features,)))
+        self.has_bias = bias
+        self._register_load_state_dict_pre_hook(self._normalize_keys)
+
+    def _normalize_keys(self, state_dict, prefix, *args):
+        normalize_grouped_keys(state_dict, prefix + "weight", self.num_groups, self.packed)
+        if self.has_bias:
+            normalize_grouped_keys(state_dict, prefix + "bias", self.num_groups, self.packed)
+
+    def _list(self, name: str) -> List[nn.Parameter]:
+        if self.packed:
+            return [getattr(self, name)]
+        return [getattr(self, f"{name}{g}") for g in range(self.num_groups)]
+
+    def weights(self) -> List[nn.Parameter]:
+        return self._list("weight")
+
+    def biases(self) -> List[nn.Parameter]:
+        return self._list("bias") if self.has_bias else []
+
+    def weight_names(self) -> List[str]:
+        return ["weight"] if self.packed else [f"weight{g}" for g in range(self.num_groups)]
+
+
+class _DelayedWgrad:
+    """The queue of weight-gradient work and the hooks that backward_dw fires."""
+
+    def __init__(self):
+        self.queue: List[Callable[[], None]] = []
+        self.hooks: List[Callable[[], None]] = []
+
+    def run(self) -> None:
+        if not self.queue:
+            return
+        while self.queue:
+            self.queue.pop(0)()
+        for hook in self.hooks:
+            hook()
+
+
+def _mark_delayed(params: Sequence[nn.Parameter]) -> None:
+    for p in params:
+        p.skip_backward_post_hook = True  # Megatron DDP then hooks via register_wgrad_accumulation_and_reduce_hooks
+
+
+# ---- GroupedLinear ----
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, module: "GroupedLinear", x, splits, row_scale, *params):
+        n = len(params) if not module.has_bias else len(params) // 2
+        weights, biases = list(params[:n]), list(params[n:])
+        y = ops._grouped_linear(x, weights, splits, biases, row_scale)
+        keep_x = any(w.requires_grad for w in weights)
+        ctx.save_for_backward(x if keep_x else None, splits, row_scale, *params)
+        ctx.module, ctx.n = module, n
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        m: GroupedLinear = ctx.module
+        x, splits, row_scale, *params = ctx.saved_tensors
+        weights, biases = params[: ctx.n], params[ctx.n :]
+        need = ctx.needs_input_grad
+        dy = dy.contiguous()
+        dx = ops._grouped_linear_dgrad(dy, weights, splits) if need[1] else None
+        ds = ops._grouped_linear_dscales(dy, biases, splits) if (need[3] and biases) else None
+        db = [None] * len(biases)
+        if biases and any(b.requires_grad for b in biases):
+            db = ops.split_like(ops._grouped_linear_dbias(dy, splits, row_scale), biases, 1)
+        dw: List[Optional[Tensor]] = [None] * len(weights)
+        if any(w.requires_grad for w in weights):
+
+            contract, names = m._weight_grad, m.weight_names()
+            if m.delay_wgrad_compute:
+
+                def job(dy=dy, x=x, splits=splits):
+                    targets, mode = contract.targets(weights, names)
+                    ops._grouped_linear_wgrad_(dy, x, splits, targets, mode)
+                    contract.finish_delayed(weights, targets)
+
+                m._delayed.queue.append(job)
+                dw = contract.queued(weights, names)
+            else:
+                targets, mode = contract.targets(weights, names)
+                ops._grouped_linear_wgrad_(dy, x, splits, targets, mode)
+                dw = contract.outcome(weights, targets)
+        return (None, dx, None, ds, *dw, *db)
+
+
+class GroupedLinear(_ExpertParams):
+    """G linear layers over one packed token matrix: ``y[r] = x[r] W_g^T (+ b_g or + p[r] b_g)``.
+
+    Args:
+        num_groups, in_features, out_features: G, K, N.
+        bias: a bias per expert; scale_bias: it is added as ``row_scale[r] * b_g`` (forward then
+            takes ``row_scale``, float32 ``[T]``, the router probs).
+        layout: ``"packed"`` (``weight`` ``[G, N, K]``) or ``"per-expert"`` (``weight0..``).
+        accumulate_into_main_grad, overwrite_main_grad, delay_wgrad_compute, zero_out_wgrad: the
+            training contract (module docstring).
+    """
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, *, bias: bool = False,
+                 scale_bias: bool = False, layout: str = "packed", accumulate_into_main_grad: bool = False,
+                 overwrite_main_grad: bool = False, delay_wgrad_compute: bool = False,
+                 zero_out_wgrad: bool = False, device=None, dtype: torch.dtype = torch.bfloat16):
+        if scale_bias and not bias:
+            raise ValueError("moe_engine: scale_bias needs bias=True")
+        super().__init__(num_groups, out_features, in_features, bias, layout, device, dtype)
+        self.in_features, self.out_features = in_features, out_features
+        self.scale_bias = scale_bias
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self._weight_grad = WeightGradContract(accumulate_into_main_grad, overwrite_main_grad, zero_out_wgrad)
+        self._delayed = _DelayedWgrad()
+        if delay_wgrad_compute:
+            _mark_delayed(self.weights())
+        _init_device(self.weights()[0])
+
+    def forward(self, x: Tensor, splits: Tensor, row_scale: Optional[Tensor] = None) -> Tensor:
+        """x ``[T, in]`` (rows sorted by expert), splits ``[G]`` -> y ``[T, out]``; rows past
+        ``sum(splits)`` of y are zeros."""
+        if self.scale_bias and row_scale is None:
+            raise ValueError("moe_engine: GroupedLinear(scale_bias=True) needs row_scale")
+        if not self.scale_bias and row_scale is not None:
+            raise ValueError("moe_engine: row_scale given but the module was built without scale_bias")
+        return _GroupedLinearFunction.apply(self, x, splits, row_scale, *self.weights(), *self.biases())
+
+    def backward_dw(self) -> None:
+        """Runs the queued weight gradients in order, then the registered hooks (no-op if none)."""
+        self._delayed.run()
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
+        self._delayed.hooks.append(hook)
+
+    def extra_repr(self) -> str:
+        return (f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.has_bias}, scale_bias={self.scale_bias}, layout={'packed' if self.packed else 'per-expert'}")
+
+
+# ---- GroupedMLP ----
+
+
+class _GroupedMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, module: "GroupedMLP", x, splits, probs, *params):
+        w1, b1, w2, b2 = module._split_params(params)
+        need_act = x.requires_grad or (probs is not None and probs.requires_grad) or any(
+            p.requires_grad for p in (*w1, *b1, *w2))
+        save_fc1_out = need_act and not module.recompute_fc1
+        y, fc1_out = ops._expert_mlp(x, probs, w1, b1, w2, b2, splits, *module._spec, module.fusion, save_fc1_out)
+        keep_x = any(w.requires_grad for w in w1) or (need_act and module.recompute_fc1)
+        ctx.save_for_backward(x if keep_x else None, splits, probs, fc1_out if save_fc1_out else None, *params)
+        ctx.module = module
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        m: GroupedMLP = ctx.module
+        x, splits, probs, fc1_out, *params = ctx.saved_tensors
+        w1, b1, w2, b2 = m._split_params(params)
+        need = ctx.needs_input_grad
+        dy = dy.contiguous()
+        need_dx, need_dprobs = bool(need[1]), probs is not None and bool(need[3])
+        need_bias = any(b.requires_grad for b in (*b1, *b2))
+        need_w1, need_w2 = any(w.requires_grad for w in w1), any(w.requires_grad for w in w2)
+        spec = (*m._spec, m.fusion)
+
+        def run(g1, mode1, g2, mode2, dx=need_dx, dp=need_dprobs, bias=need_bias):
+            return ops._expert_mlp_backward_(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, *spec, dx, dp, bias,
+                                             g1, mode1, g2, mode2)
+
+        n1, n2 = m.fc1.weight_names(), m.fc2.weight_names()
+        c1, c2 = m._fc1_grad, m._fc2_grad
+        dw1: List[Optional[Tensor]] = [None] * len(w1)
+        dw2: List[Optional[Tensor]] = [None] * len(w2)
+        if m.delay_wgrad_compute:
+            if need_w1 or need_w2:
+
+                def job():
+                    # One pass computes both weights' gradients (recomputing FC2 dgrad + dGLU).
+                    g1, mode1 = c1.targets(w1, n1) if need_w1 else ([], "write")
+                    g2, mode2 = c2.targets(w2, n2) if need_w2 else ([], "write")
+                    run(g1, mode1, g2, mode2, dx=False, dp=False, bias=False)
+                    if need_w1:
+                        c1.finish_delayed(w1, g1)
+                    if need_w2:
+                        c2.finish_delayed(w2, g2)
+
+                m._delayed.queue.append(job)
+                dw1 = c1.queued(w1, n1) if need_w1 else dw1
+                dw2 = c2.queued(w2, n2) if need_w2 else dw2
+            dx, dprobs, db1, db2 = run([], "write", [], "write")
+        else:
+            g1, mode1 = c1.targets(w1, n1) if need_w1 else ([], "write")
+            g2, mode2 = c2.targets(w2, n2) if need_w2 else ([], "write")
+            dx, dprobs, db1, db2 = run(g1, mode1, g2, mode2)
+            dw1 = c1.outcome(w1, g1) if need_w1 else dw1
+            dw2 = c2.outcome(w2, g2) if need_w2 else dw2
+        db1s = ops.split_like(db1, b1, 1) if (b1 and need_bias) else [None] * len(b1)
+        db2s = ops.split_like(db2, b2, 1) if (b2 and need_bias) else [None] * len(b2)
+        return (None, dx if need_dx else None, None, dprobs if need_dprobs else None,
+                *dw1, *db1s, *dw2, *db2s)
+
+
+class GroupedMLP(nn.Module):
+    """The expert MLP ``y = FC2(act(FC1(x) + b1) * p) + p * b2`` (Megatron's ``p * (W2 act + b2)``)
+    for G experts, with GroupedLinear's training contract for both weights.
+
+    Parameters live in ``fc1`` (``weight`` ``[G, 2F, H]``, rows in ``glu_layout``; ``bias``
+    ``[G, 2F]``) and ``fc2`` (``weight`` ``[G, H, F]``; ``bias`` ``[G, H]``), packed or per expert
+    (``fc1.weight0`` ..). ``activation``: ``swiglu`` or ``clamped_qgeglu`` (``limit``, ``alpha``,
+    ``offset``: GPT-OSS's 7, 1.702, 1). ``glu_layout``: ``halves``, ``pairs`` or ``blocks:s``; on
+    Hopper the FC1 epilogue fuses the GLU for ``pairs`` and ``blocks:s`` (``fusion``).
+    ``recompute_fc1`` keeps only x for backward instead of the ``[T, 2F]`` pre-activation.
+    """
+
+    def __init__(self, num_groups: int, hidden: int, ffn: int, *, bias: bool = False,
+                 activation: str = "swiglu", glu_layout: str = "halves", limit: float = 7.0,
+                 alpha: float = 1.702, offset: float = 1.0, fusion: str = "forward",
+                 recompute_fc1: bool = False, layout: str = "packed", accumulate_into_main_grad: bool = False,
+                 overwrite_main_grad: bool = False, delay_wgrad_compute: bool = False,
+                 zero_out_wgrad: bool = False, device=None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        glu_layout = _C.glu_layout_name(glu_layout)
+        _C.glu_row_permutation(glu_layout, glu_layout, ffn)  # F must suit the layout
+        self.num_groups, self.hidden, self.ffn = num_groups, hidden, ffn
+        self.fc1 = _ExpertParams(num_groups, 2 * ffn, hidden, bias, layout, device, dtype)
+        self.fc2 = _ExpertParams(num_groups, hidden, ffn, bias, layout, device, dtype)
+        self._spec = (_C.activation_name(activation), float(limit), float(alpha), float(offset), glu_layout)
+        self.fusion = _C.fusion_name(fusion)
+        self.recompute_fc1 = recompute_fc1
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self._fc1_grad = WeightGradContract(accumulate_into_main_grad, overwrite_main_grad, zero_out_wgrad)
+        self._fc2_grad = WeightGradContract(accumulate_into_main_grad, overwrite_main_grad, zero_out_wgrad)
+        self._delayed = _DelayedWgrad()
+        if delay_wgrad_compute:
+            _mark_delayed(self.fc1.weights() + self.fc2.weights())
+        _init_device(self.fc1.weights()[0])
+
+    @property
+    def glu_layout(self) -> str:
+        return self._spec[4]
+
+    def _split_params(self, params):
+        n1, nb1 = len(self.fc1.weights()), len(self.fc1.biases())
+        n2 = len(self.fc2.weights())
+        w1, b1 = list(params[:n1]), list(params[n1 : n1 + nb1])
+        w2, b2 = list(params[n1 + nb1 : n1 + nb1 + n2]), list(params[n1 + nb1 + n2 :])
+        return w1, b1, w2, b2
+
+    def forward(self, x: Tensor, splits: Tensor, probs: Optional[Tensor] = None) -> Tensor:
+        """x ``[T, H]`` (rows sorted by expert), splits ``[G]``, probs ``[T]`` float32 (the router
+        probs; None: 1) -> y ``[T, H]``; rows past ``sum(splits)`` of y are zeros."""
+        params = (*self.fc1.weights(), *self.fc1.biases(), *self.fc2.weights(), *self.fc2.biases())
+        return _GroupedMLPFunction.apply(self, x, splits, probs, *params)
+
+    def backward_dw(self) -> None:
+        """Runs the queued weight gradients in order, then the registered hooks (no-op if none)."""
+        self._delayed.run()
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
+        self._delayed.hooks.append(hook)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False, *,
+                        glu_from: Optional[str] = None):
+        """As nn.Module's (with the packed / per-expert key normalization); ``glu_from`` names the
+        GLU layout of the checkpoint's FC1 rows (e.g. ``halves`` for Megatron), converted to the
+        module's."""
+        if glu_from is not None and _C.glu_layout_name(glu_from) != self.glu_layout:
+            perm = torch.tensor(_C.glu_row_permutation(glu_from, self.glu_layout, self.ffn))
+            state_dict = dict(state_dict)
+            for k, t in state_dict.items():
+                if not k.startswith("fc1."):
+                    continue
+                rows = t.reshape(-1, 2 * self.ffn, *t.shape[-1:]) if k.startswith("fc1.weight") else t.reshape(-1, 2 * self.ffn)
+                state_dict[k] = rows[:, perm.to(t.device)].reshape(t.shape)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def extra_repr(self) -> str:
+        act, limit, alpha, offset, layout = self._spec
+        extra = f"(limit={limit}, alpha={alpha}, offset={offset})" if act == "clamped_qgeglu" else ""
+        return (f"num_groups={self.num_groups}, hidden={self.hidden}, ffn={self.ffn}, activation={act}{extra}, "
+                f"glu_layout={layout}, fusion={self.fusion}, recompute_fc1={self.recompute_fc1}")
+
+
+def _init_device(p: Tensor) -> None:
+    if p.is_cuda:
+        ops.init_device(p.device)

@@ -1,0 +1,398 @@
+"""The moe-engine ops as PyTorch custom ops (``torch.ops.moe_engine.*``) and the functional API.
+
+Each custom op has a fake implementation (shapes only), so it traces under ``torch.compile``, and
+runs the C++ op on the tensors' device (CPU backend or CUDA kernels) on the current stream.
+``splits`` stays a tensor on that device throughout: no op reads it on the host, each computes the
+group offsets itself, so every op is CUDA-graph safe. Fresh outputs hold zeros in the rows past
+``sum(splits)``, where no expert writes (the gradient of an unrouted row is exactly zero).
+
+Weights and biases are passed as lists: ``[w]`` with ``w`` packed ``[G, N, K]`` (``[G, N]`` for a
+bias), or G per-expert tensors ``[N, K]`` (``[N]``). The differentiable functions at the end
+(``grouped_linear``, ``glu``, ``expert_mlp``) return plain gradients; the modules in
+``moe_engine.torch.modules`` add the main_grad contract on top of the same ops.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .. import _C
+from ._bridge import desc, dtype_code, ensure_device, grouped, is_packed, offsets_for, stream_of
+
+Experts = Union[Tensor, Sequence[Tensor]]
+
+
+def _as_list(t: Optional[Experts]) -> List[Tensor]:
+    if t is None:
+        return []
+    if isinstance(t, Tensor):
+        return [t]
+    return list(t)
+
+
+def _num_groups(ts: Sequence[Tensor], expert_rank: int) -> int:
+    return ts[0].shape[0] if is_packed(ts, expert_rank) else len(ts)
+
+
+def _expert_shape(ts: Sequence[Tensor], expert_rank: int) -> Tuple[int, ...]:
+    return tuple(ts[0].shape[-expert_rank:])
+
+
+def _glu_spec(activation: str, limit: float, alpha: float, offset: float, layout: str):
+    return (activation, float(limit), float(alpha), float(offset), layout)
+
+
+# ---- grouped linear ----
+
+
+@torch.library.custom_op("moe_engine::grouped_linear", mutates_args=())
+def _grouped_linear(
+    x: Tensor, weight: List[Tensor], splits: Tensor, bias: List[Tensor], row_scale: Optional[Tensor]
+) -> Tensor:
+    y = torch.empty(x.shape[0], _expert_shape(weight, 2)[0], dtype=x.dtype, device=x.device)
+    offsets = offsets_for(splits)  # kept alive across the call
+    _C.grouped_linear_forward(desc(x), grouped(weight, 2), desc(splits), desc(offsets),
+                              desc(y), grouped(bias, 1), desc(row_scale), [desc(y)], stream_of(x))
+    return y
+
+
+@_grouped_linear.register_fake
+def _(x, weight, splits, bias, row_scale):
+    return x.new_empty(x.shape[0], _expert_shape(weight, 2)[0])
+
+
+@torch.library.custom_op("moe_engine::grouped_linear_dgrad", mutates_args=())
+def _grouped_linear_dgrad(dy: Tensor, weight: List[Tensor], splits: Tensor) -> Tensor:
+    dx = torch.empty(dy.shape[0], _expert_shape(weight, 2)[1], dtype=dy.dtype, device=dy.device)
+    offsets = offsets_for(splits)  # kept alive across the call
+    _C.grouped_linear_dgrad(desc(dy), grouped(weight, 2), desc(splits), desc(offsets),
+                            desc(dx), [desc(dx)], stream_of(dy))
+    return dx
+
+
+@_grouped_linear_dgrad.register_fake
+def _(dy, weight, splits):
+    return dy.new_empty(dy.shape[0], _expert_shape(weight, 2)[1])
+
+
+@torch.library.custom_op("moe_engine::grouped_linear_wgrad_", mutates_args=("out",))
+def _grouped_linear_wgrad_(dy: Tensor, x: Tensor, splits: Tensor, out: List[Tensor], mode: str) -> None:
+    offsets = offsets_for(splits)  # kept alive across the call
+    _C.grouped_linear_wgrad(desc(dy), desc(x), desc(splits), desc(offsets),
+                            grouped(out, 2), mode, stream_of(dy))
+
+
+@_grouped_linear_wgrad_.register_fake
+def _(dy, x, splits, out, mode):
+    return None
+
+
+@torch.library.custom_op("moe_engine::grouped_linear_dbias", mutates_args=())
+def _grouped_linear_dbias(dy: Tensor, splits: Tensor, row_scale: Optional[Tensor]) -> Tensor:
+    db = torch.empty(splits.shape[0], dy.shape[1], dtype=dy.dtype, device=dy.device)
+    offsets = offsets_for(splits)  # kept alive across the call
+    _C.grouped_linear_dbias(desc(dy), desc(splits), desc(offsets), grouped([db], 1),
+                            "write", desc(row_scale), stream_of(dy))
+    return db
+
+
+@_grouped_linear_dbias.register_fake
+def _(dy, splits, row_scale):
+    return dy.new_empty(splits.shape[0], dy.shape[1])
+
+
+@torch.library.custom_op("moe_engine::grouped_linear_dscales", mutates_args=())
+def _grouped_linear_dscales(dy: Tensor, bias: List[Tensor], splits: Tensor) -> Tensor:
+    ds = torch.empty(dy.shape[0], dtype=torch.float32, device=dy.device)
+    offsets = offsets_for(splits)  # kept alive across the call
+    _C.grouped_linear_dscales(desc(dy), grouped(bias, 1), desc(splits), desc(offsets),
+                              desc(ds), [desc(ds)], stream_of(dy))
+    return ds
+
+
+@_grouped_linear_dscales.register_fake
+def _(dy, bias, splits):
+    return dy.new_empty(dy.shape[0], dtype=torch.float32)
+
+
+# ---- GLU activations ----
+
+
+@torch.library.custom_op("moe_engine::glu", mutates_args=())
+def _glu(h: Tensor, probs: Optional[Tensor], splits: Tensor, activation: str, limit: float,
+         alpha: float, offset: float, layout: str) -> Tensor:
+    out = torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype, device=h.device)
+    offsets = offsets_for(splits)  # kept alive across the call
+    _C.glu_forward(desc(h), desc(probs), desc(splits), desc(offsets), desc(out),
+                   _glu_spec(activation, limit, alpha, offset, layout), [desc(out)], stream_of(h))
+    return out
+
+
+@_glu.register_fake
+def _(h, probs, splits, activation, limit, alpha, offset, layout):
+    return h.new_empty(h.shape[0], h.shape[1] // 2)
+
+
+@torch.library.custom_op("moe_engine::glu_backward", mutates_args=())
+def _glu_backward(h: Tensor, probs: Optional[Tensor], d_out: Tensor, splits: Tensor, activation: str,
+                  limit: float, alpha: float, offset: float, layout: str) -> Tuple[Tensor, Tensor]:
+    """dh [T, 2F] and dprobs [T] float32 (empty without probs)."""
+    dh = torch.empty_like(h)
+    dprobs = torch.empty(h.shape[0] if probs is not None else 0, dtype=torch.float32, device=h.device)
+    outs = [desc(dh)] + ([desc(dprobs)] if probs is not None else [])
+    offsets = offsets_for(splits)  # kept alive across the call
+    _C.glu_backward(desc(h), desc(probs), desc(d_out), desc(splits), desc(offsets),
+                    desc(dh), desc(dprobs) if probs is not None else (), (),
+                    _glu_spec(activation, limit, alpha, offset, layout), outs, stream_of(h))
+    return dh, dprobs
+
+
+@_glu_backward.register_fake
+def _(h, probs, d_out, splits, activation, limit, alpha, offset, layout):
+    return h.new_empty(h.shape), h.new_empty(h.shape[0] if probs is not None else 0, dtype=torch.float32)
+
+
+# ---- expert MLP ----
+
+
+def _mlp_weights(w1, b1, w2, b2):
+    return (grouped(w1, 2), grouped(b1, 1), grouped(w2, 2), grouped(b2, 1))
+
+
+def _workspace(nbytes: int, device: torch.device) -> Optional[Tensor]:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes > 0 else None  # desc(): ()
+
+
+@torch.library.custom_op("moe_engine::expert_mlp", mutates_args=())
+def _expert_mlp(x: Tensor, probs: Optional[Tensor], w1: List[Tensor], b1: List[Tensor], w2: List[Tensor],
+                b2: List[Tensor], splits: Tensor, activation: str, limit: float, alpha: float,
+                offset: float, layout: str, fusion: str, save_fc1_out: bool) -> Tuple[Tensor, Tensor]:
+    """y [T, H] and the pre-activation fc1_out [T, 2F] ([0, 2F] when not saved)."""
+    T, H = x.shape
+    F = _expert_shape(w1, 2)[0] // 2
+    y = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    fc1_out = torch.empty(T if save_fc1_out else 0, 2 * F, dtype=x.dtype, device=x.device)
+    ws = _workspace(_C.expert_mlp_forward_workspace_size(T, H, F, dtype_code(x.dtype), save_fc1_out), x.device)
+    offsets = offsets_for(splits)  # kept alive across the call
+    _C.expert_mlp_forward(desc(x), desc(probs), _mlp_weights(w1, b1, w2, b2), desc(splits),
+                          desc(offsets), desc(y), desc(fc1_out) if save_fc1_out else (),
+                          _glu_spec(activation, limit, alpha, offset, layout), fusion, desc(ws), [desc(y)],
+                          stream_of(x))
+    return y, fc1_out
+
+
+@_expert_mlp.register_fake
+def _(x, probs, w1, b1, w2, b2, splits, activation, limit, alpha, offset, layout, fusion, save_fc1_out):
+    F2 = _expert_shape(w1, 2)[0]
+    return x.new_empty(x.shape), x.new_empty(x.shape[0] if save_fc1_out else 0, F2)
+
+
+@torch.library.custom_op("moe_engine::expert_mlp_backward_", mutates_args=("w1_grad", "w2_grad"))
+def _expert_mlp_backward_(
+    dy: Tensor, x: Optional[Tensor], probs: Optional[Tensor], w1: List[Tensor], b1: List[Tensor],
+    w2: List[Tensor], b2: List[Tensor], splits: Tensor, fc1_out: Optional[Tensor], activation: str,
+    limit: float, alpha: float, offset: float, layout: str, fusion: str, need_dx: bool,
+    need_dprobs: bool, need_bias_grads: bool, w1_grad: List[Tensor], w1_mode: str,
+    w2_grad: List[Tensor], w2_mode: str,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx [T, H], dprobs [T] float32, db1 [G, 2F], db2 [G, H]); those not asked for are empty.
+    The weight gradients go into w1_grad / w2_grad (empty lists: not computed) per their modes."""
+    T, H = dy.shape
+    F2 = _expert_shape(w1, 2)[0]
+    G = _num_groups(w1, 2)
+    dev, dt = dy.device, dy.dtype
+    dx = torch.empty(T if need_dx else 0, H, dtype=dt, device=dev)
+    dprobs = torch.empty(T if need_dprobs else 0, dtype=torch.float32, device=dev)
+    bias = need_bias_grads and len(b1) > 0
+    db1 = torch.empty(G if bias else 0, F2, dtype=dt, device=dev)
+    db2 = torch.empty(G if bias else 0, H, dtype=dt, device=dev)
+    recompute = fc1_out is None
+    ws = _workspace(_C.expert_mlp_backward_workspace_size(T, H, F2 // 2, dtype_code(dt), recompute), dev)
+    grads = (
+        desc(dx) if need_dx else (),
+        desc(dprobs) if need_dprobs else (),
+        (grouped(w1_grad, 2), w1_mode),
+        (grouped([db1] if bias else [], 1), "write"),
+        (grouped(w2_grad, 2), w2_mode),
+        (grouped([db2] if bias else [], 1), "write"),
+    )
+    zero = ([desc(dx)] if need_dx else []) + ([desc(dprobs)] if need_dprobs else [])
+    offsets = offsets_for(splits)  # kept alive across the call
+    _C.expert_mlp_backward(desc(dy), desc(x), desc(probs), _mlp_weights(w1, b1, w2, b2), desc(splits),
+                           desc(offsets), desc(fc1_out), grads,
+                           _glu_spec(activation, limit, alpha, offset, layout), fusion, desc(ws), zero,
+                           stream_of(dy))
+    return dx, dprobs, db1, db2
+
+
+@_expert_mlp_backward_.register_fake
+def _(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, activation, limit, alpha, offset, layout, fusion,
+      need_dx, need_dprobs, need_bias_grads, w1_grad, w1_mode, w2_grad, w2_mode):
+    T, H = dy.shape
+    F2 = _expert_shape(w1, 2)[0]
+    G = _num_groups(w1, 2)
+    bias = need_bias_grads and len(b1) > 0
+    return (dy.new_empty(T if need_dx else 0, H), dy.new_empty(T if need_dprobs else 0, dtype=torch.float32),
+            dy.new_empty(G if bias else 0, F2), dy.new_empty(G if bias else 0, H))
+
+
+# ---- helpers shared with the modules ----
+
+
+def new_expert_grads(like: Sequence[Tensor], dtype: Optional[torch.dtype] = None) -> List[Tensor]:
+    """Fresh gradient buffers shaped like a grouped parameter (packed or per expert)."""
+    return [torch.empty_like(t, dtype=dtype) for t in like]
+
+
+def split_like(packed: Tensor, like: Sequence[Tensor], expert_rank: int) -> List[Tensor]:
+    """A packed [G, ...] result in the layout of `like`: itself, or its G per-expert views."""
+    return [packed] if is_packed(like, expert_rank) else list(packed.unbind(0))
+
+
+# ---- the functional API (differentiable, plain gradients) ----
+
+
+def grouped_linear(x: Tensor, weight: Experts, splits: Tensor, bias: Optional[Experts] = None,
+                   row_scale: Optional[Tensor] = None) -> Tensor:
+    """``y[r] = x[r] W_g^T (+ b_g, or + row_scale[r] * b_g)`` for the rows r of expert g.
+
+    x ``[T, K]``; weight packed ``[G, N, K]`` or G tensors ``[N, K]``; splits ``[G]`` int64/int32 on
+    x's device; bias ``[G, N]`` or G tensors ``[N]``; row_scale ``[T]`` float32 ("scale_bias").
+    Differentiable in x, weight, bias and row_scale.
+    """
+    return _grouped_linear(x, _as_list(weight), splits, _as_list(bias), row_scale)
+
+
+def _grouped_linear_setup(ctx, inputs, output):
+    x, weight, splits, bias, row_scale = inputs
+    ctx.save_for_backward(x, splits, row_scale, *weight, *bias)
+    ctx.n_weight, ctx.n_bias = len(weight), len(bias)
+
+
+def _grouped_linear_backward(ctx, dy):
+    x, splits, row_scale, *rest = ctx.saved_tensors
+    weight, bias = rest[: ctx.n_weight], rest[ctx.n_weight :]
+    dy = dy.contiguous()
+    need_x, need_w, _, need_b, need_s = ctx.needs_input_grad
+    dx = _grouped_linear_dgrad(dy, weight, splits) if need_x else None
+    dw = None
+    if _any(need_w):
+        dw = new_expert_grads(weight)
+        _grouped_linear_wgrad_(dy, x, splits, dw, "write")
+    db = None
+    if bias and _any(need_b):
+        db = split_like(_grouped_linear_dbias(dy, splits, row_scale), bias, 1)
+    ds = _grouped_linear_dscales(dy, bias, splits) if (need_s and bias) else None
+    # List inputs take lists of the same length back.
+    return dx, dw or [None] * len(weight), None, db or [None] * len(bias), ds
+
+
+def _any(flag) -> bool:
+    return any(flag) if isinstance(flag, (list, tuple)) else bool(flag)
+
+
+torch.library.register_autograd("moe_engine::grouped_linear", _grouped_linear_backward,
+                                setup_context=_grouped_linear_setup)
+
+
+def glu(h: Tensor, splits: Tensor, probs: Optional[Tensor] = None, activation: str = "swiglu",
+        layout: str = "halves", limit: float = 7.0, alpha: float = 1.702, offset: float = 1.0) -> Tensor:
+    """``out[r, j] = act(gate_j(h[r]), linear_j(h[r])) * probs[r]`` for the routed rows.
+
+    h ``[T, 2F]`` with gate/linear columns in ``layout`` (``halves``, ``pairs``, ``blocks:s``);
+    activation ``swiglu`` or ``clamped_qgeglu`` (limit, alpha, offset). Differentiable in h, probs.
+    """
+    return _glu(h, probs, splits, activation, limit, alpha, offset, layout)
+
+
+def _glu_setup(ctx, inputs, output):
+    h, probs, splits, *spec = inputs
+    ctx.save_for_backward(h, probs, splits)
+    ctx.spec = spec
+
+
+def _glu_bwd(ctx, d_out):
+    h, probs, splits = ctx.saved_tensors
+    dh, dprobs = _glu_backward(h, probs, d_out.contiguous(), splits, *ctx.spec)
+    return (dh, dprobs if probs is not None else None, None) + (None,) * 5
+
+
+torch.library.register_autograd("moe_engine::glu", _glu_bwd, setup_context=_glu_setup)
+
+
+def expert_mlp(x: Tensor, fc1_weight: Experts, fc2_weight: Experts, splits: Tensor,
+               probs: Optional[Tensor] = None, fc1_bias: Optional[Experts] = None,
+               fc2_bias: Optional[Experts] = None, activation: str = "swiglu", layout: str = "halves",
+               limit: float = 7.0, alpha: float = 1.702, offset: float = 1.0, fusion: str = "forward",
+               recompute_fc1: bool = False) -> Tensor:
+    """The expert MLP ``y = FC2(act(FC1(x) + b1) * p) + p * b2`` (Megatron's ``p * (W2 act + b2)``).
+
+    x ``[T, H]``; fc1_weight ``[G, 2F, H]`` (rows in ``layout``) or G tensors; fc2_weight
+    ``[G, H, F]`` or G tensors; probs ``[T]`` float32. ``fusion``: ``forward`` (GLU in FC1's
+    epilogue on Hopper), ``none`` or ``all``. ``recompute_fc1`` keeps only x for backward.
+    Differentiable in x, probs, the weights and the biases.
+    """
+    return _expert_mlp(x, probs, _as_list(fc1_weight), _as_list(fc1_bias), _as_list(fc2_weight),
+                          _as_list(fc2_bias), splits, activation, limit, alpha, offset, layout, fusion,
+                          not recompute_fc1)[0]
+
+
+def _expert_mlp_setup(ctx, inputs, output):
+    x, probs, w1, b1, w2, b2, splits, *spec = inputs
+    fc1_out = output[1]
+    save = spec[-1]
+    ctx.save_for_backward(x, probs, splits, fc1_out if save else None, *w1, *b1, *w2, *b2)
+    ctx.counts = (len(w1), len(b1), len(w2), len(b2))
+    ctx.spec = spec[:-1]
+
+
+def _expert_mlp_bwd(ctx, dy, _d_fc1_out):
+    x, probs, splits, fc1_out, *rest = ctx.saved_tensors
+    n1, nb1, n2, nb2 = ctx.counts
+    w1, b1 = rest[:n1], rest[n1 : n1 + nb1]
+    w2, b2 = rest[n1 + nb1 : n1 + nb1 + n2], rest[n1 + nb1 + n2 :]
+    need = ctx.needs_input_grad
+    need_w1, need_w2 = _any(need[2]), _any(need[4])
+    need_bias = _any(need[3]) or _any(need[5])
+    g1 = new_expert_grads(w1) if need_w1 else []
+    g2 = new_expert_grads(w2) if need_w2 else []
+    dx, dprobs, db1, db2 = _expert_mlp_backward_(
+        dy.contiguous(), x, probs, list(w1), list(b1), list(w2), list(b2), splits, fc1_out, *ctx.spec,
+        bool(need[0]), probs is not None and bool(need[1]), need_bias, g1, "write", g2, "write")
+    def each(grads, like):  # list inputs take lists of the same length back
+        return grads if grads else [None] * len(like)
+
+    return (dx if need[0] else None, dprobs if (probs is not None and need[1]) else None,
+            each(g1, w1), each(split_like(db1, b1, 1) if (b1 and need_bias) else None, b1),
+            each(g2, w2), each(split_like(db2, b2, 1) if (b2 and need_bias) else None, b2)) + (None,) * 8
+
+
+torch.library.register_autograd("moe_engine::expert_mlp", _expert_mlp_bwd, setup_context=_expert_mlp_setup)
+
+
+def check_errors(device: Union[int, str, torch.device, None] = None) -> None:
+    """Raises ``moe_engine.DeviceError`` if a kernel on this GPU saw bad splits (negative, or
+    summing past the buffer) since the last check; clears the record. Waits for the current
+    stream, so call it outside graph capture (e.g. once per step or at logging intervals). Bad
+    splits never make a kernel write outside its buffers; on the CPU they raise at once."""
+    if device is None and not torch.cuda.is_available():
+        return  # CPU only: bad splits raised when the op ran
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.type != "cuda":
+        return
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    _C.check_errors(index, torch.cuda.current_stream(index).cuda_stream)
+
+
+def init_device(device: Union[int, str, torch.device, None] = None) -> None:
+    """Creates the GPU's error record (done on first use; call it before a CUDA graph capture
+    whose first moe_engine op would otherwise run inside the capture)."""
+    if device is None and not torch.cuda.is_available():
+        return  # CPU only: bad splits raised when the op ran
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.type != "cuda":
+        return
+    ensure_device(dev.index if dev.index is not None else torch.cuda.current_device())

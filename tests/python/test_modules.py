@@ -1,0 +1,227 @@
+"""GroupedLinear / GroupedMLP: numerics against plain PyTorch, every row of the gradient contract
+through a real backward with Megatron-DDP-style hooks, delayed wgrad, FSDP main_grad, state_dict
+round trips across layouts (and GLU layouts), torch.compile of a module forward."""
+
+import pytest
+import torch
+
+import moe_engine.torch as me
+from reference import ROUTINGS, assert_close, expert_mlp_ref, grouped_linear_ref, make_splits
+
+DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
+
+
+def weight_params(m):
+    if isinstance(m, me.GroupedMLP):
+        return m.fc1.weights() + m.fc2.weights()
+    return m.weights()
+
+
+def attach_ddp(m, with_flag, zero_out=False):
+    """What Megatron's DDP does: a float32 main_grad per parameter, grad_added_to_main_grad reset to
+    False, and a post-accumulation hook that adds .grad into main_grad unless the flag says the
+    kernel already did (or zero_out_wgrad), then clears .grad. Parameters marked
+    skip_backward_post_hook (delayed wgrad) get that hook through the module's
+    register_wgrad_accumulation_and_reduce_hooks instead, as Megatron's DDP does. Returns the log."""
+    log = []
+    delayed = []
+    for p in m.parameters():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if with_flag:
+            p.grad_added_to_main_grad = False
+        if zero_out:
+            p.zero_out_wgrad = True
+
+        def hook(*_, p=p):
+            if p.grad is not None and (not getattr(p, "grad_added_to_main_grad", False) or zero_out):
+                p.main_grad.add_(p.grad.float())
+            p.grad = None
+            log.append(p)
+
+        if getattr(p, "skip_backward_post_hook", False):
+            delayed.append(hook)
+        else:
+            p.register_post_accumulate_grad_hook(hook)
+    m.register_wgrad_accumulation_and_reduce_hooks(lambda: [h() for h in delayed])
+    return log
+
+
+def build(kind, device, **opt):
+    torch.manual_seed(11)
+    if kind == "linear":
+        return me.GroupedLinear(4, 32, 48, bias=True, device=device, dtype=DTYPE[device.type], **opt)
+    return me.GroupedMLP(4, 32, 16, bias=True, activation="clamped_qgeglu", glu_layout="pairs", device=device,
+                         dtype=DTYPE[device.type], **opt)
+
+
+def run(m, device, seed=5):
+    torch.manual_seed(seed)
+    splits_list, T = [9, 0, 1, 23], 40
+    x = torch.randn(T, 32, dtype=DTYPE[device.type], device=device, requires_grad=True)
+    splits = make_splits(splits_list, device)
+    probs = torch.rand(T, device=device)
+    y = m(x, splits) if isinstance(m, me.GroupedLinear) else m(x, splits, probs)
+    y.backward(torch.randn_like(y))
+    return x
+
+
+def plain_wgrads(kind, device, layout):
+    m = build(kind, device, layout=layout)
+    run(m, device)
+    return [p.grad.float().clone() for p in weight_params(m)]
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("layout", ["packed", "per-expert"])
+@pytest.mark.parametrize(
+    "row", ["plain", "delayed", "main_grad", "main_grad+flag", "delayed+main_grad", "delayed+main_grad+flag",
+            "main_grad+flag+zero_out", "overwrite"])
+def test_every_row_of_the_gradient_contract(device, kind, layout, row):
+    expected = plain_wgrads(kind, device, layout)
+    into_main = "main_grad" in row or row == "overwrite"
+    delayed = row.startswith("delayed")
+    m = build(kind, device, layout=layout, accumulate_into_main_grad=into_main, delay_wgrad_compute=delayed,
+              overwrite_main_grad=row == "overwrite")
+    weights = weight_params(m)
+    log = attach_ddp(m, with_flag="flag" in row, zero_out="zero_out" in row) if into_main else None
+    if into_main:
+        for p in weights:
+            p.main_grad.fill_(1.0)  # accumulate adds to it; overwrite replaces it
+    fired = []
+    m.register_wgrad_accumulation_and_reduce_hooks(lambda: fired.append(True))
+    seen = {}
+    for p in weights:  # what autograd received for each weight
+        p.register_hook(lambda g, p=p: seen.__setitem__(id(p), g))
+    run(m, device)
+
+    if delayed:
+        for p in weights:
+            assert getattr(p, "skip_backward_post_hook", False)
+    for p, ref in zip(weights, expected):
+        got = seen.get(id(p))
+        if row == "plain":
+            assert got is not None and torch.equal(got.float(), ref)
+        elif row in ("delayed", "main_grad", "delayed+main_grad", "overwrite"):
+            assert got is None, row  # nothing handed back: no grad += behind our back
+        else:  # the shared dummy
+            assert got is not None and got.shape == p.shape
+            if "zero_out" in row:
+                assert torch.all(got == 0)
+    if into_main:
+        flagged = "flag" in row
+        for p in weights:
+            if flagged:
+                assert p.grad_added_to_main_grad == (not delayed)
+    assert m.backward_dw() is None
+    assert len(fired) == (1 if delayed else 0)
+    m.backward_dw()  # nothing queued: no-op, hooks do not fire again
+    assert len(fired) == (1 if delayed else 0)
+    for p, ref in zip(weights, expected):
+        if into_main:
+            base = 0.0 if row == "overwrite" else 1.0
+            assert_close(p.main_grad - base, ref, DTYPE[device.type], f"main_grad {row}")
+            if "flag" in row:
+                assert p.grad_added_to_main_grad
+        elif delayed:
+            assert torch.equal(p.grad.float(), ref)
+
+
+def test_fsdp_parameters_get_their_main_grad_from_get_main_grad(device):
+    m = build("linear", device, accumulate_into_main_grad=True)
+    buckets = {}
+    for p in m.parameters():
+        p.__fsdp_param__ = True
+        buckets[id(p)] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        p.get_main_grad = lambda p=p: buckets[id(p)]
+    run(m, device)
+    assert buckets[id(m.weight)].abs().sum() > 0
+
+
+def test_missing_or_bad_main_grad_is_a_clear_error(device):
+    m = build("linear", device, accumulate_into_main_grad=True)
+    with pytest.raises(RuntimeError, match="has no main_grad"):
+        run(m, device)
+    m.weight.main_grad = torch.zeros(m.weight.shape, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="float32"):
+        run(m, device)
+    m.weight.main_grad = torch.zeros(m.weight.shape[::-1], dtype=torch.float32, device=device).transpose(0, 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        run(m, device)
+
+
+def test_delayed_wgrads_accumulate_across_microbatches(device):
+    m = build("mlp", device, delay_wgrad_compute=True)
+    run(m, device, seed=1)
+    run(m, device, seed=2)
+    m.backward_dw()
+    ref = build("mlp", device)
+    run(ref, device, seed=1)
+    run(ref, device, seed=2)
+    for p, q in zip(weight_params(m), weight_params(ref)):
+        assert_close(p.grad, q.grad, DTYPE[device.type], "two microbatches")
+
+
+@pytest.mark.parametrize("layout", ["packed", "per-expert"])
+def test_modules_match_plain_pytorch(device, layout):
+    dtype = DTYPE[device.type]
+    splits_list, T = ROUTINGS["mixed"]
+    G = len(splits_list)
+    torch.manual_seed(0)
+    mlp = me.GroupedMLP(G, 32, 32, bias=True, glu_layout="blocks:16", layout=layout, device=device, dtype=dtype)
+    x = torch.randn(T, 32, dtype=dtype, device=device)
+    p = torch.rand(T, device=device)
+    y = mlp(x, make_splits(splits_list, device), p)
+
+    def stacked(ps):
+        return torch.stack(ps) if len(ps) > 1 else ps[0]
+
+    ref = expert_mlp_ref(x.double(), stacked(mlp.fc1.weights()).double(), stacked(mlp.fc2.weights()).double(),
+                         splits_list, p.double(), stacked(mlp.fc1.biases()).double(),
+                         stacked(mlp.fc2.biases()).double(), "blocks:16", "swiglu", storage=dtype)
+    rows = sum(splits_list)
+    assert_close(y[:rows], ref[:rows], dtype, "GroupedMLP")
+    lin = me.GroupedLinear(G, 32, 8, bias=True, scale_bias=True, layout=layout, device=device, dtype=dtype)
+    y = lin(x, make_splits(splits_list, device), p)
+    ref = grouped_linear_ref(x, stacked(lin.weights()), splits_list, stacked(lin.biases()), p)
+    assert_close(y[:rows], ref[:rows], dtype, "GroupedLinear")
+
+
+def test_state_dict_round_trips_across_layouts(device):
+    packed = build("linear", device, layout="packed")
+    per_expert = build("linear", device, layout="per-expert")
+    sd = packed.state_dict()
+    assert set(sd) == {"weight", "bias"}
+    per_expert.load_state_dict(sd)  # packed checkpoint -> per-expert module (split)
+    assert set(per_expert.state_dict()) == {f"weight{g}" for g in range(4)} | {f"bias{g}" for g in range(4)}
+    for g in range(4):
+        assert torch.equal(getattr(per_expert, f"weight{g}"), packed.weight[g])
+    again = build("linear", device, layout="packed")
+    again.weight.data.zero_()
+    again.load_state_dict(per_expert.state_dict())  # per-expert checkpoint -> packed module (stack)
+    assert torch.equal(again.weight, packed.weight) and torch.equal(again.bias, packed.bias)
+    # The [G*N, K] form splits into G equal chunks.
+    flat = {"weight": packed.weight.reshape(-1, 32), "bias": packed.bias.reshape(-1)}
+    per_expert.load_state_dict(flat)
+    assert torch.equal(per_expert.weight3, packed.weight[3])
+    with pytest.raises(RuntimeError, match="cannot split"):
+        per_expert.load_state_dict({"weight": torch.zeros(5, 32), "bias": packed.bias})
+
+
+def test_mlp_checkpoint_glu_layout_conversion(device):
+    """A Megatron checkpoint (FC1 rows in halves) loads into a pairs module and computes the same."""
+    halves = me.GroupedMLP(2, 32, 16, bias=True, glu_layout="halves", device=device, dtype=DTYPE[device.type])
+    pairs = me.GroupedMLP(2, 32, 16, bias=True, glu_layout="pairs", layout="per-expert", device=device,
+                          dtype=DTYPE[device.type])
+    pairs.load_state_dict(halves.state_dict(), glu_from="halves")
+    x = torch.randn(20, 32, dtype=DTYPE[device.type], device=device)
+    s = make_splits([12, 8], device)
+    assert_close(pairs(x, s), halves(x, s), DTYPE[device.type], "halves vs pairs")
+
+
+def test_compile_of_a_module_forward(device):
+    m = build("mlp", device)
+    x = torch.randn(40, 32, dtype=DTYPE[device.type], device=device)
+    s, p = make_splits([9, 0, 1, 23], device), torch.rand(40, device=device)
+    eager = m(x, s, p)
+    compiled = torch.compile(m, backend="aot_eager")(x, s, p)
+    assert torch.equal(compiled, eager)

@@ -1,0 +1,250 @@
+"""The custom ops and the functional API against float64 PyTorch references, on the CPU backend
+and (where a GPU is visible) on CUDA; fake implementations (opcheck, torch.compile); errors."""
+
+import pytest
+import torch
+
+import moe_engine
+import moe_engine.torch as me
+from reference import ROUTINGS, TOL, assert_close, expert_mlp_ref, glu_ref, grouped_linear_ref, make_splits
+
+DTYPES = {"cpu": [torch.float32, torch.bfloat16], "cuda": [torch.bfloat16, torch.float16]}
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def rand(*shape, dtype, device, scale=1.0):
+    return (torch.randn(*shape, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
+
+
+def weights(G, shape, dtype, device, packed, scale):
+    w = rand(G, *shape, dtype=dtype, device=device, scale=scale)
+    return leaf(w) if packed else [leaf(w[g]) for g in range(G)]
+
+
+def grads_of(w):
+    return w.grad if isinstance(w, torch.Tensor) else torch.stack([t.grad for t in w])
+
+
+def as64(w):
+    return leaf(w.double()) if isinstance(w, torch.Tensor) else [leaf(t.double()) for t in w]
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("bias_mode", ["none", "bias", "scale_bias"])
+def test_grouped_linear_forward_and_backward(device, routing, packed, bias_mode):
+    torch.manual_seed(hash((routing, packed, bias_mode)) % 1000)
+    splits_list, T = ROUTINGS[routing]
+    G, K, N = len(splits_list), 40, 24
+    for dtype in DTYPES[device.type]:
+        x = leaf(rand(T, K, dtype=dtype, device=device))
+        w = weights(G, (N, K), dtype, device, packed, K**-0.5)
+        b = weights(G, (N,), dtype, device, packed, 1.0) if bias_mode != "none" else None
+        p = leaf(torch.rand(T, device=device)) if bias_mode == "scale_bias" else None
+        splits = make_splits(splits_list, device)
+        y = me.grouped_linear(x, w, splits, b, p)
+        dy = rand(T, N, dtype=dtype, device=device)
+        y.backward(dy)
+
+        x64, w64 = leaf(x.double()), as64(w)
+        b64 = as64(b) if b is not None else None
+        p64 = leaf(p.double()) if p is not None else None
+        ref = grouped_linear_ref(x64, w64, splits_list, b64, p64)
+        ref.backward(dy.double())
+        rows = sum(splits_list)
+        if rows:
+            assert_close(y[:rows], ref[:rows], dtype, "y")
+            assert_close(x.grad[:rows], x64.grad[:rows], dtype, "dx")
+            assert_close(grads_of(w), grads_of(w64), dtype, "dW")
+            if b is not None:
+                assert_close(grads_of(b), grads_of(b64), dtype, "db")
+            if p is not None:
+                assert_close(p.grad[:rows], p64.grad[:rows], torch.float32 if dtype == torch.float32 else dtype, "dp")
+        # Rows no expert owns are zeros in every fresh output; empty experts get zero gradients.
+        assert torch.all(y[rows:] == 0) and torch.all(x.grad[rows:] == 0)
+        if p is not None:
+            assert torch.all(p.grad[rows:] == 0)
+        for g, s in enumerate(splits_list):
+            if s == 0:
+                assert torch.all(grads_of(w)[g] == 0)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_qgeglu"])
+@pytest.mark.parametrize("layout", ["halves", "pairs", "blocks:8"])
+def test_glu_forward_and_backward(device, activation, layout):
+    torch.manual_seed(3)
+    splits_list, T = ROUTINGS["mixed"]
+    F = 32
+    for dtype in DTYPES[device.type]:
+        # Values well past the clamp limit on both sides, so the clamps' zero gradients show.
+        h = leaf(rand(T, 2 * F, dtype=dtype, device=device, scale=5.0))
+        p = leaf(torch.rand(T, device=device))
+        splits = make_splits(splits_list, device)
+        out = me.glu(h, splits, p, activation=activation, layout=layout)
+        d = rand(T, F, dtype=dtype, device=device)
+        out.backward(d)
+        h64, p64 = leaf(h.double()), leaf(p.double())
+        ref = glu_ref(h64, layout, activation) * p64[:, None]
+        rows = sum(splits_list)
+        ref[:rows].backward(d[:rows].double())
+        assert_close(out[:rows], ref[:rows], dtype, "out")
+        assert_close(h.grad[:rows], h64.grad[:rows], dtype, "dh")
+        assert_close(p.grad[:rows], p64.grad[:rows], dtype, "dprobs")
+        assert torch.all(out[rows:] == 0) and torch.all(h.grad[rows:] == 0) and torch.all(p.grad[rows:] == 0)
+
+
+MLP_CASES = [
+    # (activation, layout, bias, probs, recompute, fusion, packed)
+    ("swiglu", "halves", False, True, False, "forward", True),
+    ("swiglu", "blocks:32", True, True, False, "forward", True),
+    ("clamped_qgeglu", "pairs", True, True, False, "all", True),
+    ("clamped_qgeglu", "pairs", True, False, True, "none", True),
+    ("swiglu", "blocks:8", True, True, True, "forward", False),
+]
+
+
+@pytest.mark.parametrize("case", MLP_CASES, ids=lambda c: "-".join(str(v) for v in c))
+@pytest.mark.parametrize("routing", ["mixed", "one_expert_all", "g1"])
+def test_expert_mlp_forward_and_backward(device, case, routing):
+    activation, layout, bias, with_probs, recompute, fusion, packed = case
+    torch.manual_seed(7)
+    splits_list, T = ROUTINGS[routing]
+    G, H, F = len(splits_list), 64, 64
+    for dtype in DTYPES[device.type]:
+        x = leaf(rand(T, H, dtype=dtype, device=device))
+        w1 = weights(G, (2 * F, H), dtype, device, packed, H**-0.5 * 3)  # pre-activations past the clamp too
+        w2 = weights(G, (H, F), dtype, device, packed, F**-0.5)
+        b1 = weights(G, (2 * F,), dtype, device, packed, 1.0) if bias else None
+        b2 = weights(G, (H,), dtype, device, packed, 1.0) if bias else None
+        p = leaf(torch.rand(T, device=device)) if with_probs else None
+        splits = make_splits(splits_list, device)
+        y = me.expert_mlp(x, w1, w2, splits, p, b1, b2, activation=activation, layout=layout, fusion=fusion,
+                          recompute_fc1=recompute)
+        dy = rand(T, H, dtype=dtype, device=device)
+        y.backward(dy)
+
+        x64, w164, w264 = leaf(x.double()), as64(w1), as64(w2)
+        b164 = as64(b1) if bias else None
+        b264 = as64(b2) if bias else None
+        p64 = leaf(p.double()) if with_probs else None
+        ref = expert_mlp_ref(x64, w164, w264, splits_list, p64, b164, b264, layout, activation, storage=dtype)
+        ref.backward(dy.double())
+        rows = sum(splits_list)
+        assert_close(y[:rows], ref[:rows], dtype, "y")
+        assert_close(x.grad[:rows], x64.grad[:rows], dtype, "dx")
+        assert_close(grads_of(w1), grads_of(w164), dtype, "dW1")
+        assert_close(grads_of(w2), grads_of(w264), dtype, "dW2")
+        if bias:
+            assert_close(grads_of(b1), grads_of(b164), dtype, "db1")
+            assert_close(grads_of(b2), grads_of(b264), dtype, "db2")
+        if with_probs:
+            assert_close(p.grad[:rows], p64.grad[:rows], dtype, "dprobs")
+            assert torch.all(p.grad[rows:] == 0)
+        assert torch.all(y[rows:] == 0) and torch.all(x.grad[rows:] == 0)
+
+
+def test_int32_splits_and_determinism(device):
+    torch.manual_seed(1)
+    dtype = DTYPES[device.type][0]
+    x = rand(60, 32, dtype=dtype, device=device)
+    w = rand(3, 16, 32, dtype=dtype, device=device)
+    s64 = make_splits([20, 0, 33], device)
+    s32 = make_splits([20, 0, 33], device, torch.int32)
+    a = me.grouped_linear(x, w, s64)
+    assert torch.equal(a, me.grouped_linear(x, w, s32))
+    assert torch.equal(a, me.grouped_linear(x, w, s64))  # bit-identical run to run
+
+
+def test_opcheck_of_every_op():
+    """Schemas, fake implementations and autograd registration agree with the real ops."""
+    torch.manual_seed(2)
+    x, w = torch.randn(12, 8), torch.randn(3, 6, 8)
+    b, s = torch.randn(3, 6), torch.tensor([4, 0, 5])
+    dy, p = torch.randn(12, 6), torch.rand(12)
+    h = torch.randn(12, 16)
+    w1, w2 = torch.randn(3, 16, 8), torch.randn(3, 8, 8)
+    ops = torch.ops.moe_engine
+    cases = [
+        (ops.grouped_linear, (x, [w], s, [b], p)),
+        (ops.grouped_linear, (x, list(w.unbind(0)), s, [], None)),
+        (ops.grouped_linear_dgrad, (dy, [w], s)),
+        (ops.grouped_linear_wgrad_, (dy, x, s, [torch.empty(3, 6, 8)], "write")),
+        (ops.grouped_linear_dbias, (dy, s, p)),
+        (ops.grouped_linear_dscales, (dy, [b], s)),
+        (ops.glu, (h, p, s, "swiglu", 7.0, 1.702, 1.0, "pairs")),
+        (ops.glu_backward, (h, p, torch.randn(12, 8), s, "swiglu", 7.0, 1.702, 1.0, "pairs")),
+        (ops.expert_mlp, (x, p, [w1], [], [w2], [], s, "swiglu", 7.0, 1.702, 1.0, "halves", "forward", True)),
+        (ops.expert_mlp_backward_, (torch.randn(12, 8), x, p, [w1], [], [w2], [], s, None, "swiglu", 7.0, 1.702,
+                                    1.0, "halves", "none", True, True, False, [torch.zeros(3, 16, 8)], "accumulate",
+                                    [], "write")),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_autograd_registration_passes_opcheck():
+    x, w, s = torch.randn(12, 8, requires_grad=True), torch.randn(3, 6, 8, requires_grad=True), torch.tensor([4, 0, 5])
+    torch.library.opcheck(torch.ops.moe_engine.grouped_linear, (x, [w], s, [], None),
+                          test_utils=("test_autograd_registration",))
+
+
+def test_functional_api_compiles_fullgraph(device):
+    """The ops trace into one graph (fake impls), forward and backward; results match eager."""
+    torch.manual_seed(4)
+    dtype = DTYPES[device.type][0]
+    splits = make_splits([7, 0, 19], device)
+    x = leaf(rand(30, 32, dtype=dtype, device=device))
+    w1 = leaf(rand(3, 64, 32, dtype=dtype, device=device, scale=0.2))
+    w2 = leaf(rand(3, 32, 32, dtype=dtype, device=device, scale=0.2))
+    p = leaf(torch.rand(30, device=device))
+
+    def block(x, w1, w2, p, splits):
+        return me.expert_mlp(x, w1, w2, splits, p, layout="pairs").float().square().sum()
+
+    eager = block(x, w1, w2, p, splits)
+    eager.backward()
+    grads = [t.grad.clone() for t in (x, w1, w2, p)]
+    for t in (x, w1, w2, p):
+        t.grad = None
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(x, w1, w2, p, splits)
+    compiled.backward()
+    assert torch.equal(compiled, eager)
+    for g, t in zip(grads, (x, w1, w2, p)):
+        assert torch.equal(g, t.grad)
+
+
+def test_bad_inputs_are_clear_errors(device):
+    dtype = DTYPES[device.type][0]
+    x = torch.zeros(10, 8, dtype=dtype, device=device)
+    w = torch.zeros(3, 6, 8, dtype=dtype, device=device)
+    s = make_splits([4, 0, 5], device)
+    with pytest.raises(ValueError, match="x"):
+        me.grouped_linear(torch.zeros(10, 7, dtype=dtype, device=device), w, s)  # K mismatch
+    with pytest.raises(ValueError, match="dtype|bfloat16|float"):
+        me.grouped_linear(x.to(torch.float64 if device.type == "cuda" else torch.float16), w, s)
+    with pytest.raises(ValueError):
+        me.grouped_linear(x, w, make_splits([4, 5], device))  # G mismatch
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        me.grouped_linear(x.to(torch.complex64), w, s)
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match="negative"):
+            me.grouped_linear(x, w, make_splits([4, -1, 5], device))
+        with pytest.raises(ValueError, match="exceeds the buffer capacity"):
+            me.grouped_linear(x, w, make_splits([4, 4, 5], device))
+
+
+def test_bad_splits_on_the_gpu_are_reported_and_never_write_out_of_bounds(cuda):
+    x = torch.randn(10, 8, dtype=torch.bfloat16, device=cuda)
+    w = torch.randn(3, 6, 8, dtype=torch.bfloat16, device=cuda)
+    me.check_errors()
+    y = me.grouped_linear(x, w, make_splits([4, 4, 5], cuda))  # sum 13 > T = 10: clamped
+    assert torch.isfinite(y.float()).all()
+    with pytest.raises(moe_engine.DeviceError, match="exceeds the buffer capacity"):
+        me.check_errors()
+    me.check_errors()  # cleared
+    me.grouped_linear(x, w, make_splits([4, -2, 5], cuda))
+    with pytest.raises(moe_engine.DeviceError, match="negative"):
+        me.check_errors(cuda)
