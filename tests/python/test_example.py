@@ -4,6 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 

@@ -2,7 +2,8 @@
 and replayed with new routings, bit-identical to eager runs."""
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
 
 import moe_engine.torch as me
 from reference import make_splits

@@ -3,7 +3,8 @@ through a real backward with Megatron-DDP-style hooks, delayed wgrad, FSDP main_
 round trips across layouts (and GLU layouts), torch.compile of a module forward."""
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
 
 import moe_engine.torch as me
 from reference import ROUTINGS, assert_close, expert_mlp_ref, grouped_linear_ref, make_splits

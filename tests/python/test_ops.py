@@ -2,7 +2,8 @@
 and (where a GPU is visible) on CUDA; fake implementations (opcheck, torch.compile); errors."""
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
 
 import moe_engine
 import moe_engine.torch as me

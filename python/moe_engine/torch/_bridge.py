@@ -102,5 +102,6 @@ def grouped(ts: Sequence[torch.Tensor], expert_rank: int):
 
 
 def offsets_for(splits: torch.Tensor) -> torch.Tensor:
-    """Scratch for the group offsets every op computes from splits (int64 [G+1])."""
+    """Scratch for the group offsets every op computes from splits (int64 [G+1]). Hold it in a
+    variable across the extension call: a descriptor does not keep its tensor alive."""
     return torch.empty(splits.shape[0] + 1, dtype=torch.int64, device=splits.device)

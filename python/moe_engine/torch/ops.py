@@ -53,7 +53,7 @@ def _grouped_linear(
     x: Tensor, weight: List[Tensor], splits: Tensor, bias: List[Tensor], row_scale: Optional[Tensor]
 ) -> Tensor:
     y = torch.empty(x.shape[0], _expert_shape(weight, 2)[0], dtype=x.dtype, device=x.device)
-    offsets = offsets_for(splits)  # kept alive across the call
+    offsets = offsets_for(splits)
     _C.grouped_linear_forward(desc(x), grouped(weight, 2), desc(splits), desc(offsets),
                               desc(y), grouped(bias, 1), desc(row_scale), [desc(y)], stream_of(x))
     return y
@@ -67,7 +67,7 @@ def _(x, weight, splits, bias, row_scale):
 @torch.library.custom_op("moe_engine::grouped_linear_dgrad", mutates_args=())
 def _grouped_linear_dgrad(dy: Tensor, weight: List[Tensor], splits: Tensor) -> Tensor:
     dx = torch.empty(dy.shape[0], _expert_shape(weight, 2)[1], dtype=dy.dtype, device=dy.device)
-    offsets = offsets_for(splits)  # kept alive across the call
+    offsets = offsets_for(splits)
     _C.grouped_linear_dgrad(desc(dy), grouped(weight, 2), desc(splits), desc(offsets),
                             desc(dx), [desc(dx)], stream_of(dy))
     return dx
@@ -80,7 +80,7 @@ def _(dy, weight, splits):
 
 @torch.library.custom_op("moe_engine::grouped_linear_wgrad_", mutates_args=("out",))
 def _grouped_linear_wgrad_(dy: Tensor, x: Tensor, splits: Tensor, out: List[Tensor], mode: str) -> None:
-    offsets = offsets_for(splits)  # kept alive across the call
+    offsets = offsets_for(splits)
     _C.grouped_linear_wgrad(desc(dy), desc(x), desc(splits), desc(offsets),
                             grouped(out, 2), mode, stream_of(dy))
 
@@ -93,7 +93,7 @@ def _(dy, x, splits, out, mode):
 @torch.library.custom_op("moe_engine::grouped_linear_dbias", mutates_args=())
 def _grouped_linear_dbias(dy: Tensor, splits: Tensor, row_scale: Optional[Tensor]) -> Tensor:
     db = torch.empty(splits.shape[0], dy.shape[1], dtype=dy.dtype, device=dy.device)
-    offsets = offsets_for(splits)  # kept alive across the call
+    offsets = offsets_for(splits)
     _C.grouped_linear_dbias(desc(dy), desc(splits), desc(offsets), grouped([db], 1),
                             "write", desc(row_scale), stream_of(dy))
     return db
@@ -107,7 +107,7 @@ def _(dy, splits, row_scale):
 @torch.library.custom_op("moe_engine::grouped_linear_dscales", mutates_args=())
 def _grouped_linear_dscales(dy: Tensor, bias: List[Tensor], splits: Tensor) -> Tensor:
     ds = torch.empty(dy.shape[0], dtype=torch.float32, device=dy.device)
-    offsets = offsets_for(splits)  # kept alive across the call
+    offsets = offsets_for(splits)
     _C.grouped_linear_dscales(desc(dy), grouped(bias, 1), desc(splits), desc(offsets),
                               desc(ds), [desc(ds)], stream_of(dy))
     return ds
@@ -125,7 +125,7 @@ def _(dy, bias, splits):
 def _glu(h: Tensor, probs: Optional[Tensor], splits: Tensor, activation: str, limit: float,
          alpha: float, offset: float, layout: str) -> Tensor:
     out = torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype, device=h.device)
-    offsets = offsets_for(splits)  # kept alive across the call
+    offsets = offsets_for(splits)
     _C.glu_forward(desc(h), desc(probs), desc(splits), desc(offsets), desc(out),
                    _glu_spec(activation, limit, alpha, offset, layout), [desc(out)], stream_of(h))
     return out
@@ -143,7 +143,7 @@ def _glu_backward(h: Tensor, probs: Optional[Tensor], d_out: Tensor, splits: Ten
     dh = torch.empty_like(h)
     dprobs = torch.empty(h.shape[0] if probs is not None else 0, dtype=torch.float32, device=h.device)
     outs = [desc(dh)] + ([desc(dprobs)] if probs is not None else [])
-    offsets = offsets_for(splits)  # kept alive across the call
+    offsets = offsets_for(splits)
     _C.glu_backward(desc(h), desc(probs), desc(d_out), desc(splits), desc(offsets),
                     desc(dh), desc(dprobs) if probs is not None else (), (),
                     _glu_spec(activation, limit, alpha, offset, layout), outs, stream_of(h))
@@ -163,7 +163,7 @@ def _mlp_weights(w1, b1, w2, b2):
 
 
 def _workspace(nbytes: int, device: torch.device) -> Optional[Tensor]:
-    return torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes > 0 else None  # desc(): ()
+    return torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes > 0 else None
 
 
 @torch.library.custom_op("moe_engine::expert_mlp", mutates_args=())
@@ -176,7 +176,7 @@ def _expert_mlp(x: Tensor, probs: Optional[Tensor], w1: List[Tensor], b1: List[T
     y = torch.empty(T, H, dtype=x.dtype, device=x.device)
     fc1_out = torch.empty(T if save_fc1_out else 0, 2 * F, dtype=x.dtype, device=x.device)
     ws = _workspace(_C.expert_mlp_forward_workspace_size(T, H, F, dtype_code(x.dtype), save_fc1_out), x.device)
-    offsets = offsets_for(splits)  # kept alive across the call
+    offsets = offsets_for(splits)
     _C.expert_mlp_forward(desc(x), desc(probs), _mlp_weights(w1, b1, w2, b2), desc(splits),
                           desc(offsets), desc(y), desc(fc1_out) if save_fc1_out else (),
                           _glu_spec(activation, limit, alpha, offset, layout), fusion, desc(ws), [desc(y)],
@@ -220,7 +220,7 @@ def _expert_mlp_backward_(
         (grouped([db2] if bias else [], 1), "write"),
     )
     zero = ([desc(dx)] if need_dx else []) + ([desc(dprobs)] if need_dprobs else [])
-    offsets = offsets_for(splits)  # kept alive across the call
+    offsets = offsets_for(splits)
     _C.expert_mlp_backward(desc(dy), desc(x), desc(probs), _mlp_weights(w1, b1, w2, b2), desc(splits),
                            desc(offsets), desc(fc1_out), grads,
                            _glu_spec(activation, limit, alpha, offset, layout), fusion, desc(ws), zero,
