@@ -4,15 +4,33 @@
 import torch as _torch  # noqa: F401  (fails early with a clear ImportError when PyTorch is missing)
 
 from .modules import GroupedLinear, GroupedMLP, normalize_grouped_keys
-from .ops import check_errors, expert_mlp, glu, grouped_linear, init_device
+from .ops import (
+    check_errors,
+    expert_mlp,
+    expert_mlp_backward,
+    glu,
+    glu_backward,
+    grouped_linear,
+    grouped_linear_dbias,
+    grouped_linear_dgrad,
+    grouped_linear_dscales,
+    grouped_linear_wgrad,
+    init_device,
+)
 
 __all__ = [
     "GroupedLinear",
     "GroupedMLP",
     "check_errors",
     "expert_mlp",
+    "expert_mlp_backward",
     "glu",
+    "glu_backward",
     "grouped_linear",
+    "grouped_linear_dbias",
+    "grouped_linear_dgrad",
+    "grouped_linear_dscales",
+    "grouped_linear_wgrad",
     "init_device",
     "normalize_grouped_keys",
 ]

@@ -373,6 +373,68 @@ def _expert_mlp_bwd(ctx, dy, _d_fc1_out):
 torch.library.register_autograd("moe_engine::expert_mlp", _expert_mlp_bwd, setup_context=_expert_mlp_setup)
 
 
+# ---- backward pieces (for callers that run their own autograd, e.g. delayed wgrad) ----
+
+
+def grouped_linear_dgrad(dy: Tensor, weight: Experts, splits: Tensor) -> Tensor:
+    """``dx[r] = dy[r] W_g``: dy ``[T, N]`` -> dx ``[T, K]``."""
+    return _grouped_linear_dgrad(dy.contiguous(), _as_list(weight), splits)
+
+
+def grouped_linear_wgrad(dy: Tensor, x: Tensor, splits: Tensor, out: Optional[Experts] = None,
+                         mode: str = "write") -> Experts:
+    """``dW_g = dy_g^T x_g`` into ``out`` (packed ``[G, N, K]`` or G tensors; default: a new packed
+    tensor in dy's dtype). ``mode``: ``write``; ``accumulate`` / ``overwrite`` for float32
+    main_grad buffers (an empty expert leaves an accumulated buffer untouched). Returns ``out``."""
+    if out is None:
+        out = torch.empty(splits.shape[0], dy.shape[1], x.shape[1], dtype=dy.dtype, device=dy.device)
+    _grouped_linear_wgrad_(dy.contiguous(), x, splits, _as_list(out), mode)
+    return out
+
+
+def grouped_linear_dbias(dy: Tensor, splits: Tensor, row_scale: Optional[Tensor] = None) -> Tensor:
+    """``db_g = sum_r dy[r]`` (``sum_r row_scale[r] dy[r]`` with row_scale): ``[G, N]``."""
+    return _grouped_linear_dbias(dy.contiguous(), splits, row_scale)
+
+
+def grouped_linear_dscales(dy: Tensor, bias: Experts, splits: Tensor) -> Tensor:
+    """The row-scale gradient of a scale_bias forward, ``<dy[r], b_g>``: ``[T]`` float32."""
+    return _grouped_linear_dscales(dy.contiguous(), _as_list(bias), splits)
+
+
+def glu_backward(h: Tensor, d_out: Tensor, splits: Tensor, probs: Optional[Tensor] = None,
+                 activation: str = "swiglu", layout: str = "halves", limit: float = 7.0, alpha: float = 1.702,
+                 offset: float = 1.0) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(dh [T, 2F], dprobs [T] float32 or None)`` from ``d_out = dL/d(glu(h) * probs)``."""
+    dh, dprobs = _glu_backward(h, probs, d_out.contiguous(), splits, activation, limit, alpha, offset, layout)
+    return dh, (dprobs if probs is not None else None)
+
+
+def expert_mlp_backward(dy: Tensor, x: Optional[Tensor], fc1_weight: Experts, fc2_weight: Experts,
+                        splits: Tensor, probs: Optional[Tensor] = None, fc1_bias: Optional[Experts] = None,
+                        fc2_bias: Optional[Experts] = None, fc1_out: Optional[Tensor] = None,
+                        activation: str = "swiglu", layout: str = "halves", limit: float = 7.0,
+                        alpha: float = 1.702, offset: float = 1.0, fusion: str = "forward", need_dx: bool = True,
+                        fc1_weight_grad: Optional[Experts] = None, fc2_weight_grad: Optional[Experts] = None,
+                        wgrad_mode: str = "write") -> dict:
+    """The expert MLP's backward in one call. ``fc1_out``: the pre-activation kept by forward
+    (``expert_mlp`` with ``recompute_fc1=False`` saves it), or None to recompute it from x.
+    Weight gradients go into ``fc1_weight_grad`` / ``fc2_weight_grad`` per ``wgrad_mode`` (e.g.
+    main_grad buffers with ``accumulate``); leave them None for new tensors (``write``) or pass
+    ``[]`` to skip one. Returns a dict: dx, dprobs, fc1_weight, fc1_bias, fc2_weight, fc2_bias."""
+    w1, w2, b1, b2 = _as_list(fc1_weight), _as_list(fc2_weight), _as_list(fc1_bias), _as_list(fc2_bias)
+    g1 = new_expert_grads(w1) if fc1_weight_grad is None else _as_list(fc1_weight_grad)
+    g2 = new_expert_grads(w2) if fc2_weight_grad is None else _as_list(fc2_weight_grad)
+    mode1 = "write" if fc1_weight_grad is None else wgrad_mode
+    mode2 = "write" if fc2_weight_grad is None else wgrad_mode
+    dx, dprobs, db1, db2 = _expert_mlp_backward_(
+        dy.contiguous(), x, probs, w1, b1, w2, b2, splits, fc1_out, activation, limit, alpha, offset, layout,
+        fusion, need_dx, probs is not None, bool(b1), g1, mode1, g2, mode2)
+    return {"dx": dx if need_dx else None, "dprobs": dprobs if probs is not None else None,
+            "fc1_weight": g1 or None, "fc1_bias": split_like(db1, b1, 1) if b1 else None,
+            "fc2_weight": g2 or None, "fc2_bias": split_like(db2, b2, 1) if b2 else None}
+
+
 def check_errors(device: Union[int, str, torch.device, None] = None) -> None:
     """Raises ``moe_engine.DeviceError`` if a kernel on this GPU saw bad splits (negative, or
     summing past the buffer) since the last check; clears the record. Waits for the current
