@@ -84,7 +84,7 @@ def test_every_row_of_the_gradient_contract(device, kind, layout, row):
     m = build(kind, device, layout=layout, accumulate_into_main_grad=into_main, delay_wgrad_compute=delayed,
               overwrite_main_grad=row == "overwrite")
     weights = weight_params(m)
-    log = attach_ddp(m, with_flag="flag" in row, zero_out="zero_out" in row) if into_main else None
+    ddp_log = attach_ddp(m, with_flag="flag" in row, zero_out="zero_out" in row) if into_main else []
     if into_main:
         for p in weights:
             p.main_grad.fill_(1.0)  # accumulate adds to it; overwrite replaces it
@@ -117,6 +117,8 @@ def test_every_row_of_the_gradient_contract(device, kind, layout, row):
     assert len(fired) == (1 if delayed else 0)
     m.backward_dw()  # nothing queued: no-op, hooks do not fire again
     assert len(fired) == (1 if delayed else 0)
+    if into_main:  # Megatron's reduce hook ran once for every parameter
+        assert len(ddp_log) == len(list(m.parameters()))
     for p, ref in zip(weights, expected):
         if into_main:
             base = 0.0 if row == "overwrite" else 1.0

@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
 
 import moe_engine
 import moe_engine.torch as me
-from reference import ROUTINGS, TOL, assert_close, expert_mlp_ref, glu_ref, grouped_linear_ref, make_splits
+from reference import ROUTINGS, assert_close, expert_mlp_ref, glu_ref, grouped_linear_ref, make_splits
 
 DTYPES = {"cpu": [torch.float32, torch.bfloat16], "cuda": [torch.bfloat16, torch.float16]}
 

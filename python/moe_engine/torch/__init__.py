@@ -4,6 +4,7 @@
 import torch as _torch  # noqa: F401  (fails early with a clear ImportError when PyTorch is missing)
 
 from .modules import GroupedLinear, GroupedMLP, normalize_grouped_keys
+from .offload import ActivationOffload, mark_not_offload, no_offload
 from .ops import (
     check_errors,
     expert_mlp,
@@ -19,6 +20,9 @@ from .ops import (
 )
 
 __all__ = [
+    "ActivationOffload",
+    "mark_not_offload",
+    "no_offload",
     "GroupedLinear",
     "GroupedMLP",
     "check_errors",

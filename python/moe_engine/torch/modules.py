@@ -9,7 +9,9 @@ contract of TransformerEngine / Megatron-LM (DESIGN.md section 4):
 - ``delay_wgrad_compute``: backward computes dgrad (and bias gradients) only; ``backward_dw()`` runs
   the queued weight gradients, then the hooks registered with
   ``register_wgrad_accumulation_and_reduce_hooks``; weights carry ``skip_backward_post_hook``;
-- ``load_state_dict`` normalizes checkpoint keys between the packed and per-expert forms.
+- ``load_state_dict`` normalizes checkpoint keys between the packed and per-expert forms;
+- ``offload_activations=False`` keeps the module's saved tensors on the device inside an
+  ``ActivationOffload`` region (the per-module opt-out; ``offload.py``).
 
 The routing ``splits`` is a ``[G]`` tensor on the tokens' device; nothing reads it on the host, so
 forward and backward can be captured in a CUDA graph and replayed with new splits.
@@ -17,6 +19,7 @@ forward and backward can be captured in a CUDA graph and replayed with new split
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, List, Optional, Sequence
 
@@ -26,6 +29,7 @@ from torch import Tensor, nn
 from .. import _C
 from . import ops
 from ._contract import WeightGradContract
+from .offload import no_offload
 
 _LAYOUTS = ("packed", "per-expert")
 
@@ -187,7 +191,8 @@ class GroupedLinear(_ExpertParams):
     def __init__(self, num_groups: int, in_features: int, out_features: int, *, bias: bool = False,
                  scale_bias: bool = False, layout: str = "packed", accumulate_into_main_grad: bool = False,
                  overwrite_main_grad: bool = False, delay_wgrad_compute: bool = False,
-                 zero_out_wgrad: bool = False, device=None, dtype: torch.dtype = torch.bfloat16):
+                 zero_out_wgrad: bool = False, offload_activations: bool = True, device=None,
+                 dtype: torch.dtype = torch.bfloat16):
         if scale_bias and not bias:
             raise ValueError("moe_engine: scale_bias needs bias=True")
         super().__init__(num_groups, out_features, in_features, bias, layout, device, dtype)
@@ -196,6 +201,7 @@ class GroupedLinear(_ExpertParams):
         self.delay_wgrad_compute = delay_wgrad_compute
         self._weight_grad = WeightGradContract(accumulate_into_main_grad, overwrite_main_grad, zero_out_wgrad)
         self._delayed = _DelayedWgrad()
+        self.offload_activations = offload_activations
         if delay_wgrad_compute:
             _mark_delayed(self.weights())
         _init_device(self.weights()[0])
@@ -207,7 +213,8 @@ class GroupedLinear(_ExpertParams):
             raise ValueError("moe_engine: GroupedLinear(scale_bias=True) needs row_scale")
         if not self.scale_bias and row_scale is not None:
             raise ValueError("moe_engine: row_scale given but the module was built without scale_bias")
-        return _GroupedLinearFunction.apply(self, x, splits, row_scale, *self.weights(), *self.biases())
+        with contextlib.nullcontext() if self.offload_activations else no_offload():
+            return _GroupedLinearFunction.apply(self, x, splits, row_scale, *self.weights(), *self.biases())
 
     def backward_dw(self) -> None:
         """Runs the queued weight gradients in order, then the registered hooks (no-op if none)."""
@@ -303,7 +310,8 @@ class GroupedMLP(nn.Module):
                  alpha: float = 1.702, offset: float = 1.0, fusion: str = "forward",
                  recompute_fc1: bool = False, layout: str = "packed", accumulate_into_main_grad: bool = False,
                  overwrite_main_grad: bool = False, delay_wgrad_compute: bool = False,
-                 zero_out_wgrad: bool = False, device=None, dtype: torch.dtype = torch.bfloat16):
+                 zero_out_wgrad: bool = False, offload_activations: bool = True, device=None,
+                 dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         glu_layout = _C.glu_layout_name(glu_layout)
         _C.glu_row_permutation(glu_layout, glu_layout, ffn)  # F must suit the layout
@@ -317,6 +325,7 @@ class GroupedMLP(nn.Module):
         self._fc1_grad = WeightGradContract(accumulate_into_main_grad, overwrite_main_grad, zero_out_wgrad)
         self._fc2_grad = WeightGradContract(accumulate_into_main_grad, overwrite_main_grad, zero_out_wgrad)
         self._delayed = _DelayedWgrad()
+        self.offload_activations = offload_activations
         if delay_wgrad_compute:
             _mark_delayed(self.fc1.weights() + self.fc2.weights())
         _init_device(self.fc1.weights()[0])
@@ -336,7 +345,8 @@ class GroupedMLP(nn.Module):
         """x ``[T, H]`` (rows sorted by expert), splits ``[G]``, probs ``[T]`` float32 (the router
         probs; None: 1) -> y ``[T, H]``; rows past ``sum(splits)`` of y are zeros."""
         params = (*self.fc1.weights(), *self.fc1.biases(), *self.fc2.weights(), *self.fc2.biases())
-        return _GroupedMLPFunction.apply(self, x, splits, probs, *params)
+        with contextlib.nullcontext() if self.offload_activations else no_offload():
+            return _GroupedMLPFunction.apply(self, x, splits, probs, *params)
 
     def backward_dw(self) -> None:
         """Runs the queued weight gradients in order, then the registered hooks (no-op if none)."""

@@ -1,0 +1,225 @@
+"""Activation offloading to pinned host memory (DESIGN.md section 4; issue 7).
+
+The activations that autograd keeps for a layer's backward (for the moe-engine modules: x and the
+FC1 pre-activation) are copied to pinned host memory on a side stream as they are saved, their
+device memory is released, and they are copied back one layer ahead of the layer's backward.
+
+    offload = ActivationOffload(num_layers=8)            # offloads layers 0..6 (all but the last)
+    for i, layer in enumerate(layers):
+        with offload.layer(i) as scope:
+            x = scope.output(layer(x, splits, probs))
+    loss(x).backward()
+
+- What is offloaded: CUDA tensors saved for backward inside ``layer(i)`` of at least ``min_bytes``,
+  except parameters (weights are never offloaded) and tensors marked with ``mark_not_offload``.
+  ``no_offload()`` (or a module built with ``offload_activations=False``) opts out inside an
+  offloaded region.
+- When: the copy of a tensor starts when it is saved (an event on the current stream orders it
+  after the kernel that produced it), so it overlaps the rest of the forward. The device memory of
+  layer i is released when layer i + 2 starts (the current stream then waits for layer i's copies),
+  and at the start of backward for the layers still in flight; the reload of layer i starts when
+  the backward of layer i + 1 starts.
+- Results are bit-identical to running without offload: the same kernels see the same bytes.
+- Pinned buffers are allocated on first use per (layer, tensor slot) and kept across steps, so a
+  step can be captured in a CUDA graph after one eager step and replayed (the copies and events
+  are captured with it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+_STATE = threading.local()
+
+
+def _opted_out() -> bool:
+    return getattr(_STATE, "no_offload", 0) > 0
+
+
+@contextlib.contextmanager
+def no_offload():
+    """Tensors saved inside this block stay on the device, even inside an offloaded layer."""
+    _STATE.no_offload = getattr(_STATE, "no_offload", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.no_offload -= 1
+
+
+def mark_not_offload(*tensors: Tensor) -> None:
+    """These tensors are never offloaded when saved for backward."""
+    for t in tensors:
+        t._moe_no_offload = True
+
+
+@dataclass
+class _Saved:
+    layer: int
+    host: Tensor
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    device_tensor: Optional[Tensor] = None  # the reloaded copy
+
+
+@dataclass
+class _Layer:
+    saved: List[_Saved] = field(default_factory=list)
+    offloaded: Optional[torch.cuda.Event] = None  # all of the layer's D2H copies done
+    sources: List[Tensor] = field(default_factory=list)  # device tensors kept until their copy ends
+    reloaded: Optional[torch.cuda.Event] = None
+    reload_started: bool = False
+
+
+class _Scope:
+    def __init__(self, offload: "ActivationOffload", index: int):
+        self._offload, self._index = offload, index
+
+    def output(self, y: Tensor) -> Tensor:
+        """Marks the layer's output: when its gradient arrives (the layer's backward begins), the
+        layer's tensors must be back and the previous layer's reload starts."""
+        if y.requires_grad:
+            y.register_hook(self._offload._backward_hook(self._index))
+        return y
+
+
+class ActivationOffload:
+    """Offloads the saved activations of layers ``0 .. offload_layers - 1`` of a stack of
+    ``num_layers`` (default: all but the last) to pinned host memory; see the module docstring."""
+
+    def __init__(self, num_layers: int, offload_layers: Optional[int] = None, *, min_bytes: int = 1 << 20,
+                 device=None):
+        if not torch.cuda.is_available():
+            raise RuntimeError("moe_engine: activation offload needs a CUDA device")
+        self.num_layers = num_layers
+        self.offload_layers = num_layers - 1 if offload_layers is None else offload_layers
+        if not 0 <= self.offload_layers <= num_layers:
+            raise ValueError(f"moe_engine: offload_layers must be in [0, {num_layers}], got {self.offload_layers}")
+        self.min_bytes = min_bytes
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self._d2h = torch.cuda.Stream(self.device)
+        self._h2d = torch.cuda.Stream(self.device)
+        self._pool: Dict[Tuple[int, int], Tensor] = {}  # pinned buffers, kept across steps
+        self._layers = [_Layer() for _ in range(num_layers)]
+        self._in_backward = False
+        self.offloaded_bytes = 0  # of the last step
+
+    # ---- forward ----
+
+    @contextlib.contextmanager
+    def layer(self, index: int):
+        """The forward of layer ``index`` (0-based, in order). Yields a scope whose ``output(y)``
+        marks the layer's output (needed to schedule the reloads)."""
+        if index == 0:
+            self._new_step()
+        if index >= 2:
+            self._release(index - 2)
+        if index < self.offload_layers:
+            with torch.autograd.graph.saved_tensors_hooks(self._packer(index), self._unpack):
+                yield _Scope(self, index)
+        else:
+            yield _Scope(self, index)
+        st = self._layers[index]
+        if st.saved:
+            st.offloaded = torch.cuda.Event()
+            st.offloaded.record(self._d2h)
+
+    def _new_step(self) -> None:
+        # A previous step's records live on in its autograd graph (if any) until that is freed.
+        self._layers = [_Layer() for _ in range(self.num_layers)]
+        self._in_backward = False
+        self.offloaded_bytes = 0
+
+    def _pinned(self, index: int, slot: int, t: Tensor) -> Tensor:
+        buf = self._pool.get((index, slot))
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "moe_engine: activation offload met a new tensor shape during CUDA graph capture; run "
+                    "one eager step with the same shapes first (it allocates the pinned buffers)")
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._pool[(index, slot)] = buf
+        return buf
+
+    def _packer(self, index: int):
+        st = self._layers[index]
+
+        def pack(t: Tensor):
+            if (_opted_out() or isinstance(t, torch.nn.Parameter) or not t.is_cuda or t.device != self.device
+                    or getattr(t, "_moe_no_offload", False) or t.numel() * t.element_size() < self.min_bytes
+                    or not t.is_contiguous()):
+                return t
+            host = self._pinned(index, len(st.saved), t)
+            produced = torch.cuda.Event()
+            produced.record(torch.cuda.current_stream(self.device))
+            self._d2h.wait_event(produced)
+            with torch.cuda.stream(self._d2h):
+                host.copy_(t, non_blocking=True)
+            st.sources.append(t)  # released once the current stream has waited for the copy
+            rec = _Saved(index, host, tuple(t.shape), t.dtype)
+            st.saved.append(rec)
+            self.offloaded_bytes += t.numel() * t.element_size()
+            return rec
+
+        return pack
+
+    def _release(self, index: int) -> None:
+        """The current stream waits for layer ``index``'s copies; its device memory is freed."""
+        st = self._layers[index]
+        if st.sources:
+            torch.cuda.current_stream(self.device).wait_event(st.offloaded)
+            st.sources.clear()
+
+    # ---- backward ----
+
+    def _backward_hook(self, index: int):
+        def hook(grad):
+            if not self._in_backward:  # the first layer to run backward: nothing stays in flight
+                self._in_backward = True
+                for i in range(self.num_layers):
+                    self._release(i)
+            self._start_reload(index)
+            if index >= 1:
+                self._start_reload(index - 1)
+            return grad
+
+        return hook
+
+    def _start_reload(self, index: int) -> None:
+        st = self._layers[index]
+        if st.reload_started or not st.saved:
+            return
+        st.reload_started = True
+        main = torch.cuda.current_stream(self.device)
+        # The reloaded tensors are allocated on the current stream (freed there after their use in
+        # backward); the copy stream starts once the current stream has reached this point.
+        for rec in st.saved:
+            rec.device_tensor = torch.empty(rec.shape, dtype=rec.dtype, device=self.device)
+        here = torch.cuda.Event()
+        here.record(main)
+        self._h2d.wait_event(here)
+        self._h2d.wait_event(st.offloaded)
+        with torch.cuda.stream(self._h2d):
+            for rec in st.saved:
+                rec.device_tensor.copy_(rec.host, non_blocking=True)
+        st.reloaded = torch.cuda.Event()
+        st.reloaded.record(self._h2d)
+
+    def _unpack(self, rec):
+        if not isinstance(rec, _Saved):
+            return rec
+        st = self._layers[rec.layer]
+        if not st.reload_started:  # no output() marked for this layer: reload on demand
+            self._start_reload(rec.layer)
+        torch.cuda.current_stream(self.device).wait_event(st.reloaded)
+        # The record (and so the reloaded copy) lives as long as autograd keeps the saved tensor.
+        return rec.device_tensor
+
+    def pinned_bytes(self) -> int:
+        """Pinned host memory held for reuse across steps."""
+        return sum(b.numel() * b.element_size() for b in self._pool.values())
