@@ -228,3 +228,14 @@ def test_compile_of_a_module_forward(device):
     eager = m(x, s, p)
     compiled = torch.compile(m, backend="aot_eager")(x, s, p)
     assert torch.equal(compiled, eager)
+
+
+def test_contract_holds_under_saved_tensor_hooks(device):
+    """Saved-tensor hooks (activation offload is one) may hand back other Python objects than the
+    parameters that were saved; main_grad and the flags still land on the module's parameters."""
+    m = build("mlp", device, accumulate_into_main_grad=True)
+    attach_ddp(m, with_flag=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):
+        run(m, device)
+    for p in weight_params(m):
+        assert p.grad_added_to_main_grad and p.main_grad.abs().sum() > 0

@@ -159,20 +159,23 @@ class _GroupedLinearFunction(torch.autograd.Function):
         dw: List[Optional[Tensor]] = [None] * len(weights)
         if any(w.requires_grad for w in weights):
 
-            contract, names = m._weight_grad, m.weight_names()
+            # The contract reads the parameters' attributes (main_grad, ...): the module's own
+            # objects, since a saved tensor may come back as another Python object (saved-tensor
+            # hooks, e.g. activation offload).
+            contract, names, params = m._weight_grad, m.weight_names(), m.weights()
             if m.delay_wgrad_compute:
 
                 def job(dy=dy, x=x, splits=splits):
-                    targets, mode = contract.targets(weights, names)
+                    targets, mode = contract.targets(params, names)
                     ops._grouped_linear_wgrad_(dy, x, splits, targets, mode)
-                    contract.finish_delayed(weights, targets)
+                    contract.finish_delayed(params, targets)
 
                 m._delayed.queue.append(job)
-                dw = contract.queued(weights, names)
+                dw = contract.queued(params, names)
             else:
-                targets, mode = contract.targets(weights, names)
+                targets, mode = contract.targets(params, names)
                 ops._grouped_linear_wgrad_(dy, x, splits, targets, mode)
-                dw = contract.outcome(weights, targets)
+                dw = contract.outcome(params, targets)
         return (None, dx, None, ds, *dw, *db)
 
 
@@ -262,6 +265,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
 
         n1, n2 = m.fc1.weight_names(), m.fc2.weight_names()
         c1, c2 = m._fc1_grad, m._fc2_grad
+        p1, p2 = m.fc1.weights(), m.fc2.weights()  # the contract's parameters (see GroupedLinear)
         dw1: List[Optional[Tensor]] = [None] * len(w1)
         dw2: List[Optional[Tensor]] = [None] * len(w2)
         if m.delay_wgrad_compute:
@@ -269,24 +273,24 @@ class _GroupedMLPFunction(torch.autograd.Function):
 
                 def job():
                     # One pass computes both weights' gradients (recomputing FC2 dgrad + dGLU).
-                    g1, mode1 = c1.targets(w1, n1) if need_w1 else ([], "write")
-                    g2, mode2 = c2.targets(w2, n2) if need_w2 else ([], "write")
+                    g1, mode1 = c1.targets(p1, n1) if need_w1 else ([], "write")
+                    g2, mode2 = c2.targets(p2, n2) if need_w2 else ([], "write")
                     run(g1, mode1, g2, mode2, dx=False, dp=False, bias=False)
                     if need_w1:
-                        c1.finish_delayed(w1, g1)
+                        c1.finish_delayed(p1, g1)
                     if need_w2:
-                        c2.finish_delayed(w2, g2)
+                        c2.finish_delayed(p2, g2)
 
                 m._delayed.queue.append(job)
-                dw1 = c1.queued(w1, n1) if need_w1 else dw1
-                dw2 = c2.queued(w2, n2) if need_w2 else dw2
+                dw1 = c1.queued(p1, n1) if need_w1 else dw1
+                dw2 = c2.queued(p2, n2) if need_w2 else dw2
             dx, dprobs, db1, db2 = run([], "write", [], "write")
         else:
-            g1, mode1 = c1.targets(w1, n1) if need_w1 else ([], "write")
-            g2, mode2 = c2.targets(w2, n2) if need_w2 else ([], "write")
+            g1, mode1 = c1.targets(p1, n1) if need_w1 else ([], "write")
+            g2, mode2 = c2.targets(p2, n2) if need_w2 else ([], "write")
             dx, dprobs, db1, db2 = run(g1, mode1, g2, mode2)
-            dw1 = c1.outcome(w1, g1) if need_w1 else dw1
-            dw2 = c2.outcome(w2, g2) if need_w2 else dw2
+            dw1 = c1.outcome(p1, g1) if need_w1 else dw1
+            dw2 = c2.outcome(p2, g2) if need_w2 else dw2
         db1s = ops.split_like(db1, b1, 1) if (b1 and need_bias) else [None] * len(b1)
         db2s = ops.split_like(db2, b2, 1) if (b2 and need_bias) else [None] * len(b2)
         return (None, dx if need_dx else None, None, dprobs if need_dprobs else None,
