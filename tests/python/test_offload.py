@@ -72,16 +72,19 @@ def test_offload_is_bit_identical_and_lowers_peak_memory(cuda):
     torch.cuda.reset_peak_memory_stats()
     y0, dx0 = step(layers, *args)
     peak_off = torch.cuda.max_memory_allocated() - base
+    after_off = torch.cuda.memory_allocated() - base  # y and dx
     g0 = grads(layers)
     zero(layers)
     offload = offloader(len(layers))
-    y1, dx1 = step(layers, *args, offload=offload)  # first step: allocates the pinned buffers
-    torch.cuda.synchronize()
+    step(layers, *args, offload=offload)  # first step: allocates the pinned buffers
     zero(layers)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     y1, dx1 = step(layers, *args, offload=offload)
     torch.cuda.synchronize()
     peak_on = torch.cuda.max_memory_allocated() - base
+    assert torch.cuda.memory_allocated() - base == after_off  # nothing retained but y and dx
     assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
     for a, b in zip(g0, grads(layers)):
         assert torch.equal(a, b)

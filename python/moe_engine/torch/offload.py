@@ -209,6 +209,9 @@ class ActivationOffload:
                 rec.device_tensor.copy_(rec.host, non_blocking=True)
         st.reloaded = torch.cuda.Event()
         st.reloaded.record(self._h2d)
+        # From here on only autograd holds the records, so each reloaded tensor is freed as soon as
+        # its layer's backward has released it.
+        st.saved = []
 
     def _unpack(self, rec):
         if not isinstance(rec, _Saved):
