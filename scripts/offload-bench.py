@@ -51,7 +51,7 @@ def build(case, layers):
     return stack
 
 
-def run_step(stack, x, splits, probs, dy, offload):
+def run_step(stack, x, splits, probs, dy, offload, after_forward=None):
     h = x
     for i, m in enumerate(stack):
         if offload is None:
@@ -59,6 +59,8 @@ def run_step(stack, x, splits, probs, dy, offload):
         else:
             with offload.layer(i) as scope:
                 h = scope.output(m(h, splits, probs))
+    if after_forward:
+        after_forward()
     h.backward(dy)
 
 
@@ -83,8 +85,20 @@ def measure(stack, case, offload, steps):
         b.synchronize()
         times.append(a.elapsed_time(b))
         peaks.append(torch.cuda.max_memory_allocated() - base)
+    # One more step, untimed: what the forward leaves on the device for backward (the saved
+    # activations; with offload, those still in flight or not offloaded), after its copies settle.
+    x.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    held = []
+
+    def after_forward():
+        torch.cuda.synchronize()
+        held.append(torch.cuda.memory_allocated() - base)
+
+    run_step(stack, x, splits, probs, dy, offload, after_forward)
     me.check_errors()
-    return statistics.median(times), max(peaks)
+    return statistics.median(times), max(peaks), held[0]
 
 
 def main():
@@ -103,23 +117,26 @@ def main():
     for name in a.cases.split(","):
         case = all_cases[name]
         stack = build(case, a.layers)
-        t_off, peak_off = measure(stack, case, None, a.steps)
+        t_off, peak_off, held_off = measure(stack, case, None, a.steps)
         offload = me.ActivationOffload(a.layers)
-        t_on, peak_on = measure(stack, case, offload, a.steps)
+        t_on, peak_on, held_on = measure(stack, case, offload, a.steps)
         moved = offload.offloaded_bytes
         link_ms = moved / (link_GBps * 1e9) * 1e3
         two_way_ms = (moved / (link["d2h"] * 1e9) + moved / (link["h2d"] * 1e9)) * 1e3
         row = {"case": name, "layers": a.layers, "offloaded_layers": offload.offload_layers,
                "step_ms_offload_off": t_off, "step_ms_offload_on": t_on,
                "peak_activation_bytes_off": peak_off, "peak_activation_bytes_on": peak_on,
-               "peak_memory_ratio": peak_on / peak_off, "offloaded_bytes": moved,
+               "peak_memory_ratio": peak_on / peak_off, "activation_bytes_after_forward_off": held_off,
+               "activation_bytes_after_forward_on": held_on, "after_forward_memory_ratio": held_on / held_off,
+               "offloaded_bytes": moved,
                "link_time_ms": link_ms, "two_way_link_time_ms": two_way_ms,
                "step_time_ratio": t_on / max(t_off, link_ms),
                "copy_time_hidden_fraction": max(0.0, min(1.0, 1 - (t_on - t_off) / two_way_ms)) if moved else None,
                "pinned_bytes": offload.pinned_bytes()}
         rows.append(row)
         print(f"{name}: step {t_off:.1f} -> {t_on:.1f} ms, peak activations {peak_off / 2**30:.2f} -> "
-              f"{peak_on / 2**30:.2f} GiB ({row['peak_memory_ratio']:.3f}), offloaded {moved / 2**30:.2f} GiB "
+              f"{peak_on / 2**30:.2f} GiB ({row['peak_memory_ratio']:.3f}), after forward {held_off / 2**30:.2f} -> "
+              f"{held_on / 2**30:.2f} GiB ({row['after_forward_memory_ratio']:.3f}), offloaded {moved / 2**30:.2f} GiB "
               f"(link {link_ms:.1f} ms one way, {two_way_ms:.1f} ms both), step_time_ratio {row['step_time_ratio']:.3f}",
               flush=True)
         del stack, offload
@@ -136,14 +153,20 @@ def main():
 def markdown(r):
     lines = [f"# Activation offload, {r['device']}", "", f"`{r['command']}` (torch {r['torch']})", "",
              f"Host link (pinned, 1 GiB): D2H {r['host_link_d2h_GBps']:.1f} GB/s, H2D {r['host_link_h2d_GBps']:.1f} GB/s.",
-             "", "| case | layers (offloaded) | step ms off | step ms on | peak act. GiB off | on | peak_memory_ratio | "
-             "offloaded GiB | link ms (one way / both) | step_time_ratio | copy time hidden |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "", "Peak: the step's peak allocation above the weights and main_grad buffers (saved activations "
+             "plus each layer's transient buffers). After forward: what the forward leaves on the device for "
+             "backward, once its copies have settled.", "",
+             "| case | layers (offloaded) | step ms off | step ms on | peak GiB off | on | peak_memory_ratio | "
+             "after fwd GiB off | on | ratio | offloaded GiB | link ms (one way / both) | step_time_ratio | "
+             "copy time hidden |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in r["cases"]:
         hidden = f"{c['copy_time_hidden_fraction']:.2f}" if c["copy_time_hidden_fraction"] is not None else "-"
         lines.append(f"| {c['case']} | {c['layers']} ({c['offloaded_layers']}) | {c['step_ms_offload_off']:.1f} | "
                      f"{c['step_ms_offload_on']:.1f} | {c['peak_activation_bytes_off'] / 2**30:.2f} | "
                      f"{c['peak_activation_bytes_on'] / 2**30:.2f} | {c['peak_memory_ratio']:.3f} | "
+                     f"{c['activation_bytes_after_forward_off'] / 2**30:.2f} | "
+                     f"{c['activation_bytes_after_forward_on'] / 2**30:.2f} | {c['after_forward_memory_ratio']:.3f} | "
                      f"{c['offloaded_bytes'] / 2**30:.2f} | {c['link_time_ms']:.1f} / {c['two_way_link_time_ms']:.1f} | "
                      f"{c['step_time_ratio']:.3f} | {hidden} |")
     return "\n".join(lines) + "\n"
