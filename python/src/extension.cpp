@@ -92,14 +92,10 @@ void zero_tails(const std::vector<TensorView>& outputs, const GroupLayout& group
     if (t.defined()) zero_unrouted_rows(t, groups, stream);
 }
 
-ExecContext exec_of(nb::handle workspace_h, Stream stream) {
-  ExecContext exec{stream, {}};
-  const TensorView ws = view_of(workspace_h);
+ExecContext with_workspace(ExecContext exec, const TensorView& ws) {
   if (ws.defined()) exec.workspace = {ws.data(), ws.nbytes(), ws.device()};
   return exec;
 }
-
-GradMode grad_mode_of(const std::string& mode) { return parse_grad_mode(mode); }
 
 // (activation, limit, alpha, offset, layout) -> the GLU spec.
 GluSpec glu_of(const nb::tuple& t) {
@@ -113,39 +109,55 @@ GluSpec glu_of(const nb::tuple& t) {
 }
 
 // The buffer capacity T (an undefined or 0-d tensor gives 0; the op's validation names it).
-int64_t rows_of(const TensorView& t, const char*, const char*) {
+int64_t rows_of(const TensorView& t) {
   return t.defined() && t.dim() >= 1 ? t.size(0) : 0;
 }
 
-// ---- ops (the GIL is released while they run) ----
+// ---- ops ----
+
+// Where an op runs: the routing (offsets computed from splits for T rows), the stream, and the
+// fresh outputs whose unrouted rows become zeros afterwards. run() releases the GIL, so everything
+// Python must be read before.
+struct OpCall {
+  TensorView splits, offsets;
+  int64_t capacity;
+  Stream stream;
+  std::vector<TensorView> zero;
+
+  OpCall(nb::handle splits_h, nb::handle offsets_h, const TensorView& rows, uintptr_t stream_i,
+         nb::handle zero_h = nb::list())
+      : splits(view_of(splits_h)),
+        offsets(view_of(offsets_h)),
+        capacity(rows_of(rows)),
+        stream(stream_of(stream_i)),
+        zero(views_of(zero_h)) {}
+
+  template <class Op>
+  void run(Op&& op) const {
+    nb::gil_scoped_release release;
+    const GroupLayout groups = layout_of(splits, offsets, capacity, stream);
+    op(groups, ExecContext{stream, {}});
+    zero_tails(zero, groups, stream);
+  }
+};
 
 void grouped_linear_forward_py(nb::handle x_h, nb::handle weight_h, nb::handle splits_h,
                                nb::handle offsets_h, nb::handle y_h, nb::handle bias_h,
                                nb::handle row_scale_h, nb::handle zero_h, uintptr_t stream_i) {
   const TensorView x = view_of(x_h), y = view_of(y_h), row_scale = view_of(row_scale_h);
   const GroupedParam weight = param_of(weight_h, 2), bias = param_of(bias_h, 1);
-  const Stream stream = stream_of(stream_i);
-  const int64_t T = rows_of(x, "grouped_linear_forward", "x");
-  const std::vector<TensorView> zero = views_of(zero_h);
-  const TensorView splits = view_of(splits_h), offsets = view_of(offsets_h);
-  nb::gil_scoped_release release;
-  const GroupLayout groups = layout_of(splits, offsets, T, stream);
-  grouped_linear_forward(x, weight, groups, y, {bias, row_scale}, {stream, {}});
-  zero_tails(zero, groups, stream);
+  OpCall(splits_h, offsets_h, x, stream_i, zero_h).run([&](const GroupLayout& g, const ExecContext& e) {
+    grouped_linear_forward(x, weight, g, y, {bias, row_scale}, e);
+  });
 }
 
 void grouped_linear_dgrad_py(nb::handle dy_h, nb::handle weight_h, nb::handle splits_h,
                              nb::handle offsets_h, nb::handle dx_h, nb::handle zero_h, uintptr_t stream_i) {
   const TensorView dy = view_of(dy_h), dx = view_of(dx_h);
   const GroupedParam weight = param_of(weight_h, 2);
-  const Stream stream = stream_of(stream_i);
-  const int64_t T = rows_of(dy, "grouped_linear_dgrad", "dy");
-  const std::vector<TensorView> zero = views_of(zero_h);
-  const TensorView splits = view_of(splits_h), offsets = view_of(offsets_h);
-  nb::gil_scoped_release release;
-  const GroupLayout groups = layout_of(splits, offsets, T, stream);
-  grouped_linear_dgrad(dy, weight, groups, dx, {stream, {}});
-  zero_tails(zero, groups, stream);
+  OpCall(splits_h, offsets_h, dy, stream_i, zero_h).run([&](const GroupLayout& g, const ExecContext& e) {
+    grouped_linear_dgrad(dy, weight, g, dx, e);
+  });
 }
 
 void grouped_linear_wgrad_py(nb::handle dy_h, nb::handle x_h, nb::handle splits_h,
@@ -153,13 +165,10 @@ void grouped_linear_wgrad_py(nb::handle dy_h, nb::handle x_h, nb::handle splits_
                              uintptr_t stream_i) {
   const TensorView dy = view_of(dy_h), x = view_of(x_h);
   const GroupedParam dweight = param_of(dweight_h, 2);
-  const GradMode grad_mode = grad_mode_of(mode);
-  const Stream stream = stream_of(stream_i);
-  const int64_t T = rows_of(dy, "grouped_linear_wgrad", "dy");
-  const TensorView splits = view_of(splits_h), offsets = view_of(offsets_h);
-  nb::gil_scoped_release release;
-  const GroupLayout groups = layout_of(splits, offsets, T, stream);
-  grouped_linear_wgrad(dy, x, groups, dweight, grad_mode, {stream, {}});
+  const GradMode grad_mode = parse_grad_mode(mode);
+  OpCall(splits_h, offsets_h, dy, stream_i).run([&](const GroupLayout& g, const ExecContext& e) {
+    grouped_linear_wgrad(dy, x, g, dweight, grad_mode, e);
+  });
 }
 
 void grouped_linear_dbias_py(nb::handle dy_h, nb::handle splits_h, nb::handle offsets_h,
@@ -167,41 +176,28 @@ void grouped_linear_dbias_py(nb::handle dy_h, nb::handle splits_h, nb::handle of
                              uintptr_t stream_i) {
   const TensorView dy = view_of(dy_h), row_scale = view_of(row_scale_h);
   const GroupedParam dbias = param_of(dbias_h, 1);
-  const GradMode grad_mode = grad_mode_of(mode);
-  const Stream stream = stream_of(stream_i);
-  const int64_t T = rows_of(dy, "grouped_linear_dbias", "dy");
-  const TensorView splits = view_of(splits_h), offsets = view_of(offsets_h);
-  nb::gil_scoped_release release;
-  const GroupLayout groups = layout_of(splits, offsets, T, stream);
-  grouped_linear_dbias(dy, groups, dbias, grad_mode, row_scale, {stream, {}});
+  const GradMode grad_mode = parse_grad_mode(mode);
+  OpCall(splits_h, offsets_h, dy, stream_i).run([&](const GroupLayout& g, const ExecContext& e) {
+    grouped_linear_dbias(dy, g, dbias, grad_mode, row_scale, e);
+  });
 }
 
 void grouped_linear_dscales_py(nb::handle dy_h, nb::handle bias_h, nb::handle splits_h,
                                nb::handle offsets_h, nb::handle dscales_h, nb::handle zero_h, uintptr_t stream_i) {
   const TensorView dy = view_of(dy_h), dscales = view_of(dscales_h);
   const GroupedParam bias = param_of(bias_h, 1);
-  const Stream stream = stream_of(stream_i);
-  const int64_t T = rows_of(dy, "grouped_linear_dscales", "dy");
-  const std::vector<TensorView> zero = views_of(zero_h);
-  const TensorView splits = view_of(splits_h), offsets = view_of(offsets_h);
-  nb::gil_scoped_release release;
-  const GroupLayout groups = layout_of(splits, offsets, T, stream);
-  grouped_linear_dscales(dy, bias, groups, dscales, false, {stream, {}});
-  zero_tails(zero, groups, stream);
+  OpCall(splits_h, offsets_h, dy, stream_i, zero_h).run([&](const GroupLayout& g, const ExecContext& e) {
+    grouped_linear_dscales(dy, bias, g, dscales, false, e);
+  });
 }
 
 void glu_forward_py(nb::handle h_h, nb::handle probs_h, nb::handle splits_h, nb::handle offsets_h,
                     nb::handle out_h, const nb::tuple& glu, nb::handle zero_h, uintptr_t stream_i) {
   const TensorView h = view_of(h_h), probs = view_of(probs_h), out = view_of(out_h);
   const GluSpec spec = glu_of(glu);
-  const Stream stream = stream_of(stream_i);
-  const int64_t T = rows_of(h, "glu_forward", "h");
-  const std::vector<TensorView> zero = views_of(zero_h);
-  const TensorView splits = view_of(splits_h), offsets = view_of(offsets_h);
-  nb::gil_scoped_release release;
-  const GroupLayout groups = layout_of(splits, offsets, T, stream);
-  glu_forward(h, probs, groups, out, spec, {stream, {}});
-  zero_tails(zero, groups, stream);
+  OpCall(splits_h, offsets_h, h, stream_i, zero_h).run([&](const GroupLayout& g, const ExecContext& e) {
+    glu_forward(h, probs, g, out, spec, e);
+  });
 }
 
 void glu_backward_py(nb::handle h_h, nb::handle probs_h, nb::handle d_out_h, nb::handle splits_h,
@@ -210,14 +206,9 @@ void glu_backward_py(nb::handle h_h, nb::handle probs_h, nb::handle d_out_h, nb:
   const TensorView h = view_of(h_h), probs = view_of(probs_h), d_out = view_of(d_out_h);
   const GluBackwardOutputs outputs{view_of(dh_h), view_of(dprobs_h), view_of(out_h)};
   const GluSpec spec = glu_of(glu);
-  const Stream stream = stream_of(stream_i);
-  const int64_t T = rows_of(h, "glu_backward", "h");
-  const std::vector<TensorView> zero = views_of(zero_h);
-  const TensorView splits = view_of(splits_h), offsets = view_of(offsets_h);
-  nb::gil_scoped_release release;
-  const GroupLayout groups = layout_of(splits, offsets, T, stream);
-  glu_backward(h, probs, d_out, groups, outputs, spec, {stream, {}});
-  zero_tails(zero, groups, stream);
+  OpCall(splits_h, offsets_h, h, stream_i, zero_h).run([&](const GroupLayout& g, const ExecContext& e) {
+    glu_backward(h, probs, d_out, g, outputs, spec, e);
+  });
 }
 
 // weights: (fc1_weight, fc1_bias, fc2_weight, fc2_bias), each a grouped parameter or None.
@@ -234,18 +225,12 @@ void expert_mlp_forward_py(nb::handle x_h, nb::handle probs_h, const nb::tuple& 
                            nb::handle fc1_out_h, const nb::tuple& glu, const std::string& fusion,
                            nb::handle workspace_h, nb::handle zero_h, uintptr_t stream_i) {
   const TensorView x = view_of(x_h), probs = view_of(probs_h), y = view_of(y_h),
-                   fc1_out = view_of(fc1_out_h);
+                   fc1_out = view_of(fc1_out_h), workspace = view_of(workspace_h);
   const ExpertMlpWeights weights = mlp_weights_of(weights_t);
   const ExpertMlpSpec spec = mlp_spec_of(glu, fusion);
-  const Stream stream = stream_of(stream_i);
-  const ExecContext exec = exec_of(workspace_h, stream);
-  const int64_t T = rows_of(x, "expert_mlp_forward", "x");
-  const std::vector<TensorView> zero = views_of(zero_h);
-  const TensorView splits = view_of(splits_h), offsets = view_of(offsets_h);
-  nb::gil_scoped_release release;
-  const GroupLayout groups = layout_of(splits, offsets, T, stream);
-  expert_mlp_forward(x, probs, weights, groups, y, fc1_out, spec, exec);
-  zero_tails(zero, groups, stream);
+  OpCall(splits_h, offsets_h, x, stream_i, zero_h).run([&](const GroupLayout& g, const ExecContext& e) {
+    expert_mlp_forward(x, probs, weights, g, y, fc1_out, spec, with_workspace(e, workspace));
+  });
 }
 
 // grads: (dx, dprobs, (fc1_weight, mode), (fc1_bias, mode), (fc2_weight, mode), (fc2_bias, mode)).
@@ -254,11 +239,11 @@ void expert_mlp_backward_py(nb::handle dy_h, nb::handle x_h, nb::handle probs_h,
                             nb::handle fc1_out_h, const nb::tuple& grads_t, const nb::tuple& glu,
                             const std::string& fusion, nb::handle workspace_h, nb::handle zero_h, uintptr_t stream_i) {
   const TensorView dy = view_of(dy_h), x = view_of(x_h), probs = view_of(probs_h),
-                   fc1_out = view_of(fc1_out_h);
+                   fc1_out = view_of(fc1_out_h), workspace = view_of(workspace_h);
   const ExpertMlpWeights weights = mlp_weights_of(weights_t);
   auto param_grad = [&](nb::handle h, int rank) {
     const auto t = nb::borrow<nb::tuple>(h);
-    return ParamGrad{param_of(t[0], rank), grad_mode_of(nb::cast<std::string>(t[1]))};
+    return ParamGrad{param_of(t[0], rank), parse_grad_mode(nb::cast<std::string>(t[1]))};
   };
   ExpertMlpGrads grads;
   grads.dx = view_of(grads_t[0]);
@@ -268,15 +253,9 @@ void expert_mlp_backward_py(nb::handle dy_h, nb::handle x_h, nb::handle probs_h,
   grads.fc2_weight = param_grad(grads_t[4], 2);
   grads.fc2_bias = param_grad(grads_t[5], 1);
   const ExpertMlpSpec spec = mlp_spec_of(glu, fusion);
-  const Stream stream = stream_of(stream_i);
-  const ExecContext exec = exec_of(workspace_h, stream);
-  const int64_t T = rows_of(dy, "expert_mlp_backward", "dy");
-  const std::vector<TensorView> zero = views_of(zero_h);
-  const TensorView splits = view_of(splits_h), offsets = view_of(offsets_h);
-  nb::gil_scoped_release release;
-  const GroupLayout groups = layout_of(splits, offsets, T, stream);
-  expert_mlp_backward(dy, x, probs, weights, groups, fc1_out, grads, spec, exec);
-  zero_tails(zero, groups, stream);
+  OpCall(splits_h, offsets_h, dy, stream_i, zero_h).run([&](const GroupLayout& g, const ExecContext& e) {
+    expert_mlp_backward(dy, x, probs, weights, g, fc1_out, grads, spec, with_workspace(e, workspace));
+  });
 }
 
 // ---- errors ----
