@@ -239,3 +239,16 @@ def test_contract_holds_under_saved_tensor_hooks(device):
         run(m, device)
     for p in weight_params(m):
         assert p.grad_added_to_main_grad and p.main_grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_frozen_parameters_get_no_gradient(device, kind):
+    expected = plain_wgrads(kind, device, "packed")
+    m = build(kind, device)
+    frozen = weight_params(m)[0]
+    frozen.requires_grad_(False)
+    run(m, device)
+    assert frozen.grad is None
+    for p, ref in zip(weight_params(m)[1:], expected[1:]):
+        assert torch.equal(p.grad.float(), ref)
+    assert all(b.grad is not None for b in m.parameters() if b.dim() == 2)  # the biases (packed [G, N])

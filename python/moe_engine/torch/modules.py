@@ -153,11 +153,12 @@ class _GroupedLinearFunction(torch.autograd.Function):
         dy = dy.contiguous()
         dx = ops._grouped_linear_dgrad(dy, weights, splits) if need[1] else None
         ds = ops._grouped_linear_dscales(dy, biases, splits) if (need[3] and biases) else None
+        need_w, need_b = any(need[4 : 4 + ctx.n]), any(need[4 + ctx.n :])  # inputs: module, x, splits, row_scale, params
         db = [None] * len(biases)
-        if biases and any(b.requires_grad for b in biases):
+        if biases and need_b:
             db = ops.split_like(ops._grouped_linear_dbias(dy, splits, row_scale), biases, 1)
         dw: List[Optional[Tensor]] = [None] * len(weights)
-        if any(w.requires_grad for w in weights):
+        if need_w:
 
             # The contract reads the parameters' attributes (main_grad, ...): the module's own
             # objects, since a saved tensor may come back as another Python object (saved-tensor
@@ -255,8 +256,9 @@ class _GroupedMLPFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         dy = dy.contiguous()
         need_dx, need_dprobs = bool(need[1]), probs is not None and bool(need[3])
-        need_bias = any(b.requires_grad for b in (*b1, *b2))
-        need_w1, need_w2 = any(w.requires_grad for w in w1), any(w.requires_grad for w in w2)
+        wants_w1, wants_b1, wants_w2, wants_b2 = m._split_params(need[4:])  # inputs: module, x, splits, probs, params
+        need_bias = any(wants_b1) or any(wants_b2)
+        need_w1, need_w2 = any(wants_w1), any(wants_w2)
         spec = (*m._spec, m.fusion)
 
         def run(g1, mode1, g2, mode2, dx=need_dx, dp=need_dprobs, bias=need_bias):
