@@ -24,6 +24,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .ops import new_expert_grads
+
 _FLAG = "grad_added_to_main_grad"
 
 
@@ -93,7 +95,7 @@ class WeightGradContract:
         or fresh tensors (write)."""
         if self.into_main_grad:
             return self.main_grad_target(params, names)
-        return [torch.empty_like(p) for p in params], "write"
+        return new_expert_grads(params), "write"
 
     def outcome(self, params, targets) -> List[Optional[Tensor]]:
         """What autograd gets for a gradient computed now into ``targets``."""

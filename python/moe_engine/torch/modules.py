@@ -151,12 +151,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
         weights, biases = params[: ctx.n], params[ctx.n :]
         need = ctx.needs_input_grad
         dy = dy.contiguous()
-        dx = ops._grouped_linear_dgrad(dy, weights, splits) if need[1] else None
-        ds = ops._grouped_linear_dscales(dy, biases, splits) if (need[3] and biases) else None
         need_w, need_b = any(need[4 : 4 + ctx.n]), any(need[4 + ctx.n :])  # inputs: module, x, splits, row_scale, params
-        db = [None] * len(biases)
-        if biases and need_b:
-            db = ops.split_like(ops._grouped_linear_dbias(dy, splits, row_scale), biases, 1)
+        dx, db, ds = ops.linear_grads_but_weight(dy, weights, biases, splits, row_scale, need[1], need_b, need[3])
         dw: List[Optional[Tensor]] = [None] * len(weights)
         if need_w:
 

@@ -242,9 +242,9 @@ def _(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, activation, limit, alpha, o
 # ---- helpers shared with the modules ----
 
 
-def new_expert_grads(like: Sequence[Tensor], dtype: Optional[torch.dtype] = None) -> List[Tensor]:
+def new_expert_grads(like: Sequence[Tensor]) -> List[Tensor]:
     """Fresh gradient buffers shaped like a grouped parameter (packed or per expert)."""
-    return [torch.empty_like(t, dtype=dtype) for t in like]
+    return [torch.empty_like(t) for t in like]
 
 
 def split_like(packed: Tensor, like: Sequence[Tensor], expert_rank: int) -> List[Tensor]:
@@ -272,22 +272,30 @@ def _grouped_linear_setup(ctx, inputs, output):
     ctx.n_weight, ctx.n_bias = len(weight), len(bias)
 
 
+def linear_grads_but_weight(dy: Tensor, weight: Sequence[Tensor], bias: Sequence[Tensor], splits: Tensor,
+                            row_scale: Optional[Tensor], need_x: bool, need_bias: bool, need_scale: bool):
+    """A grouped linear layer's gradients other than the weight's (the functional API and the
+    GroupedLinear module differ only in where that one goes): dx, the bias gradients (a list in
+    the bias's layout, Nones when not needed) and the row-scale gradient. dy contiguous."""
+    dx = _grouped_linear_dgrad(dy, list(weight), splits) if need_x else None
+    db = [None] * len(bias)
+    if bias and need_bias:
+        db = split_like(_grouped_linear_dbias(dy, splits, row_scale), bias, 1)
+    ds = _grouped_linear_dscales(dy, list(bias), splits) if (need_scale and bias) else None
+    return dx, db, ds
+
+
 def _grouped_linear_backward(ctx, dy):
     x, splits, row_scale, *rest = ctx.saved_tensors
     weight, bias = rest[: ctx.n_weight], rest[ctx.n_weight :]
     dy = dy.contiguous()
     need_x, need_w, _, need_b, need_s = ctx.needs_input_grad
-    dx = _grouped_linear_dgrad(dy, weight, splits) if need_x else None
-    dw = None
+    dx, db, ds = linear_grads_but_weight(dy, weight, bias, splits, row_scale, need_x, _any(need_b), need_s)
+    dw = [None] * len(weight)  # list inputs take lists of the same length back
     if _any(need_w):
         dw = new_expert_grads(weight)
         _grouped_linear_wgrad_(dy, x, splits, dw, "write")
-    db = None
-    if bias and _any(need_b):
-        db = split_like(_grouped_linear_dbias(dy, splits, row_scale), bias, 1)
-    ds = _grouped_linear_dscales(dy, bias, splits) if (need_s and bias) else None
-    # List inputs take lists of the same length back.
-    return dx, dw or [None] * len(weight), None, db or [None] * len(bias), ds
+    return dx, dw, None, db, ds
 
 
 def _any(flag) -> bool:
