@@ -11,6 +11,7 @@
 // The caller keeps the routing (GroupLayout's splits and offsets) alive until backward has run.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -25,6 +26,7 @@
 #include "moe_engine/group_layout.hpp"
 #include "moe_engine/grouped_linear.hpp"
 #include "moe_engine/grouped_param.hpp"
+#include "moe_engine/offload.hpp"
 #include "moe_engine/tensor.hpp"
 #include "moe_engine/workspace.hpp"
 
@@ -126,6 +128,7 @@ struct GroupedLinearOptions {
   bool overwrite_main_grad = false;        // ... or overwrites it (Megatron-FSDP)
   bool delay_wgrad_compute = false;        // backward queues the wgrad; backward_dw runs it
   bool zero_out_wgrad = false;             // the dummy gradient is zeroed when handed out
+  bool offload_activations = true;         // false: ActivationOffload leaves this module's tensors on the device
   uint64_t seed = 0;                       // initialization (uniform, +-1/sqrt(in_features))
 };
 
@@ -134,14 +137,19 @@ class MOE_API LinearContext {
  public:
   bool saves_input() const { return x_.defined(); }  // only when the weight wants a gradient
   bool computes_dgrad() const { return input_requires_grad_; }
+  bool offloaded() const { return offload_.away; }   // its tensors are in host memory (ActivationOffload)
 
  private:
   friend class GroupedLinear;
+  friend struct ActivationOffload::Impl;
+  std::array<Tensor*, 2> saved_tensors() { return {&x_, &row_scale_}; }
   Tensor x_;            // kept when the weight needs a gradient
   Tensor row_scale_;    // scale_bias: the row scales (for dbias and dscales)
   GroupLayout groups_;
   bool input_requires_grad_ = false;
   bool live_ = false;   // backward may run once
+  bool offloadable_ = true;
+  detail::OffloadTicket offload_;
 };
 
 struct LinearForwardResult {
@@ -213,6 +221,7 @@ struct GroupedMLPOptions {
   bool overwrite_main_grad = false;        // ... or overwrite it (Megatron-FSDP)
   bool delay_wgrad_compute = false;        // backward queues the weight gradients; backward_dw runs them
   bool zero_out_wgrad = false;             // the dummy gradients are zeroed when handed out
+  bool offload_activations = true;         // false: ActivationOffload leaves this module's tensors on the device
   uint64_t seed = 0;                       // initialization (uniform, +-1/sqrt(fan-in))
 };
 
@@ -222,16 +231,21 @@ class MOE_API MlpContext {
   bool saves_input() const { return x_.defined(); }
   bool saves_fc1_out() const { return fc1_out_.defined(); }
   bool computes_dgrad() const { return input_requires_grad_; }
-  // Bytes of the tensors held for backward (x, the pre-activation, probs): [T, H] + [T, 2F] in the
+  // Bytes of the tensors held on the device for backward (x, the pre-activation, probs): [T, H] + [T, 2F] in the
   // input dtype + [T] float32 when all are kept. x is the caller's tensor, referenced, not copied.
   int64_t saved_bytes() const;
+  bool offloaded() const { return offload_.away; }  // its tensors are in host memory (ActivationOffload)
 
  private:
   friend class GroupedMLP;
+  friend struct ActivationOffload::Impl;
+  std::array<Tensor*, 3> saved_tensors() { return {&x_, &fc1_out_, &probs_}; }
   Tensor x_, fc1_out_, probs_;
   GroupLayout groups_;
   bool input_requires_grad_ = false;
   bool live_ = false;  // backward may run once
+  bool offloadable_ = true;
+  detail::OffloadTicket offload_;
 };
 
 struct MlpForwardResult {

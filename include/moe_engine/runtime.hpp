@@ -43,6 +43,15 @@ MOE_API void synchronize(Stream stream);
 // True while `stream` is being captured into a CUDA graph.
 MOE_API bool stream_is_capturing(Stream stream);
 
+// Stream-ordered device memory (the device's default pool, which Tensor::empty_async and the
+// modules' outputs and saved activations come from): bytes in use now, the high-water mark since
+// the last reset_peak_stream_ordered_memory, and bytes the pool holds from the driver.
+struct StreamOrderedMemory {
+  size_t used_bytes = 0, peak_used_bytes = 0, reserved_bytes = 0;
+};
+MOE_API StreamOrderedMemory stream_ordered_memory(Device device);  // CUDA devices only
+MOE_API void reset_peak_stream_ordered_memory(Device device);
+
 // Times work on a stream: CUDA events on a CUDA device, the host clock on the CPU.
 class MOE_API StreamTimer {
  public:

@@ -90,6 +90,13 @@ class MOE_API Tensor {
   Tensor() = default;
   static Tensor empty(Shape shape, DType dtype, Device device = Device::cpu());
   static Tensor zeros(Shape shape, DType dtype, Device device = Device::cpu());
+  // Stream-ordered CUDA memory (cudaMallocAsync from the device's default pool): usable by work
+  // enqueued on `stream` from now on, and given back with cudaFreeAsync on `stream` when the last
+  // copy of the tensor is dropped, so nothing synchronizes. Work on other streams must be ordered
+  // before that point (as with PyTorch's caching allocator), and `stream` must outlive the tensor.
+  // zeros_async clears it on `stream`. On the CPU both are empty() / zeros().
+  static Tensor empty_async(Shape shape, DType dtype, Device device, Stream stream);
+  static Tensor zeros_async(Shape shape, DType dtype, Device device, Stream stream);
 
   bool defined() const { return view_.defined(); }
   const TensorView& view() const { return view_; }

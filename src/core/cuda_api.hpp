@@ -14,6 +14,21 @@ namespace moe::cuda_api {
 
 void* malloc(size_t bytes, int device);
 void free(void* ptr, int device) noexcept;
+// Stream-ordered allocation from the device's default memory pool (cudaMallocAsync /
+// cudaFreeAsync): the memory is usable by work enqueued on `stream` after the call, and returns to
+// the pool once the work enqueued on `stream` before free_async has run.
+void* malloc_async(size_t bytes, int device, Stream stream);
+void free_async(void* ptr, int device, Stream stream) noexcept;
+// Page-locked host memory (what asynchronous copies to and from the device need).
+void* host_alloc(size_t bytes);
+void host_free(void* ptr) noexcept;
+// The default memory pool of `device`: bytes handed out now, their high-water mark since the last
+// reset, bytes reserved from the driver.
+struct PoolUsage {
+  size_t used = 0, peak_used = 0, reserved = 0;
+};
+PoolUsage pool_usage(int device);
+void pool_reset_peak(int device);
 // dst/src may be host or device pointers (unified addressing).
 void memcpy_async(void* dst, const void* src, size_t bytes, Stream stream);
 void memset_async(void* dst, int value, size_t bytes, Stream stream);
@@ -26,6 +41,9 @@ GpuInfo device_info(int index);
 void* event_create();
 void event_destroy(void* event) noexcept;
 void event_record(void* event, Stream stream);
+void stream_wait_event(Stream stream, void* event);  // later work on stream waits for the event
+Stream stream_create(int device);  // a non-blocking stream (no implicit sync with the legacy stream)
+void stream_destroy(Stream stream) noexcept;
 float event_elapsed_ms(void* start, void* stop);  // synchronizes on stop
 void fill_uniform(void* data, DType dtype, int64_t n, uint64_t seed, float lo, float hi, Stream stream);
 

@@ -38,6 +38,19 @@ void synchronize(Stream stream) { cuda_api::synchronize(stream); }
 
 bool stream_is_capturing(Stream stream) { return cuda_api::is_capturing(stream); }
 
+StreamOrderedMemory stream_ordered_memory(Device device) {
+  MOE_CHECK(device.is_cuda(), ErrorCode::kInvalidArgument, "stream_ordered_memory: needs a CUDA device, got ",
+            to_string(device));
+  const cuda_api::PoolUsage u = cuda_api::pool_usage(device.index);
+  return {u.used, u.peak_used, u.reserved};
+}
+
+void reset_peak_stream_ordered_memory(Device device) {
+  MOE_CHECK(device.is_cuda(), ErrorCode::kInvalidArgument,
+            "reset_peak_stream_ordered_memory: needs a CUDA device, got ", to_string(device));
+  cuda_api::pool_reset_peak(device.index);
+}
+
 namespace {
 double host_ms() {
   using clock = std::chrono::steady_clock;

@@ -150,6 +150,25 @@ Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
   return t;
 }
 
+Tensor Tensor::empty_async(Shape shape, DType dtype, Device device, Stream stream) {
+  if (device.is_cpu()) return empty(shape, dtype, device);
+  for (int64_t d : shape)
+    MOE_CHECK(d >= 0, ErrorCode::kShape, "Tensor::empty_async: negative extent in ", shape.to_string());
+  const size_t bytes = size_t(shape.numel()) * dtype_size(dtype);
+  void* p = cuda_api::malloc_async(bytes ? bytes : 256, device.index, stream);
+  const int index = device.index;
+  Tensor t;
+  t.storage_ = std::shared_ptr<void>(p, [index, stream](void* q) { cuda_api::free_async(q, index, stream); });
+  t.view_ = TensorView(t.storage_.get(), shape, dtype, device);
+  return t;
+}
+
+Tensor Tensor::zeros_async(Shape shape, DType dtype, Device device, Stream stream) {
+  Tensor t = empty_async(shape, dtype, device, stream);
+  fill_bytes(t, 0, stream);
+  return t;
+}
+
 Tensor Tensor::zeros(Shape shape, DType dtype, Device device) {
   Tensor t = empty(shape, dtype, device);
   fill_bytes(t, 0);

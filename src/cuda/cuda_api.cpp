@@ -20,6 +20,21 @@ void event_record(void* event, Stream stream) {
   MOE_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), stream), "cudaEventRecord");
 }
 
+void stream_wait_event(Stream stream, void* event) {
+  MOE_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(event), 0), "cudaStreamWaitEvent");
+}
+
+Stream stream_create(int device) {
+  ScopedDevice guard(device);
+  cudaStream_t s = nullptr;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags on cuda:", device);
+  return s;
+}
+
+void stream_destroy(Stream stream) noexcept {
+  if (stream) cudaStreamDestroy(stream);
+}
+
 float event_elapsed_ms(void* start, void* stop) {
   MOE_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(stop)), "cudaEventSynchronize");
   float ms = 0;
@@ -52,6 +67,56 @@ void free(void* ptr, int device) noexcept {
   if (previous != device) cudaSetDevice(device);
   cudaFree(ptr);
   if (previous != device) cudaSetDevice(previous);
+}
+
+void* malloc_async(size_t bytes, int device, Stream stream) {
+  ScopedDevice guard(device);
+  void* p = nullptr;
+  MOE_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream), "cudaMallocAsync(", bytes, " bytes) on cuda:", device);
+  return p;
+}
+
+void free_async(void* ptr, int device, Stream stream) noexcept {
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess) return;
+  if (previous != device) cudaSetDevice(device);
+  cudaFreeAsync(ptr, stream);
+  if (previous != device) cudaSetDevice(previous);
+}
+
+void* host_alloc(size_t bytes) {
+  void* p = nullptr;
+  MOE_CUDA_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocDefault), "cudaHostAlloc(", bytes, " bytes)");
+  return p;
+}
+
+void host_free(void* ptr) noexcept {
+  if (ptr) cudaFreeHost(ptr);
+}
+
+namespace {
+cudaMemPool_t default_pool(int device) {
+  cudaMemPool_t pool = nullptr;
+  MOE_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device), "cudaDeviceGetDefaultMemPool(", device, ")");
+  return pool;
+}
+size_t pool_attribute(cudaMemPool_t pool, cudaMemPoolAttr attr) {
+  uint64_t value = 0;
+  MOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool, attr, &value), "cudaMemPoolGetAttribute");
+  return size_t(value);
+}
+}  // namespace
+
+PoolUsage pool_usage(int device) {
+  const cudaMemPool_t pool = default_pool(device);
+  return {pool_attribute(pool, cudaMemPoolAttrUsedMemCurrent), pool_attribute(pool, cudaMemPoolAttrUsedMemHigh),
+          pool_attribute(pool, cudaMemPoolAttrReservedMemCurrent)};
+}
+
+void pool_reset_peak(int device) {
+  uint64_t zero = 0;  // the only value the attribute accepts: the mark restarts from the current use
+  MOE_CUDA_CHECK(cudaMemPoolSetAttribute(default_pool(device), cudaMemPoolAttrUsedMemHigh, &zero),
+                 "cudaMemPoolSetAttribute(UsedMemHigh)");
 }
 
 void memcpy_async(void* dst, const void* src, size_t bytes, Stream stream) {

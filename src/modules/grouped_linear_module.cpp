@@ -55,7 +55,7 @@ LinearForwardResult GroupedLinear::forward(const Tensor& x, const GroupLayout& g
             options_.scale_bias ? "GroupedLinear.forward: scale_bias needs the row scales"
                                 : "GroupedLinear.forward: row scales given to a module without scale_bias");
   LinearForwardResult r;
-  r.y = Tensor::zeros({x.size(0), out_}, options_.dtype, options_.device);
+  r.y = Tensor::zeros_async({x.size(0), out_}, options_.dtype, options_.device, exec.stream);
   BiasEpilogue bias;
   if (bias_) bias = {bias_->value(), row_scale.view()};
   grouped_linear_forward(x, weight_.value(), groups, r.y, bias, exec);
@@ -67,12 +67,15 @@ LinearForwardResult GroupedLinear::forward(const Tensor& x, const GroupLayout& g
   c.groups_ = groups;
   c.input_requires_grad_ = input_requires_grad;
   c.live_ = true;
+  c.offloadable_ = options_.offload_activations;
   return r;
 }
 
 LinearBackwardResult GroupedLinear::backward(LinearContext& ctx, const Tensor& dy, const ExecContext& exec) {
   MOE_CHECK(ctx.live_, ErrorCode::kInvalidArgument,
             "GroupedLinear.backward: the context was already used (or comes from no forward)");
+  MOE_CHECK(!ctx.offloaded(), ErrorCode::kInvalidArgument,
+            "GroupedLinear.backward: the context's tensors are in host memory; ActivationOffload::restore it first");
   MOE_CHECK(dy.defined() && dy.dim() == 2 && dy.size(1) == out_ &&
                 dy.size(0) == ctx.groups_.capacity(),
             ErrorCode::kShape, "GroupedLinear.backward: expected dy [", ctx.groups_.capacity(), ", ", out_,
@@ -83,7 +86,7 @@ LinearBackwardResult GroupedLinear::backward(LinearContext& ctx, const Tensor& d
   const int64_t T = dy.size(0);
   LinearBackwardResult r;
   if (ctx.input_requires_grad_) {
-    r.dx = Tensor::zeros({T, in_}, options_.dtype, options_.device);
+    r.dx = Tensor::zeros_async({T, in_}, options_.dtype, options_.device, exec.stream);
     grouped_linear_dgrad(dy, weight_.value(), groups, r.dx, exec);
   }
   if (bias_) {
@@ -93,7 +96,7 @@ LinearBackwardResult GroupedLinear::backward(LinearContext& ctx, const Tensor& d
       grouped_linear_dbias(dy, groups, r.bias.grad, GradMode::kWrite, ctx.row_scale_.view(), exec);
     }
     if (options_.scale_bias) {
-      r.dscales = Tensor::zeros({T}, DType::kFloat32, options_.device);
+      r.dscales = Tensor::zeros_async({T}, DType::kFloat32, options_.device, exec.stream);
       grouped_linear_dscales(dy, bias_->value(), groups, r.dscales, false, exec);
     }
   }

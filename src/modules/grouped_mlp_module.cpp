@@ -26,7 +26,7 @@ struct Scratch {
   Tensor bytes;
   ExecContext exec;
   Scratch(size_t size, Device device, const ExecContext& outer)
-      : bytes(Tensor::empty({int64_t(size > 0 ? size : 1)}, DType::kUInt8, device)),
+      : bytes(Tensor::empty_async({int64_t(size > 0 ? size : 1)}, DType::kUInt8, device, outer.stream)),
         exec{outer.stream, {bytes.data(), bytes.nbytes(), device}} {}
 };
 
@@ -86,10 +86,10 @@ MlpForwardResult GroupedMLP::forward(const Tensor& x, const GroupLayout& groups,
   const bool through_act = input_requires_grad || probs.defined() || fc1_weight_.requires_grad ||
                            fc2_weight_.requires_grad || bias1;
   MlpForwardResult r;
-  r.y = Tensor::zeros({T, hidden_}, options_.dtype, options_.device);
+  r.y = Tensor::zeros_async({T, hidden_}, options_.dtype, options_.device, exec.stream);
   MlpContext& c = r.ctx;
   if (through_act && !options_.recompute_fc1)
-    c.fc1_out_ = Tensor::zeros({T, 2 * ffn_}, options_.dtype, options_.device);
+    c.fc1_out_ = Tensor::zeros_async({T, 2 * ffn_}, options_.dtype, options_.device, exec.stream);
   const Scratch scratch(expert_mlp_forward_workspace_size(T, hidden_, ffn_, options_.dtype, c.fc1_out_.defined()),
                         options_.device, exec);
   expert_mlp_forward(x, probs, weights(), groups, r.y, c.fc1_out_, {options_.glu}, scratch.exec);
@@ -98,6 +98,7 @@ MlpForwardResult GroupedMLP::forward(const Tensor& x, const GroupLayout& groups,
   c.groups_ = groups;
   c.input_requires_grad_ = input_requires_grad;
   c.live_ = true;
+  c.offloadable_ = options_.offload_activations;
   return r;
 }
 
@@ -114,6 +115,8 @@ void GroupedMLP::run_backward(const Tensor& dy, const Tensor& x, const Tensor& p
 MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const ExecContext& exec) {
   MOE_CHECK(ctx.live_, ErrorCode::kInvalidArgument,
             "GroupedMLP.backward: the context was already used (or comes from no forward)");
+  MOE_CHECK(!ctx.offloaded(), ErrorCode::kInvalidArgument,
+            "GroupedMLP.backward: the context's tensors are in host memory; ActivationOffload::restore it first");
   MOE_CHECK(dy.defined() && dy.dim() == 2 && dy.size(1) == hidden_ && dy.size(0) == ctx.groups_.capacity(),
             ErrorCode::kShape, "GroupedMLP.backward: expected dy [", ctx.groups_.capacity(), ", ", hidden_,
             "], got ", dy.view().describe());
@@ -123,8 +126,10 @@ MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const 
   const int64_t T = dy.size(0);
   MlpBackwardResult r;
   ExpertMlpGrads g;
-  if (ctx.input_requires_grad_) g.dx = r.dx = Tensor::zeros({T, hidden_}, options_.dtype, options_.device);
-  if (ctx.probs_.defined()) g.dprobs = r.dprobs = Tensor::zeros({T}, DType::kFloat32, options_.device);
+  if (ctx.input_requires_grad_)
+    g.dx = r.dx = Tensor::zeros_async({T, hidden_}, options_.dtype, options_.device, exec.stream);
+  if (ctx.probs_.defined())
+    g.dprobs = r.dprobs = Tensor::zeros_async({T}, DType::kFloat32, options_.device, exec.stream);
   auto bias_grad = [&](std::optional<Parameter>& bias, ParamGradResult& result, ParamGrad& target) {
     if (!bias || !bias->requires_grad) return;
     result.kind = GradKind::kGrad;
