@@ -13,6 +13,9 @@ struct ExpertAddress {
   const void* base = nullptr;
   int64_t stride_bytes = 0;
   const int64_t* table = nullptr;
+  // Host side only, per-expert tensors: the experts' views (the Hopper kernel encodes a TMA map
+  // per expert from their addresses). Valid for the op call that built this address.
+  const GroupedParam* experts = nullptr;
 
   MOE_HOST_DEVICE bool defined() const { return base != nullptr || table != nullptr; }
 

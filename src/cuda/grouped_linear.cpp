@@ -1,5 +1,5 @@
-// CUDA grouped linear: each op runs on the Hopper grouped GEMM when it can (sm_90a, packed
-// tensors, TMA alignment), otherwise on the portable kernel (sm80+, anything else).
+// CUDA grouped linear: each op runs on the Hopper grouped GEMM when it can (sm_90a, TMA
+// alignment; packed or per-expert tensors), otherwise on the portable kernel (sm80+, anything else).
 #include <string>
 
 #include "cuda/backend.hpp"
@@ -19,7 +19,7 @@ ExpertAddress expert_address(const char* op, const char* name, const GroupedPara
     throw_error(ErrorCode::kInvalidArgument, op, ": ", name,
                 " is per-expert; on CUDA the kernels need its device pointer table: "
                 "GroupedParam::per_expert(experts, make_pointer_table(experts))");
-  return {nullptr, 0, p.pointer_table().data_as<int64_t>()};
+  return {nullptr, 0, p.pointer_table().data_as<int64_t>(), &p};
 }
 
 namespace {

@@ -229,6 +229,102 @@ TEST_F(GpuGroupedLinearGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
   cudaStreamDestroy(stream);
 }
 
+// Per-expert weights, biases and float32 main_grad (separate allocations + pointer tables) run
+// on the same kernels as packed ones: every output equals the packed run bit for bit, eagerly and
+// from a graph captured once (after one eager call) and replayed with new routings.
+TEST_F(GpuGroupedLinearGraph, PerExpertTensorsEqualPackedBitForBitAlsoWhenReplayed) {
+  Rng rng;
+  const DType dt = DType::kBFloat16;
+  const int64_t G = 8, T = 1500, N = 200, K = 136;
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Tensor x = to_gpu(random_tensor({T, K}, dt, rng)), dy = to_gpu(random_tensor({T, N}, dt, rng));
+  Tensor w = to_gpu(random_tensor({G, N, K}, dt, rng, 0.1)), b = to_gpu(random_tensor({G, N}, dt, rng));
+  Tensor p = to_gpu(uniform_tensor({T}, DType::kFloat32, rng, 0, 1));
+  Tensor start = to_gpu(random_tensor({G, N, K}, DType::kFloat32, rng));
+  std::vector<Tensor> keep;  // the per-expert copies and their pointer tables
+  auto per_expert = [&](const Tensor& packed) {
+    std::vector<TensorView> views;
+    for (int64_t g = 0; g < G; ++g) {
+      keep.push_back(Tensor::empty(packed.view().select(g).shape(), packed.dtype(), Device::cuda(0)));
+      copy_tensor(keep.back(), packed.view().select(g));
+      views.push_back(keep.back());
+    }
+    keep.push_back(make_pointer_table(views));
+    return GroupedParam::per_expert(views, keep.back());
+  };
+  const GroupedParam W = per_expert(w), B = per_expert(b), dW = per_expert(start);
+  Tensor dw = to_gpu(start);
+  Tensor splits = Tensor::empty({G}, DType::kInt64, Device::cuda(0));
+  Tensor offsets = Tensor::empty({G + 1}, DType::kInt64, Device::cuda(0));
+  DeviceErrorFlag flag(Device::cuda(0));
+  struct Out {
+    Tensor y, dx;
+  } packed_out{poisoned_gpu({T, N}, dt), poisoned_gpu({T, K}, dt)},
+      expert_out{poisoned_gpu({T, N}, dt), poisoned_gpu({T, K}, dt)};
+  const ExecContext ctx{stream, {}};
+  auto step = [&](bool experts) {
+    const GroupLayout groups = GroupLayout::compute(splits, T, offsets, &flag, stream);
+    Out& o = experts ? expert_out : packed_out;
+    grouped_linear_forward(x, experts ? W : GroupedParam::packed(w), groups, o.y,
+                           {experts ? B : GroupedParam::packed(b), p}, ctx);
+    grouped_linear_dgrad(dy, experts ? W : GroupedParam::packed(w), groups, o.dx, ctx);
+    grouped_linear_wgrad(dy, x, groups, experts ? dW : GroupedParam::packed(dw), GradMode::kAccumulate, ctx);
+  };
+  auto reset = [&] {
+    for (Out* o : {&packed_out, &expert_out}) fill_bytes(o->y, kPoison, stream), fill_bytes(o->dx, kPoison, stream);
+    copy_tensor(dw, start, stream);
+    for (int64_t g = 0; g < G; ++g) copy_tensor(dW.expert(g), start.view().select(g), stream);
+  };
+  auto expect_equal = [&](const char* when) {
+    CUDA_OK(cudaStreamSynchronize(stream));
+    EXPECT_TRUE(bitwise_equal(to_host(expert_out.y), to_host(packed_out.y))) << when << ": forward";
+    EXPECT_TRUE(bitwise_equal(to_host(expert_out.dx), to_host(packed_out.dx))) << when << ": dgrad";
+    for (int64_t g = 0; g < G; ++g)
+      EXPECT_TRUE(bitwise_equal(to_host(dW.expert(g)), to_host(dw.view().select(g)))) << when << ": wgrad " << g;
+  };
+  copy_tensor(splits, splits_tensor_for({300, 0, 1, 450, 7, 0, 500, 200}), stream);
+  reset();
+  step(false);
+  step(true);  // the eager call that encodes the per-expert maps
+  expect_equal("eager");
+  CapturedGraph graph(stream, [&] { step(true); });
+  for (int replay = 0; replay < 3; ++replay) {
+    SCOPED_TRACE("routing " + std::to_string(replay));
+    copy_tensor(splits, splits_tensor_for(random_splits(rng, G, 2 * T / G)), stream);
+    reset();
+    step(false);
+    graph.launch();
+    expect_equal("replayed");
+  }
+  EXPECT_NO_THROW(flag.check(stream));
+  cudaStreamDestroy(stream);
+}
+
+// A per-expert set met for the first time inside a capture is a clear error, not a failed graph.
+TEST_F(GpuGroupedLinearGraph, NewPerExpertTensorsDuringCaptureAreAClearError) {
+  Rng rng;
+  const DType dt = DType::kBFloat16;
+  const int64_t G = 3, T = 64, N = 64, K = 64;
+  Tensor x = to_gpu(random_tensor({T, K}, dt, rng)), y = poisoned_gpu({T, N}, dt);
+  std::vector<Tensor> experts;
+  std::vector<TensorView> views;
+  for (int64_t g = 0; g < G; ++g) experts.push_back(to_gpu(random_tensor({N, K}, dt, rng))), views.push_back(experts.back());
+  const Tensor table = make_pointer_table(views);
+  const GroupedParam W = GroupedParam::per_expert(views, table);
+  DualRouting r({10, 20, 30}, T);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  EXPECT_MOE_ERROR(grouped_linear_forward(x, W, r.gpu, y, {}, {stream, {}}), ErrorCode::kInvalidArgument,
+                   "run one eager call with the same tensors first");
+  cudaGraph_t g = nullptr;
+  cudaStreamEndCapture(stream, &g);
+  if (g) cudaGraphDestroy(g);
+  cudaGetLastError();
+  cudaStreamDestroy(stream);
+}
+
 // Bad splits never make a kernel write outside the buffer: offsets are clamped on the device,
 // the error is reported, and rows past the clamped end stay poisoned.
 TEST_F(GpuGroupedLinearGraph, BadSplitsAreReportedAndNothingIsWrittenOutOfBounds) {

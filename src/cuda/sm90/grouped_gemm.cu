@@ -56,14 +56,23 @@ bool can_run(const GroupedGemmProblem& p, std::string* why) {
   if (p.out_dtype != DType::kBFloat16 && p.out_dtype != DType::kFloat16 &&
       p.out_dtype != DType::kFloat32)
     return no("outputs must be bfloat16, float16 or float32");
-  if (!p.packed())
-    return no("per-expert tensors (pointer tables) are not supported by the Hopper kernel yet");
   if (p.bias.defined() && p.bias_dtype != p.in_dtype)
     return no("the bias must have the input dtype");
   if (p.accumulate && p.out_dtype != DType::kFloat32)
     return no("accumulation needs a float32 output");
   const size_t in = dtype_size(p.in_dtype), out = dtype_size(p.out_dtype);
-  if (!is_aligned(p.a, 16) || !is_aligned(p.b.base, 16) || !is_aligned(p.d.base, 16))
+  // Per-expert tensors: the weights (forward/dgrad) or dW (wgrad) through one TMA map per expert,
+  // which needs every expert 16-byte aligned; the bias through its pointer table.
+  const ExpertAddress& per_expert = p.form == Form::kWgrad ? p.d : p.b;
+  const ExpertAddress& single = p.form == Form::kWgrad ? p.b : p.d;
+  if (single.table) return no("internal: a per-expert tensor where one tensor is expected");
+  if (per_expert.table) {
+    if (!per_expert.experts) return no("per-expert tensors without their host-side views");
+    for (int64_t g = 0; g < per_expert.experts->num_groups(); ++g)
+      if (!is_aligned(per_expert.experts->expert(g).data(), 16))
+        return no("TMA needs every per-expert tensor 16-byte aligned");
+  }
+  if (!is_aligned(p.a, 16) || (!p.b.table && !is_aligned(p.b.base, 16)) || (!p.d.table && !is_aligned(p.d.base, 16)))
     return no("TMA needs 16-byte aligned data pointers");
   if ((p.a_row_stride * in) % 16 || (p.b_row_stride * in) % 16 || (p.d_row_stride * out) % 16)
     return no(
@@ -86,7 +95,15 @@ bool can_run(const GroupedGemmProblem& p, std::string* why) {
   return true;
 }
 
-Prepared prepare(const GroupedGemmProblem& pr) {
+namespace {
+
+// A per-expert operand: the kernel's packed-map parameter must still be a valid map; expert 0's
+// stands in (the kernel reads the per-expert maps instead).
+const void* first_expert(const ExpertAddress& a) { return a.table ? a.experts->expert(0).data() : a.base; }
+
+}  // namespace
+
+Prepared prepare(const GroupedGemmProblem& pr, Stream stream) {
   std::string why;
   MOE_CHECK(can_run(pr, &why), ErrorCode::kInternal,
             "sm90 grouped GEMM called for a problem it cannot run: ", why);
@@ -100,21 +117,29 @@ Prepared prepare(const GroupedGemmProblem& pr) {
   params.row_scale = pr.row_scale;
   params.reduce_add = pr.accumulate;
   params.multicast = multicast_enabled();
+  if (pr.bias.table) params.bias = params.bias_table = pr.bias.table;
   const int64_t G = pr.num_groups, N = pr.n, K = pr.k;
+  // Per-expert weights (forward/dgrad) or dW (wgrad): the maps of the packed case, one per expert.
+  auto expert_maps = [&](const ExpertAddress& a, DType dtype, uint32_t box_cols, uint32_t box_rows) {
+    return a.table ? expert_tensor_maps(pr.device, stream, *a.experts, dtype, N, K, box_cols, box_rows) : nullptr;
+  };
+  const int64_t groups_b = pr.b.table ? 1 : G, groups_d = pr.d.table ? 1 : G;
   switch (pr.form) {
     case Form::kForward:
       params.n_out = int32_t(N);
       params.k = int32_t(K);
       r.a = make_ragged_tensor_map(pr.a, pr.in_dtype, K, pr.a_row_stride, kBK, kBM);
       // B in two halves of kBN / 2 rows (one per block of a multicasting cluster).
-      r.b = make_tensor_map_3d(pr.b.base, pr.in_dtype, G, N, K, pr.b_row_stride, N * K, kBK, kBN / 2);
+      r.b = make_tensor_map_3d(first_expert(pr.b), pr.in_dtype, groups_b, N, K, pr.b_row_stride, N * K, kBK, kBN / 2);
+      params.b_maps = expert_maps(pr.b, pr.in_dtype, kBK, kBN / 2);
       r.d = make_ragged_tensor_map(pr.d.base, pr.out_dtype, N, pr.d_row_stride, chunk_cols, 64);
       break;
     case Form::kDgrad:
       params.n_out = int32_t(K);
       params.k = int32_t(N);
       r.a = make_ragged_tensor_map(pr.a, pr.in_dtype, N, pr.a_row_stride, kBK, kBM);
-      r.b = make_tensor_map_3d(pr.b.base, pr.in_dtype, G, N, K, pr.b_row_stride, N * K, 64, kBK);
+      r.b = make_tensor_map_3d(first_expert(pr.b), pr.in_dtype, groups_b, N, K, pr.b_row_stride, N * K, 64, kBK);
+      params.b_maps = expert_maps(pr.b, pr.in_dtype, 64, kBK);
       r.d = make_ragged_tensor_map(pr.d.base, pr.out_dtype, K, pr.d_row_stride, chunk_cols, 64);
       break;
     case Form::kWgrad:
@@ -122,15 +147,16 @@ Prepared prepare(const GroupedGemmProblem& pr) {
       params.n_out = int32_t(K);
       r.a = make_ragged_tensor_map(pr.a, pr.in_dtype, N, pr.a_row_stride, 64, kBK);
       r.b = make_ragged_tensor_map(pr.b.base, pr.in_dtype, K, pr.b_row_stride, 64, kBK);
-      r.d = make_tensor_map_3d(pr.d.base, pr.out_dtype, G, N, K, pr.d_row_stride, N * K, chunk_cols,
-                               64);
+      r.d = make_tensor_map_3d(first_expert(pr.d), pr.out_dtype, groups_d, N, K, pr.d_row_stride, N * K,
+                               chunk_cols, 64);
+      params.d_maps = expert_maps(pr.d, pr.out_dtype, chunk_cols, 64);
       break;
   }
   return r;
 }
 
 void run(const GroupedGemmProblem& pr, Stream stream) {
-  const Prepared r = prepare(pr);
+  const Prepared r = prepare(pr, stream);
   switch (pr.form) {
     case Form::kForward:
       return launch_in<Form::kForward>(pr, r.a, r.b, r.d, r.params, stream);

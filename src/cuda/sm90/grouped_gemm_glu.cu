@@ -39,7 +39,7 @@ void run_glu(const GroupedGemmProblem& pr, const GluEpilogueParams& glu, Stream 
   std::string why;
   MOE_CHECK(can_run_glu(pr, glu, &why), ErrorCode::kInternal,
             "sm90 GLU GEMM called for a problem it cannot run: ", why);
-  Prepared r = prepare(pr);
+  Prepared r = prepare(pr, stream);
   r.params.glu = glu;
   const bool fp16 = pr.in_dtype == DType::kFloat16;
   if (pr.form == Form::kForward) {

@@ -42,6 +42,12 @@ struct GemmParams {
   int32_t reduce_add;      // wgrad: add into D (fp32 main_grad) instead of storing
   int32_t multicast;       // 0: pairs never share B loads (an A/B switch for measurements)
   GluEpilogueParams glu;   // Epilogue::kGluForward / kGluBackward only
+  // Per-expert tensors: one tensor map per group in device memory (group coordinate 0) replaces
+  // the packed map (forward/dgrad: the weights; wgrad: D), and the bias comes from a device
+  // pointer table (bias then points at the table too, so "has a bias" stays one test). Null: packed.
+  const CUtensorMap* b_maps;
+  const CUtensorMap* d_maps;
+  const int64_t* bias_table;
 };
 
 #ifdef MOE_SM90_PROBE
@@ -170,13 +176,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
             uint64_t* bar = &full[stage];
             // B comes in two halves of kBN / 2 columns: with multicast this block loads half
             // `rank` into both blocks (the peer loads the other), otherwise both halves locally.
+            // Forward/dgrad weights: the packed map at group t.group, or expert t.group's own map.
+            const CUtensorMap* mb = p.b_maps ? p.b_maps + t.group : &map_b;
+            const int32_t gb = p.b_maps ? 0 : t.group;
             auto load_b_half = [&](int half, bool multicast) {
               uint8_t* dst = stage_b(stage) + half * (Config::kBBytes / 2);
               const int32_t n = t.n0 + half * (kBN / 2);
               const uint16_t mask = (1u << Config::kClusterSize) - 1u;
               if constexpr (kForm == Form::kForward) {
-                if (multicast) ptx::tma_load_3d_multicast(dst, &map_b, bar, mask, k0, n, t.group);
-                else ptx::tma_load_3d(dst, &map_b, bar, k0, n, t.group);
+                if (multicast) ptx::tma_load_3d_multicast(dst, mb, bar, mask, k0, n, gb);
+                else ptx::tma_load_3d(dst, mb, bar, k0, n, gb);
               } else {
 #pragma unroll
                 for (int panel = 0; panel < kBN / 2 / 64; ++panel) {
@@ -190,8 +199,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
                       ptx::tma_load_4d(pdst, &map_b, bar, pn, ragged_row(t, k0), ragged_end(t),
                                        int32_t(Config::kRaggedRows));
                   } else {
-                    if (multicast) ptx::tma_load_3d_multicast(pdst, &map_b, bar, mask, pn, k0, t.group);
-                    else ptx::tma_load_3d(pdst, &map_b, bar, pn, k0, t.group);
+                    if (multicast) ptx::tma_load_3d_multicast(pdst, mb, bar, mask, pn, k0, gb);
+                    else ptx::tma_load_3d(pdst, mb, bar, pn, k0, gb);
                   }
                 }
               }
@@ -355,7 +364,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       if (p.bias != nullptr) {
         // n is even and n_out a multiple of 8 (TMA alignment): each pair is all in or all out.
         const int32_t n = t.n0 + 2 * int32_t(wg_thread);
-        const In* bias = static_cast<const In*>(p.bias) + int64_t(t.group) * p.n_out;
+        const In* bias = p.bias_table ? reinterpret_cast<const In*>(p.bias_table[t.group])
+                                      : static_cast<const In*>(p.bias) + int64_t(t.group) * p.n_out;
         ptx::st_shared_b32(bias_tile + 4 * wg_thread,
                            n < p.n_out ? __ldg(reinterpret_cast<const uint32_t*>(bias + n)) : 0u);
       }
@@ -495,10 +505,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           if (col0 >= p.n_out) break;
           const uint32_t buffer = buffers + c * Config::kEpilogueBufferBytes;
           if constexpr (kKGrouped) {
+            const CUtensorMap* md = p.d_maps ? p.d_maps + t.group : &map_d;  // per-expert dW
+            const int32_t gd = p.d_maps ? 0 : t.group;
             if (p.reduce_add)
-              ptx::tma_store_3d<true>(&map_d, buffer, col0, tile_row0, t.group);
+              ptx::tma_store_3d<true>(md, buffer, col0, tile_row0, gd);
             else
-              ptx::tma_store_3d<false>(&map_d, buffer, col0, tile_row0, t.group);
+              ptx::tma_store_3d<false>(md, buffer, col0, tile_row0, gd);
           } else {
             ptx::tma_store_4d(&map_d, buffer, col0, ragged_row(t, tile_row0), ragged_end(t),
                               int32_t(Config::kRaggedRows));

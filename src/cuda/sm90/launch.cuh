@@ -21,7 +21,7 @@ struct Prepared {
   CUtensorMap a, b, d;
   GemmParams params;
 };
-Prepared prepare(const GroupedGemmProblem& problem);
+Prepared prepare(const GroupedGemmProblem& problem, Stream stream);
 
 namespace launch_detail {
 

@@ -3,7 +3,10 @@
 #include <cuda_runtime_api.h>
 #include <cudaTypedefs.h>
 
+#include <map>
 #include <mutex>
+#include <tuple>
+#include <vector>
 
 #include "cuda/check.hpp"
 #include "moe_engine/error.hpp"
@@ -71,6 +74,39 @@ CUtensorMap make_ragged_tensor_map(const void* base, DType dtype, int64_t cols, 
   const cuuint64_t strides[3] = {rs, rs, (cuuint64_t(1) << 34) - rs};
   const cuuint32_t box[4] = {box_cols, box_rows, 1, 1};
   return encode(base, dtype, 4, dims, strides, box);
+}
+
+const CUtensorMap* expert_tensor_maps(int device, Stream stream, const GroupedParam& experts, DType dtype,
+                                      int64_t rows, int64_t cols, uint32_t box_cols, uint32_t box_rows) {
+  using Key = std::tuple<int, int, int64_t, int64_t, uint32_t, uint32_t, std::vector<uintptr_t>>;
+  static std::mutex mutex;
+  static std::map<Key, void*> cache;  // device copies of the maps, never freed (see the header)
+  std::vector<uintptr_t> addresses;
+  for (int64_t g = 0; g < experts.num_groups(); ++g)
+    addresses.push_back(reinterpret_cast<uintptr_t>(experts.expert(g).data()));
+  Key key{device, int(dtype), rows, cols, box_cols, box_rows, std::move(addresses)};
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = cache.find(key); it != cache.end()) return static_cast<const CUtensorMap*>(it->second);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+  MOE_CHECK(capture == cudaStreamCaptureStatusNone, ErrorCode::kInvalidArgument,
+            "per-expert tensors met for the first time during CUDA graph capture: the Hopper kernel "
+            "encodes their TMA maps once, outside capture; run one eager call with the same tensors first");
+  std::vector<CUtensorMap> maps;
+  for (const uintptr_t a : std::get<6>(key))
+    maps.push_back(make_tensor_map_3d(reinterpret_cast<const void*>(a), dtype, 1, rows, cols, cols, rows * cols,
+                                      box_cols, box_rows));
+  int previous = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&previous), "cudaGetDevice");
+  MOE_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice");
+  void* d = nullptr;
+  const size_t bytes = maps.size() * sizeof(CUtensorMap);
+  cudaError_t e = cudaMalloc(&d, bytes);
+  if (e == cudaSuccess) e = cudaMemcpy(d, maps.data(), bytes, cudaMemcpyHostToDevice);
+  cudaSetDevice(previous);
+  MOE_CUDA_CHECK(e, "storing ", maps.size(), " per-expert tensor maps on cuda:", device);
+  cache.emplace(std::move(key), d);
+  return static_cast<const CUtensorMap*>(d);
 }
 
 }  // namespace moe::cuda::sm90

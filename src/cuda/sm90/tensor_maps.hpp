@@ -7,7 +7,9 @@
 
 #include <cstdint>
 
+#include "moe_engine/device.hpp"
 #include "moe_engine/dtype.hpp"
+#include "moe_engine/grouped_param.hpp"
 
 namespace moe::cuda::sm90 {
 
@@ -28,5 +30,14 @@ CUtensorMap make_tensor_map_3d(const void* base, DType dtype, int64_t groups, in
 // r = rows. (The construction of Triton's and QuACK's ragged TMA descriptors.)
 CUtensorMap make_ragged_tensor_map(const void* base, DType dtype, int64_t cols, int64_t row_stride,
                                    uint32_t box_cols, uint32_t box_rows);
+
+// Per-expert operands (GroupedParam::per_expert, contiguous [rows, cols] experts): one map per
+// expert, in device memory, for the kernel to pick by group (coordinate 0 in the group dimension).
+// Encoded on the host from the experts' addresses and cached by them (with dtype, shape and box),
+// so later calls and CUDA-graph replays with the same tensors read the same device copy; cache
+// entries live as long as the process (G x 128 bytes each). A set first met while `stream` is
+// being captured is a clear error: one eager call with the same tensors must come first.
+const CUtensorMap* expert_tensor_maps(int device, Stream stream, const GroupedParam& experts, DType dtype,
+                                      int64_t rows, int64_t cols, uint32_t box_cols, uint32_t box_rows);
 
 }  // namespace moe::cuda::sm90
