@@ -26,7 +26,6 @@ bool expert_mlp_fc1_glu(const TensorView& x, const ExpertMlpWeights& w, const Gr
                         const TensorView& act, Stream stream) {
   const char* op = "expert_mlp_forward";
   const int64_t F = act.size(1);
-  if (!w.fc1_weight.is_packed() || (w.fc1_bias.defined() && !w.fc1_bias.is_packed())) return false;
   GroupedGemmProblem p = problem_for(Form::kForward, groups, x.dtype(), x.dtype());
   p.a = x.data();
   p.a_row_stride = x.stride(0);
@@ -55,7 +54,6 @@ bool expert_mlp_fc2_dgrad_glu(const TensorView& dy, const ExpertMlpWeights& w, c
   const char* op = "expert_mlp_backward";
   const int64_t F = dh.size(1) / 2, T = groups.capacity();
   const int64_t tiles = (F + 255) / 256;
-  if (!w.fc2_weight.is_packed()) return false;
   if (dprobs.defined() && scratch.numel() * int64_t(dtype_size(scratch.dtype())) < T * tiles * 4) return false;
   GroupedGemmProblem p = problem_for(Form::kDgrad, groups, dy.dtype(), dy.dtype());
   p.a = dy.data();
