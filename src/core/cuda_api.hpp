@@ -22,12 +22,8 @@ void free_async(void* ptr, int device, Stream stream) noexcept;
 // Page-locked host memory (what asynchronous copies to and from the device need).
 void* host_alloc(size_t bytes);
 void host_free(void* ptr) noexcept;
-// The default memory pool of `device`: bytes handed out now, their high-water mark since the last
-// reset, bytes reserved from the driver.
-struct PoolUsage {
-  size_t used = 0, peak_used = 0, reserved = 0;
-};
-PoolUsage pool_usage(int device);
+// The default memory pool of `device` (what runtime.hpp's stream_ordered_memory reports).
+StreamOrderedMemory pool_usage(int device);
 void pool_reset_peak(int device);
 // dst/src may be host or device pointers (unified addressing).
 void memcpy_async(void* dst, const void* src, size_t bytes, Stream stream);

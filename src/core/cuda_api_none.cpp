@@ -17,7 +17,7 @@ void* malloc_async(size_t, int, Stream) { unavailable(); }
 void free_async(void*, int, Stream) noexcept {}
 void* host_alloc(size_t) { unavailable(); }
 void host_free(void*) noexcept {}
-PoolUsage pool_usage(int) { unavailable(); }
+StreamOrderedMemory pool_usage(int) { unavailable(); }
 void pool_reset_peak(int) { unavailable(); }
 void memcpy_async(void*, const void*, size_t, Stream) { unavailable(); }
 void memset_async(void*, int, size_t, Stream) { unavailable(); }

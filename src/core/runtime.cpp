@@ -41,8 +41,7 @@ bool stream_is_capturing(Stream stream) { return cuda_api::is_capturing(stream);
 StreamOrderedMemory stream_ordered_memory(Device device) {
   MOE_CHECK(device.is_cuda(), ErrorCode::kInvalidArgument, "stream_ordered_memory: needs a CUDA device, got ",
             to_string(device));
-  const cuda_api::PoolUsage u = cuda_api::pool_usage(device.index);
-  return {u.used, u.peak_used, u.reserved};
+  return cuda_api::pool_usage(device.index);
 }
 
 void reset_peak_stream_ordered_memory(Device device) {

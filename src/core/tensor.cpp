@@ -129,10 +129,15 @@ std::string TensorView::describe() const {
 
 // ---- Tensor ----
 
+namespace {
+size_t checked_bytes(const Shape& shape, DType dtype, const char* who) {
+  for (int64_t d : shape) MOE_CHECK(d >= 0, ErrorCode::kShape, who, ": negative extent in ", shape.to_string());
+  return size_t(shape.numel()) * dtype_size(dtype);
+}
+}  // namespace
+
 Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
-  for (int64_t d : shape)
-    MOE_CHECK(d >= 0, ErrorCode::kShape, "Tensor::empty: negative extent in ", shape.to_string());
-  const size_t bytes = size_t(shape.numel()) * dtype_size(dtype);
+  const size_t bytes = checked_bytes(shape, dtype, "Tensor::empty");
   Tensor t;
   if (device.is_cpu()) {
     const size_t padded =
@@ -152,9 +157,7 @@ Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
 
 Tensor Tensor::empty_async(Shape shape, DType dtype, Device device, Stream stream) {
   if (device.is_cpu()) return empty(shape, dtype, device);
-  for (int64_t d : shape)
-    MOE_CHECK(d >= 0, ErrorCode::kShape, "Tensor::empty_async: negative extent in ", shape.to_string());
-  const size_t bytes = size_t(shape.numel()) * dtype_size(dtype);
+  const size_t bytes = checked_bytes(shape, dtype, "Tensor::empty_async");
   void* p = cuda_api::malloc_async(bytes ? bytes : 256, device.index, stream);
   const int index = device.index;
   Tensor t;

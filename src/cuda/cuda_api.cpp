@@ -107,7 +107,7 @@ size_t pool_attribute(cudaMemPool_t pool, cudaMemPoolAttr attr) {
 }
 }  // namespace
 
-PoolUsage pool_usage(int device) {
+StreamOrderedMemory pool_usage(int device) {
   const cudaMemPool_t pool = default_pool(device);
   return {pool_attribute(pool, cudaMemPoolAttrUsedMemCurrent), pool_attribute(pool, cudaMemPoolAttrUsedMemHigh),
           pool_attribute(pool, cudaMemPoolAttrReservedMemCurrent)};

@@ -32,9 +32,6 @@ struct GroupedGemmProblem {
   const float* row_scale = nullptr;     // forward: [T] scales of the bias
   bool accumulate = false;              // wgrad: d += result (fp32); empty groups untouched
   int device = 0;
-
-  // Every per-expert operand is one packed tensor (base + stride, no pointer table).
-  bool packed() const { return !b.table && !d.table && !bias.table; }
 };
 
 // A problem of `form` over the routing `groups` (operands and sizes still to fill in).

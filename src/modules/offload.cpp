@@ -66,12 +66,12 @@ struct ActivationOffload::Impl {
     std::vector<Tensor> sources;  // device tensors kept until the compute stream has waited for their copies
     std::unique_ptr<Event> offloaded, reloaded;  // all D2H copies of the layer done; its reload done
     std::unique_ptr<Event> marker;                // "the compute stream got here", for the copy streams
-    bool has_copies = false, reload_started = false, reload_pending = false;
+    bool has_copies = false, reload_started = false;
 
     void reset() {  // for a new step; the events are kept
       entries.clear();
       sources.clear();
-      has_copies = reload_started = reload_pending = false;
+      has_copies = reload_started = false;
     }
   };
 
@@ -131,10 +131,10 @@ struct ActivationOffload::Impl {
   }
 
   void new_step(Stream stream) {
-    // A reload that started but was never consumed may still read the pinned buffers the new
-    // step's copies will overwrite.
+    // A reload that started may still read the pinned buffers the new step's copies overwrite
+    // (one that a restore waited for is complete, and waiting again costs nothing).
     for (Layer& l : layers) {
-      if (l.reload_pending) wait(d2h, *l.reloaded);
+      if (l.reload_started) wait(d2h, *l.reloaded);
       release(l, stream);
       l.reset();
     }
@@ -205,7 +205,7 @@ struct ActivationOffload::Impl {
   void start_reload(int layer, Stream stream) {
     Layer& l = layers[size_t(layer)];
     if (l.reload_started || !l.has_copies) return;
-    l.reload_started = l.reload_pending = true;
+    l.reload_started = true;
     // Allocated in stream order on the compute stream (freed there once backward is done with
     // them); the copy stream starts after that point and after the layer's copies out.
     for (Entry& e : l.entries)
@@ -236,7 +236,6 @@ struct ActivationOffload::Impl {
     Layer& l = layers[size_t(ticket.layer)];
     if (!entry.saved.empty()) {
       wait(stream, *l.reloaded);
-      l.reload_pending = false;
       auto fields = ctx.saved_tensors();
       for (Saved& s : entry.saved) *fields[size_t(s.field)] = std::move(s.reloaded);
       entry.saved.clear();

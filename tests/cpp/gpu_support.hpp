@@ -22,6 +22,25 @@ inline Tensor to_host(const TensorView& t) {
 
 inline Tensor poisoned_gpu(Shape shape, DType dtype) { return to_gpu(poisoned(shape, dtype)); }
 
+// The experts of a packed [G, ...] tensor (host or device) as G separate device tensors with their
+// pointer table: the per-expert layout (copies complete when constructed).
+struct PerExpertCopy {
+  std::vector<Tensor> experts;
+  Tensor table;
+  GroupedParam param;
+  explicit PerExpertCopy(const TensorView& packed) {
+    std::vector<TensorView> views;
+    for (int64_t g = 0; g < packed.size(0); ++g) {
+      experts.push_back(Tensor::empty(packed.select(g).shape(), packed.dtype(), Device::cuda(0)));
+      copy_tensor(experts.back(), packed.select(g));
+      views.push_back(experts.back());
+    }
+    synchronize(nullptr);
+    table = make_pointer_table(views);
+    param = GroupedParam::per_expert(views, table);
+  }
+};
+
 // The same routing on the CPU (for the reference) and on the GPU.
 struct DualRouting {
   Routing cpu;

@@ -242,18 +242,8 @@ TEST_F(GpuGroupedLinearGraph, PerExpertTensorsEqualPackedBitForBitAlsoWhenReplay
   Tensor w = to_gpu(random_tensor({G, N, K}, dt, rng, 0.1)), b = to_gpu(random_tensor({G, N}, dt, rng));
   Tensor p = to_gpu(uniform_tensor({T}, DType::kFloat32, rng, 0, 1));
   Tensor start = to_gpu(random_tensor({G, N, K}, DType::kFloat32, rng));
-  std::vector<Tensor> keep;  // the per-expert copies and their pointer tables
-  auto per_expert = [&](const Tensor& packed) {
-    std::vector<TensorView> views;
-    for (int64_t g = 0; g < G; ++g) {
-      keep.push_back(Tensor::empty(packed.view().select(g).shape(), packed.dtype(), Device::cuda(0)));
-      copy_tensor(keep.back(), packed.view().select(g));
-      views.push_back(keep.back());
-    }
-    keep.push_back(make_pointer_table(views));
-    return GroupedParam::per_expert(views, keep.back());
-  };
-  const GroupedParam W = per_expert(w), B = per_expert(b), dW = per_expert(start);
+  const PerExpertCopy w_experts(w), b_experts(b), dw_experts(start);
+  const GroupedParam &W = w_experts.param, &B = b_experts.param, &dW = dw_experts.param;
   Tensor dw = to_gpu(start);
   Tensor splits = Tensor::empty({G}, DType::kInt64, Device::cuda(0));
   Tensor offsets = Tensor::empty({G + 1}, DType::kInt64, Device::cuda(0));
@@ -307,11 +297,8 @@ TEST_F(GpuGroupedLinearGraph, NewPerExpertTensorsDuringCaptureAreAClearError) {
   const DType dt = DType::kBFloat16;
   const int64_t G = 3, T = 64, N = 64, K = 64;
   Tensor x = to_gpu(random_tensor({T, K}, dt, rng)), y = poisoned_gpu({T, N}, dt);
-  std::vector<Tensor> experts;
-  std::vector<TensorView> views;
-  for (int64_t g = 0; g < G; ++g) experts.push_back(to_gpu(random_tensor({N, K}, dt, rng))), views.push_back(experts.back());
-  const Tensor table = make_pointer_table(views);
-  const GroupedParam W = GroupedParam::per_expert(views, table);
+  const PerExpertCopy w_experts(random_tensor({G, N, K}, dt, rng));
+  const GroupedParam& W = w_experts.param;
   DualRouting r({10, 20, 30}, T);
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -393,20 +380,8 @@ TEST_P(GpuGroupedLinear, PerExpertTensorsThroughPointerTables) {
   const int64_t G = 4, T = 140, N = 72, K = 48;
   Tensor x = random_tensor({T, K}, dt, rng), w = random_tensor({G, N, K}, dt, rng, 0.2);
   Tensor b = random_tensor({G, N}, dt, rng), dy = random_tensor({T, N}, dt, rng);
-  std::vector<Tensor> keep;  // per-expert device tensors stay alive with their tables
-  auto per_expert_gpu = [&](const Tensor& packed) {
-    std::vector<TensorView> views;
-    for (int64_t g = 0; g < packed.size(0); ++g) {
-      const TensorView src = packed.view().select(g);
-      Tensor host = Tensor::empty(src.shape(), src.dtype());
-      copy_tensor(host, src);
-      keep.push_back(to_gpu(host));
-      views.push_back(keep.back());
-    }
-    keep.push_back(make_pointer_table(views));
-    return GroupedParam::per_expert(views, keep.back());
-  };
-  const GroupedParam W = per_expert_gpu(w), B = per_expert_gpu(b);
+  const PerExpertCopy w_experts(w), b_experts(b);
+  const GroupedParam &W = w_experts.param, &B = b_experts.param;
   Tensor y_cpu = poisoned({T, N}, dt), dx_cpu = poisoned({T, K}, dt);
   grouped_linear_forward(x, GroupedParam::packed(w), r.cpu.layout, y_cpu,
                          {GroupedParam::packed(b), {}});
@@ -420,8 +395,9 @@ TEST_P(GpuGroupedLinear, PerExpertTensorsThroughPointerTables) {
          db_cpu = Tensor::zeros({G, N}, DType::kFloat32);
   grouped_linear_wgrad(dy, x, r.cpu.layout, GroupedParam::packed(dw_cpu), GradMode::kWrite);
   grouped_linear_dbias(dy, r.cpu.layout, GroupedParam::packed(db_cpu), GradMode::kWrite);
-  const GroupedParam dW = per_expert_gpu(Tensor::zeros({G, N, K}, DType::kFloat32));
-  const GroupedParam dB = per_expert_gpu(Tensor::zeros({G, N}, DType::kFloat32));
+  const PerExpertCopy dw_experts(Tensor::zeros({G, N, K}, DType::kFloat32)),
+      db_experts(Tensor::zeros({G, N}, DType::kFloat32));
+  const GroupedParam &dW = dw_experts.param, &dB = db_experts.param;
   grouped_linear_wgrad(to_gpu(dy), to_gpu(x), r.gpu, dW, GradMode::kWrite);
   grouped_linear_dbias(to_gpu(dy), r.gpu, dB, GradMode::kWrite);
   for (int64_t g = 0; g < G; ++g) {

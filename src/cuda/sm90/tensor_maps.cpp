@@ -8,6 +8,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/cuda_api.hpp"
 #include "cuda/check.hpp"
 #include "moe_engine/error.hpp"
 
@@ -96,15 +97,11 @@ const CUtensorMap* expert_tensor_maps(int device, Stream stream, const GroupedPa
   for (const uintptr_t a : std::get<6>(key))
     maps.push_back(make_tensor_map_3d(reinterpret_cast<const void*>(a), dtype, 1, rows, cols, cols, rows * cols,
                                       box_cols, box_rows));
-  int previous = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&previous), "cudaGetDevice");
-  MOE_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice");
-  void* d = nullptr;
   const size_t bytes = maps.size() * sizeof(CUtensorMap);
-  cudaError_t e = cudaMalloc(&d, bytes);
-  if (e == cudaSuccess) e = cudaMemcpy(d, maps.data(), bytes, cudaMemcpyHostToDevice);
-  cudaSetDevice(previous);
-  MOE_CUDA_CHECK(e, "storing ", maps.size(), " per-expert tensor maps on cuda:", device);
+  const cuda_api::ScopedDevice scoped(device);
+  void* d = cuda_api::malloc(bytes, device);
+  MOE_CUDA_CHECK(cudaMemcpy(d, maps.data(), bytes, cudaMemcpyHostToDevice), "storing ", maps.size(),
+                 " per-expert tensor maps on cuda:", device);
   cache.emplace(std::move(key), d);
   return static_cast<const CUtensorMap*>(d);
 }
