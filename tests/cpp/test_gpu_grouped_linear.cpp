@@ -19,6 +19,8 @@ struct Shape3 {
 };
 
 // N and K multiples of 8 (TMA alignment), otherwise as odd as possible.
+// single_expert and long_k_many_tiles average >= 256 rows per expert, so their 16-bit wgrads run
+// the WideEpilogue pipeline (grouped_gemm.cu); the others, and every fp32 wgrad, the DeepRing.
 std::vector<Shape3> gpu_cases() {
   Rng rng;
   std::vector<int64_t> many = random_splits(rng, 256, 40);

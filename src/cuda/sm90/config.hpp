@@ -17,11 +17,11 @@ enum class Epilogue : int {
   kGluBackward = 2,  // dgrad only: D = d(act * p) -> dh, act * p, dprobs shares (glu_epilogue.cuh)
 };
 
+// The tile geometry and thread layout, the same for every instance.
 struct Config {
   static constexpr int kBlockM = 128;  // two math warpgroups of 64 rows
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = 64;  // one 128-byte swizzle row of 16-bit values
-  static constexpr int kStages = 4;  // 3 stages + 4 epilogue buffers measured no better (s3)
   static constexpr int kThreads = 384;  // warpgroup 0: TMA producer; 1 and 2: math
   static constexpr int kClusterSize = 2;  // blocks per cluster: pairs of tiles sharing B (multicast)
   static constexpr int kMathWarpgroups = 2;
@@ -36,26 +36,41 @@ struct Config {
   static constexpr uint32_t kBBytes = kBlockN * kBlockK * 2;  // 32 KiB
   static constexpr uint32_t kStageBytes = kABytes + kBBytes;
   static constexpr uint32_t kPanelBytes = kBlockK * 128;  // one 64-wide MN-major panel: 8 KiB
-  // Epilogue: per math warpgroup, kEpilogueBuffers buffers of 64 rows x 128 bytes, filled and
-  // stored as one batch.
-  static constexpr int kEpilogueBuffers = 2;
+  // Epilogue buffers hold 64 rows x 128 bytes (one TMA store box of a math warpgroup).
   static constexpr uint32_t kEpilogueBufferBytes = 64 * 128;
-  static constexpr uint32_t kEpilogueBytes = kMathWarpgroups * kEpilogueBuffers * kEpilogueBufferBytes;
   // Forward bias: each math warpgroup stages the tile's kBlockN bias values (16-bit).
   static constexpr uint32_t kBiasBytes = kMathWarpgroups * kBlockN * 2;
-  static constexpr uint32_t kBarrierBytes = 2 * kStages * sizeof(uint64_t);
   // M-grouped forms: pairs of tiles before each group (32-bit), when G + 1 fits: the scheduler
   // finds a tile's group by binary search instead of walking the groups.
   static constexpr uint32_t kOffsetSlots = 240;
   static constexpr uint32_t kOffsetBytes = kOffsetSlots * 4;
-  // 1 KiB of slack: the dynamic shared-memory base is aligned up to 1024 (swizzle atoms).
-  static constexpr uint32_t kSharedBytes =
-      kStages * kStageBytes + kEpilogueBytes + kBiasBytes + kBarrierBytes + kOffsetBytes + 1024;
 
   static constexpr uint32_t kRaggedRows = 1u << 30;  // extent of the ragged dimension
 };
 
-static_assert(Config::kSharedBytes <= 232448, "exceeds the 227 KiB of shared memory per block");
+// How a block's shared memory is split between the ring of operand stages and the epilogue's
+// buffers (per math warpgroup; its output goes out in batches of that many 128-byte columns
+// chunks, one wait for the previous batch's stores each). 227 KiB hold 4 stages + 2 buffers or
+// 3 stages + 4 buffers (a whole 16-bit 64 x 256 slab: one batch per tile).
+template <int kStagesT, int kEpilogueBuffersT>
+struct Pipeline {
+  static constexpr int kStages = kStagesT;
+  static constexpr int kEpilogueBuffers = kEpilogueBuffersT;
+  static constexpr uint32_t kEpilogueBytes =
+      Config::kMathWarpgroups * kEpilogueBuffers * Config::kEpilogueBufferBytes;
+  static constexpr uint32_t kBarrierBytes = 2 * kStages * sizeof(uint64_t);
+  // 1 KiB of slack: the dynamic shared-memory base is aligned up to 1024 (swizzle atoms).
+  static constexpr uint32_t kSharedBytes = kStages * Config::kStageBytes + kEpilogueBytes + Config::kBiasBytes +
+                                           kBarrierBytes + Config::kOffsetBytes + 1024;
+  static_assert(kSharedBytes <= 232448, "exceeds the 227 KiB of shared memory per block");
+};
+
+// Long contractions: the deepest ring (3 stages + 4 buffers measured 0.99x over the suite, s3).
+using DeepRing = Pipeline<4, 2>;
+// Short contractions (a few k steps per tile): the tile's stores go out in one batch, with no
+// wait inside the epilogue, at the cost of a stage.
+using WideEpilogue = Pipeline<3, 4>;
+
 static_assert(Config::kProducerRegisters + Config::kMathWarpgroups * Config::kMathRegisters <=
                   (Config::kMathWarpgroups + 1) * Config::kLaunchRegisters,
               "setmaxnreg: the warpgroups' registers exceed the CTA's pool");

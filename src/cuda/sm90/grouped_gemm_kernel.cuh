@@ -88,7 +88,7 @@ __device__ __forceinline__ int32_t ragged_end(const Tile& t) { return int32_t(t.
 
 }  // namespace detail
 
-template <Form kForm, class In, class Out, Epilogue kEpi = Epilogue::kStore>
+template <Form kForm, class In, class Out, Epilogue kEpi = Epilogue::kStore, class Pipe = DeepRing>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
@@ -102,13 +102,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   constexpr int kTransA = kForm == Form::kWgrad ? 1 : 0;   // A MN-major (dY^T)
   constexpr int kTransB = kForm == Form::kForward ? 0 : 1;  // B MN-major (W for dgrad, X for wgrad)
   constexpr int kBM = Config::kBlockM, kBN = Config::kBlockN, kBK = Config::kBlockK;
-  constexpr int kStages = Config::kStages;
+  constexpr int kStages = Pipe::kStages;
   constexpr int kAccRegs = kBN / 2;  // 64 x kBN f32 accumulators over 128 threads
 
   extern __shared__ uint8_t shared_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* epilogue_smem = smem + kStages * Config::kStageBytes;
-  uint8_t* bias_smem = epilogue_smem + Config::kEpilogueBytes;
+  uint8_t* bias_smem = epilogue_smem + Pipe::kEpilogueBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(bias_smem + Config::kBiasBytes);
   uint64_t* empty = full + kStages;
   // M-grouped: pairs before each group, for the scheduler's lookups (scheduler.cuh).
@@ -452,11 +452,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     constexpr int kChunkCols = 128 / int(sizeof(Out));  // columns per 128-byte row (a multiple of 8)
     constexpr int kGroupsPerChunk = kChunkCols / 8;     // 8-column accumulator groups per chunk
     constexpr int kChunks = kBN / kChunkCols;
-    constexpr int kBatch = Config::kEpilogueBuffers;    // chunks staged per round trip
+    constexpr int kBatch = Pipe::kEpilogueBuffers < kChunks ? Pipe::kEpilogueBuffers : kChunks;  // per round trip
     // Chunks go out in batches, one per epilogue buffer, with one pair of barriers per batch: the
     // epilogue is a chain of barrier -> shared stores -> proxy fence -> barrier -> TMA store, and
     // the tensor pipe idles for all of it (measured ~850 cycles per chunk with one chunk per trip).
-    const uint32_t buffers = ptx::smem_address(epilogue_smem) + math * kBatch * Config::kEpilogueBufferBytes;
+    const uint32_t buffers =
+        ptx::smem_address(epilogue_smem) + math * Pipe::kEpilogueBuffers * Config::kEpilogueBufferBytes;
 #ifdef MOE_SM90_PROBE
     uint32_t probe_last = uint32_t(g_probe[5]);
     auto probe_step = [&](int k) {

@@ -58,7 +58,8 @@ inline bool multicast_enabled() {
 }
 
 
-inline cudaLaunchConfig_t launch_config(int grid, Stream stream, cudaLaunchAttribute* cluster) {
+inline cudaLaunchConfig_t launch_config(int grid, uint32_t shared_bytes, Stream stream,
+                                        cudaLaunchAttribute* cluster) {
   cluster->id = cudaLaunchAttributeClusterDimension;
   cluster->val.clusterDim.x = Config::kClusterSize;
   cluster->val.clusterDim.y = 1;
@@ -66,7 +67,7 @@ inline cudaLaunchConfig_t launch_config(int grid, Stream stream, cudaLaunchAttri
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(unsigned(grid));
   config.blockDim = dim3(Config::kThreads);
-  config.dynamicSmemBytes = Config::kSharedBytes;
+  config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   config.attrs = cluster;
   config.numAttrs = 1;
@@ -75,19 +76,19 @@ inline cudaLaunchConfig_t launch_config(int grid, Stream stream, cudaLaunchAttri
 
 // Blocks of one kernel instance on `device`: as many whole clusters as can be resident at once
 // (a GPC with an odd number of free SMs leaves one idle), found once per instance and device.
-template <Form kForm, class In, class Out, Epilogue kEpi>
+template <Form kForm, class In, class Out, Epilogue kEpi, class Pipe>
 int persistent_grid(int device) {
   constexpr int kMaxDevices = 64;
   static int grid[kMaxDevices];
   static std::once_flag once[kMaxDevices];
   std::call_once(once[device], [device] {
-    auto kernel = grouped_gemm_kernel<kForm, In, Out, kEpi>;
+    auto kernel = grouped_gemm_kernel<kForm, In, Out, kEpi, Pipe>;
     MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        int(Config::kSharedBytes)),
+                                        int(Pipe::kSharedBytes)),
                    "raising the shared-memory limit of the grouped GEMM kernel");
     const int sm_count = device_traits(device).sm_count;
     cudaLaunchAttribute cluster{};
-    const cudaLaunchConfig_t config = launch_config(sm_count, nullptr, &cluster);
+    const cudaLaunchConfig_t config = launch_config(sm_count, Pipe::kSharedBytes, nullptr, &cluster);
     int clusters = 0;
     MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config),
                    "querying how many grouped GEMM clusters fit on the device");
@@ -101,15 +102,15 @@ int persistent_grid(int device) {
   return grid[device];
 }
 
-template <Form kForm, class In, class Out, Epilogue kEpi = Epilogue::kStore>
+template <Form kForm, class In, class Out, Epilogue kEpi = Epilogue::kStore, class Pipe = DeepRing>
 void launch(const GroupedGemmProblem& pr, const CUtensorMap& a, const CUtensorMap& b,
             const CUtensorMap& d, const GemmParams& params, Stream stream) {
-  auto kernel = grouped_gemm_kernel<kForm, In, Out, kEpi>;
+  auto kernel = grouped_gemm_kernel<kForm, In, Out, kEpi, Pipe>;
   MOE_CHECK(pr.device >= 0 && pr.device < 64, ErrorCode::kDevice, "device index ", pr.device,
             " out of range");
   cudaLaunchAttribute cluster{};
   const cudaLaunchConfig_t config =
-      launch_config(persistent_grid<kForm, In, Out, kEpi>(pr.device), stream, &cluster);
+      launch_config(persistent_grid<kForm, In, Out, kEpi, Pipe>(pr.device), Pipe::kSharedBytes, stream, &cluster);
 #ifdef MOE_SM90_PROBE
   unsigned long long zero[16] = {};
   MOE_CUDA_CHECK(cudaMemcpyToSymbol(g_probe, zero, sizeof(zero)), "probe reset");
