@@ -7,6 +7,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <vector>
@@ -27,27 +28,36 @@ struct Timing {
   double median_ms = 0, min_ms = 0;
 };
 
-// Warm up for a quarter of `min_ms`, then time single runs with CUDA events until both `iters`
-// runs and `min_ms` (100 ms by default, as the anchor's do_bench) have been measured; the median
-// is reported.
+// Times `op` as the anchor's triton.testing.do_bench times torch._grouped_mm, so that both sides
+// of a ratio are measured alike: warm up (a quarter of `min_ms`, which also estimates one run),
+// then record max(`iters`, min_ms / estimate) runs with CUDA events and no host synchronization
+// between them, each after zeroing `flush` (do_bench's 256 MB "cache clear"; untimed) when given;
+// the median is reported. The flushes matter beyond the cache: under the power cap, short GEMMs
+// separated by memory-bound memsets run at higher clocks than back-to-back ones (s10).
 template <class F>
-Timing time_op(Device device, Stream stream, int warmup, int iters, double min_ms, F&& op) {
-  StreamTimer timer(device, stream);
+Timing time_op(Device device, Stream stream, int warmup, int iters, double min_ms, const Tensor& flush,
+               F&& op) {
+  StreamTimer warm(device, stream);
   double spent = 0;
-  for (int i = 0; i < warmup || spent < min_ms / 4; ++i) {
-    timer.start();
+  int runs = 0;
+  for (; runs < warmup || spent < min_ms / 4; ++runs) {
+    warm.start();
     op();
-    timer.stop();
-    spent += timer.elapsed_ms();
+    warm.stop();
+    spent += warm.elapsed_ms();
+  }
+  const double estimate_ms = std::max(spent / runs, 1e-3);
+  const int count = std::max(iters, int(std::ceil(min_ms / estimate_ms)));
+  std::vector<std::unique_ptr<StreamTimer>> timers;
+  for (int i = 0; i < count; ++i) timers.push_back(std::make_unique<StreamTimer>(device, stream));
+  for (auto& timer : timers) {
+    if (flush.defined()) fill_bytes(flush, 0, stream);
+    timer->start();
+    op();
+    timer->stop();
   }
   std::vector<double> ms;
-  for (double total = 0; int(ms.size()) < iters || total < min_ms;) {
-    timer.start();
-    op();
-    timer.stop();
-    ms.push_back(timer.elapsed_ms());
-    total += ms.back();
-  }
+  for (auto& timer : timers) ms.push_back(timer->elapsed_ms());
   std::sort(ms.begin(), ms.end());
   return {ms[ms.size() / 2], ms.front()};
 }
@@ -118,6 +128,9 @@ int run_bench_gemm(const BenchOptions& o) {
                                  : kDefaultBf16Tflops;
   const Stream stream = nullptr;
   settle(device, stream, o.settle_ms);
+  const Tensor flush = o.l2_flush_mb > 0
+                           ? Tensor::empty({int64_t(o.l2_flush_mb * 1e6)}, DType::kUInt8, device)
+                           : Tensor();
   const int iters = o.iters > 0 ? o.iters : 20;
   const int warmup = std::max(o.warmup, 2);
   std::vector<Entry> entries;
@@ -170,7 +183,7 @@ int run_bench_gemm(const BenchOptions& o) {
       };
       for (const Gemm& g : gemms) {
         if (!o.gemm_filter.empty() && o.gemm_filter != fc + "/" + g.name) continue;
-        const Timing t = time_op(device, stream, warmup, iters, o.min_time_ms, g.run);
+        const Timing t = time_op(device, stream, warmup, iters, o.min_time_ms, flush, g.run);
         Entry en;
         en.case_name = w.name;
         en.fc = fc;
@@ -219,6 +232,9 @@ int run_bench_gemm(const BenchOptions& o) {
     j["command"] = o.command_line;
     j["dtype"] = dtype_name(dt);
     j["iters"] = iters;
+    j["timing"] = "as triton.testing.do_bench (the anchor's): median over >= min_time_ms of runs, " +
+                  (o.l2_flush_mb > 0 ? std::to_string(int(o.l2_flush_mb)) + " MB zeroed before each"
+                                     : std::string("no flush between runs"));
     j["ceilings"] = {{"bf16_tflops", bf16_tflops},
                      {"hbm_TBps", kHbmTBps},
                      {"bf16_source", anchor.is_null() ? "default (no anchor given)"

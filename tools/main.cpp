@@ -63,6 +63,10 @@ int main(int argc, char** argv) {
                         "gemm: first run a dense GEMM this long, so that every timing sees the GPU's "
                         "steady (power-capped) clocks rather than the boost of a cold start")
       ->capture_default_str();
+  bench_cmd->add_option("--l2-flush-mb", bench.l2_flush_mb,
+                        "gemm: zero this many MB before each timed run, as the anchor's do_bench "
+                        "does (0: none)")
+      ->capture_default_str();
   bench_cmd->add_option("--json-out", bench.json_out,
                         "gemm: write the results as JSON to this file");
 
