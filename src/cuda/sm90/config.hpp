@@ -49,9 +49,9 @@ struct Config {
 };
 
 // How a block's shared memory is split between the ring of operand stages and the epilogue's
-// buffers (per math warpgroup; its output goes out in batches of that many 128-byte columns
-// chunks, one wait for the previous batch's stores each). 227 KiB hold 4 stages + 2 buffers or
-// 3 stages + 4 buffers (a whole 16-bit 64 x 256 slab: one batch per tile).
+// buffers, per math warpgroup: its output goes out in batches of that many 128-byte column
+// chunks, each batch waiting for the previous one's stores to have read their buffers. 227 KiB
+// hold 4 stages + 2 buffers or 3 stages + 4 buffers (a whole 16-bit 64 x 256 slab per batch).
 template <int kStagesT, int kEpilogueBuffersT>
 struct Pipeline {
   static constexpr int kStages = kStagesT;
@@ -65,10 +65,11 @@ struct Pipeline {
   static_assert(kSharedBytes <= 232448, "exceeds the 227 KiB of shared memory per block");
 };
 
-// Long contractions: the deepest ring (3 stages + 4 buffers measured 0.99x over the suite, s3).
+// The default: the deepest ring (3 stages + 4 buffers for every instance measured 0.99x over
+// the suite, s3; s10 per GEMM: tiles of one k step need the 4th stage's loads in flight).
 using DeepRing = Pipeline<4, 2>;
-// Short contractions (a few k steps per tile): the tile's stores go out in one batch, with no
-// wait inside the epilogue, at the cost of a stage.
+// A 16-bit tile's stores in one batch, with no wait inside the epilogue, at the cost of a stage:
+// faster for wgrads with 16-bit outputs over >= 4 k steps per tile (grouped_gemm.cu's choice).
 using WideEpilogue = Pipeline<3, 4>;
 
 static_assert(Config::kProducerRegisters + Config::kMathWarpgroups * Config::kMathRegisters <=
