@@ -38,9 +38,11 @@ struct GpuInventory {
 MOE_API GpuInventory query_gpus();  // never throws
 MOE_API bool cuda_device_available();
 
-// Blocks until all work queued on `stream` has finished (no-op without CUDA).
+// Blocks until all work queued on `stream` has finished (no-op without CUDA or, for the default
+// stream, without a visible GPU).
 MOE_API void synchronize(Stream stream);
-// True while `stream` is being captured into a CUDA graph.
+// True while `stream` is being captured into a CUDA graph (false for the default stream without
+// a visible GPU).
 MOE_API bool stream_is_capturing(Stream stream);
 
 // Stream-ordered device memory (the device's default pool, which Tensor::empty_async and the

@@ -34,9 +34,17 @@ GpuInventory query_gpus() {
 
 bool cuda_device_available() { return !query_gpus().gpus.empty(); }
 
-void synchronize(Stream stream) { cuda_api::synchronize(stream); }
+void synchronize(Stream stream) {
+  // With no GPU visible nothing can have been queued on the default stream (a CUDA build on a
+  // machine without a GPU): nothing to wait for, rather than the runtime's no-driver error.
+  if (stream == nullptr && cuda_api::device_count(nullptr) == 0) return;
+  cuda_api::synchronize(stream);
+}
 
-bool stream_is_capturing(Stream stream) { return cuda_api::is_capturing(stream); }
+bool stream_is_capturing(Stream stream) {
+  if (stream == nullptr && cuda_api::device_count(nullptr) == 0) return false;  // as synchronize
+  return cuda_api::is_capturing(stream);
+}
 
 StreamOrderedMemory stream_ordered_memory(Device device) {
   MOE_CHECK(device.is_cuda(), ErrorCode::kInvalidArgument, "stream_ordered_memory: needs a CUDA device, got ",

@@ -217,5 +217,12 @@ TEST(Runtime, BuildInfoAndGpuQueryNeverThrow) {
   if (inv.gpus.empty()) EXPECT_FALSE(inv.note.empty());
 }
 
+// Host code that synchronizes or asks about the default stream runs unchanged on a machine without
+// a GPU (a CUDA build there used to throw the runtime's no-driver error).
+TEST(Runtime, TheDefaultStreamWorksWithOrWithoutAGpu) {
+  EXPECT_NO_THROW(synchronize(nullptr));
+  EXPECT_FALSE(stream_is_capturing(nullptr));
+}
+
 }  // namespace
 }  // namespace moe::test
