@@ -32,7 +32,7 @@ struct BenchOptions {
   std::string gemm_filter;   // gemm: only this GEMM ("fc2/wgrad"); empty: all
   double min_time_ms = 100;  // gemm: time each GEMM at least this long (warm up a quarter of it)
   double settle_ms = 2000;   // gemm: run a dense GEMM this long first (steady power state)
-  double l2_flush_mb = 256;  // gemm: zero this many MB before each timed run (do_bench's L2 flush)
+  double l2_flush_mb = 256;  // gemm, mlp (CUDA): zero this many MB before each timed run (do_bench's L2 flush)
   std::string command_line;  // recorded in the JSON
 };
 int run_bench(const BenchOptions& options);

@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
                         "steady (power-capped) clocks rather than the boost of a cold start")
       ->capture_default_str();
   bench_cmd->add_option("--l2-flush-mb", bench.l2_flush_mb,
-                        "gemm: zero this many MB before each timed run, as the anchor's do_bench "
+                        "gemm, mlp: zero this many MB before each timed run, as the anchor's do_bench "
                         "does (0: none)")
       ->capture_default_str();
   bench_cmd->add_option("--json-out", bench.json_out,

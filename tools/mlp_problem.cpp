@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstring>
 
-#include "random_fill.hpp"
 
 namespace moe::tools {
 namespace {
@@ -24,23 +23,26 @@ MlpProblem::MlpProblem(const Workload& w, const GluLayout& layout, DType dtype, 
   spec_.glu.layout = layout;
   const int64_t G = w.experts, H = w.hidden, F = w.ffn, T = w.capacity;
 
-  RandomFill fill(seed);
-  x_host_ = fill.normal({T, H}, dtype, 1.0);
-  w1_host_ = fill.normal({G, 2 * F, H}, dtype, 1.0 / std::sqrt(double(H)));
-  w2_host_ = fill.normal({G, H, F}, dtype, 1.0 / std::sqrt(double(F)));
+  // Generated where the tensors live (fill_uniform: the same values on the CPU and on CUDA):
+  // the suite's large cases hold billions of weights, minutes of work for a host generator.
+  // Uniform in [-a, a) with a = sqrt(3) * std: the standard deviations of the usual inits.
+  uint64_t key = seed * 16;
+  auto random = [&](Shape shape, double std) {
+    Tensor t = Tensor::empty(shape, dtype, device);
+    const float a = float(std::sqrt(3.0) * std);
+    fill_uniform(t, key++, -a, a);
+    return t;
+  };
+  x_ = random({T, H}, 1.0);
+  w1_ = random({G, 2 * F, H}, 1.0 / std::sqrt(double(H)));
+  w2_ = random({G, H, F}, 1.0 / std::sqrt(double(F)));
   if (w.bias) {
-    b1_host_ = fill.normal({G, 2 * F}, dtype, 0.1);
-    b2_host_ = fill.normal({G, H}, dtype, 0.1);
+    b1_ = random({G, 2 * F}, 0.1);
+    b2_ = random({G, H}, 0.1);
   }
-  probs_host_ = fill.uniform({T}, DType::kFloat32, 0.0, 1.0);
-  dy_host_ = fill.normal({T, H}, dtype, 1.0);
-  x_ = device_copy(x_host_);
-  w1_ = device_copy(w1_host_);
-  w2_ = device_copy(w2_host_);
-  b1_ = device_copy(b1_host_);
-  b2_ = device_copy(b2_host_);
-  probs_ = device_copy(probs_host_);
-  dy_ = device_copy(dy_host_);
+  probs_ = Tensor::empty({T}, DType::kFloat32, device);
+  fill_uniform(probs_, key++, 0.f, 1.f);
+  dy_ = random({T, H}, 1.0);
 
   y_ = Tensor::empty({T, H}, dtype, device);
   fc1_out_ = Tensor::empty({T, 2 * F}, dtype, device);
@@ -57,10 +59,6 @@ MlpProblem::MlpProblem(const Workload& w, const GluLayout& layout, DType dtype, 
                               DType::kUInt8, device);
   backward_ws_ = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(T, H, F, dtype, true))},
                                DType::kUInt8, device);
-}
-
-Tensor MlpProblem::device_copy(const Tensor& host) const {
-  return host.defined() ? host.to(device_) : Tensor();
 }
 
 void MlpProblem::forward(Stream stream) {
@@ -87,14 +85,14 @@ OracleCheck MlpProblem::check_against_oracle() const {
   const int64_t rows = workload_.routed_tokens();
   const auto& splits = workload_.tokens_per_expert;
   oracle::MlpParams params;
-  params.w1 = oracle::to_matrices(param(w1_host_));
-  params.w2 = oracle::to_matrices(param(w2_host_));
-  if (b1_host_.defined()) params.b1 = oracle::to_matrix(b1_host_);
-  if (b2_host_.defined()) params.b2 = oracle::to_matrix(b2_host_);
-  const oracle::Matrix x = oracle::head(oracle::to_matrix(x_host_), rows);
-  const oracle::Vector probs = oracle::head(oracle::to_vector(probs_host_), rows);
+  params.w1 = oracle::to_matrices(param(host_copy(w1_)));
+  params.w2 = oracle::to_matrices(param(host_copy(w2_)));
+  if (b1_.defined()) params.b1 = oracle::to_matrix(host_copy(b1_));
+  if (b2_.defined()) params.b2 = oracle::to_matrix(host_copy(b2_));
+  const oracle::Matrix x = oracle::head(oracle::to_matrix(host_copy(x_)), rows);
+  const oracle::Vector probs = oracle::head(oracle::to_vector(host_copy(probs_)), rows);
   const auto f = oracle::mlp_forward(x, probs, params, splits, spec_.glu);
-  const auto g = oracle::mlp_backward(oracle::head(oracle::to_matrix(dy_host_), rows), x, probs,
+  const auto g = oracle::mlp_backward(oracle::head(oracle::to_matrix(host_copy(dy_)), rows), x, probs,
                                       params, splits, spec_.glu);
 
   OracleCheck c;

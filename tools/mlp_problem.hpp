@@ -43,15 +43,12 @@ class MlpProblem {
   Device device() const { return device_; }
 
  private:
-  Tensor device_copy(const Tensor& host) const;
-
   Workload workload_;
   ExpertMlpSpec spec_;
   DType dtype_;
   Device device_;
   DeviceRouting routing_;
-  // Inputs and parameters (host copies kept for the oracle).
-  Tensor x_host_, w1_host_, b1_host_, w2_host_, b2_host_, probs_host_, dy_host_;
+  // Inputs and parameters (copied to the host for the oracle).
   Tensor x_, w1_, b1_, w2_, b2_, probs_, dy_;
   // Outputs.
   Tensor y_, fc1_out_, dx_, dprobs_, dw1_, db1_, dw2_, db2_;

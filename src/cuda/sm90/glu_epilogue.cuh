@@ -1,7 +1,8 @@
 // GLU epilogues of the Hopper grouped GEMM: the fused expert MLP (DESIGN.md section 3).
 //   forward (FC1): the caller has turned the accumulators into h = x W1^T + b1 rounded to the
-//     input dtype (the values the unfused path stores); this writes act(gate, linear) * p [T, F].
-//     h itself goes out through the plain TMA epilogue when backward keeps it.
+//     input dtype (the values the unfused path stores); this computes act(gate, linear) * p
+//     [T, F] into registers, 64 features at a time, and stages it for TMA stores. The kernel
+//     interleaves that math with the TMA stores of h when backward keeps h.
 //   backward (FC2 dgrad): the accumulators hold d(act * p) for 256 features; with the saved h this
 //     writes dh = dL/dh [T, 2F], the recomputed act * p (FC2's wgrad input) and, per row, the
 //     tile's share of dprobs (reduced over the tiles in a fixed order by a separate kernel).
@@ -18,6 +19,7 @@
 
 #include "common/glu_math.hpp"
 #include "cuda/pair16.cuh"
+#include "cuda/ptx/sync.cuh"
 #include "cuda/sm90/glu_params.hpp"
 
 namespace moe::cuda::sm90 {
@@ -30,48 +32,61 @@ struct Rows {
   float p[2];     // router probs (1 without probs)
 };
 
-// Forward, layout with block size kBlock (1: pairs). `act` points at the tile's first feature of
-// row h; `col_limit` = columns of h left in the tile (n_out - n0).
-template <int kBlock, class T>
-__device__ __forceinline__ void forward_tile(const float (&acc)[128], const detail::GluMath<float>& math,
-                                             T* const (&act)[2], const Rows& rows, int32_t col_limit,
-                                             uint32_t q) {
+// Forward: act * p for one 64-feature chunk of the tile (kChunk = 0 or 1), layout with block size
+// kBlock (1: pairs), packed in 16-bit pairs for stage_act. Rows past the group's end are computed
+// too, without branches (their A rows were zero-filled, so the values are finite), and dropped by
+// the TMA store.
+template <int kBlock, int kChunk, class T>
+__device__ __forceinline__ void act_chunk(const float (&acc)[128], const detail::GluMath<float>& math,
+                                          const Rows& rows, uint32_t q, uint32_t (&out)[16]) {
   if constexpr (kBlock == 1) {
-    // Gate and linear are the two columns of one accumulator pair: one feature per row and j.
-    // Lanes q and q ^ 1 swap values so that each stores one pair of adjacent features: the even
-    // lane row 0's, the odd lane row 1's.
+    // Gate and linear are the two columns of one accumulator pair: one feature per row and j,
+    // feature 4j + q. Lanes q and q ^ 1 swap values so that each holds one pair of adjacent
+    // features: the even lane row 0's, the odd lane row 1's.
     const bool even = (q & 1u) == 0;
-    T* const row_act = even ? act[0] : act[1];  // selected, not indexed: no local-memory array
-    const bool row_ok = even ? rows.ok[0] : rows.ok[1];
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      // Rows past the group's end are skipped (whole warps past it skip the math).
-      const float v0 = rows.ok[0] ? math.forward(acc[4 * j], acc[4 * j + 1]) * rows.p[0] : 0.f;
-      const float v1 = rows.ok[1] ? math.forward(acc[4 * j + 2], acc[4 * j + 3]) * rows.p[1] : 0.f;
+    for (int i = 0; i < 16; ++i) {
+      const int j = 16 * kChunk + i;
+      const float v0 = math.forward(acc[4 * j], acc[4 * j + 1]) * rows.p[0];
+      const float v1 = math.forward(acc[4 * j + 2], acc[4 * j + 3]) * rows.p[1];
       const float other0 = __shfl_xor_sync(0xffffffffu, v0, 1);
       const float other1 = __shfl_xor_sync(0xffffffffu, v1, 1);
-      const uint32_t q0 = q & ~1u;
-      if (row_ok && int32_t(8 * j + 2 * q0) < col_limit) {
-        const uint32_t bits = even ? Pair16<T>::pack(v0, other0) : Pair16<T>::pack(other1, v1);
-        *reinterpret_cast<uint32_t*>(row_act + 4 * j + q0) = bits;
-      }
+      out[i] = even ? Pair16<T>::pack(v0, other0) : Pair16<T>::pack(other1, v1);
     }
   } else {
     static_assert(kBlock % 8 == 0 && 128 % kBlock == 0, "blocks of 8..128 columns");
     constexpr int kD = kBlock / 8;  // accumulator groups per half block
+    // The n-th gate group of the tile (features 8n + 2q, + 1) is accumulator group
+    // (n / kD) * 2 kD + n % kD; its linear partner is kD groups further.
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      if ((j / kD) % 2 != 0) continue;  // a linear group: consumed with its gate group
-      const int32_t f = (j / (2 * kD)) * kBlock + (j % kD) * 8 + 2 * int32_t(q);
-      if (int32_t(8 * j + 2 * q) >= col_limit) continue;
+    for (int i = 0; i < 8; ++i) {
+      const int n = 8 * kChunk + i;
+      const int j = (n / kD) * 2 * kD + n % kD;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if (!rows.ok[h]) continue;  // past the group's end
         const float a0 = math.forward(acc[4 * j + 2 * h], acc[4 * (j + kD) + 2 * h]) * rows.p[h];
         const float a1 = math.forward(acc[4 * j + 2 * h + 1], acc[4 * (j + kD) + 2 * h + 1]) * rows.p[h];
-        *reinterpret_cast<uint32_t*>(act[h] + f) = Pair16<T>::pack(a0, a1);
+        out[2 * i + h] = Pair16<T>::pack(a0, a1);
       }
     }
+  }
+}
+
+// Writes act_chunk's values into a 64-row x 128-byte, 128-byte-swizzled epilogue buffer (a TMA
+// store box). `row` = this thread's first row * 128 bytes; rows r and r + 8 share `swizzle`.
+template <int kBlock>
+__device__ __forceinline__ void stage_act(const uint32_t (&v)[16], uint32_t buffer, uint32_t row, uint32_t swizzle,
+                                          uint32_t q) {
+  if constexpr (kBlock == 1) {
+    const uint32_t r = buffer + row + (q & 1u) * 8 * 128;  // odd lanes hold row + 8
+    const uint32_t lane_bytes = 2 * (q & ~1u);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) ptx::st_shared_b32(r + ((8 * i + lane_bytes) ^ swizzle), v[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) ptx::st_shared_b32(buffer + row + h * 8 * 128 + ((16 * i + 4 * q) ^ swizzle), v[2 * i + h]);
   }
 }
 

@@ -19,8 +19,7 @@ namespace {
 using namespace launch_detail;
 
 template <Form kForm, class In>
-void launch_out(const GroupedGemmProblem& pr, const CUtensorMap& a, const CUtensorMap& b,
-                const CUtensorMap& d, const GemmParams& params, Stream stream) {
+void launch_out(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
   // Wgrads with 16-bit outputs over >= 4 k steps per tile on average: the whole 64 x 256 slab
   // of a math warpgroup goes out in one batch (WideEpilogue), measured 1-4% faster than two
   // batches with a 4-stage ring on the suite's bf16 wgrads (s10, performance log); 1-step tiles
@@ -30,30 +29,29 @@ void launch_out(const GroupedGemmProblem& pr, const CUtensorMap& a, const CUtens
   if constexpr (kForm == Form::kWgrad) {
     if (pr.capacity >= 4 * Config::kBlockK * pr.num_groups) {
       if (pr.out_dtype == DType::kBFloat16)
-        return launch<kForm, In, __nv_bfloat16, Epilogue::kStore, WideEpilogue>(pr, a, b, d, params, stream);
+        return launch<kForm, In, __nv_bfloat16, Epilogue::kStore, WideEpilogue>(pr, r, stream);
       if (pr.out_dtype == DType::kFloat16)
-        return launch<kForm, In, __half, Epilogue::kStore, WideEpilogue>(pr, a, b, d, params, stream);
+        return launch<kForm, In, __half, Epilogue::kStore, WideEpilogue>(pr, r, stream);
     }
   }
   switch (pr.out_dtype) {
     case DType::kBFloat16:
-      return launch<kForm, In, __nv_bfloat16>(pr, a, b, d, params, stream);
+      return launch<kForm, In, __nv_bfloat16>(pr, r, stream);
     case DType::kFloat16:
-      return launch<kForm, In, __half>(pr, a, b, d, params, stream);
+      return launch<kForm, In, __half>(pr, r, stream);
     case DType::kFloat32:
-      return launch<kForm, In, float>(pr, a, b, d, params, stream);
+      return launch<kForm, In, float>(pr, r, stream);
     default:
       throw_error(ErrorCode::kInternal, "grouped GEMM: unsupported output dtype");
   }
 }
 
 template <Form kForm>
-void launch_in(const GroupedGemmProblem& pr, const CUtensorMap& a, const CUtensorMap& b,
-               const CUtensorMap& d, const GemmParams& params, Stream stream) {
+void launch_in(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
   if (pr.in_dtype == DType::kBFloat16)
-    launch_out<kForm, __nv_bfloat16>(pr, a, b, d, params, stream);
+    launch_out<kForm, __nv_bfloat16>(pr, r, stream);
   else
-    launch_out<kForm, __half>(pr, a, b, d, params, stream);
+    launch_out<kForm, __half>(pr, r, stream);
 }
 
 }  // namespace
@@ -166,6 +164,7 @@ Prepared prepare(const GroupedGemmProblem& pr, Stream stream) {
       params.d_maps = expert_maps(pr.d, pr.out_dtype, chunk_cols, 64);
       break;
   }
+  r.e = r.d;
   return r;
 }
 
@@ -173,11 +172,11 @@ void run(const GroupedGemmProblem& pr, Stream stream) {
   const Prepared r = prepare(pr, stream);
   switch (pr.form) {
     case Form::kForward:
-      return launch_in<Form::kForward>(pr, r.a, r.b, r.d, r.params, stream);
+      return launch_in<Form::kForward>(pr, r, stream);
     case Form::kDgrad:
-      return launch_in<Form::kDgrad>(pr, r.a, r.b, r.d, r.params, stream);
+      return launch_in<Form::kDgrad>(pr, r, stream);
     case Form::kWgrad:
-      return launch_in<Form::kWgrad>(pr, r.a, r.b, r.d, r.params, stream);
+      return launch_in<Form::kWgrad>(pr, r, stream);
   }
 }
 

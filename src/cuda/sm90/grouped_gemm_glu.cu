@@ -7,6 +7,7 @@
 
 #include "cuda/sm90/grouped_gemm.hpp"
 #include "cuda/sm90/launch.cuh"
+#include "cuda/sm90/tensor_maps.hpp"
 
 namespace moe::cuda::sm90 {
 bool can_run_glu(const GroupedGemmProblem& p, const GluEpilogueParams& g, std::string* why) {
@@ -21,7 +22,9 @@ bool can_run_glu(const GroupedGemmProblem& p, const GluEpilogueParams& g, std::s
     if (!(s == 1 || s == 8 || s == 16 || s == 32 || s == 64 || s == 128))
       return no("the fused FC1 epilogue needs the GLU layout pairs or blocks:s with s in 8..128 a power of two");
     if (p.row_scale != nullptr) return no("FC1 has no scaled bias");
-    if (g.act == nullptr || !is_aligned(g.act, 4) || g.act_stride % 2) return no("act must be 4-byte aligned rows");
+    // act goes out by TMA: 16-byte aligned rows (F a multiple of 8 for a contiguous act).
+    if (g.act == nullptr || !is_aligned(g.act, 16) || (g.act_stride * 2) % 16)
+      return no("act must be 16-byte aligned rows");
     return true;
   }
   if (p.form == Form::kDgrad) {
@@ -41,19 +44,19 @@ void run_glu(const GroupedGemmProblem& pr, const GluEpilogueParams& glu, Stream 
             "sm90 GLU GEMM called for a problem it cannot run: ", why);
   Prepared r = prepare(pr, stream);
   r.params.glu = glu;
+  if (pr.form == Form::kForward)  // act [T, F]: 64-row x 64-feature boxes, clipped at each group's end
+    r.e = make_ragged_tensor_map(glu.act, pr.in_dtype, pr.n / 2, glu.act_stride, 64, 64);
   const bool fp16 = pr.in_dtype == DType::kFloat16;
   if (pr.form == Form::kForward) {
     if (fp16)
-      launch_detail::launch<Form::kForward, __half, __half, Epilogue::kGluForward>(pr, r.a, r.b, r.d, r.params, stream);
+      launch_detail::launch<Form::kForward, __half, __half, Epilogue::kGluForward>(pr, r, stream);
     else
-      launch_detail::launch<Form::kForward, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluForward>(pr, r.a, r.b, r.d, r.params,
-                                                                                 stream);
+      launch_detail::launch<Form::kForward, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluForward>(pr, r, stream);
   } else {
     if (fp16)
-      launch_detail::launch<Form::kDgrad, __half, __half, Epilogue::kGluBackward>(pr, r.a, r.b, r.d, r.params, stream);
+      launch_detail::launch<Form::kDgrad, __half, __half, Epilogue::kGluBackward>(pr, r, stream);
     else
-      launch_detail::launch<Form::kDgrad, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluBackward>(pr, r.a, r.b, r.d, r.params,
-                                                                                 stream);
+      launch_detail::launch<Form::kDgrad, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluBackward>(pr, r, stream);
   }
 }
 

@@ -92,7 +92,8 @@ template <Form kForm, class In, class Out, Epilogue kEpi = Epilogue::kStore, cla
 __global__ void __launch_bounds__(Config::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
-                        const __grid_constant__ CUtensorMap map_d, const GemmParams p) {
+                        const __grid_constant__ CUtensorMap map_d,
+                        const __grid_constant__ CUtensorMap map_e, const GemmParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace detail;
   static_assert(kEpi == Epilogue::kStore || (kEpi == Epilogue::kGluForward && kForm == Form::kForward) ||
@@ -133,6 +134,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     ptx::prefetch_tensor_map(&map_a);
     ptx::prefetch_tensor_map(&map_b);
     ptx::prefetch_tensor_map(&map_d);
+    if constexpr (kEpi == Epilogue::kGluForward) ptx::prefetch_tensor_map(&map_e);
   }
   auto make_scheduler = [&] {
     if constexpr (kKGrouped)
@@ -396,59 +398,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         }
       }
     }
-    if constexpr (kEpi != Epilogue::kStore) {
-      glu::Rows rows;
-      rows.row = t.row_begin + tile_row0 + int32_t(warp_row + row_in_16);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        rows.ok[h] = tile_row0 + int32_t(warp_row + row_in_16 + 8 * h) < t.rows;
-        rows.p[h] = rows.ok[h] && p.glu.probs != nullptr ? __ldg(p.glu.probs + rows.row + 8 * h) : 1.f;
-      }
-      const uint32_t q = opaque_lane % 4;
-      if constexpr (kEpi == Epilogue::kGluForward) {
-        if (p.bias != nullptr) {  // h = D + b1 (the bias pairs were staged above)
-          ptx::named_barrier_sync(1 + math, 128);
-#pragma unroll
-          for (int j = 0; j < kAccRegs / 4; ++j) {
-            const float2 b = Pair16<In>::unpack(ptx::ld_shared_b32(bias_tile + 4 * (4 * j + q)));
-            acc[4 * j] += b.x;
-            acc[4 * j + 1] += b.y;
-            acc[4 * j + 2] += b.x;
-            acc[4 * j + 3] += b.y;
-          }
-          ptx::named_barrier_sync(1 + math, 128);  // bias reads done before the next tile stages
-        }
-        // h as stored (16-bit): the activation sees what backward will read.
-#pragma unroll
-        for (int r = 0; r < kAccRegs; ++r) acc[r] = Pair16<In>::round(acc[r]);
-        if (slab_live) {
-          In* act_rows[2];
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            act_rows[h] = static_cast<In*>(p.glu.act) + (rows.row + 8 * h) * p.glu.act_stride + t.n0 / 2;
-          const int32_t col_limit = p.n_out - t.n0;
-          switch (p.glu.block) {
-            case 1: glu::forward_tile<1>(acc, p.glu.math, act_rows, rows, col_limit, q); break;
-            case 8: glu::forward_tile<8>(acc, p.glu.math, act_rows, rows, col_limit, q); break;
-            case 16: glu::forward_tile<16>(acc, p.glu.math, act_rows, rows, col_limit, q); break;
-            case 32: glu::forward_tile<32>(acc, p.glu.math, act_rows, rows, col_limit, q); break;
-            case 64: glu::forward_tile<64>(acc, p.glu.math, act_rows, rows, col_limit, q); break;
-            default: glu::forward_tile<128>(acc, p.glu.math, act_rows, rows, col_limit, q); break;
-          }
-        }
-        if (!p.glu.store_h) continue;
-      } else {
-        if (slab_live) {
-          const int32_t tile_index = t.n0 / kBN;
-          if (p.glu.block == 1)
-            glu::backward_tile<true, In>(acc, p.glu, rows, t.n0, p.n_out, tile_index, q);
-          else
-            glu::backward_tile<false, In>(acc, p.glu, rows, t.n0, p.n_out, tile_index, q);
-        }
-        have = scheduler.get(pair, next);
-        continue;
-      }
-    }
     constexpr int kChunkCols = 128 / int(sizeof(Out));  // columns per 128-byte row (a multiple of 8)
     constexpr int kGroupsPerChunk = kChunkCols / 8;     // 8-column accumulator groups per chunk
     constexpr int kChunks = kBN / kChunkCols;
@@ -471,17 +420,30 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     auto probe_step = [](int) {};
 #endif
     probe_step(0);
-#pragma unroll
-    for (int batch = 0; batch < kChunks / kBatch; ++batch) {
-      if (!slab_live || t.n0 + batch * kBatch * kChunkCols >= p.n_out) break;  // uniform
-      // The previous batch's (or tile's) stores must have finished reading the buffers.
+    // One batch: once the previous batch's (or tile's) stores have read the buffers, `stage`
+    // fills them and `issue` (one thread) sends them out.
+    auto run_batch = [&](auto&& stage, auto&& issue) {
       if (wg_thread == 0) ptx::bulk_wait_group_read<0>();
       probe_step(1);
       ptx::named_barrier_sync(1 + math, 128);
       probe_step(2);
-      // Accumulators (+ bias) -> 16- or 32-bit values in the swizzled buffers. The bias path is a
-      // separate copy: its shared loads and FMAs tripled this step when merely predicated off.
-      auto stage_batch = [&](auto with_bias) {
+      stage();
+      probe_step(3);
+      ptx::fence_proxy_async_shared();
+      probe_step(4);
+      ptx::named_barrier_sync(1 + math, 128);
+      probe_step(5);
+      if (wg_thread == 0) {
+        issue();
+        ptx::bulk_commit_group();
+      }
+      probe_step(6);
+    };
+    // Batch `batch` of D's chunks: accumulators (+ bias) -> 16- or 32-bit values in the swizzled
+    // buffers -> TMA stores. The bias path is a separate copy: its shared loads and FMAs tripled
+    // the staging when merely predicated off.
+    auto store_batch = [&](int batch, auto with_bias) {
+      auto stage = [&] {
 #pragma unroll
         for (int c = 0; c < kBatch; ++c) {
           const int chunk = batch * kBatch + c;
@@ -509,16 +471,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           }
         }
       };
-      if (kEpi == Epilogue::kStore && kForm == Form::kForward && p.bias != nullptr)
-        stage_batch(std::true_type{});
-      else
-        stage_batch(std::false_type{});
-      probe_step(3);
-      ptx::fence_proxy_async_shared();
-      probe_step(4);
-      ptx::named_barrier_sync(1 + math, 128);
-      probe_step(5);
-      if (wg_thread == 0) {
+      auto issue = [&] {
 #pragma unroll
         for (int c = 0; c < kBatch; ++c) {
           const int32_t col0 = t.n0 + (batch * kBatch + c) * kChunkCols;
@@ -536,9 +489,92 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
                               int32_t(Config::kRaggedRows));
           }
         }
-        ptx::bulk_commit_group();
+      };
+      run_batch(stage, issue);
+    };
+    // Batch `batch` has columns inside D (uniform).
+    auto batch_live = [&](int batch) { return t.n0 + batch * kBatch * kChunkCols < p.n_out; };
+
+    if constexpr (kEpi != Epilogue::kStore) {
+      glu::Rows rows;
+      rows.row = t.row_begin + tile_row0 + int32_t(warp_row + row_in_16);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        rows.ok[h] = tile_row0 + int32_t(warp_row + row_in_16 + 8 * h) < t.rows;
+        rows.p[h] = rows.ok[h] && p.glu.probs != nullptr ? __ldg(p.glu.probs + rows.row + 8 * h) : 1.f;
       }
-      probe_step(6);
+      const uint32_t q = opaque_lane % 4;
+      if constexpr (kEpi == Epilogue::kGluForward) {
+        if (p.bias != nullptr) {  // h = D + b1 (the bias pairs were staged above)
+          ptx::named_barrier_sync(1 + math, 128);
+#pragma unroll
+          for (int j = 0; j < kAccRegs / 4; ++j) {
+            const float2 b = Pair16<In>::unpack(ptx::ld_shared_b32(bias_tile + 4 * (4 * j + q)));
+            acc[4 * j] += b.x;
+            acc[4 * j + 1] += b.y;
+            acc[4 * j + 2] += b.x;
+            acc[4 * j + 3] += b.y;
+          }
+          ptx::named_barrier_sync(1 + math, 128);  // bias reads done before the next tile stages
+        }
+        // h as stored (16-bit): the activation sees what backward will read.
+#pragma unroll
+        for (int r = 0; r < kAccRegs; ++r) acc[r] = Pair16<In>::round(acc[r]);
+        // h (when kept) goes out in two batches of two 64-column chunks and act in a third; the
+        // activation math of each act chunk runs while the batch before it is being read by TMA,
+        // so no wait on the buffers is exposed. act's rows and columns past the group and past F
+        // are dropped by its ragged map.
+        auto glu_forward = [&](auto block) {
+          constexpr int kBlock = decltype(block)::value;
+          static_assert(kBatch == 2 && kChunks == 4, "FC1's GLU epilogue: h in two batches of two chunks");
+          uint32_t act0[16], act1[16];
+          if (p.glu.store_h) store_batch(0, std::false_type{});
+          glu::act_chunk<kBlock, 0, In>(acc, p.glu.math, rows, q, act0);
+          if (p.glu.store_h && batch_live(1)) store_batch(1, std::false_type{});
+          glu::act_chunk<kBlock, 1, In>(acc, p.glu.math, rows, q, act1);
+          const int32_t f0 = t.n0 / 2, ffn = p.n_out / 2;  // the tile's first feature; F
+          run_batch(
+              [&] {
+                glu::stage_act<kBlock>(act0, buffers, row_base, swizzle, q);
+                glu::stage_act<kBlock>(act1, buffers + Config::kEpilogueBufferBytes, row_base, swizzle, q);
+              },
+              [&] {
+#pragma unroll
+                for (int c = 0; c < 2; ++c)
+                  if (f0 + 64 * c < ffn)
+                    ptx::tma_store_4d(&map_e, buffers + c * Config::kEpilogueBufferBytes, f0 + 64 * c,
+                                      ragged_row(t, tile_row0), ragged_end(t), int32_t(Config::kRaggedRows));
+              });
+        };
+        if (slab_live) {
+          switch (p.glu.block) {
+            case 1: glu_forward(std::integral_constant<int, 1>{}); break;
+            case 8: glu_forward(std::integral_constant<int, 8>{}); break;
+            case 16: glu_forward(std::integral_constant<int, 16>{}); break;
+            case 32: glu_forward(std::integral_constant<int, 32>{}); break;
+            case 64: glu_forward(std::integral_constant<int, 64>{}); break;
+            default: glu_forward(std::integral_constant<int, 128>{}); break;
+          }
+        }
+      } else {
+        if (slab_live) {
+          const int32_t tile_index = t.n0 / kBN;
+          if (p.glu.block == 1)
+            glu::backward_tile<true, In>(acc, p.glu, rows, t.n0, p.n_out, tile_index, q);
+          else
+            glu::backward_tile<false, In>(acc, p.glu, rows, t.n0, p.n_out, tile_index, q);
+        }
+        have = scheduler.get(pair, next);
+      }
+    } else {
+#pragma unroll
+      for (int batch = 0; batch < kChunks / kBatch; ++batch) {
+        if (!slab_live || !batch_live(batch)) break;  // uniform
+        if (kForm == Form::kForward && p.bias != nullptr)
+          store_batch(batch, std::true_type{});
+        else
+          store_batch(batch, std::false_type{});
+      }
     }
 #ifdef MOE_SM90_PROBE
     if (probe) {

@@ -16,9 +16,10 @@
 
 namespace moe::cuda::sm90 {
 
-// A checked problem's tensor maps and kernel parameters (grouped_gemm.cu).
+// A checked problem's tensor maps and kernel parameters (grouped_gemm.cu). `e` is the GLU
+// forward's act map (grouped_gemm_glu.cu); elsewhere a copy of `d`, never used.
 struct Prepared {
-  CUtensorMap a, b, d;
+  CUtensorMap a, b, d, e;
   GemmParams params;
 };
 Prepared prepare(const GroupedGemmProblem& problem, Stream stream);
@@ -103,8 +104,7 @@ int persistent_grid(int device) {
 }
 
 template <Form kForm, class In, class Out, Epilogue kEpi = Epilogue::kStore, class Pipe = DeepRing>
-void launch(const GroupedGemmProblem& pr, const CUtensorMap& a, const CUtensorMap& b,
-            const CUtensorMap& d, const GemmParams& params, Stream stream) {
+void launch(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
   auto kernel = grouped_gemm_kernel<kForm, In, Out, kEpi, Pipe>;
   MOE_CHECK(pr.device >= 0 && pr.device < 64, ErrorCode::kDevice, "device index ", pr.device,
             " out of range");
@@ -115,7 +115,7 @@ void launch(const GroupedGemmProblem& pr, const CUtensorMap& a, const CUtensorMa
   unsigned long long zero[16] = {};
   MOE_CUDA_CHECK(cudaMemcpyToSymbol(g_probe, zero, sizeof(zero)), "probe reset");
 #endif
-  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a, b, d, params), "launching grouped_gemm_kernel");
+  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, r.a, r.b, r.d, r.e, r.params), "launching grouped_gemm_kernel");
 #ifdef MOE_SM90_PROBE
   unsigned long long v[16];
   MOE_CUDA_CHECK(cudaMemcpyFromSymbol(v, g_probe, sizeof(v)), "probe read");
