@@ -33,9 +33,9 @@ struct Rows {
 };
 
 // Forward: act * p for one 64-feature chunk of the tile (kChunk = 0 or 1), layout with block size
-// kBlock (1: pairs), packed in 16-bit pairs for stage_act. Rows past the group's end are computed
-// too, without branches (their A rows were zero-filled, so the values are finite), and dropped by
-// the TMA store.
+// kBlock (1: pairs), packed in 16-bit pairs for stage_act. A live warp's rows past the group's end
+// are computed too, without branches (their A rows were zero-filled: the values are finite), and
+// dropped by the TMA store.
 template <int kBlock, int kChunk, class T>
 __device__ __forceinline__ void act_chunk(const float (&acc)[128], const detail::GluMath<float>& math,
                                           const Rows& rows, uint32_t q, uint32_t (&out)[16]) {
@@ -125,7 +125,8 @@ __device__ __forceinline__ void backward_tile(const float (&acc)[128], const Glu
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // d(act * p) rounded to T, as the unfused path stores it.
-      const float d0 = Pair16<T>::round(acc[4 * j + 2 * h]), d1 = Pair16<T>::round(acc[4 * j + 2 * h + 1]);
+      float d0 = acc[4 * j + 2 * h], d1 = acc[4 * j + 2 * h + 1];
+      round_pair<T>(d0, d1);
       if (!rows.ok[h] || f >= ffn) continue;
       const float2 gv = Pair16<T>::unpack(gate[h]), lv = Pair16<T>::unpack(linear[h]);
       float act0, dg0, dl0, act1, dg1, dl1;

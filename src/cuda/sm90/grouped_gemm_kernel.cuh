@@ -519,7 +519,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         }
         // h as stored (16-bit): the activation sees what backward will read.
 #pragma unroll
-        for (int r = 0; r < kAccRegs; ++r) acc[r] = Pair16<In>::round(acc[r]);
+        for (int r = 0; r < kAccRegs; r += 2) round_pair<In>(acc[r], acc[r + 1]);
         // h (when kept) goes out in two batches of two 64-column chunks and act in a third; the
         // activation math of each act chunk runs while the batch before it is being read by TMA,
         // so no wait on the buffers is exposed. act's rows and columns past the group and past F
@@ -527,11 +527,14 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         auto glu_forward = [&](auto block) {
           constexpr int kBlock = decltype(block)::value;
           static_assert(kBatch == 2 && kChunks == 4, "FC1's GLU epilogue: h in two batches of two chunks");
-          uint32_t act0[16], act1[16];
+          // A warp whose 16 rows are all past the group's end skips the math (it would share
+          // its SM sub-partition's MUFU with a live warp of the other warpgroup).
+          const bool warp_live = tile_row0 + int32_t(warp_row) < t.rows;  // warp-uniform
+          uint32_t act0[16] = {}, act1[16] = {};
           if (p.glu.store_h) store_batch(0, std::false_type{});
-          glu::act_chunk<kBlock, 0, In>(acc, p.glu.math, rows, q, act0);
+          if (warp_live) glu::act_chunk<kBlock, 0, In>(acc, p.glu.math, rows, q, act0);
           if (p.glu.store_h && batch_live(1)) store_batch(1, std::false_type{});
-          glu::act_chunk<kBlock, 1, In>(acc, p.glu.math, rows, q, act1);
+          if (warp_live) glu::act_chunk<kBlock, 1, In>(acc, p.glu.math, rows, q, act1);
           const int32_t f0 = t.n0 / 2, ffn = p.n_out / 2;  // the tile's first feature; F
           run_batch(
               [&] {
