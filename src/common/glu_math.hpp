@@ -68,10 +68,14 @@ struct GluMath {
     return linear > limit ? limit : (linear < -limit ? -limit : linear);
   }
 
+  // kClamp = false skips the clamps, which are identities when limit = +inf (SwiGLU): the same
+  // values, bit for bit, in fewer instructions (the fused FC1 epilogue's choice).
+  template <bool kClamp = true>
   MOE_HOST_DEVICE T forward(T gate, T linear) const {
-    const T g = clamp_gate(gate);
-    return g * gate_sigmoid(g) * (clamp_linear(linear) + offset);
+    const T g = kClamp ? clamp_gate(gate) : gate;
+    return g * gate_sigmoid(g) * ((kClamp ? clamp_linear(linear) : linear) + offset);
   }
+  MOE_HOST_DEVICE bool clamps() const { return !(limit == std::numeric_limits<T>::infinity()); }
 
   // act = forward(gate, linear); d_gate / d_linear = d_act * the partial derivatives, which are 0
   // where gate > limit and where |linear| > limit respectively.
