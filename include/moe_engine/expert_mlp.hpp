@@ -26,7 +26,8 @@ struct ExpertMlpWeights {
 };
 
 // Which steps run fused on CUDA (sm_90a, packed weights, GLU layout pairs or blocks:s with s in
-// 8..128 a power of two; elsewhere everything runs unfused). Results agree within rounding.
+// 8..128 a power of two, and for the forward F a multiple of 8; elsewhere everything runs
+// unfused). Results agree within rounding.
 enum class MlpFusion {
   kNone,             // grouped GEMMs + GLU kernels
   kForward,          // GLU (+ b1, probs) in FC1's epilogue; backward unfused
