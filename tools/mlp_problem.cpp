@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstring>
 
-
 namespace moe::tools {
 namespace {
 

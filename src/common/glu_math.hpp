@@ -44,8 +44,13 @@ struct GluMath {
     return T(1) / (T(1) + exp_of(-(alpha * g)));
   }
 
-  // Clamps that let NaN through (a NaN input must not be clamped into a number). On sm_80+ in
-  // float: one NaN-propagating min/max instruction each instead of a compare and a select.
+  // Clamps that let NaN through (a NaN input must not be clamped into a number), as a compare and
+  // a select: the derivatives in backward share their predicates.
+  MOE_HOST_DEVICE T select_clamp_gate(T gate) const { return gate > limit ? limit : gate; }
+  MOE_HOST_DEVICE T select_clamp_linear(T linear) const {
+    return linear > limit ? limit : (linear < -limit ? -limit : linear);
+  }
+  // The same values; on sm_80+ in float one NaN-propagating min/max instruction each.
   MOE_HOST_DEVICE T clamp_gate(T gate) const {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     if constexpr (std::is_same_v<T, float>) {
@@ -54,7 +59,7 @@ struct GluMath {
       return r;
     }
 #endif
-    return gate > limit ? limit : gate;
+    return select_clamp_gate(gate);
   }
   MOE_HOST_DEVICE T clamp_linear(T linear) const {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -65,25 +70,20 @@ struct GluMath {
       return r;
     }
 #endif
-    return linear > limit ? limit : (linear < -limit ? -limit : linear);
+    return select_clamp_linear(linear);
   }
 
-  // kClamp = false skips the clamps, which are identities when limit = +inf (SwiGLU): the same
-  // values, bit for bit, in fewer instructions (the fused FC1 epilogue's choice).
-  template <bool kClamp = true>
   MOE_HOST_DEVICE T forward(T gate, T linear) const {
-    const T g = kClamp ? clamp_gate(gate) : gate;
-    return g * gate_sigmoid(g) * ((kClamp ? clamp_linear(linear) : linear) + offset);
+    const T g = clamp_gate(gate);
+    return g * gate_sigmoid(g) * (clamp_linear(linear) + offset);
   }
-  MOE_HOST_DEVICE bool clamps() const { return !(limit == std::numeric_limits<T>::infinity()); }
 
   // act = forward(gate, linear); d_gate / d_linear = d_act * the partial derivatives, which are 0
   // where gate > limit and where |linear| > limit respectively.
-  // The clamps are written as compares here: their predicates are shared with the derivatives'
-  // (same values as clamp_gate / clamp_linear; the min/max forms cost the dGLU epilogue spills).
+  // The select clamps here (the min/max forms made the dGLU epilogue spill).
   MOE_HOST_DEVICE void backward(T gate, T linear, T d_act, T& act, T& d_gate, T& d_linear) const {
-    const T g = gate > limit ? limit : gate;
-    const T l = (linear > limit ? limit : (linear < -limit ? -limit : linear)) + offset;
+    const T g = select_clamp_gate(gate);
+    const T l = select_clamp_linear(linear) + offset;
     const T s = gate_sigmoid(g);
     const T silu = g * s;
     act = silu * l;

@@ -21,7 +21,6 @@ struct Pair16<__nv_bfloat16> {
   __device__ static float2 unpack(uint32_t bits) {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
   }
-  __device__ static float round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 };
 
 template <>
@@ -31,12 +30,11 @@ struct Pair16<__half> {
     return *reinterpret_cast<const uint32_t*>(&v);
   }
   __device__ static float2 unpack(uint32_t bits) { return __half22float2(*reinterpret_cast<const __half2*>(&bits)); }
-  __device__ static float round(float v) { return __half2float(__float2half_rn(v)); }
 };
 
-// Rounds a and b to T and back, as round() does to each, through one packing conversion and
-// integer unpacking: a single conversion runs on the SM's XU pipe (16 lanes per clock, shared
-// with the MUFU transcendentals), the packing one on the ALU pipe. Bit-identical to round().
+// Rounds a and b to T (nearest even) and back, through one packing conversion and integer
+// unpacking: a single-value conversion would run on the SM's XU pipe (16 lanes per clock, shared
+// with the MUFU transcendentals), the packing one runs on the ALU pipe. Same bits either way.
 template <class T>
 __device__ __forceinline__ void round_pair(float& a, float& b) {
   const float2 v = Pair16<T>::unpack(Pair16<T>::pack(a, b));

@@ -36,7 +36,7 @@ struct Rows {
 // kBlock (1: pairs), packed in 16-bit pairs for stage_act. A live warp's rows past the group's end
 // are computed too, without branches (their A rows were zero-filled: the values are finite), and
 // dropped by the TMA store.
-template <int kBlock, int kChunk, bool kClamp, class T>
+template <int kBlock, int kChunk, class T>
 __device__ __forceinline__ void act_chunk(const float (&acc)[128], const detail::GluMath<float>& math,
                                           const Rows& rows, uint32_t q, uint32_t (&out)[16]) {
   if constexpr (kBlock == 1) {
@@ -47,8 +47,8 @@ __device__ __forceinline__ void act_chunk(const float (&acc)[128], const detail:
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int j = 16 * kChunk + i;
-      const float v0 = math.template forward<kClamp>(acc[4 * j], acc[4 * j + 1]) * rows.p[0];
-      const float v1 = math.template forward<kClamp>(acc[4 * j + 2], acc[4 * j + 3]) * rows.p[1];
+      const float v0 = math.forward(acc[4 * j], acc[4 * j + 1]) * rows.p[0];
+      const float v1 = math.forward(acc[4 * j + 2], acc[4 * j + 3]) * rows.p[1];
       const float other0 = __shfl_xor_sync(0xffffffffu, v0, 1);
       const float other1 = __shfl_xor_sync(0xffffffffu, v1, 1);
       out[i] = even ? Pair16<T>::pack(v0, other0) : Pair16<T>::pack(other1, v1);
@@ -64,8 +64,8 @@ __device__ __forceinline__ void act_chunk(const float (&acc)[128], const detail:
       const int j = (n / kD) * 2 * kD + n % kD;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float a0 = math.template forward<kClamp>(acc[4 * j + 2 * h], acc[4 * (j + kD) + 2 * h]) * rows.p[h];
-        const float a1 = math.template forward<kClamp>(acc[4 * j + 2 * h + 1], acc[4 * (j + kD) + 2 * h + 1]) * rows.p[h];
+        const float a0 = math.forward(acc[4 * j + 2 * h], acc[4 * (j + kD) + 2 * h]) * rows.p[h];
+        const float a1 = math.forward(acc[4 * j + 2 * h + 1], acc[4 * (j + kD) + 2 * h + 1]) * rows.p[h];
         out[2 * i + h] = Pair16<T>::pack(a0, a1);
       }
     }

@@ -524,18 +524,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         // activation math of each act chunk runs while the batch before it is being read by TMA,
         // so no wait on the buffers is exposed. act's rows and columns past the group and past F
         // are dropped by its ragged map.
-        auto glu_forward = [&](auto block, auto clamp) {
+        auto glu_forward = [&](auto block) {
           constexpr int kBlock = decltype(block)::value;
-          constexpr bool kClamp = decltype(clamp)::value;
           static_assert(kBatch == 2 && kChunks == 4, "FC1's GLU epilogue: h in two batches of two chunks");
           // A warp whose 16 rows are all past the group's end skips the math (it would share
           // its SM sub-partition's MUFU with a live warp of the other warpgroup).
           const bool warp_live = tile_row0 + int32_t(warp_row) < t.rows;  // warp-uniform
           uint32_t act0[16] = {}, act1[16] = {};
           if (p.glu.store_h) store_batch(0, std::false_type{});
-          if (warp_live) glu::act_chunk<kBlock, 0, kClamp, In>(acc, p.glu.math, rows, q, act0);
+          if (warp_live) glu::act_chunk<kBlock, 0, In>(acc, p.glu.math, rows, q, act0);
           if (p.glu.store_h && batch_live(1)) store_batch(1, std::false_type{});
-          if (warp_live) glu::act_chunk<kBlock, 1, kClamp, In>(acc, p.glu.math, rows, q, act1);
+          if (warp_live) glu::act_chunk<kBlock, 1, In>(acc, p.glu.math, rows, q, act1);
           const int32_t f0 = t.n0 / 2, ffn = p.n_out / 2;  // the tile's first feature; F
           run_batch(
               [&] {
@@ -550,22 +549,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
                                       ragged_row(t, tile_row0), ragged_end(t), int32_t(Config::kRaggedRows));
               });
         };
-        // One copy per layout and per clamping (SwiGLU's clamps are identities: skipped).
-        auto by_layout = [&](auto clamp) {
-          switch (p.glu.block) {
-            case 1: glu_forward(std::integral_constant<int, 1>{}, clamp); break;
-            case 8: glu_forward(std::integral_constant<int, 8>{}, clamp); break;
-            case 16: glu_forward(std::integral_constant<int, 16>{}, clamp); break;
-            case 32: glu_forward(std::integral_constant<int, 32>{}, clamp); break;
-            case 64: glu_forward(std::integral_constant<int, 64>{}, clamp); break;
-            default: glu_forward(std::integral_constant<int, 128>{}, clamp); break;
-          }
-        };
         if (slab_live) {
-          if (p.glu.math.clamps())
-            by_layout(std::true_type{});
-          else
-            by_layout(std::false_type{});
+          switch (p.glu.block) {
+            case 1: glu_forward(std::integral_constant<int, 1>{}); break;
+            case 8: glu_forward(std::integral_constant<int, 8>{}); break;
+            case 16: glu_forward(std::integral_constant<int, 16>{}); break;
+            case 32: glu_forward(std::integral_constant<int, 32>{}); break;
+            case 64: glu_forward(std::integral_constant<int, 64>{}); break;
+            default: glu_forward(std::integral_constant<int, 128>{}); break;
+          }
         }
       } else {
         if (slab_live) {
