@@ -16,9 +16,11 @@
 //
 // Schedule: a context's copies start when offload() is called (on a side stream, after the work
 // enqueued on `stream` so far, so they overlap the rest of the forward); the device memory of
-// layer i is released when layer i + 2 begins (`stream` then waits for layer i's copies), and for
-// the layers still in flight at the first restore of the step. Restoring layer i starts the reload
-// of layer i - 1. Which tensors go: those a context holds of at least `min_bytes`, on the offload's
+// layer i is released when layer i + 2 begins (`stream` then waits for layer i's copies), so at
+// most two layers' tensors are resident in the forward. Backward keeps the same window: restoring
+// layer i starts the reload of layer i - 1, and releases the layers above i. A layer whose device
+// memory is still held when its reload is due (the last offloaded one: nothing releases it before
+// backward) keeps it and is not copied back. Which tensors go: those a context holds of at least `min_bytes`, on the offload's
 // device, from layers below `offload_layers`, unless the module was built with
 // offload_activations = false (the per-module opt-out, honoured inside offloaded layers).
 //
@@ -82,6 +84,7 @@ class MOE_API ActivationOffload {
   void restore(MlpContext& ctx, Stream stream);
 
   int64_t offloaded_bytes() const;  // sent to host memory in the current step
+  int64_t reloaded_bytes() const;   // copied back in the current step (offloaded, less what was kept)
   size_t pinned_bytes() const;      // host memory held for reuse across steps (pinned on a CUDA device)
 
   struct Impl;

@@ -55,7 +55,8 @@ struct ActivationOffload::Impl {
     Shape shape;
     DType dtype = DType::kFloat32;
     HostBuffer* host = nullptr;
-    Tensor reloaded;  // the device copy once the reload has started
+    Tensor reloaded;  // the device copy once the reload has started (the original when kept)
+    Tensor source;    // the device original until the layer is released
   };
   struct Entry {  // one context that went through offload()
     std::vector<Saved> saved;
@@ -63,7 +64,7 @@ struct ActivationOffload::Impl {
   };
   struct Layer {
     std::vector<Entry> entries;
-    std::vector<Tensor> sources;  // device tensors kept until the compute stream has waited for their copies
+    std::vector<Tensor> sources;  // device originals, held until the compute stream has waited for their copies
     std::unique_ptr<Event> offloaded, reloaded;  // all D2H copies of the layer done; its reload done
     std::unique_ptr<Event> marker;                // "the compute stream got here", for the copy streams
     bool has_copies = false, reload_started = false;
@@ -85,7 +86,7 @@ struct ActivationOffload::Impl {
   uint64_t step = 0;
   int current = -1;           // the layer in forward; -1 before the first begin_layer
   bool in_backward = false;
-  int64_t offloaded_bytes = 0;
+  int64_t offloaded_bytes = 0, reloaded_bytes = 0;
 
   Impl(Device d, int n, int k, const OffloadOptions& o)
       : device(d), num_layers(n), offload_layers(k < 0 ? n - 1 : k), options(o), cuda(d.is_cuda()), layers(size_t(n)) {
@@ -140,7 +141,7 @@ struct ActivationOffload::Impl {
     }
     ++step;
     in_backward = false;
-    offloaded_bytes = 0;
+    offloaded_bytes = reloaded_bytes = 0;
   }
 
   // `stream` waits for the layer's copies to host; its device tensors are dropped (freed in
@@ -149,6 +150,8 @@ struct ActivationOffload::Impl {
     if (l.sources.empty()) return;
     wait(stream, *l.offloaded);
     l.sources.clear();
+    for (Entry& e : l.entries)
+      for (Saved& s : e.saved) s.source = Tensor();
   }
 
   void begin_layer(int layer, Stream stream) {
@@ -190,7 +193,7 @@ struct ActivationOffload::Impl {
         host = std::make_unique<HostBuffer>(t.nbytes(), cuda);
       }
       copy(host->data(), t.data(), t.nbytes(), d2h);
-      entry.saved.push_back({f, t.shape(), t.dtype(), host.get(), Tensor()});
+      entry.saved.push_back({f, t.shape(), t.dtype(), host.get(), Tensor(), t});
       offloaded_bytes += int64_t(t.nbytes());
       l.sources.push_back(std::move(t));
       t = Tensor();
@@ -206,6 +209,15 @@ struct ActivationOffload::Impl {
     Layer& l = layers[size_t(layer)];
     if (l.reload_started || !l.has_copies) return;
     l.reload_started = true;
+    if (!l.sources.empty()) {
+      // Not released yet: backward uses the originals, which the layer holds on until its
+      // backward is over and `stream` has waited for the copies out that read them.
+      for (Entry& e : l.entries)
+        for (Saved& s : e.saved) s.reloaded = std::move(s.source);
+      record(*l.reloaded, stream);
+      if (layer == 0) release(l, stream);  // no layer below whose restore would release it
+      return;
+    }
     // Allocated in stream order on the compute stream (freed there once backward is done with
     // them); the copy stream starts after that point and after the layer's copies out.
     for (Entry& e : l.entries)
@@ -214,7 +226,10 @@ struct ActivationOffload::Impl {
     wait(h2d, *l.marker);
     wait(h2d, *l.offloaded);
     for (Entry& e : l.entries)
-      for (Saved& s : e.saved) copy(s.reloaded.data(), s.host->data(), s.reloaded.nbytes(), h2d);
+      for (Saved& s : e.saved) {
+        copy(s.reloaded.data(), s.host->data(), s.reloaded.nbytes(), h2d);
+        reloaded_bytes += int64_t(s.reloaded.nbytes());
+      }
     record(*l.reloaded, h2d);
   }
 
@@ -227,10 +242,13 @@ struct ActivationOffload::Impl {
               ": the context comes from an earlier step (layer 0 has begun again since)");
     Entry& entry = layers[size_t(ticket.layer)].entries[size_t(ticket.entry)];
     MOE_CHECK(!entry.restored, ErrorCode::kInvalidArgument, who, ": the context was restored already");
-    if (!in_backward) {  // the first backward of the step: nothing stays in flight
+    if (!in_backward) {  // the first backward of the step: only its window stays (this layer and the one below)
       in_backward = true;
-      for (Layer& l : layers) release(l, stream);
+      for (int i = 0; i < num_layers; ++i)
+        if (i != ticket.layer && i != ticket.layer - 1) release(layers[size_t(i)], stream);
     }
+    for (int i = ticket.layer + 1; i < num_layers; ++i) release(layers[size_t(i)], stream);  // their backward is enqueued
+
     start_reload(ticket.layer, stream);
     if (ticket.layer >= 1) start_reload(ticket.layer - 1, stream);
     Layer& l = layers[size_t(ticket.layer)];
@@ -263,6 +281,7 @@ void ActivationOffload::offload(MlpContext& ctx, Stream stream) { impl_->offload
 void ActivationOffload::restore(LinearContext& ctx, Stream stream) { impl_->restore(ctx, stream, "ActivationOffload.restore"); }
 void ActivationOffload::restore(MlpContext& ctx, Stream stream) { impl_->restore(ctx, stream, "ActivationOffload.restore"); }
 int64_t ActivationOffload::offloaded_bytes() const { return impl_->offloaded_bytes; }
+int64_t ActivationOffload::reloaded_bytes() const { return impl_->reloaded_bytes; }
 size_t ActivationOffload::pinned_bytes() const { return impl_->pinned_bytes(); }
 
 }  // namespace moe

@@ -57,6 +57,9 @@ TEST_P(OffloadCpu, BitIdenticalToNoOffloadOverSteps) {
     for (int i = 0; i < shape.layers; ++i) EXPECT_EQ(b.mlp_offloaded[size_t(i)], i < shape.layers - 1) << i;
     EXPECT_LT(b.saved_bytes, a.saved_bytes);
     EXPECT_GT(offload.offloaded_bytes(), 0);
+    // The last offloaded layer is still held when backward begins: kept, not copied back (the
+    // layers are alike, so it is one (L - 1)-th of the bytes).
+    EXPECT_EQ(offload.reloaded_bytes() * (shape.layers - 1), offload.offloaded_bytes() * (shape.layers - 2));
     if (step == 0) host_after_first = offload.pinned_bytes();
     EXPECT_EQ(offload.pinned_bytes(), host_after_first) << "host buffers are reused, not grown";
   }

@@ -88,10 +88,38 @@ def test_offload_is_bit_identical_and_lowers_peak_memory(cuda):
     assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
     for a, b in zip(g0, grads(layers)):
         assert torch.equal(a, b)
-    # x and the pre-activation of 7 of the 8 layers went to the host; at most the last layer, the
-    # two in flight and one reloaded stay resident, so at least 3 layers' worth less at the peak
+    # x and the pre-activation of 7 of the 8 layers went to the host; layer 6, still held when
+    # backward began, was kept and not copied back
     assert offload.offloaded_bytes == 7 * PER_LAYER
+    assert offload.reloaded_bytes == 6 * PER_LAYER
     assert peak_off - peak_on >= 3 * PER_LAYER, (peak_on, peak_off)
+    # Saved activations resident: two layers' at most (the window), against all eight without
+    # offload (offload_layers=0 only counts); nothing is left counted after the step.
+    small = 64 << 10  # probs and splits
+    assert 2 * PER_LAYER <= offload.peak_saved_bytes <= 2 * PER_LAYER + small, offload.peak_saved_bytes
+    assert offload.saved_bytes == 0
+    meter = me.ActivationOffload(len(layers), offload_layers=0)
+    zero(layers)
+    y2, dx2 = step(layers, *args, offload=meter)
+    assert torch.equal(y0, y2) and torch.equal(dx0, dx2)
+    assert meter.offloaded_bytes == 0 and meter.saved_bytes == 0
+    assert 8 * PER_LAYER <= meter.peak_saved_bytes <= 8 * PER_LAYER + small, meter.peak_saved_bytes
+
+
+def test_offload_of_x_only_layers_is_bit_identical(cuda):
+    # recompute_fc1: a layer keeps x alone and runs FC1 again in backward
+    layers = stack(4, cuda, recompute_fc1=True)
+    args = inputs(4, cuda)
+    y0, dx0 = step(layers, *args)
+    g0 = grads(layers)
+    zero(layers)
+    offload = offloader(len(layers))
+    y1, dx1 = step(layers, *args, offload=offload)
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
+    for a, b in zip(g0, grads(layers)):
+        assert torch.equal(a, b)
+    assert offload.offloaded_bytes == 3 * T * H * 2 and offload.reloaded_bytes == 2 * T * H * 2
+    assert offload.saved_bytes == 0
 
 
 def test_opt_outs_keep_tensors_on_the_device(cuda):
@@ -129,6 +157,7 @@ def test_many_layers_and_steps_leak_nothing(cuda):
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == allocated
         assert offload.pinned_bytes() == pinned
+        assert offload.saved_bytes == 0
 
 
 @pytest.mark.parametrize("with_offload", [False, True])

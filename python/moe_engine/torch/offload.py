@@ -17,18 +17,27 @@ device memory is released, and they are copied back one layer ahead of the layer
 - When: the copy of a tensor starts when it is saved (an event on the current stream orders it
   after the kernel that produced it), so it overlaps the rest of the forward. The device memory of
   layer i is released when layer i + 2 starts (the current stream then waits for layer i's copies),
-  and at the start of backward for the layers still in flight; the reload of layer i starts when
-  the backward of layer i + 1 starts.
+  so at most two layers' activations are resident during the forward. Backward keeps the same
+  window, the layer in backward and the one below it: the reload of layer i starts when the
+  backward of layer i + 1 starts, and a layer whose device memory was still held when its reload
+  was due (the last offloaded one, released only when backward begins) keeps it and is not
+  copied back.
 - Results are bit-identical to running without offload: the same kernels see the same bytes.
 - Pinned buffers are allocated on first use per (layer, tensor slot) and kept across steps, so a
   step can be captured in a CUDA graph after one eager step and replayed (the copies and events
   are captured with it).
+- Accounting: ``saved_bytes`` is the device memory that the saved tensors of the step's layers
+  hold right now (offloaded ones until released, reloaded ones until their backward has used
+  them, the others while autograd keeps them; shared storage counted once), and
+  ``peak_saved_bytes`` its high-water mark since layer 0 began. ``offload_layers=0`` measures
+  a stack without moving anything.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -58,21 +67,31 @@ def mark_not_offload(*tensors: Tensor) -> None:
         t._moe_no_offload = True
 
 
-@dataclass
+@dataclass(eq=False)
 class _Saved:
+    """An offloaded tensor, as autograd holds it between forward and backward."""
     layer: int
     host: Tensor
     shape: Tuple[int, ...]
     dtype: torch.dtype
-    device_tensor: Optional[Tensor] = None  # the reloaded copy
+    source: Optional[Tensor] = None  # the device original, until the layer is released
+    device_tensor: Optional[Tensor] = None  # the copy for backward (the original when kept)
+
+
+class _Kept:
+    """A saved tensor that stays on the device (tracked for ``saved_bytes`` only)."""
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: Tensor):
+        self.tensor = tensor
 
 
 @dataclass
 class _Layer:
     saved: List[_Saved] = field(default_factory=list)
     offloaded: Optional[torch.cuda.Event] = None  # all of the layer's D2H copies done
-    sources: List[Tensor] = field(default_factory=list)  # device tensors kept until their copy ends
-    reloaded: Optional[torch.cuda.Event] = None
+    held: List[Tensor] = field(default_factory=list)  # device originals, kept until their copy out ends
+    reloaded: Optional[torch.cuda.Event] = None  # None when nothing had to come back
     reload_started: bool = False
 
 
@@ -107,7 +126,11 @@ class ActivationOffload:
         self._pool: Dict[Tuple[int, int], Tensor] = {}  # pinned buffers, kept across steps
         self._layers = [_Layer() for _ in range(num_layers)]
         self._in_backward = False
-        self.offloaded_bytes = 0  # of the last step
+        self._storages: Dict[int, List[int]] = {}  # device storage address -> [holders, bytes]
+        self.saved_bytes = 0
+        self.peak_saved_bytes = 0  # of the current / last step
+        self.offloaded_bytes = 0  # of the last step: copied to the host
+        self.reloaded_bytes = 0  # of the last step: copied back (offloaded minus kept)
 
     # ---- forward ----
 
@@ -119,10 +142,7 @@ class ActivationOffload:
             self._new_step()
         if index >= 2:
             self._release(index - 2)
-        if index < self.offload_layers:
-            with torch.autograd.graph.saved_tensors_hooks(self._packer(index), self._unpack):
-                yield _Scope(self, index)
-        else:
+        with torch.autograd.graph.saved_tensors_hooks(self._packer(index), self._unpack):
             yield _Scope(self, index)
         st = self._layers[index]
         if st.saved:
@@ -131,9 +151,12 @@ class ActivationOffload:
 
     def _new_step(self) -> None:
         # A previous step's records live on in its autograd graph (if any) until that is freed.
+        for i in range(self.num_layers):
+            self._release(i)
         self._layers = [_Layer() for _ in range(self.num_layers)]
         self._in_backward = False
-        self.offloaded_bytes = 0
+        self.peak_saved_bytes = self.saved_bytes
+        self.offloaded_bytes = self.reloaded_bytes = 0
 
     def _pinned(self, index: int, slot: int, t: Tensor) -> Tensor:
         buf = self._pool.get((index, slot))
@@ -150,18 +173,22 @@ class ActivationOffload:
         st = self._layers[index]
 
         def pack(t: Tensor):
-            if (_opted_out() or isinstance(t, torch.nn.Parameter) or not t.is_cuda or t.device != self.device
-                    or getattr(t, "_moe_no_offload", False) or t.numel() * t.element_size() < self.min_bytes
-                    or not t.is_contiguous()):
+            if isinstance(t, torch.nn.Parameter) or not t.is_cuda or t.device != self.device:
                 return t
+            if (index >= self.offload_layers or _opted_out() or getattr(t, "_moe_no_offload", False)
+                    or t.numel() * t.element_size() < self.min_bytes or not t.is_contiguous()):
+                kept = _Kept(t)
+                self._track(kept, t)
+                return kept
             host = self._pinned(index, len(st.saved), t)
             produced = torch.cuda.Event()
             produced.record(torch.cuda.current_stream(self.device))
             self._d2h.wait_event(produced)
             with torch.cuda.stream(self._d2h):
                 host.copy_(t, non_blocking=True)
-            st.sources.append(t)  # released once the current stream has waited for the copy
-            rec = _Saved(index, host, tuple(t.shape), t.dtype)
+            self._hold(t)  # until released
+            st.held.append(t)
+            rec = _Saved(index, host, tuple(t.shape), t.dtype, source=t)
             st.saved.append(rec)
             self.offloaded_bytes += t.numel() * t.element_size()
             return rec
@@ -169,20 +196,28 @@ class ActivationOffload:
         return pack
 
     def _release(self, index: int) -> None:
-        """The current stream waits for layer ``index``'s copies; its device memory is freed."""
+        """The current stream waits for layer ``index``'s copies out; its device originals are
+        dropped (freed, unless kept for backward or held elsewhere)."""
         st = self._layers[index]
-        if st.sources:
+        if st.held:
             torch.cuda.current_stream(self.device).wait_event(st.offloaded)
-            st.sources.clear()
+            for t in st.held:
+                self._unhold(t.untyped_storage().data_ptr())
+            st.held.clear()
+            for rec in st.saved:
+                rec.source = None
 
     # ---- backward ----
 
     def _backward_hook(self, index: int):
         def hook(grad):
-            if not self._in_backward:  # the first layer to run backward: nothing stays in flight
+            if not self._in_backward:  # the first layer to run backward: only its window stays
                 self._in_backward = True
                 for i in range(self.num_layers):
-                    self._release(i)
+                    if i not in (index, index - 1):
+                        self._release(i)
+            for i in range(index + 1, self.num_layers):  # done with backward (kept originals)
+                self._release(i)
             self._start_reload(index)
             if index >= 1:
                 self._start_reload(index - 1)
@@ -195,11 +230,24 @@ class ActivationOffload:
         if st.reload_started or not st.saved:
             return
         st.reload_started = True
+        if all(rec.source is not None for rec in st.saved):
+            # Still on the device (not released yet): backward uses the originals, which stay
+            # held until the layer's backward is over and the current stream has waited for the
+            # copies out that read them.
+            for rec in st.saved:
+                rec.device_tensor, rec.source = rec.source, None
+                self._track(rec, rec.device_tensor)
+            st.saved = []
+            if index == 0:  # no layer below whose backward hook would release it
+                self._release(0)
+            return
         main = torch.cuda.current_stream(self.device)
         # The reloaded tensors are allocated on the current stream (freed there after their use in
         # backward); the copy stream starts once the current stream has reached this point.
         for rec in st.saved:
             rec.device_tensor = torch.empty(rec.shape, dtype=rec.dtype, device=self.device)
+            self._track(rec, rec.device_tensor)
+            self.reloaded_bytes += rec.device_tensor.numel() * rec.device_tensor.element_size()
         here = torch.cuda.Event()
         here.record(main)
         self._h2d.wait_event(here)
@@ -214,14 +262,42 @@ class ActivationOffload:
         st.saved = []
 
     def _unpack(self, rec):
+        if isinstance(rec, _Kept):
+            return rec.tensor
         if not isinstance(rec, _Saved):
             return rec
         st = self._layers[rec.layer]
         if not st.reload_started:  # no output() marked for this layer: reload on demand
             self._start_reload(rec.layer)
-        torch.cuda.current_stream(self.device).wait_event(st.reloaded)
+        if st.reloaded is not None:
+            torch.cuda.current_stream(self.device).wait_event(st.reloaded)
         # The record (and so the reloaded copy) lives as long as autograd keeps the saved tensor.
         return rec.device_tensor
+
+    # ---- accounting ----
+
+    def _hold(self, t: Tensor) -> int:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        entry = self._storages.get(key)
+        if entry is None:
+            self._storages[key] = [1, storage.nbytes()]
+            self.saved_bytes += storage.nbytes()
+            self.peak_saved_bytes = max(self.peak_saved_bytes, self.saved_bytes)
+        else:
+            entry[0] += 1
+        return key
+
+    def _unhold(self, key: int) -> None:
+        entry = self._storages[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._storages[key]
+            self.saved_bytes -= entry[1]
+
+    def _track(self, holder, t: Tensor) -> None:
+        """Counts t's storage while autograd keeps ``holder``."""
+        weakref.finalize(holder, self._unhold, self._hold(t))
 
     def pinned_bytes(self) -> int:
         """Pinned host memory held for reuse across steps."""
