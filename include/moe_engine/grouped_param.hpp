@@ -61,6 +61,11 @@ class MOE_API GroupedTensor {
   GroupedTensor() = default;
   static GroupedTensor zeros(int64_t groups, const Shape& expert_shape, DType dtype, Device device,
                              ExpertLayout layout);
+  // The packed layout in stream-ordered memory (Tensor::zeros_async: no synchronization, so it can
+  // be captured in a CUDA graph); the per-expert layout as zeros() (its pointer table is a
+  // synchronous upload).
+  static GroupedTensor zeros_async(int64_t groups, const Shape& expert_shape, DType dtype, Device device,
+                                   ExpertLayout layout, Stream stream);
   bool defined() const { return view_.defined(); }
   const GroupedParam& view() const { return view_; }
   operator const GroupedParam&() const { return view_; }  // NOLINT: passes where views are expected

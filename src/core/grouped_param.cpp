@@ -90,6 +90,18 @@ const char* expert_layout_name(ExpertLayout layout) {
   return layout == ExpertLayout::kPacked ? "packed" : "per-expert";
 }
 
+GroupedTensor GroupedTensor::zeros_async(int64_t groups, const Shape& expert_shape, DType dtype, Device device,
+                                         ExpertLayout layout, Stream stream) {
+  if (layout != ExpertLayout::kPacked) return zeros(groups, expert_shape, dtype, device, layout);
+  MOE_CHECK(groups >= 1, ErrorCode::kInvalidArgument, "GroupedTensor: expected G >= 1, got ", groups);
+  Shape shape{groups};
+  for (int64_t d : expert_shape) shape.push_back(d);
+  GroupedTensor t;
+  t.packed_ = Tensor::zeros_async(shape, dtype, device, stream);
+  t.view_ = GroupedParam::packed(t.packed_);
+  return t;
+}
+
 GroupedTensor GroupedTensor::zeros(int64_t groups, const Shape& expert_shape, DType dtype, Device device,
                                    ExpertLayout layout) {
   MOE_CHECK(groups >= 1, ErrorCode::kInvalidArgument, "GroupedTensor: expected G >= 1, got ", groups);

@@ -92,7 +92,8 @@ LinearBackwardResult GroupedLinear::backward(LinearContext& ctx, const Tensor& d
   if (bias_) {
     if (bias_->requires_grad) {
       r.bias.kind = GradKind::kGrad;
-      r.bias.grad = GroupedTensor::zeros(groups_, {out_}, options_.dtype, options_.device, bias_->layout());
+      r.bias.grad = GroupedTensor::zeros_async(groups_, {out_}, options_.dtype, options_.device, bias_->layout(),
+                                               exec.stream);
       grouped_linear_dbias(dy, groups, r.bias.grad, GradMode::kWrite, ctx.row_scale_.view(), exec);
     }
     if (options_.scale_bias) {

@@ -133,7 +133,8 @@ MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const 
   auto bias_grad = [&](std::optional<Parameter>& bias, ParamGradResult& result, ParamGrad& target) {
     if (!bias || !bias->requires_grad) return;
     result.kind = GradKind::kGrad;
-    result.grad = GroupedTensor::zeros(groups_, bias->expert_shape(), options_.dtype, options_.device, bias->layout());
+    result.grad = GroupedTensor::zeros_async(groups_, bias->expert_shape(), options_.dtype, options_.device,
+                                             bias->layout(), exec.stream);
     target = {result.grad.view(), GradMode::kWrite};
   };
   bias_grad(fc1_bias_, r.fc1_bias, g.fc1_bias);

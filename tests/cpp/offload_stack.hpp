@@ -21,6 +21,14 @@ struct StackShape {
   int opt_out_layer = -1;  // this layer's MLP is built with offload_activations = false
 };
 
+// What one step hands back, on the device (run(): nothing synchronizes, so it can be captured).
+struct DeviceStep {
+  Tensor y, dx;
+  std::vector<Tensor> dprobs;  // per layer from the top: the linear's dscales, the MLP's dprobs
+  int64_t saved_bytes = 0;
+  std::vector<bool> mlp_offloaded;
+};
+
 struct StepResult {
   Tensor y, dx;                     // host copies
   std::vector<Tensor> dprobs;       // host copies, per layer from the top: the linear's dscales, the MLP's dprobs
@@ -59,11 +67,24 @@ class OffloadStack {
   // One forward + backward over `x` [T, H] with per-layer routings and probs [T]; dy [T, H].
   StepResult step(const Tensor& x, const std::vector<GroupLayout>& routing, const Tensor& probs, const Tensor& dy,
                   ActivationOffload* offload, Stream stream) {
+    DeviceStep d = run(x, routing, probs, dy, offload, stream);
+    StepResult r;
+    r.saved_bytes = d.saved_bytes;
+    r.mlp_offloaded = d.mlp_offloaded;
+    r.y = host(d.y, stream);
+    r.dx = host(d.dx, stream);
+    for (const Tensor& t : d.dprobs) r.dprobs.push_back(host(t, stream));
+    return r;
+  }
+
+  // The step's work, enqueued on `stream` (forward, backward, backward_dw); no synchronization.
+  DeviceStep run(const Tensor& x, const std::vector<GroupLayout>& routing, const Tensor& probs, const Tensor& dy,
+                 ActivationOffload* offload, Stream stream) {
     const ExecContext exec{stream, {}};
     const int L = shape_.layers;
     std::vector<MlpContext> mlp_ctx(static_cast<size_t>(L));
     std::vector<LinearContext> lin_ctx(static_cast<size_t>(L));
-    StepResult r;
+    DeviceStep r;
     Tensor h = x;
     for (int i = 0; i < L; ++i) {
       if (offload) offload->begin_layer(i, stream);
@@ -82,23 +103,23 @@ class OffloadStack {
       r.mlp_offloaded.push_back(mlp_ctx[size_t(i)].offloaded());
     }
     Tensor grad = dy;
-    std::vector<Tensor> dprobs;
     for (int i = L - 1; i >= 0; --i) {
       if (offload) offload->restore(lin_ctx[size_t(i)], stream);
       LinearBackwardResult lb = linears_[size_t(i)]->backward(lin_ctx[size_t(i)], grad, exec);
       if (offload) offload->restore(mlp_ctx[size_t(i)], stream);
       MlpBackwardResult mb = mlps_[size_t(i)]->backward(mlp_ctx[size_t(i)], lb.dx, exec);
       grad = mb.dx;
-      dprobs.push_back(lb.dscales);
-      dprobs.push_back(mb.dprobs);
+      r.dprobs.push_back(lb.dscales);
+      r.dprobs.push_back(mb.dprobs);
     }
     for (int i = 0; i < L; ++i) mlps_[size_t(i)]->backward_dw(exec), linears_[size_t(i)]->backward_dw(exec);
     // Nothing above waits for the device: the copies race the compute unless the events order them.
-    r.y = host(h, stream);
-    r.dx = host(grad, stream);
-    for (const Tensor& d : dprobs) r.dprobs.push_back(host(d, stream));
+    r.y = h;
+    r.dx = grad;
     return r;
   }
+
+  const std::vector<Tensor>& main_grads() const { return main_grads_; }
 
   std::vector<Tensor> main_grads_on_host(Stream stream) const {
     std::vector<Tensor> out;

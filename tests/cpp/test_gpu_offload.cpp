@@ -1,12 +1,14 @@
 // ActivationOffload on CUDA (label "gpu"): bit-identical to no offload on a non-blocking stream
 // with nothing synchronizing inside a step (so only the events order the copies); the peak of
 // stream-ordered device memory drops by what the offloaded layers saved; many layers x steps leak
-// neither device nor pinned memory. Skips, saying why, without a GPU.
+// neither device nor pinned memory; the whole stack's step captured in a CUDA graph, with and
+// without offload, replays new routings like eager steps. Skips, saying why, without a GPU.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
+#include <memory>
 
 #include "gpu_support.hpp"
 #include "offload_stack.hpp"
@@ -150,6 +152,73 @@ TEST(GpuOffloadMemory, ManyLayersAndStepsLeakNothing) {
   }
   in.check_flags();
 }
+
+// The whole stack (per layer a GroupedMLP and a GroupedLinear; delayed wgrad, main_grad
+// accumulation, bias grads, dprobs) captured once with cudaStreamCaptureModeGlobal, with and
+// without offload, and replayed with new routings: every replay equal bit for bit to an eager step
+// of an identical stack without offload.
+class GpuOffloadGraph : public ::testing::TestWithParam<bool> {};  // with offload or not
+
+TEST_P(GpuOffloadGraph, WholeStackReplaysWithNewRoutingsLikeEager) {
+  if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
+  StackShape shape;
+  shape.layers = 4;
+  shape.groups = 8;
+  shape.hidden = 256;
+  shape.ffn = 512;
+  shape.delay_wgrad = true;
+  const int64_t T = 2048;
+  Rng rng;
+  GpuInputs in(shape, T, rng);  // its routings' device splits are the graph's routing inputs
+  Stream stream;
+  const Device cuda = Device::cuda(0);
+  OffloadStack plain(shape, cuda), graphed(shape, cuda);
+  std::unique_ptr<ActivationOffload> offload;
+  if (GetParam()) offload = std::make_unique<ActivationOffload>(cuda, shape.layers);
+  auto layouts = [&] {  // offsets from the current splits, on the stream (captured with the step)
+    std::vector<GroupLayout> l;
+    for (auto& r : in.routings) l.push_back(GroupLayout::compute(r->splits, T, r->offsets, &r->flag, stream.s));
+    return l;
+  };
+  Tensor y = Tensor::empty({T, shape.hidden}, DType::kBFloat16, cuda);
+  Tensor dx = Tensor::empty({T, shape.hidden}, DType::kBFloat16, cuda);
+  std::vector<Tensor> dprobs;
+  for (int i = 0; i < 2 * shape.layers; ++i) dprobs.push_back(Tensor::empty({T}, DType::kFloat32, cuda));
+  auto record = [&] {  // the step's own tensors are allocated and freed inside it
+    const DeviceStep d = graphed.run(in.x, layouts(), in.probs, in.dy, offload.get(), stream.s);
+    copy_tensor(y, d.y, stream.s);
+    copy_tensor(dx, d.dx, stream.s);
+    for (size_t i = 0; i < dprobs.size(); ++i) copy_tensor(dprobs[i], d.dprobs[i], stream.s);
+  };
+  record();  // eager warm-up: pinned buffers
+  synchronize(stream.s);
+  CapturedGraph graph(stream.s, record);
+  for (int replay = 0; replay < 4; ++replay) {
+    SCOPED_TRACE("routing " + std::to_string(replay));
+    for (auto& r : in.routings) {
+      std::vector<int64_t> s = random_splits(rng, shape.groups, 2 * T / shape.groups);
+      if (replay == 1) s.assign(size_t(shape.groups), 0), s[3] = T - 8;  // one expert takes (almost) all
+      if (replay == 2) s.assign(size_t(shape.groups), 0);                // no rows at all
+      int64_t sum = 0;
+      for (int64_t& v : s) v = std::min(v, T - 8 - sum), sum += v;  // rows past the end stay
+      copy_tensor(r->splits, splits_tensor_for(s), stream.s);
+    }
+    for (OffloadStack* st : {&plain, &graphed})
+      for (const Tensor& g : st->main_grads()) fill_bytes(g, 0, stream.s);
+    for (Tensor* t : {&y, &dx}) fill_bytes(*t, kPoison, stream.s);
+    graph.launch();
+    const StepResult eager = plain.step(in.x, layouts(), in.probs, in.dy, nullptr, stream.s);
+    EXPECT_TRUE(bitwise_equal(to_host(y), eager.y));
+    EXPECT_TRUE(bitwise_equal(to_host(dx), eager.dx));
+    for (size_t i = 0; i < dprobs.size(); ++i) EXPECT_TRUE(bitwise_equal(to_host(dprobs[i]), eager.dprobs[i])) << i;
+    const std::vector<Tensor> ga = plain.main_grads_on_host(stream.s), gb = graphed.main_grads_on_host(stream.s);
+    for (size_t i = 0; i < ga.size(); ++i) EXPECT_TRUE(bitwise_equal(ga[i], gb[i])) << "main_grad " << i;
+  }
+  in.check_flags();
+}
+
+INSTANTIATE_TEST_SUITE_P(Offload, GpuOffloadGraph, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "WithOffload" : "WithoutOffload"; });
 
 }  // namespace
 }  // namespace moe::test
