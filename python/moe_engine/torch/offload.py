@@ -11,7 +11,10 @@ device memory is released, and they are copied back one layer ahead of the layer
     loss(x).backward()
 
 - What is offloaded: CUDA tensors saved for backward inside ``layer(i)`` of at least ``min_bytes``,
-  except parameters (weights are never offloaded) and tensors marked with ``mark_not_offload``.
+  except parameters (weights are never offloaded), other leaves that require grad (the caller's
+  inputs: autograd's gradient accumulator holds them until backward, so offloading them would free
+  nothing and its reload would make a second copy; like parameters, they are not counted in
+  ``saved_bytes``) and tensors marked with ``mark_not_offload``.
   ``no_offload()`` (or a module built with ``offload_activations=False``) opts out inside an
   offloaded region.
 - When: the copy of a tensor starts when it is saved (an event on the current stream orders it
@@ -173,7 +176,8 @@ class ActivationOffload:
         st = self._layers[index]
 
         def pack(t: Tensor):
-            if isinstance(t, torch.nn.Parameter) or not t.is_cuda or t.device != self.device:
+            if (isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad) or not t.is_cuda
+                    or t.device != self.device):
                 return t
             if (index >= self.offload_layers or _opted_out() or getattr(t, "_moe_no_offload", False)
                     or t.numel() * t.element_size() < self.min_bytes or not t.is_contiguous()):
