@@ -53,10 +53,11 @@ MlpProblem::MlpProblem(const Workload& w, const GluLayout& layout, DType dtype, 
     db1_ = Tensor::empty({G, 2 * F}, dtype, device);
     db2_ = Tensor::empty({G, H}, dtype, device);
   }
-  // Sized for both modes (recompute needs the larger scratch on either side).
+  // Sized for every mode (recompute and the fused dGLU need the larger scratch).
   forward_ws_ = Tensor::empty({int64_t(expert_mlp_forward_workspace_size(T, H, F, dtype, false))},
                               DType::kUInt8, device);
-  backward_ws_ = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(T, H, F, dtype, true))},
+  backward_ws_ = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(T, H, F, dtype, true,
+                                                                                MlpFusion::kForwardBackward))},
                                DType::kUInt8, device);
 }
 

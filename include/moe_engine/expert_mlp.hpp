@@ -64,8 +64,10 @@ struct ExpertMlpGrads {
   ParamGrad fc1_weight, fc1_bias, fc2_weight, fc2_bias;
 };
 
+// Scratch the backward needs (3F per row; 5F when FC1 is recomputed and the fusion is kForwardBackward,
+// whose dGLU cannot run in place): pass the spec's fusion.
 MOE_API size_t expert_mlp_backward_workspace_size(int64_t capacity, int64_t hidden, int64_t ffn,
-                                                  DType dtype, bool recompute_fc1);
+                                                  DType dtype, bool recompute_fc1, MlpFusion fusion);
 
 // fc1_out: the pre-activation saved by forward, or undefined to recompute it from x. x may be
 // undefined when fc1_out is given and no FC1 weight gradient is asked for.

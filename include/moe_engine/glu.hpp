@@ -75,7 +75,9 @@ struct GluBackwardOutputs {
   TensorView out;     // [T, F], optional: the forward output act * p, recomputed
 };
 
-// From d_out = dL/d(out): dh and, optionally, dprobs and the recomputed out.
+// From d_out = dL/d(out): dh and, optionally, dprobs and the recomputed out. In place is allowed:
+// dh may be h itself and out may be d_out itself (each element is read before it is written);
+// any other overlap between outputs and inputs is an error.
 // The gradient w.r.t. gate is 0 where gate > limit, w.r.t. linear where |linear| > limit.
 MOE_API void glu_backward(const TensorView& h, const TensorView& probs, const TensorView& d_out,
                           const GroupLayout& groups, const GluBackwardOutputs& outputs,

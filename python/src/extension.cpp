@@ -365,8 +365,8 @@ NB_MODULE(_C, m) {
           return expert_mlp_forward_workspace_size(T, H, F, DType(dtype), save_fc1_out);
         });
   m.def("expert_mlp_backward_workspace_size",
-        [](int64_t T, int64_t H, int64_t F, int dtype, bool recompute_fc1) {
-          return expert_mlp_backward_workspace_size(T, H, F, DType(dtype), recompute_fc1);
+        [](int64_t T, int64_t H, int64_t F, int dtype, bool recompute_fc1, const std::string& fusion) {
+          return expert_mlp_backward_workspace_size(T, H, F, DType(dtype), recompute_fc1, parse_fusion(fusion));
         });
 
   m.def("grouped_linear_forward", &grouped_linear_forward_py);

@@ -52,12 +52,14 @@ __device__ __forceinline__ void reduce_row(float dp, float (&warp_sums)[kThreads
   __syncthreads();  // warp_sums is reused by the next row
 }
 
+// The backward kernels may run in place (dh = h, out = d_out): every element is read and then
+// written by the same thread, so those four pointers are not __restrict__.
 template <class T>
-__global__ void glu_backward_kernel(const T* __restrict__ h, int64_t ldh, const float* __restrict__ probs,
-                                    const T* __restrict__ d_out, int64_t ldd, const int64_t* __restrict__ offsets,
+__global__ void glu_backward_kernel(const T* h, int64_t ldh, const float* __restrict__ probs,
+                                    const T* d_out, int64_t ldd, const int64_t* __restrict__ offsets,
                                     int64_t num_groups, int32_t ffn, int32_t block, detail::GluMath<float> math,
-                                    T* __restrict__ dh, int64_t lddh, float* __restrict__ dprobs,
-                                    T* __restrict__ out, int64_t ldo) {
+                                    T* dh, int64_t lddh, float* __restrict__ dprobs,
+                                    T* out, int64_t ldo) {
   __shared__ float warp_sums[kThreads / 32];
   const int64_t rows = offsets[num_groups];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -83,11 +85,11 @@ __global__ void glu_backward_kernel(const T* __restrict__ h, int64_t ldh, const 
 // values g(j), l(j), g(j + 1), l(j + 1) are one 64-bit word. Same math and order per row as the
 // scalar kernel except that dprobs adds the two features' terms in one step.
 template <class T, bool kPairs>
-__global__ void glu_backward_x2_kernel(const T* __restrict__ h, int64_t ldh, const float* __restrict__ probs,
-                                       const T* __restrict__ d_out, int64_t ldd,
+__global__ void glu_backward_x2_kernel(const T* h, int64_t ldh, const float* __restrict__ probs,
+                                       const T* d_out, int64_t ldd,
                                        const int64_t* __restrict__ offsets, int64_t num_groups, int32_t ffn,
-                                       int32_t block, detail::GluMath<float> math, T* __restrict__ dh,
-                                       int64_t lddh, float* __restrict__ dprobs, T* __restrict__ out, int64_t ldo) {
+                                       int32_t block, detail::GluMath<float> math, T* dh,
+                                       int64_t lddh, float* __restrict__ dprobs, T* out, int64_t ldo) {
   using P = Pair16<T>;
   __shared__ float warp_sums[kThreads / 32];
   const int64_t rows = offsets[num_groups];

@@ -106,10 +106,11 @@ void GroupedMLP::run_backward(const Tensor& dy, const Tensor& x, const Tensor& p
                               const GroupLayout& groups, const ExpertMlpGrads& grads,
                               const ExecContext& exec) const {
   const int64_t T = dy.size(0);
+  const ExpertMlpSpec spec{options_.glu};
   const Scratch scratch(
-      expert_mlp_backward_workspace_size(T, hidden_, ffn_, options_.dtype, !fc1_out.defined()), options_.device,
-      exec);
-  expert_mlp_backward(dy, x, probs, weights(), groups, fc1_out, grads, {options_.glu}, scratch.exec);
+      expert_mlp_backward_workspace_size(T, hidden_, ffn_, options_.dtype, !fc1_out.defined(), spec.fusion),
+      options_.device, exec);
+  expert_mlp_backward(dy, x, probs, weights(), groups, fc1_out, grads, spec, scratch.exec);
 }
 
 MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const ExecContext& exec) {

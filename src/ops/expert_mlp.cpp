@@ -27,20 +27,25 @@ ForwardBuffers forward_buffers(ops::WorkspaceCarver& c, int64_t capacity, int64_
   return b;
 }
 
+// The GLU backward runs in place where it can (each element read, then written, by one thread), so
+// the scratch is 3F per row (2F more when FC1 is recomputed and the fused dGLU may run).
 struct BackwardBuffers {
-  TensorView fc1_out;  // recomputed pre-activation (recompute mode only)
-  TensorView d_act;    // dL/d(act * p) = dy W2
-  TensorView act;      // act * p recomputed: the FC2 wgrad input
-  TensorView d_fc1;    // dL/d(fc1_out)
+  TensorView fc1_out;         // recomputed pre-activation (recompute mode only)
+  TensorView d_act;           // dL/d(act * p) = dy W2; the GLU backward writes act over it
+  TensorView act;             // act * p recomputed: the FC2 wgrad input (d_act's memory)
+  TensorView d_fc1;           // dL/d(fc1_out); over the recomputed fc1_out unless the dGLU is fused
+  TensorView dprobs_partial;  // fused dGLU only: dprobs shares per 256-feature tile, [T, tiles] float32
 };
 
 BackwardBuffers backward_buffers(ops::WorkspaceCarver& c, int64_t capacity, int64_t ffn,
-                                 DType dtype, bool recompute_fc1) {
+                                 DType dtype, bool recompute_fc1, MlpFusion fusion) {
+  // The fused dGLU's epilogue is not made to run in place, so it keeps h and d_fc1 apart.
+  const bool fused = fusion == MlpFusion::kForwardBackward;
   BackwardBuffers b;
   if (recompute_fc1) b.fc1_out = c.take({capacity, 2 * ffn}, dtype);
-  b.d_act = c.take({capacity, ffn}, dtype);
-  b.act = c.take({capacity, ffn}, dtype);
-  b.d_fc1 = c.take({capacity, 2 * ffn}, dtype);
+  b.act = b.d_act = c.take({capacity, ffn}, dtype);
+  b.d_fc1 = recompute_fc1 && !fused ? b.fc1_out : c.take({capacity, 2 * ffn}, dtype);
+  if (fused) b.dprobs_partial = c.take({capacity, (ffn + 255) / 256}, DType::kFloat32);
   return b;
 }
 
@@ -107,9 +112,9 @@ size_t expert_mlp_forward_workspace_size(int64_t capacity, int64_t /*hidden*/, i
 }
 
 size_t expert_mlp_backward_workspace_size(int64_t capacity, int64_t /*hidden*/, int64_t ffn,
-                                          DType dtype, bool recompute_fc1) {
+                                          DType dtype, bool recompute_fc1, MlpFusion fusion) {
   ops::WorkspaceCarver c;
-  backward_buffers(c, capacity, ffn, dtype, recompute_fc1);
+  backward_buffers(c, capacity, ffn, dtype, recompute_fc1, fusion);
   return c.used();
 }
 
@@ -183,13 +188,13 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
   check_param_grad(v, "fc2_bias", grads.fc2_bias, weights.fc2_bias);
   const bool recompute = !fc1_out.defined();
   const DType dtype = weights.fc2_weight.dtype();
-  v.workspace(ctx.workspace, expert_mlp_backward_workspace_size(T, H, F, dtype, recompute),
+  v.workspace(ctx.workspace, expert_mlp_backward_workspace_size(T, H, F, dtype, recompute, spec.fusion),
               "expert_mlp_backward_workspace_size");
   // dgrad_glu(h, b, act) runs FC2's dgrad + the GLU backward fused (act: the recomputed act * p,
   // when FC2's weight gradient needs it) and returns true, or does nothing.
   const auto compose = [&](auto&& dgrad_glu) {
     ops::WorkspaceCarver carver(ctx.workspace);
-    const BackwardBuffers b = backward_buffers(carver, T, F, dtype, recompute);
+    const BackwardBuffers b = backward_buffers(carver, T, F, dtype, recompute, spec.fusion);
     const TensorView h = recompute ? b.fc1_out : fc1_out;
     if (recompute)
       grouped_linear_forward(x, weights.fc1_weight, groups, h, {weights.fc1_bias, {}}, ctx);
@@ -220,9 +225,8 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
 #if MOE_ENGINE_WITH_CUDA
         if (spec.fusion == MlpFusion::kForwardBackward)
           return compose([&](const TensorView& h, const BackwardBuffers& b, const TensorView& act) {
-            // The dprobs shares per 256-feature tile live in d_act's space, unused when fused.
             return cuda::expert_mlp_fc2_dgrad_glu(dy, weights, groups, h, probs, spec.glu, b.d_fc1, act,
-                                                  grads.dprobs, b.d_act, ctx.stream);
+                                                  grads.dprobs, b.dprobs_partial, ctx.stream);
           });
 #endif
         compose(unfused);

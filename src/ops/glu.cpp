@@ -134,9 +134,13 @@ void glu_backward(const TensorView& h, const TensorView& probs, const TensorView
   }
   if (outputs.out.defined()) v.matrix("out", outputs.out, v.capacity(), F, "[T, F]");
   v.glu_spec(spec, F);
-  v.no_overlap("dh", outputs.dh, "h", h);
+  v.in_place_or_separate("dh", outputs.dh, "h", h);
   v.no_overlap("dh", outputs.dh, "d_out", d_out);
-  if (outputs.out.defined()) v.no_overlap("out", outputs.out, "d_out", d_out);
+  if (outputs.out.defined()) {
+    v.in_place_or_separate("out", outputs.out, "d_out", d_out);
+    v.no_overlap("out", outputs.out, "h", h);
+    v.no_overlap("out", outputs.out, "dh", outputs.dh);
+  }
   ops::dispatch(
       v, [&] { cpu::glu_backward(h, probs, d_out, groups, outputs, spec); },
       [&] { MOE_CUDA_ONLY(cuda::glu_backward(h, probs, d_out, groups, outputs, spec, ctx.stream)); });

@@ -86,6 +86,15 @@ bool overlap(const TensorView& a, const TensorView& b) {
 }
 }  // namespace
 
+void Validator::in_place_or_separate(const char* out_name, const TensorView& out, const char* in_name,
+                                     const TensorView& in) const {
+  const bool same = out.data() == in.data() && out.dtype() == in.dtype() && out.shape() == in.shape() &&
+                    out.stride(0) == in.stride(0) && out.stride(1) == in.stride(1);
+  if (!same && overlap(out, in))
+    fail(ErrorCode::kInvalidArgument, "output ", out_name, " overlaps input ", in_name,
+         " in memory; expected separate buffers, or ", in_name, " itself (in place)");
+}
+
 void Validator::no_overlap(const char* out_name, const TensorView& out, const char* in_name,
                            const TensorView& in) const {
   if (overlap(out, in))

@@ -61,6 +61,11 @@ class Validator {
                   const GroupedParam& in) const;
   void no_overlap(const char* out_name, const GroupedParam& out, const char* in_name,
                   const TensorView& in) const;
+  // For element-wise ops whose every element is read before it is written by the same thread:
+  // the output may be the input itself (same address, shape, strides and dtype); any other
+  // overlap is an error.
+  void in_place_or_separate(const char* out_name, const TensorView& out, const char* in_name,
+                            const TensorView& in) const;
   // The GLU spec is usable with F gate/linear columns.
   void glu_spec(const GluSpec& spec, int64_t ffn) const;
   // The workspace can hold `bytes` on the device.

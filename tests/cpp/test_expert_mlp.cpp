@@ -86,7 +86,7 @@ MlpRun run(const MlpProblem& m, bool per_expert, bool save_fc1_out) {
   grads.fc2_weight = {r.dw2.param, GradMode::kWrite};
   grads.fc1_bias = {r.db1.param, GradMode::kWrite};
   grads.fc2_bias = {r.db2.param, GradMode::kWrite};
-  Tensor bws = workspace_for(expert_mlp_backward_workspace_size(T, H, F, m.dt, !save_fc1_out));
+  Tensor bws = workspace_for(expert_mlp_backward_workspace_size(T, H, F, m.dt, !save_fc1_out, spec.fusion));
   expert_mlp_backward(m.dy, m.x, m.p, weights, m.routing.layout, r.fc1_out, grads, spec,
                       ctx_with(bws));
   return r;
@@ -213,7 +213,7 @@ TEST(ExpertMlpGradModes, AccumulateTwiceIsTwiceAndOverwriteReplaces) {
   Tensor fc1_out = poisoned({T, 2 * F}, m.dt), y = poisoned({T, H}, m.dt);
   Tensor fws = workspace_for(expert_mlp_forward_workspace_size(T, H, F, m.dt, true));
   expert_mlp_forward(m.x, m.p, weights, m.routing.layout, y, fc1_out, {spec}, ctx_with(fws));
-  Tensor bws = workspace_for(expert_mlp_backward_workspace_size(T, H, F, m.dt, false));
+  Tensor bws = workspace_for(expert_mlp_backward_workspace_size(T, H, F, m.dt, false, MlpFusion::kForward));
   for (GradMode mode : {GradMode::kAccumulate, GradMode::kOverwrite}) {
     SCOPED_TRACE(grad_mode_name(mode));
     Tensor mg1 = Tensor::zeros({G, 2 * F, H}, DType::kFloat32),

@@ -171,6 +171,30 @@ TEST(GluClamp, GradientsVanishExactlyPastTheLimit) {
 }
 
 // Central differences in float64 of L = <out, R> w.r.t. h and probs. Inputs avoid the clamp kinks.
+// In place (dh = h, out = d_out): the same bytes as separate buffers that start as copies of
+// the inputs (rows past the routed ones keep them).
+TEST(GluBackward, InPlaceEqualsSeparateBuffers) {
+  Rng rng;
+  const int64_t F = 64, T = 21;
+  Routing r({7, 0, 1, 9}, T);
+  for (DType dt : {DType::kBFloat16, DType::kFloat32})
+    for (GluActivation act : kActivations)
+      for (const GluLayout& layout : layouts()) {
+        const GluSpec spec = spec_of(act, layout);
+        SCOPED_TRACE(describe(spec) + " " + dtype_name(dt));
+        const Tensor h = wide_tensor({T, 2 * F}, dt, rng), d_out = random_tensor({T, F}, dt, rng);
+        const Tensor p = uniform_tensor({T}, DType::kFloat32, rng, 0.05, 1.0);
+        const Tensor dh = h.to(Device::cpu()), out = d_out.to(Device::cpu());
+        const Tensor hi = h.to(Device::cpu()), di = d_out.to(Device::cpu());
+        Tensor dp = poisoned({T}, DType::kFloat32), dpi = poisoned({T}, DType::kFloat32);
+        glu_backward(h, p, d_out, r.layout, {dh, dp, out}, spec);
+        glu_backward(hi, p, di, r.layout, {hi, dpi, di}, spec);
+        EXPECT_TRUE(bitwise_equal(hi, dh));
+        EXPECT_TRUE(bitwise_equal(di, out));
+        EXPECT_TRUE(bitwise_equal(dpi, dp));
+      }
+}
+
 TEST(GluBackward, AgreesWithFiniteDifferences) {
   Rng rng;
   const int64_t F = 6, T = 5;

@@ -69,6 +69,17 @@ TEST_P(GpuGlu, ForwardAndBackwardMatchTheCpuForEveryActivationLayoutAndProbs) {
         expect_close(dh_g, dh_c, rows, tolerance(dt), "dh");
         expect_close(re_g, re_c, rows, tolerance(dt), "recomputed out");
         if (with_probs) expect_close(dp_g, dp_c, rows, tolerance(DType::kFloat32) * 10, "dprobs");
+
+        // In place (dh = h, out = d_out): the same bytes as separate buffers that start as copies
+        // of the inputs (rows past the routed ones keep them).
+        Tensor dh_s = to_gpu(h), re_s = to_gpu(d_out), hi = to_gpu(h), di = to_gpu(d_out);
+        Tensor dp_s = with_probs ? poisoned_gpu({T}, DType::kFloat32) : Tensor();
+        Tensor dp_i = with_probs ? poisoned_gpu({T}, DType::kFloat32) : Tensor();
+        glu_backward(hd, pd, dd, r.gpu, {dh_s, dp_s, re_s}, spec);
+        glu_backward(hi, pd, di, r.gpu, {hi, dp_i, di}, spec);
+        EXPECT_TRUE(bitwise_equal(to_host(hi), to_host(dh_s))) << "in place: dh";
+        EXPECT_TRUE(bitwise_equal(to_host(di), to_host(re_s))) << "in place: out";
+        if (with_probs) EXPECT_TRUE(bitwise_equal(to_host(dp_i), to_host(dp_s))) << "in place: dprobs";
       }
   EXPECT_NO_THROW(r.flag.check());
 }
@@ -136,7 +147,7 @@ MlpOutputs run_mlp(const MlpCase& c, const GroupLayout& groups, Device device, b
   grads.fc2_weight = {param(o.dw2), GradMode::kWrite};
   grads.fc1_bias = {param(o.db1), GradMode::kWrite};
   grads.fc2_bias = {param(o.db2), GradMode::kWrite};
-  Tensor bws = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(T, H, F, c.dt, !save_fc1_out))},
+  Tensor bws = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(T, H, F, c.dt, !save_fc1_out, spec.fusion))},
                              DType::kUInt8, device);
   expert_mlp_backward(dy, x, p, weights, groups, o.fc1_out, grads, spec,
                       {nullptr, {bws.data(), bws.nbytes(), device}});
@@ -283,7 +294,7 @@ TEST_P(GpuExpertMlpGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
   Tensor mg1 = to_gpu(start_w1), mg2 = to_gpu(start_w2);  // main_grad buffers: accumulated into
   Tensor db1 = Tensor::empty({G, 2 * F}, DType::kFloat32, dev), db2 = Tensor::empty({G, H}, DType::kFloat32, dev);
   Tensor fws = Tensor::empty({int64_t(expert_mlp_forward_workspace_size(T, H, F, dt, true))}, DType::kUInt8, dev);
-  Tensor bws = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(T, H, F, dt, false))}, DType::kUInt8, dev);
+  Tensor bws = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(T, H, F, dt, false, spec.fusion))}, DType::kUInt8, dev);
   DeviceErrorFlag flag(dev);
   ExpertMlpGrads grads;
   grads.dx = dx;

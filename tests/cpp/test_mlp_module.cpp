@@ -81,7 +81,7 @@ Reference reference(GroupedMLP& m, const Batch& b, DType wdtype) {
   g.fc2_weight = {GroupedParam::packed(r.dw2), GradMode::kWrite};
   g.fc1_bias = {GroupedParam::packed(r.db1), GradMode::kWrite};
   g.fc2_bias = {GroupedParam::packed(r.db2), GradMode::kWrite};
-  Tensor bws = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(kT, kH, kF, DType::kBFloat16, false)) + 1},
+  Tensor bws = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(kT, kH, kF, DType::kBFloat16, false, spec.fusion)) + 1},
                              DType::kUInt8);
   expert_mlp_backward(b.dy, b.x, b.probs, w, b.routing.layout, h, g, spec, {nullptr, {bws.data(), bws.nbytes(), Device::cpu()}});
   return r;

@@ -198,6 +198,14 @@ TEST_F(Validation, OutputsMustNotAliasInputs) {
   Tensor h = random_tensor({10, 8}, DType::kBFloat16, rng);
   EXPECT_MOE_ERROR(glu_forward(h, {}, r.layout, h.view().reshape({20, 4}).slice(0, 10), spec),
                    ErrorCode::kInvalidArgument, "output out overlaps input h");
+  // glu_backward may run in place, but a shifted view of an input is an error.
+  Tensor hh = random_tensor({11, 8}, DType::kBFloat16, rng), dd = random_tensor({10, 4}, DType::kBFloat16, rng);
+  const TensorView h10(hh.data(), {10, 8}, DType::kBFloat16, Device::cpu());
+  const TensorView shifted(hh.data_as<BFloat16>() + 8, {10, 8}, DType::kBFloat16, Device::cpu());
+  EXPECT_NO_THROW(glu_backward(h10, {}, dd, r.layout, {h10, {}, dd}, spec));
+  EXPECT_MOE_ERROR(glu_backward(h10, {}, dd, r.layout, {shifted, {}, {}}, spec), ErrorCode::kInvalidArgument,
+                   "glu_backward: output dh overlaps input h in memory; expected separate buffers, or h itself "
+                   "(in place)");
 }
 
 TEST(Names, UnknownNamesAreClearErrors) {

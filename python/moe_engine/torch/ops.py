@@ -210,7 +210,7 @@ def _expert_mlp_backward_(
     db1 = torch.empty(G if bias else 0, F2, dtype=dt, device=dev)
     db2 = torch.empty(G if bias else 0, H, dtype=dt, device=dev)
     recompute = fc1_out is None
-    ws = _workspace(_C.expert_mlp_backward_workspace_size(T, H, F2 // 2, dtype_code(dt), recompute), dev)
+    ws = _workspace(_C.expert_mlp_backward_workspace_size(T, H, F2 // 2, dtype_code(dt), recompute, fusion), dev)
     grads = (
         desc(dx) if need_dx else (),
         desc(dprobs) if need_dprobs else (),
