@@ -74,6 +74,8 @@ class MOE_API GroupedTensor {
   const std::vector<Tensor>& experts() const { return experts_; }  // per-expert layout only
 
  private:
+  static GroupedTensor from_packed(Tensor packed);
+
   Tensor packed_;
   std::vector<Tensor> experts_;
   Tensor pointer_table_;

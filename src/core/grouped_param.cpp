@@ -90,29 +90,34 @@ const char* expert_layout_name(ExpertLayout layout) {
   return layout == ExpertLayout::kPacked ? "packed" : "per-expert";
 }
 
-GroupedTensor GroupedTensor::zeros_async(int64_t groups, const Shape& expert_shape, DType dtype, Device device,
-                                         ExpertLayout layout, Stream stream) {
-  if (layout != ExpertLayout::kPacked) return zeros(groups, expert_shape, dtype, device, layout);
+namespace {
+Shape packed_shape(int64_t groups, const Shape& expert_shape) {
   MOE_CHECK(groups >= 1, ErrorCode::kInvalidArgument, "GroupedTensor: expected G >= 1, got ", groups);
   Shape shape{groups};
   for (int64_t d : expert_shape) shape.push_back(d);
+  return shape;
+}
+}  // namespace
+
+GroupedTensor GroupedTensor::from_packed(Tensor packed) {
   GroupedTensor t;
-  t.packed_ = Tensor::zeros_async(shape, dtype, device, stream);
+  t.packed_ = std::move(packed);
   t.view_ = GroupedParam::packed(t.packed_);
   return t;
 }
 
+GroupedTensor GroupedTensor::zeros_async(int64_t groups, const Shape& expert_shape, DType dtype, Device device,
+                                         ExpertLayout layout, Stream stream) {
+  if (layout != ExpertLayout::kPacked) return zeros(groups, expert_shape, dtype, device, layout);
+  return from_packed(Tensor::zeros_async(packed_shape(groups, expert_shape), dtype, device, stream));
+}
+
 GroupedTensor GroupedTensor::zeros(int64_t groups, const Shape& expert_shape, DType dtype, Device device,
                                    ExpertLayout layout) {
+  if (layout == ExpertLayout::kPacked)
+    return from_packed(Tensor::zeros(packed_shape(groups, expert_shape), dtype, device));
   MOE_CHECK(groups >= 1, ErrorCode::kInvalidArgument, "GroupedTensor: expected G >= 1, got ", groups);
   GroupedTensor t;
-  if (layout == ExpertLayout::kPacked) {
-    Shape shape{groups};
-    for (int64_t d : expert_shape) shape.push_back(d);
-    t.packed_ = Tensor::zeros(shape, dtype, device);
-    t.view_ = GroupedParam::packed(t.packed_);
-    return t;
-  }
   std::vector<TensorView> views;
   for (int64_t g = 0; g < groups; ++g) {
     t.experts_.push_back(Tensor::zeros(expert_shape, dtype, device));

@@ -49,13 +49,8 @@ class GpuOffload : public ::testing::TestWithParam<bool> {};  // delayed weight 
 
 TEST_P(GpuOffload, BitIdenticalToNoOffloadWithoutSynchronizing) {
   if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
-  StackShape shape;
-  shape.layers = 5;
-  shape.groups = 8;
-  shape.hidden = 256;
-  shape.ffn = 512;
-  shape.delay_wgrad = GetParam();
-  shape.opt_out_layer = 2;
+  const StackShape shape{.layers = 5, .groups = 8, .hidden = 256, .ffn = 512, .delay_wgrad = GetParam(),
+                         .opt_out_layer = 2};
   Rng rng;
   GpuInputs in(shape, 2048, rng);
   Stream stream;
@@ -99,11 +94,7 @@ size_t step_peak(OffloadStack& stack, GpuInputs& in, ActivationOffload* offload,
 
 TEST(GpuOffloadMemory, PeakDropsByTheOffloadedLayers) {
   if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
-  StackShape shape;
-  shape.layers = 8;
-  shape.groups = 8;
-  shape.hidden = 512;
-  shape.ffn = 1024;
+  const StackShape shape{.layers = 8, .groups = 8, .hidden = 512, .ffn = 1024};
   Rng rng;
   GpuInputs in(shape, 4096, rng);
   Stream stream;
@@ -123,11 +114,7 @@ TEST(GpuOffloadMemory, PeakDropsByTheOffloadedLayers) {
 
 TEST(GpuOffloadMemory, ManyLayersAndStepsLeakNothing) {
   if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
-  StackShape shape;
-  shape.layers = 12;
-  shape.groups = 4;
-  shape.hidden = 128;
-  shape.ffn = 256;
+  const StackShape shape{.layers = 12, .groups = 4, .hidden = 128, .ffn = 256};
   Rng rng;
   GpuInputs in(shape, 2048, rng);
   Stream stream;
@@ -161,12 +148,7 @@ class GpuOffloadGraph : public ::testing::TestWithParam<bool> {};  // with offlo
 
 TEST_P(GpuOffloadGraph, WholeStackReplaysWithNewRoutingsLikeEager) {
   if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
-  StackShape shape;
-  shape.layers = 4;
-  shape.groups = 8;
-  shape.hidden = 256;
-  shape.ffn = 512;
-  shape.delay_wgrad = true;
+  const StackShape shape{.layers = 4, .groups = 8, .hidden = 256, .ffn = 512, .delay_wgrad = true};
   const int64_t T = 2048;
   Rng rng;
   GpuInputs in(shape, T, rng);  // its routings' device splits are the graph's routing inputs

@@ -74,9 +74,7 @@ def mark_not_offload(*tensors: Tensor) -> None:
 class _Saved:
     """An offloaded tensor, as autograd holds it between forward and backward."""
     layer: int
-    host: Tensor
-    shape: Tuple[int, ...]
-    dtype: torch.dtype
+    host: Tensor  # pinned; its shape and dtype are the original's
     source: Optional[Tensor] = None  # the device original, until the layer is released
     device_tensor: Optional[Tensor] = None  # the copy for backward (the original when kept)
 
@@ -192,7 +190,7 @@ class ActivationOffload:
                 host.copy_(t, non_blocking=True)
             self._hold(t)  # until released
             st.held.append(t)
-            rec = _Saved(index, host, tuple(t.shape), t.dtype, source=t)
+            rec = _Saved(index, host, source=t)
             st.saved.append(rec)
             self.offloaded_bytes += t.numel() * t.element_size()
             return rec
@@ -249,7 +247,7 @@ class ActivationOffload:
         # The reloaded tensors are allocated on the current stream (freed there after their use in
         # backward); the copy stream starts once the current stream has reached this point.
         for rec in st.saved:
-            rec.device_tensor = torch.empty(rec.shape, dtype=rec.dtype, device=self.device)
+            rec.device_tensor = torch.empty_like(rec.host, device=self.device)
             self._track(rec, rec.device_tensor)
             self.reloaded_bytes += rec.device_tensor.numel() * rec.device_tensor.element_size()
         here = torch.cuda.Event()
