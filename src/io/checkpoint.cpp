@@ -31,14 +31,34 @@ std::optional<std::pair<std::string, int64_t>> indexed_key(const std::string& ke
   return std::make_pair(base, std::stoll(key.substr(digits)));
 }
 
-// The rows of one expert's tensor (dim 0 of [N, K] or [N]) reordered from GLU layout `from` to `to`.
-std::vector<uint8_t> permute_rows(std::span<const uint8_t> bytes, int64_t rows, const CheckpointConversion& c,
-                                  const std::string& what) {
-  if (!c.glu_from || !c.glu_to) return {bytes.begin(), bytes.end()};
+// The rows of one expert's tensor (dim 0 of [N, K] or [N]), reordered from GLU layout `from` to
+// `to` when `glu` (an FC1 group under a GLU change), else copied.
+std::vector<uint8_t> expert_rows(std::span<const uint8_t> bytes, int64_t rows, const CheckpointConversion& c,
+                                 bool glu, const std::string& what) {
+  if (!glu) return {bytes.begin(), bytes.end()};
   return detail::permute_glu_rows(bytes, rows, *c.glu_from, *c.glu_to, ErrorCode::kIo, what);
 }
 
+std::string join(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& n : names) out += (out.empty() ? "'" : ", '") + n + "'";
+  return out;
+}
+
 }  // namespace
+
+bool is_fc1_group(const std::string& group, const std::string& prefix) {
+  std::string_view module = group;
+  for (std::string_view suffix : {".weight", ".bias"})
+    if (module.ends_with(suffix)) {
+      module.remove_suffix(suffix.size());
+      break;
+    }
+  const size_t dot = module.rfind('.');
+  const std::string_view name = dot == std::string_view::npos ? module : module.substr(dot + 1);
+  if (name == "linear_fc1" || name == "fc1") return true;
+  return !prefix.empty() && (prefix == module || (prefix.ends_with('.') && prefix.substr(0, prefix.size() - 1) == module));
+}
 
 ConvertedCheckpoint convert_checkpoint(const SafetensorsFile& in, const CheckpointConversion& c) {
   MOE_CHECK(c.experts >= 1, ErrorCode::kInvalidArgument, "checkpoint conversion: experts must be >= 1, got ",
@@ -49,6 +69,17 @@ ConvertedCheckpoint convert_checkpoint(const SafetensorsFile& in, const Checkpoi
   const std::string& src = in.source();
   ConvertedCheckpoint out;
   out.metadata = in.metadata();
+  // Whether a group's rows change: an FC1 group under a change of GLU layout (recorded as it is
+  // decided). A GLU request finding no FC1 group is an error below, even when from == to.
+  bool fc1_found = false;
+  auto reorders = [&](const std::string& group) {
+    if (!c.glu_from || !is_fc1_group(group, c.prefix)) return false;
+    fc1_found = true;
+    if (*c.glu_from == *c.glu_to) return false;
+    out.glu_reordered.push_back(group);
+    return true;
+  };
+  for (const SafetensorsEntry& e : in.entries()) out.keys_under_prefix += e.name.starts_with(c.prefix);
 
   // Per-expert groups: base key -> index -> entry.
   std::map<std::string, std::map<int64_t, const SafetensorsEntry*>> groups;
@@ -76,11 +107,12 @@ ConvertedCheckpoint convert_checkpoint(const SafetensorsFile& in, const Checkpoi
       MOE_CHECK(!first.shape.empty(), ErrorCode::kIo, src, ": '", first.name, "' is a scalar, not an expert tensor");
       MOE_CHECK(!in.find(base), ErrorCode::kIo, src, ": both '", base, "' and its per-expert keys are present");
       const int64_t rows = first.shape[0];
+      const bool glu = reorders(base);
       if (c.to == ExpertLayout::kPacked) {
         OwnedTensorRecord r{base, first.dtype, {G}, {}};
         r.shape.insert(r.shape.end(), first.shape.begin(), first.shape.end());
         for (int64_t g = 0; g < G; ++g) {
-          const std::vector<uint8_t> b = permute_rows(in.bytes(*members.at(g)), rows, c, members.at(g)->name);
+          const std::vector<uint8_t> b = expert_rows(in.bytes(*members.at(g)), rows, c, glu, members.at(g)->name);
           r.data.insert(r.data.end(), b.begin(), b.end());
         }
         out.tensors.push_back(std::move(r));
@@ -88,9 +120,9 @@ ConvertedCheckpoint convert_checkpoint(const SafetensorsFile& in, const Checkpoi
       } else {
         for (int64_t g = 0; g < G; ++g) {
           const SafetensorsEntry& m = *members.at(g);
-          out.tensors.push_back({m.name, m.dtype, m.shape, permute_rows(in.bytes(m), rows, c, m.name)});
+          out.tensors.push_back({m.name, m.dtype, m.shape, expert_rows(in.bytes(m), rows, c, glu, m.name)});
         }
-        if (c.glu_from) out.converted.push_back(base);
+        out.already_in_layout.push_back(base);
       }
       continue;
     }
@@ -116,25 +148,35 @@ ConvertedCheckpoint convert_checkpoint(const SafetensorsFile& in, const Checkpoi
       const std::span<const uint8_t> all = in.bytes(e);
       const size_t expert_bytes = all.size() / size_t(G);
       const int64_t rows = expert_shape[0];
+      const bool glu = reorders(e.name);
+      auto expert = [&](int64_t g) {
+        return expert_rows(all.subspan(size_t(g) * expert_bytes, expert_bytes), rows, c, glu, e.name);
+      };
       if (c.to == ExpertLayout::kPerExpert) {
         for (int64_t g = 0; g < G; ++g)
-          out.tensors.push_back({e.name + std::to_string(g), e.dtype, expert_shape,
-                                 permute_rows(all.subspan(size_t(g) * expert_bytes, expert_bytes), rows, c,
-                                              e.name)});
+          out.tensors.push_back({e.name + std::to_string(g), e.dtype, expert_shape, expert(g)});
         out.converted.push_back(e.name);
       } else {
         OwnedTensorRecord r{e.name, e.dtype, e.shape, {}};
         for (int64_t g = 0; g < G; ++g) {
-          const std::vector<uint8_t> b = permute_rows(all.subspan(size_t(g) * expert_bytes, expert_bytes), rows, c, e.name);
+          const std::vector<uint8_t> b = expert(g);
           r.data.insert(r.data.end(), b.begin(), b.end());
         }
         out.tensors.push_back(std::move(r));
-        if (c.glu_from) out.converted.push_back(e.name);
+        out.already_in_layout.push_back(e.name);
       }
       continue;
     }
     const std::span<const uint8_t> b = in.bytes(e);
     out.tensors.push_back({e.name, e.dtype, e.shape, {b.begin(), b.end()}});
+  }
+  if (c.glu_from && !fc1_found) {
+    std::vector<std::string> found = out.converted;
+    found.insert(found.end(), out.already_in_layout.begin(), out.already_in_layout.end());
+    throw_error(ErrorCode::kInvalidArgument, src, ": a GLU layout change reorders FC1 rows, but no expert group",
+                c.prefix.empty() ? std::string() : " under prefix '" + c.prefix + "'",
+                " is an FC1 group (module named linear_fc1 or fc1, or the module the prefix names exactly); ",
+                found.empty() ? std::string("no expert group was found") : "groups found: " + join(found));
   }
   return out;
 }
