@@ -46,11 +46,14 @@ MOE_API size_t expert_mlp_forward_workspace_size(int64_t capacity, int64_t hidde
                                                  DType dtype, bool save_fc1_out);
 
 // fc1_out [T, 2F] (optional): receives the pre-activation x W1^T + b1 that backward can reuse;
-// leave it undefined to keep only x (backward then recomputes FC1).
+// leave it undefined to keep only x (backward then recomputes FC1). `ran_fused` (optional)
+// receives whether the GLU step ran fused into FC1's epilogue: false on the CPU backend, with
+// MlpFusion::kNone, or where the fused kernel does not take the problem (see MlpFusion).
 MOE_API void expert_mlp_forward(const TensorView& x, const TensorView& probs,
                                 const ExpertMlpWeights& weights, const GroupLayout& groups,
                                 const TensorView& y, const TensorView& fc1_out,
-                                const ExpertMlpSpec& spec, const ExecContext& ctx = {});
+                                const ExpertMlpSpec& spec, const ExecContext& ctx = {},
+                                bool* ran_fused = nullptr);
 
 // Where one parameter gradient goes; an undefined grad is not computed.
 struct ParamGrad {
@@ -70,10 +73,13 @@ MOE_API size_t expert_mlp_backward_workspace_size(int64_t capacity, int64_t hidd
                                                   DType dtype, bool recompute_fc1, MlpFusion fusion);
 
 // fc1_out: the pre-activation saved by forward, or undefined to recompute it from x. x may be
-// undefined when fc1_out is given and no FC1 weight gradient is asked for.
+// undefined when fc1_out is given and no FC1 weight gradient is asked for. `ran_fused`
+// (optional) receives whether the dGLU step ran fused into FC2 dgrad's epilogue
+// (MlpFusion::kForwardBackward where the fused kernel takes the problem).
 MOE_API void expert_mlp_backward(const TensorView& dy, const TensorView& x, const TensorView& probs,
                                  const ExpertMlpWeights& weights, const GroupLayout& groups,
                                  const TensorView& fc1_out, const ExpertMlpGrads& grads,
-                                 const ExpertMlpSpec& spec, const ExecContext& ctx = {});
+                                 const ExpertMlpSpec& spec, const ExecContext& ctx = {},
+                                 bool* ran_fused = nullptr);
 
 }  // namespace moe

@@ -7,13 +7,23 @@
 
 #include "moe_engine/error.hpp"
 
-#define MOE_CUDA_CHECK(call, ...)                                    \
-  do {                                                               \
-    const cudaError_t moe_cuda_status_ = (call);                     \
-    if (moe_cuda_status_ != cudaSuccess)                             \
-      ::moe::throw_error(::moe::ErrorCode::kCuda, __VA_ARGS__, ": ", \
-                         cudaGetErrorName(moe_cuda_status_), " (",   \
-                         cudaGetErrorString(moe_cuda_status_), ")"); \
+#include <string>
+
+namespace moe::cuda {
+
+// What a failed CUDA runtime call means, for messages: "cudaErrorX (its description)", and for the
+// errors of a machine without a usable GPU what the user can do about it ("no NVIDIA GPU/driver
+// found", or a driver older than this build's runtime) rather than the runtime's wording.
+std::string describe_cuda_error(cudaError_t status);
+
+}  // namespace moe::cuda
+
+#define MOE_CUDA_CHECK(call, ...)                                                    \
+  do {                                                                               \
+    const cudaError_t moe_cuda_status_ = (call);                                     \
+    if (moe_cuda_status_ != cudaSuccess)                                             \
+      ::moe::throw_error(::moe::ErrorCode::kCuda, __VA_ARGS__, ": ",                 \
+                         ::moe::cuda::describe_cuda_error(moe_cuda_status_));       \
   } while (0)
 
 // After a kernel launch: reports a launch-configuration error at the call site.

@@ -5,6 +5,25 @@
 
 #include "cuda/check.hpp"
 
+namespace moe::cuda {
+
+std::string describe_cuda_error(cudaError_t status) {
+  const std::string code = cudaGetErrorName(status);
+  if (status == cudaErrorNoDevice) return "no NVIDIA GPU found (" + code + ")";
+  if (status == cudaErrorInsufficientDriver) {
+    int driver = 0, runtime = 0;
+    cudaDriverGetVersion(&driver);
+    cudaRuntimeGetVersion(&runtime);
+    if (driver == 0) return "no NVIDIA GPU/driver found (no CUDA driver is installed; " + code + ")";
+    auto version = [](int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); };
+    return "the NVIDIA driver supports CUDA " + version(driver) + ", older than this build's CUDA runtime " +
+           version(runtime) + ": update the driver (" + code + ")";
+  }
+  return code + " (" + cudaGetErrorString(status) + ")";
+}
+
+}  // namespace moe::cuda
+
 namespace moe::cuda_api {
 void* event_create() {
   cudaEvent_t e = nullptr;
@@ -142,7 +161,7 @@ int device_count(std::string* why) {
   int n = 0;
   const cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {
-    if (why) *why = std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+    if (why) *why = cuda::describe_cuda_error(e);
     cudaGetLastError();  // clear the sticky error state of a failed query
     return 0;
   }

@@ -3,10 +3,10 @@
 
 #include <algorithm>
 #include <cstring>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "io/file.hpp"
 #include "moe_engine/error.hpp"
 
 namespace moe {
@@ -69,15 +69,7 @@ const char* safetensors_dtype(DType dtype) {
 }
 
 SafetensorsFile SafetensorsFile::load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  MOE_CHECK(in.good(), ErrorCode::kIo, "cannot open '", path, "'");
-  const std::streamoff size = in.tellg();
-  MOE_CHECK(size >= 0, ErrorCode::kIo, "cannot read the size of '", path, "'");
-  std::vector<uint8_t> bytes(static_cast<size_t>(size));
-  in.seekg(0);
-  if (size > 0) in.read(reinterpret_cast<char*>(bytes.data()), size);
-  MOE_CHECK(in.good() || size == 0, ErrorCode::kIo, "cannot read '", path, "'");
-  return parse(std::move(bytes), path);
+  return parse(detail::read_file(path, "a safetensors file"), path);
 }
 
 SafetensorsFile SafetensorsFile::parse(std::vector<uint8_t> bytes, std::string source) {
@@ -99,8 +91,26 @@ SafetensorsFile SafetensorsFile::parse(std::vector<uint8_t> bytes, std::string s
   const uint64_t data_bytes = size - f.data_start_;
 
   const char* text = reinterpret_cast<const char*>(f.file_.data() + 8);
-  nlohmann::json header = nlohmann::json::parse(text, text + header_bytes, nullptr, false);
+  // JSON parsers keep the last of two equal keys; here a repeated key is an error of its own (a
+  // tensor named twice would otherwise surface as bytes that belong to no tensor).
+  std::vector<std::set<std::string>> keys_of_open_objects;
+  std::string entry, duplicate;
+  const auto find_duplicates = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using Event = nlohmann::json::parse_event_t;
+    if (event == Event::object_start) keys_of_open_objects.emplace_back();
+    if (event == Event::object_end && !keys_of_open_objects.empty()) keys_of_open_objects.pop_back();
+    if (event == Event::key && !keys_of_open_objects.empty() && parsed.is_string()) {
+      const std::string& key = parsed.get_ref<const std::string&>();
+      if (depth == 1) entry = key;
+      if (!keys_of_open_objects.back().insert(key).second && duplicate.empty())
+        duplicate = depth == 1 ? (key == "__metadata__" ? "__metadata__ appears twice" : "duplicate tensor name '" + key + "'")
+                               : "duplicate key '" + key + "' inside '" + entry + "'";
+    }
+    return true;
+  };
+  nlohmann::json header = nlohmann::json::parse(text, text + header_bytes, find_duplicates, false);
   if (header.is_discarded()) fail("the header is not valid JSON");
+  if (!duplicate.empty()) fail(duplicate);
   if (!header.is_object()) fail("the header is not a JSON object");
 
   for (auto it = header.begin(); it != header.end(); ++it) {
@@ -242,12 +252,7 @@ std::vector<uint8_t> serialize_safetensors(const std::vector<SafetensorsRecord>&
 
 void save_safetensors(const std::string& path, const std::vector<SafetensorsRecord>& records,
                       const std::map<std::string, std::string>& metadata) {
-  const std::vector<uint8_t> bytes = serialize_safetensors(records, metadata);
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  MOE_CHECK(out.good(), ErrorCode::kIo, "cannot write '", path, "'");
-  out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
-  out.close();
-  MOE_CHECK(out.good(), ErrorCode::kIo, "writing '", path, "' failed");
+  detail::write_file(path, serialize_safetensors(records, metadata), "a safetensors file");
 }
 
 }  // namespace moe

@@ -51,6 +51,9 @@ LinearForwardResult GroupedLinear::forward(const Tensor& x, const GroupLayout& g
             "GroupedLinear.forward: expected x [T, ", in_, "], got ", x.view().describe());
   MOE_CHECK(groups.defined() && groups.num_groups() == groups_, ErrorCode::kInvalidArgument,
             "GroupedLinear.forward: expected a routing of ", groups_, " experts, got ", groups.num_groups());
+  MOE_CHECK(x.dtype() == options_.dtype, ErrorCode::kDType, "GroupedLinear.forward: x is ",
+            dtype_name(x.dtype()), " but the module's parameters are ", dtype_name(options_.dtype),
+            " (GroupedLinearOptions::dtype); convert x or build the module with that dtype");
   MOE_CHECK(options_.scale_bias == row_scale.defined(), ErrorCode::kInvalidArgument,
             options_.scale_bias ? "GroupedLinear.forward: scale_bias needs the row scales"
                                 : "GroupedLinear.forward: row scales given to a module without scale_bias");

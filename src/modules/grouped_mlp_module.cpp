@@ -79,6 +79,9 @@ MlpForwardResult GroupedMLP::forward(const Tensor& x, const GroupLayout& groups,
             "GroupedMLP.forward: expected x [T, ", hidden_, "], got ", x.view().describe());
   MOE_CHECK(groups.defined() && groups.num_groups() == groups_, ErrorCode::kInvalidArgument,
             "GroupedMLP.forward: expected a routing of ", groups_, " experts, got ", groups.num_groups());
+  MOE_CHECK(x.dtype() == options_.dtype, ErrorCode::kDType, "GroupedMLP.forward: x is ",
+            dtype_name(x.dtype()), " but the module's parameters are ", dtype_name(options_.dtype),
+            " (GroupedMLPOptions::dtype); convert x or build the module with that dtype");
   const int64_t T = x.size(0);
   // What backward will need. Everything but the fc2 bias gradient goes through the activation's
   // backward, which needs the pre-activation (kept, or recomputed from x).

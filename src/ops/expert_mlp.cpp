@@ -121,7 +121,7 @@ size_t expert_mlp_backward_workspace_size(int64_t capacity, int64_t /*hidden*/, 
 void expert_mlp_forward(const TensorView& x, const TensorView& probs,
                         const ExpertMlpWeights& weights, const GroupLayout& groups,
                         const TensorView& y, const TensorView& fc1_out, const ExpertMlpSpec& spec,
-                        const ExecContext& ctx) {
+                        const ExecContext& ctx, bool* ran_fused) {
   const ops::Validator v("expert_mlp_forward", groups);
   // (Named variables, not a structured binding: the lambda below captures them, which clang
   // before 16 rejects for bindings.)
@@ -140,7 +140,9 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs,
   const auto compose = [&](auto&& fc1_glu) {
     ops::WorkspaceCarver carver(ctx.workspace);
     const ForwardBuffers b = forward_buffers(carver, T, F, x.dtype(), fc1_out.defined());
-    if (!fc1_glu(b.act)) {
+    const bool fused = fc1_glu(b.act);
+    if (ran_fused) *ran_fused = fused;
+    if (!fused) {
       const TensorView h = fc1_out.defined() ? fc1_out : b.fc1_out;
       grouped_linear_forward(x, weights.fc1_weight, groups, h, {weights.fc1_bias, {}}, ctx);
       glu_forward(h, probs, groups, b.act, spec.glu, ctx);
@@ -166,7 +168,7 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs,
 void expert_mlp_backward(const TensorView& dy, const TensorView& x, const TensorView& probs,
                          const ExpertMlpWeights& weights, const GroupLayout& groups,
                          const TensorView& fc1_out, const ExpertMlpGrads& grads,
-                         const ExpertMlpSpec& spec, const ExecContext& ctx) {
+                         const ExpertMlpSpec& spec, const ExecContext& ctx, bool* ran_fused) {
   const ops::Validator v("expert_mlp_backward", groups);
   // x is needed to recompute the pre-activation and for the FC1 weight gradient, else optional.
   const bool x_required = !fc1_out.defined() || grads.fc1_weight.grad.defined();
@@ -200,7 +202,9 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
       grouped_linear_forward(x, weights.fc1_weight, groups, h, {weights.fc1_bias, {}}, ctx);
     const bool need_act = grads.fc2_weight.grad.defined();
     const TensorView act = need_act ? b.act : TensorView{};
-    if (!dgrad_glu(h, b, act)) {
+    const bool fused = dgrad_glu(h, b, act);
+    if (ran_fused) *ran_fused = fused;
+    if (!fused) {
       grouped_linear_dgrad(dy, weights.fc2_weight, groups, b.d_act, ctx);
       glu_backward(h, probs, b.d_act, groups, {b.d_fc1, grads.dprobs, act}, spec.glu, ctx);
     }

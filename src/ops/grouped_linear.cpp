@@ -33,9 +33,11 @@ void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
                             const GroupLayout& groups, const TensorView& y,
                             const BiasEpilogue& bias, [[maybe_unused]] const ExecContext& ctx) {
   const ops::Validator v("grouped_linear_forward", groups);
-  v.matrix("x", x, v.capacity(), -1, "[T, K]");
-  v.matrix("y", y, v.capacity(), -1, "[T, N]");
-  const int64_t K = x.size(1), N = y.size(1);
+  // The weight sets N and K: an activation of the wrong width is named as the culprit.
+  const Shape w = v.expert_shape("weight", weight, 2, "[N, K]");
+  const int64_t N = w[0], K = w[1];
+  v.matrix("x", x, v.capacity(), K, "[T, K]");
+  v.matrix("y", y, v.capacity(), N, "[T, N]");
   v.param("weight", weight, {N, K}, "[N, K]");
   v.same_dtype("weight", weight.dtype(), "x", x.dtype());
   if (bias.bias.defined()) v.param("bias", bias.bias, {N}, "[N]");
@@ -55,9 +57,10 @@ void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
 void grouped_linear_dgrad(const TensorView& dy, const GroupedParam& weight,
                           const GroupLayout& groups, const TensorView& dx, [[maybe_unused]] const ExecContext& ctx) {
   const ops::Validator v("grouped_linear_dgrad", groups);
-  v.matrix("dy", dy, v.capacity(), -1, "[T, N]");
-  v.matrix("dx", dx, v.capacity(), -1, "[T, K]");
-  const int64_t N = dy.size(1), K = dx.size(1);
+  const Shape w = v.expert_shape("weight", weight, 2, "[N, K]");
+  const int64_t N = w[0], K = w[1];
+  v.matrix("dy", dy, v.capacity(), N, "[T, N]");
+  v.matrix("dx", dx, v.capacity(), K, "[T, K]");
   v.param("weight", weight, {N, K}, "[N, K]");
   v.same_dtype("weight", weight.dtype(), "dy", dy.dtype());
   v.no_overlap("dx", dx, "dy", dy);
@@ -101,8 +104,9 @@ void grouped_linear_dscales(const TensorView& dy, const GroupedParam& bias,
                             const GroupLayout& groups, const TensorView& dscales, bool accumulate,
                             [[maybe_unused]] const ExecContext& ctx) {
   const ops::Validator v("grouped_linear_dscales", groups);
-  v.matrix("dy", dy, v.capacity(), -1, "[T, N]");
-  v.param("bias", bias, {dy.size(1)}, "[N]");
+  const int64_t N = v.expert_shape("bias", bias, 1, "[N]")[0];
+  v.matrix("dy", dy, v.capacity(), N, "[T, N]");
+  v.param("bias", bias, {N}, "[N]");
   v.row_scale("dscales", dscales);
   v.no_overlap("dscales", dscales, "dy", dy);
   ops::dispatch(

@@ -121,6 +121,17 @@ void Validator::row_scale(const char* name, const TensorView& t) const {
          device_.is_cpu() ? " (or float64 on the CPU)" : "", ", got ", dtype_name(t.dtype()));
 }
 
+Shape Validator::expert_shape(const char* name, const GroupedParam& p, int rank, const char* dims) const {
+  if (!p.defined())
+    fail(ErrorCode::kInvalidArgument, name, ": required per-expert tensor ", dims, " is undefined");
+  if (p.num_groups() != num_groups())
+    fail(ErrorCode::kGroupMismatch, name, " has G = ", p.num_groups(),
+         " experts but the group layout has G = ", num_groups());
+  if (int(p.expert_shape().size()) != rank)
+    fail(ErrorCode::kShape, name, ": expected G x ", dims, ", got ", p.describe());
+  return p.expert_shape();
+}
+
 void Validator::param(const char* name, const GroupedParam& p, const Shape& expert_shape,
                       const char* dims) const {
   if (!p.defined())

@@ -47,6 +47,9 @@ class Validator {
   void vector(const char* name, const TensorView& t, int64_t n, const char* dims) const;
   // A per-row scale (router probs): [T], float32 (float64 too on the CPU backend).
   void row_scale(const char* name, const TensorView& t) const;
+  // The expert shape of a per-expert tensor that must be given, with G experts of rank `rank`
+  // (`dims`, e.g. "[N, K]"): where a parameter sets the sizes the activations are checked against.
+  Shape expert_shape(const char* name, const GroupedParam& p, int rank, const char* dims) const;
   // A per-expert tensor with G experts of shape `expert_shape` on the device.
   void param(const char* name, const GroupedParam& p, const Shape& expert_shape,
              const char* dims) const;

@@ -123,7 +123,36 @@ TEST(Safetensors, RejectsMalformedFiles) {
   expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", two), "belong to no tensor");
   expect_rejected(raw_file(R"({"__metadata__":{"k":1}})", {}), "is not a string");
   expect_rejected(raw_file(R"({"a":3})", {}), "is not an object");
-  EXPECT_THROW(SafetensorsFile::load("/nonexistent/dir/x.safetensors"), Error);
+  // A repeated key is named, not reported as the bytes its lost twin leaves without a tensor.
+  expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                           R"("a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", two),
+                  "duplicate tensor name 'a'");
+  expect_rejected(raw_file(R"({"__metadata__":{"k":"1"},"__metadata__":{"k":"2"}})", {}), "__metadata__ appears twice");
+  expect_rejected(raw_file(R"({"a":{"dtype":"F32","dtype":"F64","shape":[2],"data_offsets":[0,8]}})", two),
+                  "duplicate key 'dtype' inside 'a'");
+  expect_rejected(raw_file(R"({"__metadata__":{"k":"1","k":"2"}})", {}), "duplicate key 'k' inside '__metadata__'");
+}
+
+// Paths that are not readable regular files are io errors naming the path and the problem (a
+// directory once aborted the process through a huge allocation); writes never leave a partial file.
+TEST(Safetensors, LoadAndSaveCheckTheirPaths) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("moe_engine_paths_" + std::to_string(test_seed()));
+  fs::create_directories(dir);
+  EXPECT_MOE_ERROR(SafetensorsFile::load(dir.string()), ErrorCode::kIo, "is a directory; expected a safetensors file");
+  EXPECT_MOE_ERROR(SafetensorsFile::load((dir / "missing.safetensors").string()), ErrorCode::kIo, "no such file");
+  EXPECT_MOE_ERROR(SafetensorsFile::load(""), ErrorCode::kIo, "is empty");
+  EXPECT_MOE_ERROR(SafetensorsFile::load("/dev/null"), ErrorCode::kIo, "is not a regular file");
+  const Tensor t = Tensor::zeros({4}, DType::kFloat32);
+  const std::vector<SafetensorsRecord> records = {safetensors_record("t", t)};
+  EXPECT_MOE_ERROR(save_safetensors(dir.string(), records), ErrorCode::kIo, "it is a directory");
+  EXPECT_MOE_ERROR(save_safetensors((dir / "no" / "x.safetensors").string(), records), ErrorCode::kIo,
+                   "the directory '" + (dir / "no").string() + "' does not exist");
+  const std::string path = (dir / "x.safetensors").string();
+  save_safetensors(path, records);
+  EXPECT_EQ(SafetensorsFile::load(path).at("t").shape, (std::vector<int64_t>{4}));
+  EXPECT_FALSE(fs::exists(path + ".partial"));
+  fs::remove_all(dir);
 }
 
 TEST(Safetensors, WriterRejectsInconsistentRecords) {

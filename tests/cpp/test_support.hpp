@@ -14,8 +14,10 @@
 #include "moe_engine/moe_engine.hpp"
 
 namespace moe {
-// gtest prints parameters with this (test names and failure messages).
+// gtest prints parameters with these in failure messages ("GetParam() = packed", not the bytes).
 inline void PrintTo(DType dtype, std::ostream* os) { *os << dtype_name(dtype); }
+inline void PrintTo(ExpertLayout layout, std::ostream* os) { *os << expert_layout_name(layout); }
+inline void PrintTo(MlpFusion fusion, std::ostream* os) { *os << fusion_name(fusion); }
 }  // namespace moe
 
 namespace moe::test {

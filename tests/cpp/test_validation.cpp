@@ -22,17 +22,23 @@ TEST_F(Validation, Shapes) {
       grouped_linear_forward(x.view().reshape({10, 2, 4}), W, r.layout, y), ErrorCode::kShape,
       "grouped_linear_forward: x: expected a 2-D [T, K] tensor, got bfloat16[10, 2, 4]");
   EXPECT_MOE_ERROR(grouped_linear_forward(x.view().slice(0, 9), W, r.layout, y), ErrorCode::kShape,
-                   "x: expected [T, K] = [10, *], got bfloat16[9, 8]");
+                   "x: expected [T, K] = [10, 8], got bfloat16[9, 8]");
+  // The weight sets N and K: an activation of another width is what the message names.
   Tensor w_bad = random_tensor({3, 6, 7}, DType::kBFloat16, rng);
   EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w_bad), r.layout, y),
-                   ErrorCode::kShape,
-                   "weight: expected G x [N, K] = 3 x [6, 8], got packed bfloat16[3, 6, 7]");
+                   ErrorCode::kShape, "x: expected [T, K] = [10, 7], got bfloat16[10, 8]");
+  EXPECT_MOE_ERROR(grouped_linear_forward(random_tensor({10, 9}, DType::kBFloat16, rng), W, r.layout, y),
+                   ErrorCode::kShape, "grouped_linear_forward: x: expected [T, K] = [10, 8], got bfloat16[10, 9]");
+  EXPECT_MOE_ERROR(grouped_linear_forward(x, W, r.layout, Tensor::empty({10, 5}, DType::kBFloat16)),
+                   ErrorCode::kShape, "y: expected [T, N] = [10, 6], got bfloat16[10, 5]");
+  EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(b), r.layout, y), ErrorCode::kShape,
+                   "weight: expected G x [N, K], got packed bfloat16[3, 6]");
   Tensor b_bad = random_tensor({3, 5}, DType::kBFloat16, rng);
   EXPECT_MOE_ERROR(grouped_linear_forward(x, W, r.layout, y, {GroupedParam::packed(b_bad), {}}),
                    ErrorCode::kShape, "bias: expected G x [N] = 3 x [6]");
   EXPECT_MOE_ERROR(grouped_linear_dgrad(y, W, r.layout, Tensor::empty({10, 9}, DType::kBFloat16)),
                    ErrorCode::kShape,
-                   "grouped_linear_dgrad: weight: expected G x [N, K] = 3 x [6, 9]");
+                   "grouped_linear_dgrad: dx: expected [T, K] = [10, 8], got bfloat16[10, 9]");
   EXPECT_MOE_ERROR(grouped_linear_dscales(y, GroupedParam::packed(b), r.layout,
                                           Tensor::empty({9}, DType::kFloat32)),
                    ErrorCode::kShape, "dscales: expected a 1-D [T] = [10] tensor");
@@ -141,6 +147,19 @@ TEST_F(Validation, ArgumentCombinations) {
   spec = GluSpec{GluActivation::kClampedQGeGLU, 0.0f};
   EXPECT_MOE_ERROR(glu_forward(h, {}, r.layout, d, spec), ErrorCode::kInvalidArgument,
                    "clamped_qgeglu limit must be > 0, got 0");
+}
+
+// A module called on input of another dtype names its own setting, not a weight of the op.
+TEST_F(Validation, ModulesNameTheirDtype) {
+  const Tensor x32 = random_tensor({10, 8}, DType::kFloat32, rng);
+  GroupedMLP mlp(3, 8, 4);  // the default dtype: bfloat16
+  EXPECT_MOE_ERROR(mlp.forward(x32, r.layout), ErrorCode::kDType,
+                   "GroupedMLP.forward: x is float32 but the module's parameters are bfloat16 "
+                   "(GroupedMLPOptions::dtype)");
+  GroupedLinear linear(3, 8, 6);
+  EXPECT_MOE_ERROR(linear.forward(x32, r.layout), ErrorCode::kDType,
+                   "GroupedLinear.forward: x is float32 but the module's parameters are bfloat16 "
+                   "(GroupedLinearOptions::dtype)");
 }
 
 TEST_F(Validation, ExpertMlpArguments) {
