@@ -1,6 +1,7 @@
 // moe-engine bench mlp: the expert MLP forward + backward on one case, timed, and checked against
 // the float64 oracle when the case is small enough for it.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -11,12 +12,15 @@
 
 #include "commands.hpp"
 #include "mlp_problem.hpp"
+#include "progress.hpp"
 
 namespace moe::tools {
 namespace {
 
 // The naive oracle runs at roughly 1 GFLOP/s: keep its check under a few seconds.
 constexpr double kOracleFlopLimit = 5e9;
+// A CPU run estimated longer than this needs --force.
+constexpr double kAskBeforeSeconds = 180;
 
 struct Stats {
   double median = 0, min = 0;
@@ -40,6 +44,55 @@ std::string device_name(Device d) {
   return to_string(d);
 }
 
+// What a CPU run will cost, known before it starts: the CPU backend's rate measured on the tiny
+// case (the same code path), the run count and the memory the problem holds. The suite's shapes
+// ran at 0.75-1.0x the tiny case's rate on the CPU backend, so the time is rounded up by a third:
+// the estimate errs long rather than short.
+struct CpuEstimate {
+  double gflops = 0;     // measured rate of forward + backward on the tiny case
+  double seconds = 0;    // the whole benchmark: warm-up, timed runs, oracle check
+  double bytes = 0;      // host memory of the problem
+};
+
+CpuEstimate estimate_cpu_run(const Workload& w, DType dtype, int runs, bool checked) {
+  constexpr double kLargeShapeMargin = 4.0 / 3.0;
+  constexpr double kOracleFlopsPerSecond = 1e9;
+  const Workload tiny = tiny_workload();
+  MlpProblem calibration(tiny, GluLayout::halves(), dtype, Device::cpu(), 1);
+  calibration.forward();
+  calibration.backward();
+  std::vector<double> seconds;
+  for (int i = 0; i < 3; ++i) {
+    StreamTimer timer(Device::cpu(), nullptr);
+    timer.start();
+    calibration.forward();
+    calibration.backward();
+    timer.stop();
+    seconds.push_back(timer.elapsed_ms() * 1e-3);
+  }
+  CpuEstimate e;
+  e.gflops = tiny.mlp_flops() / stats_of(seconds).median * 1e-9;
+  e.seconds = kLargeShapeMargin * runs * w.mlp_flops() / (e.gflops * 1e9) +
+              (checked ? 2.0 * w.mlp_flops() / kOracleFlopsPerSecond : 0.0);
+  e.bytes = double(MlpProblem::bytes_needed(w, dtype));
+  return e;
+}
+
+std::string memory_size(double bytes) {
+  char text[32];
+  if (bytes >= double(1 << 30))
+    std::snprintf(text, sizeof text, "%.1f GiB", bytes / double(1 << 30));
+  else
+    std::snprintf(text, sizeof text, "%.0f MiB", std::ceil(bytes / double(1 << 20)));
+  return text;
+}
+
+std::string flop_count(double flops) {
+  char text[32];
+  std::snprintf(text, sizeof text, flops >= 1e11 ? "%.1f TFLOP" : "%.2f GFLOP", flops >= 1e11 ? flops * 1e-12 : flops * 1e-9);
+  return text;
+}
+
 }  // namespace
 
 int run_bench(const BenchOptions& o) {
@@ -61,48 +114,91 @@ int run_bench(const BenchOptions& o) {
             o.dtype);
   const GluLayout layout = GluLayout::parse(o.glu_layout);
   const MlpFusion fusion = parse_fusion(o.fusion);
+  const double flops = w.mlp_flops();
+  const bool checked = o.check && flops <= kOracleFlopLimit;
 
   std::string device_note;
   Device device = Device::cpu();
+  const GpuInventory inventory = query_gpus();
   if (o.device == "auto") {
-    const GpuInventory inv = query_gpus();
-    if (!inv.gpus.empty())
+    if (!inventory.gpus.empty())
       device = Device::cuda(0);
     else
-      device_note = "no GPU visible (" + inv.note + "): the CPU backend runs";
+      device_note = "no GPU visible: " + inventory.note + "; the CPU backend runs";
   } else {
     device = parse_device(o.device);
+    if (device.is_cuda()) {
+      bool visible = false;
+      for (const GpuInfo& g : inventory.gpus) visible |= g.index == device.index;
+      MOE_CHECK(visible, ErrorCode::kDevice, "bench: --device ", o.device, ": ",
+                inventory.gpus.empty() ? inventory.note
+                                       : "this process sees " + std::to_string(inventory.gpus.size()) + " GPU(s)");
+    }
   }
 
   std::optional<MlpProblem> problem;
-  try {
+  auto make_problem = [&] {
     problem.emplace(w, layout, dtype, device, o.seed);
     problem->set_fusion(fusion);
     problem->set_recompute(o.recompute);
-    problem->forward();
-  } catch (const Error& e) {
-    // auto never fails over silently: the fallback is printed and recorded.
-    if (o.device != "auto" || device.is_cpu() || e.code() != ErrorCode::kNotImplemented) throw;
-    device_note =
-        to_string(device) + " has no expert-MLP kernel in this build yet: the CPU backend runs";
-    device = Device::cpu();
-    problem.emplace(w, layout, dtype, device, o.seed);
-    problem->set_fusion(fusion);
-    problem->set_recompute(o.recompute);
+  };
+  if (device.is_cuda()) {
+    try {
+      make_problem();
+      problem->forward();
+    } catch (const Error& e) {
+      // auto never fails over silently: the fallback is printed and recorded.
+      if (o.device != "auto" || e.code() != ErrorCode::kNotImplemented) throw;
+      device_note = to_string(device) + " has no expert-MLP kernel in this build yet: the CPU backend runs";
+      device = Device::cpu();
+      problem.reset();
+    }
   }
-  if (device.is_cpu() && w.mlp_flops() > 1e12)
-    std::fprintf(
-        stderr,
-        "note: %s is %.1f TFLOP per forward+backward; the CPU backend needs minutes per run\n",
-        w.name.c_str(), w.mlp_flops() / 1e12);
+  const int iters = o.iters > 0 ? o.iters : (device.is_cpu() ? 5 : 50);
+  const int runs = (o.warmup + iters) * (o.vs_unfused ? 2 : 1);
+  std::optional<CpuEstimate> estimate;
+  if (device.is_cpu()) {
+    estimate = estimate_cpu_run(w, dtype, runs, checked);
+    MOE_CHECK(o.force || estimate->seconds <= kAskBeforeSeconds, ErrorCode::kInvalidArgument, "bench: ",
+              w.name, " on the CPU backend would take about ", format_duration(estimate->seconds), " (",
+              runs, " runs of ", flop_count(flops), " at the ", std::lround(estimate->gflops),
+              " GFLOP/s measured here) and hold about ", memory_size(estimate->bytes),
+              " of memory. Pass --force to run it anyway, or use a GPU (--device cuda), a smaller "
+              "case (--case tiny) or fewer runs (--warmup 0 --iters 1)");
+    make_problem();
+  }
+
+  if (!o.json) {
+    std::printf(
+        "moe-engine bench mlp: case %s (G=%lld, H=%lld, F=%lld, tokens=%lld, capacity=%lld, %s%s), "
+        "%s\n",
+        w.name.c_str(), (long long)w.experts, (long long)w.hidden, (long long)w.ffn,
+        (long long)w.routed_tokens(), (long long)w.capacity, describe(problem->spec().glu).c_str(),
+        w.bias ? ", biases" : "", dtype_name(dtype));
+    std::printf("device: %s (%s)%s%s\n", to_string(device).c_str(), device_name(device).c_str(),
+                device_note.empty() ? "" : "; ", device_note.c_str());
+    if (estimate)
+      std::printf("estimate: about %s for %d runs at %.0f GFLOP/s%s; %s of memory\n",
+                  format_duration(estimate->seconds).c_str(), runs, estimate->gflops,
+                  checked ? " and the fp64 oracle check" : "", memory_size(estimate->bytes).c_str());
+    std::fflush(stdout);
+  }
+  ProgressLine progress(!o.json);
   const Stream stream = nullptr;
   const auto wait = [&] {
     if (device.is_cuda()) synchronize(stream);
   };
-  const int iters = o.iters > 0 ? o.iters : (device.is_cpu() ? 5 : 50);
+  // Progress: on the CPU every run is synchronous; on CUDA the runs are enqueued back to back and
+  // only the waits show.
+  int done = 0;
+  const auto ran = [&](const char* phase) {
+    ++done;
+    if (device.is_cpu()) progress.update(phase, done, runs, "runs", estimate ? estimate->seconds : 0);
+  };
   for (int i = 0; i < o.warmup; ++i) {
     problem->forward(stream);
     problem->backward(stream);
+    ran("warm-up");
   }
   wait();
   // With --vs-unfused the unfused path is warmed up too, then each timed run of the fused path is
@@ -112,6 +208,7 @@ int run_bench(const BenchOptions& o) {
     for (int i = 0; i < o.warmup; ++i) {
       problem->forward(stream);
       problem->backward(stream);
+      ran("warm-up");
     }
     wait();
     problem->set_fusion(fusion);
@@ -136,7 +233,9 @@ int run_bench(const BenchOptions& o) {
     problem->backward(stream);
     r.backward->stop();
     runs.push_back(std::move(r));
+    ran("timing");
   };
+  if (device.is_cuda()) progress.update("timing (enqueued back to back)", 0, iters, "runs");
   for (int i = 0; i < iters; ++i) {
     record(fused_runs);
     if (o.vs_unfused) {
@@ -157,17 +256,24 @@ int run_bench(const BenchOptions& o) {
   collect(fused_runs, fwd, bwd, total);
   collect(unfused_runs, ufwd, ubwd, utotal);
   const Stats f = stats_of(fwd), b = stats_of(bwd), t = stats_of(total);
-  const double flops = w.mlp_flops();
   const double tflops = flops / (t.median * 1e-3) / 1e12;
 
   std::optional<OracleCheck> check;
   std::string check_note;
   if (!o.check)
     check_note = "skipped (--no-check)";
-  else if (flops > kOracleFlopLimit)
+  else if (!checked)
     check_note = "skipped: the case is too large for the fp64 oracle (use --case tiny)";
-  else
+  if (checked) {
+    if (progress.enabled()) {
+      progress.clear();
+      std::fprintf(stderr, "checking against the fp64 oracle...");
+      std::fflush(stderr);
+    }
     check = problem->check_against_oracle();
+    if (progress.enabled()) std::fprintf(stderr, "\r\033[K");
+  }
+  progress.clear();
 
   if (o.json) {
     nlohmann::json j;
@@ -179,7 +285,8 @@ int run_bench(const BenchOptions& o) {
     j["kind"] = o.kind;
     j["dtype"] = dtype_name(dtype);
     j["glu"] = describe(problem->spec().glu);
-    j["fusion"] = fusion_name(fusion);
+    j["fusion"] = problem->fusion_ran();  // what ran (the CPU backend never fuses)
+    j["fusion_requested"] = fusion_name(fusion);
     j["recompute"] = o.recompute;
     j["case"] = {{"name", w.name},
                  {"experts", w.experts},
@@ -219,14 +326,12 @@ int run_bench(const BenchOptions& o) {
       j["check"] = {{"skipped", check_note}};
     std::cout << j.dump(2) << "\n";
   } else {
-    std::printf(
-        "moe-engine bench mlp: case %s (G=%lld, H=%lld, F=%lld, tokens=%lld, capacity=%lld, %s%s), "
-        "%s\n",
-        w.name.c_str(), (long long)w.experts, (long long)w.hidden, (long long)w.ffn,
-        (long long)w.routed_tokens(), (long long)w.capacity, describe(problem->spec().glu).c_str(),
-        w.bias ? ", biases" : "", dtype_name(dtype));
-    std::printf("device: %s (%s)%s%s\n", to_string(device).c_str(), device_name(device).c_str(),
-                device_note.empty() ? "" : "; ", device_note.c_str());
+    const std::string ran = problem->fusion_ran();
+    std::printf("fused steps: %s%s\n", ran.c_str(),
+                ran == fusion_name(fusion) ? ""
+                : device.is_cpu()          ? " (the CPU backend runs the steps unfused)"
+                                           : (" (requested " + std::string(fusion_name(fusion)) +
+                                              "; the fused kernels do not take this problem)").c_str());
     std::printf("%-10s %12s %12s %12s\n", "phase", "median ms", "min ms", "TFLOP/s");
     std::printf("%-10s %12.3f %12.3f %12.4f\n", "forward", f.median, f.min,
                 flops / 3 / (f.median * 1e9));
@@ -252,7 +357,7 @@ int run_bench(const BenchOptions& o) {
       std::printf("check against the fp64 oracle: %s\n", check_note.c_str());
     }
   }
-  return (!check || check->passed) ? 0 : 2;
+  return (!check || check->passed) ? 0 : kExitCheckFailed;
 }
 
 }  // namespace moe::tools

@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <memory>
 #include <iostream>
@@ -14,6 +13,8 @@
 
 #include "commands.hpp"
 #include "moe_engine/moe_engine.hpp"
+#include "json_io.hpp"
+#include "progress.hpp"
 #include "routing.hpp"
 #include "workloads.hpp"
 
@@ -94,6 +95,25 @@ struct Entry {
   bool in_geomean = false;
 };
 
+// The anchor's JSON must hold what the comparison reads, checked before the long run starts.
+void check_anchor(const nlohmann::json& anchor, const std::string& path) {
+  auto fail = [&](const std::string& what) {
+    throw_error(ErrorCode::kIo, "bench gemm: the anchor file '", path, "' ", what,
+                " (expected the output of ../shared/bench/torch_anchor.py)");
+  };
+  if (!anchor.is_object() || !anchor.contains("cases") || !anchor["cases"].is_array())
+    fail("has no \"cases\" array");
+  if (anchor.contains("dense_8192_tflops") && !anchor["dense_8192_tflops"].is_number())
+    fail("has a dense_8192_tflops that is not a number");
+  for (const nlohmann::json& c : anchor["cases"]) {
+    if (!c.is_object() || !c.contains("case") || !c["case"].is_string()) fail("has a case without a \"case\" name");
+    for (const char* fc : {"fc1", "fc2"})
+      for (const char* key : {"_grouped_mm_fwd_ms", "_grouped_mm_dgrad_ms", "_grouped_mm_wgrad_ms", "_loop_fwd_ms"})
+        if (!c.contains(fc + std::string(key)) || !c[fc + std::string(key)].is_number())
+          fail("has no number " + std::string(fc) + key + " for case " + c["case"].get<std::string>());
+  }
+}
+
 const nlohmann::json* anchor_case(const nlohmann::json& anchor, const std::string& name) {
   for (const auto& c : anchor.at("cases"))
     if (c.at("case") == name) return &c;
@@ -109,21 +129,30 @@ int run_bench_gemm(const BenchOptions& o) {
     if (o.case_name == "all" || w.name.find(o.case_name) != std::string::npos) cases.push_back(w);
   MOE_CHECK(!cases.empty(), ErrorCode::kInvalidArgument, "bench gemm: no case matches '",
             o.case_name, "'");
+  if (!o.gemm_filter.empty()) {
+    bool known = false;
+    for (const char* fc : {"fc1", "fc2"})
+      for (const char* gemm : {"fwd", "dgrad", "wgrad", "wgrad_acc"}) known |= o.gemm_filter == std::string(fc) + "/" + gemm;
+    MOE_CHECK(known, ErrorCode::kInvalidArgument, "bench gemm: --gemm ", o.gemm_filter,
+              ": expected fc1 or fc2, a slash, and fwd, dgrad, wgrad or wgrad_acc (e.g. fc2/wgrad)");
+  }
+  // Files first: a bad path fails now, not after the run.
+  nlohmann::json anchor;
+  if (!o.anchor.empty()) {
+    anchor = read_json_file(o.anchor, "the anchor results");
+    check_anchor(anchor, o.anchor);
+  }
+  if (!o.json_out.empty()) check_json_output_path(o.json_out, "--json-out");
   const GpuInventory inventory = query_gpus();
   MOE_CHECK(!inventory.gpus.empty(), ErrorCode::kNotImplemented,
             "bench gemm times the CUDA kernels and needs a GPU: ", inventory.note);
   const Device device = o.device == "auto" ? Device::cuda(0) : parse_device(o.device);
   MOE_CHECK(device.is_cuda(), ErrorCode::kInvalidArgument,
             "bench gemm times the CUDA kernels: use a CUDA device");
+  MOE_CHECK(size_t(device.index) < inventory.gpus.size(), ErrorCode::kDevice, "bench gemm: --device ", o.device,
+            ": this process sees ", inventory.gpus.size(), " GPU(s)");
   const DType dt = dtype_from_name(o.dtype);
 
-  nlohmann::json anchor;
-  if (!o.anchor.empty()) {
-    std::ifstream in(o.anchor);
-    MOE_CHECK(in.good(), ErrorCode::kIo, "bench gemm: cannot open the anchor file '", o.anchor,
-              "'");
-    in >> anchor;
-  }
   const double bf16_tflops = anchor.contains("dense_8192_tflops")
                                  ? anchor["dense_8192_tflops"].get<double>()
                                  : kDefaultBf16Tflops;
@@ -135,8 +164,18 @@ int run_bench_gemm(const BenchOptions& o) {
   const int iters = o.iters > 0 ? o.iters : 20;
   const int warmup = std::max(o.warmup, 2);
   std::vector<Entry> entries;
+  // Each GEMM warms up for a quarter of min_time_ms, then runs at least min_time_ms; buffers and
+  // the first launches add about 50 ms.
+  const long total = long(cases.size()) * 2 * (o.gemm_filter.empty() ? 4 : 1);
+  const double estimate_s = o.settle_ms * 1e-3 + double(total) * (1.25 * o.min_time_ms + 50) * 1e-3;
+  std::printf("bench gemm: %ld GEMMs of %zu case(s) on %s (%s), each timed for >= %g ms: about %s\n", total,
+              cases.size(), to_string(device).c_str(), inventory.gpus[size_t(device.index)].name.c_str(),
+              o.min_time_ms, format_duration(estimate_s).c_str());
   std::printf("%-36s %-4s %-10s %9s %8s %9s %9s %8s\n", "case", "fc", "gemm", "ms", "TFLOP/s",
               "roofline", "torch ms", "speedup");
+  std::fflush(stdout);
+  ProgressLine progress(!o.json);
+  progress.update("GEMMs", 0, total, "timed", estimate_s);
   for (const Workload& w : cases) {
     const int64_t G = w.experts, T = w.capacity, routed = w.routed_tokens();
     DeviceRouting routing(w.tokens_per_expert, T, device, stream);
@@ -205,15 +244,18 @@ int run_bench_gemm(const BenchOptions& o) {
             en.speedup_vs_loop = en.loop_ms / en.ms;
           }
         }
+        progress.clear();
         std::printf("%-36s %-4s %-10s %9.4f %8.1f %9.3f %9.4f %8.3f\n", w.name.c_str(), fc.c_str(),
                     g.name, en.ms, en.tflops, en.roofline_fraction, en.torch_ms,
                     en.speedup_vs_torch);
         std::fflush(stdout);
         entries.push_back(en);
+        progress.update("GEMMs", long(entries.size()), total, "timed", estimate_s);
       }
       routing.check(stream);
     }
   }
+  progress.clear();
   double log_sum = 0, min_speedup = 1e30;
   int counted = 0;
   for (const Entry& en : entries)
@@ -267,7 +309,7 @@ int run_bench_gemm(const BenchOptions& o) {
       }
       j["entries"].push_back(e);
     }
-    std::ofstream(o.json_out) << j.dump(1) << "\n";
+    write_json_file(o.json_out, j, "--json-out");
   }
   return 0;
 }

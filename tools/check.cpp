@@ -254,7 +254,7 @@ int run_check(const CheckOptions& o) {
     if (inv.gpus.empty()) std::printf("no GPU checks: %s\n", inv.note.c_str());
     std::printf("%s\n", ok ? "all checks passed" : "SOME CHECKS FAILED");
   }
-  return ok ? 0 : 1;
+  return ok ? 0 : kExitCheckFailed;
 }
 
 }  // namespace moe::tools

@@ -28,6 +28,50 @@ int run_checkpoint_info(const CheckpointOptions& o) {
   return 0;
 }
 
+namespace {
+
+// "'a' [3, 2, 4], 'b' [3, 4]": groups with the shape of their first tensor in the input.
+std::string describe_groups(const SafetensorsFile& in, const std::vector<std::string>& groups) {
+  std::string out;
+  for (const std::string& g : groups) {
+    const SafetensorsEntry* e = in.find(g);
+    if (!e) e = in.find(g + "0");
+    out += out.empty() ? "'" : ", '";
+    out += g;
+    out += "'";
+    if (!e) continue;
+    out += ' ';
+    out += Shape(e->shape.begin(), e->shape.end()).to_string();
+    if (!in.find(g)) out += " per expert";
+  }
+  return out;
+}
+
+// What a conversion that changed nothing found, for its error message.
+std::string nothing_converted(const SafetensorsFile& in, const CheckpointConversion& c, const ConvertedCheckpoint& out) {
+  const std::string to = c.to == ExpertLayout::kPacked ? "packed" : "per-expert";
+  if (!out.already_in_layout.empty())
+    return "the expert groups are " + to + " already: " + describe_groups(in, out.already_in_layout) +
+           "; convert with --to " + (c.to == ExpertLayout::kPacked ? "per-expert" : "packed") +
+           ", or reorder FC1 rows with --glu-from/--glu-to";
+  if (!c.prefix.empty() && out.keys_under_prefix == 0) {
+    std::string keys;
+    size_t shown = 0;
+    for (const SafetensorsEntry& e : in.entries())
+      if (shown++ < 4) keys += (keys.empty() ? "'" : ", '") + e.name + "'";
+    if (in.entries().size() > 4) keys += ", ...";
+    return "no tensor key starts with the prefix '" + c.prefix + "' (the keys are " +
+           (keys.empty() ? std::string("none") : keys) + ")";
+  }
+  return std::to_string(out.keys_under_prefix) + " tensor(s)" +
+         (c.prefix.empty() ? std::string() : " under the prefix '" + c.prefix + "'") +
+         " but no expert group: expected per-expert keys P.weight0 .. P.weight" + std::to_string(c.experts - 1) +
+         " (and P.bias0 ..) or packed P.weight [" + std::to_string(c.experts) +
+         ", N, K] (P.bias [" + std::to_string(c.experts) + ", N])";
+}
+
+}  // namespace
+
 int run_checkpoint_convert(const CheckpointOptions& o) {
   CheckpointConversion c;
   c.experts = o.experts;
@@ -38,11 +82,20 @@ int run_checkpoint_convert(const CheckpointOptions& o) {
   if (!o.glu_to.empty()) c.glu_to = GluLayout::parse(o.glu_to);
   const SafetensorsFile in = SafetensorsFile::load(o.input);
   const ConvertedCheckpoint out = convert_checkpoint(in, c);
+  MOE_CHECK(out.changed(), ErrorCode::kInvalidArgument, "checkpoint convert: nothing to convert in '", o.input,
+            "': ", nothing_converted(in, c, out), "; nothing was written");
   save_safetensors(o.output, out);
-  std::printf("%s -> %s: %zu tensors, %zu groups converted to %s%s\n", o.input.c_str(), o.output.c_str(),
-              out.tensors.size(), out.converted.size(), o.to.c_str(),
-              c.glu_from ? (" (GLU " + c.glu_from->name() + " -> " + c.glu_to->name() + ")").c_str() : "");
-  for (const std::string& g : out.converted) std::printf("  %s\n", g.c_str());
+  std::printf("%s -> %s: %zu tensors\n", o.input.c_str(), o.output.c_str(), out.tensors.size());
+  auto list = [](const char* what, const std::vector<std::string>& groups) {
+    if (groups.empty()) return;
+    std::printf("%s:\n", what);
+    for (const std::string& g : groups) std::printf("  %s\n", g.c_str());
+  };
+  list(("converted to " + o.to).c_str(), out.converted);
+  list(("already " + o.to + ", copied").c_str(), out.already_in_layout);
+  if (c.glu_from)
+    list(("FC1 rows reordered from GLU layout " + c.glu_from->name() + " to " + c.glu_to->name()).c_str(),
+         out.glu_reordered);
   return 0;
 }
 

@@ -6,6 +6,13 @@
 
 namespace moe::tools {
 
+// Exit codes: 0 success; 1 an error (a "moe-engine ... error:" message on stderr); 2 a command line
+// that does not parse (wrong option, bad value); 3 a correctness check failed (bench's comparison
+// with the fp64 oracle, `check`).
+constexpr int kExitError = 1;
+constexpr int kExitUsage = 2;
+constexpr int kExitCheckFailed = 3;
+
 struct InfoOptions {
   bool json = false;
 };
@@ -22,6 +29,7 @@ struct BenchOptions {
   int iters = 0;  // 0: a default that suits the device
   uint64_t seed = 1;
   bool check = true;  // compare with the float64 oracle when small enough
+  bool force = false;  // run a CPU benchmark estimated to take long
   bool json = false;
   bool list = false;         // list the cases and exit
   std::string fusion = "forward";  // mlp: none | forward | all (ExpertMlpSpec::fusion)

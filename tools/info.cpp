@@ -44,7 +44,7 @@ int run_info(const InfoOptions& options) {
                             : std::string("no (built without CUDA)"))
             << "\n";
   if (inv.gpus.empty()) {
-    std::cout << "GPUs: none (" << inv.note << ")\n";
+    std::cout << "GPUs: none: " << inv.note << "\n";
     return 0;
   }
   std::cout << "GPUs:\n";

@@ -1,9 +1,31 @@
 // moe-engine: the command-line front end (info, bench, check, checkpoint).
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <iostream>
+#include <new>
 
 #include "commands.hpp"
 #include "moe_engine/moe_engine.hpp"
+
+namespace {
+
+// A number >= `min`, with a plain message ("must be >= 0, got -1") instead of CLI11's range whose
+// upper bound prints as a 300-digit double.
+CLI::Validator at_least(double min) {
+  char bound[32];
+  std::snprintf(bound, sizeof bound, "%g", min);
+  const std::string text = bound;
+  return CLI::Validator(
+      [min, text](std::string& value) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(value, v) || std::isnan(v)) return "expected a number, got '" + value + "'";
+        if (v < min) return "must be >= " + text + ", got " + value;
+        return {};
+      },
+      ">=" + text, "at least " + text);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace moe::tools;
@@ -38,13 +60,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_cmd->add_option("--workloads", bench.workloads, "Path of workloads.json");
   bench_cmd->add_option("--warmup", bench.warmup, "Untimed runs first")
-      ->check(CLI::NonNegativeNumber)
+      ->check(at_least(0))
       ->capture_default_str();
   bench_cmd->add_option("--iters", bench.iters, "Timed runs (median reported; 0 = device default)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(at_least(0))
       ->capture_default_str();
   bench_cmd->add_option("--seed", bench.seed, "Seed of the random inputs")->capture_default_str();
-  bench_cmd->add_flag("!--no-check", bench.check, "Skip the comparison with the fp64 oracle");
+  bool no_check = false;
+  bench_cmd->add_flag("--no-check", no_check, "Skip the comparison with the fp64 oracle");
+  bench_cmd->add_flag("--force", bench.force,
+                      "mlp: run on the CPU even when the estimate says it takes more than a few minutes");
   bench_cmd->add_flag("--json", bench.json, "Print JSON only");
   bench_cmd->add_flag("--list", bench.list, "List the cases and exit");
   bench_cmd->add_option("--fusion", bench.fusion, "mlp: fused steps on CUDA: none, forward or all")
@@ -58,14 +83,17 @@ int main(int argc, char** argv) {
                         "gemm: only this GEMM of each case: fc1|fc2 / fwd|dgrad|wgrad|wgrad_acc, e.g. fc2/wgrad");
   bench_cmd->add_option("--min-time-ms", bench.min_time_ms,
                         "gemm: time each GEMM at least this long (0 with --iters 1: one run, for profilers)")
+      ->check(at_least(0))
       ->capture_default_str();
   bench_cmd->add_option("--settle-ms", bench.settle_ms,
                         "gemm: first run a dense GEMM this long, so that every timing sees the GPU's "
                         "steady (power-capped) clocks rather than the boost of a cold start")
+      ->check(at_least(0))
       ->capture_default_str();
   bench_cmd->add_option("--l2-flush-mb", bench.l2_flush_mb,
                         "gemm, mlp: zero this many MB before each timed run, as the anchor's do_bench "
                         "does (0: none)")
+      ->check(at_least(0))
       ->capture_default_str();
   bench_cmd->add_option("--json-out", bench.json_out,
                         "gemm: write the results as JSON to this file");
@@ -86,7 +114,7 @@ int main(int argc, char** argv) {
       "convert", "Convert expert tensors between per-expert (P.weight0..) and packed (P.weight) keys");
   ckpt_convert->add_option("input", ckpt.input, "Input .safetensors")->required();
   ckpt_convert->add_option("output", ckpt.output, "Output .safetensors")->required();
-  ckpt_convert->add_option("--experts", ckpt.experts, "Number of experts G")->required();
+  ckpt_convert->add_option("--experts", ckpt.experts, "Number of experts G")->required()->check(at_least(1));
   ckpt_convert->add_option("--to", ckpt.to, "packed or per-expert")
       ->required()
       ->check(CLI::IsMember({"packed", "per-expert"}));
@@ -94,8 +122,15 @@ int main(int argc, char** argv) {
   ckpt_convert->add_option("--glu-from", ckpt.glu_from, "GLU layout of the input rows: halves, pairs, blocks:S");
   ckpt_convert->add_option("--glu-to", ckpt.glu_to, "GLU layout of the output rows");
 
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);  // prints --help / --version, or the message
+    return rc == 0 ? 0 : kExitUsage;
+  }
+  bench.check = !no_check;
   for (int i = 0; i < argc; ++i) bench.command_line += (i ? " " : "") + std::string(argv[i]);
+  // Nothing may end the process past here but a return: every failure is a message and exit 1.
   try {
     if (info_cmd->parsed()) return run_info(info);
     if (bench_cmd->parsed()) {
@@ -110,7 +145,16 @@ int main(int argc, char** argv) {
     if (ckpt_convert->parsed()) return run_checkpoint_convert(ckpt);
   } catch (const moe::Error& e) {
     std::cerr << e.what() << "\n";
-    return 1;
+    return kExitError;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "moe-engine error: out of host memory\n";
+    return kExitError;
+  } catch (const std::exception& e) {
+    std::cerr << "moe-engine internal error: " << e.what() << "\n";
+    return kExitError;
+  } catch (...) {
+    std::cerr << "moe-engine internal error: an unknown exception\n";
+    return kExitError;
   }
   return 0;
 }

@@ -61,10 +61,21 @@ MlpProblem::MlpProblem(const Workload& w, const GluLayout& layout, DType dtype, 
                                DType::kUInt8, device);
 }
 
+int64_t MlpProblem::bytes_needed(const Workload& w, DType dtype) {
+  const int64_t G = w.experts, H = w.hidden, F = w.ffn, T = w.capacity, e = int64_t(dtype_size(dtype));
+  const int64_t activations = 4 * T * H + T * 2 * F;          // x, y, dx, dy; the pre-activation
+  const int64_t weights = 2 * (G * 2 * F * H + G * H * F);     // w1, w2 and their gradients
+  const int64_t biases = w.bias ? 2 * (G * 2 * F + G * H) : 0;
+  return e * (activations + weights + biases) + 2 * 4 * T +
+         int64_t(expert_mlp_forward_workspace_size(T, H, F, dtype, false)) +
+         int64_t(expert_mlp_backward_workspace_size(T, H, F, dtype, true, MlpFusion::kForwardBackward));
+}
+
 void MlpProblem::forward(Stream stream) {
   const ExpertMlpWeights weights{param(w1_), param(b1_), param(w2_), param(b2_)};
   const ExecContext ctx{stream, {forward_ws_.data(), forward_ws_.nbytes(), device_}};
-  expert_mlp_forward(x_, probs_, weights, routing_.layout(), y_, recompute_ ? Tensor() : fc1_out_, spec_, ctx);
+  expert_mlp_forward(x_, probs_, weights, routing_.layout(), y_, recompute_ ? Tensor() : fc1_out_, spec_, ctx,
+                     &forward_fused_);
 }
 
 void MlpProblem::backward(Stream stream) {
@@ -78,7 +89,12 @@ void MlpProblem::backward(Stream stream) {
   grads.fc2_bias = {param(db2_), GradMode::kWrite};
   const ExecContext ctx{stream, {backward_ws_.data(), backward_ws_.nbytes(), device_}};
   expert_mlp_backward(dy_, x_, probs_, weights, routing_.layout(), recompute_ ? Tensor() : fc1_out_, grads, spec_,
-                      ctx);
+                      ctx, &backward_fused_);
+}
+
+std::string MlpProblem::fusion_ran() const {
+  if (forward_fused_) return backward_fused_ ? "all" : "forward";
+  return backward_fused_ ? "backward" : "none";
 }
 
 OracleCheck MlpProblem::check_against_oracle() const {

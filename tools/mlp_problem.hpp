@@ -23,6 +23,8 @@ class MlpProblem {
  public:
   MlpProblem(const Workload& workload, const GluLayout& layout, DType dtype, Device device,
              uint64_t seed);
+  // The bytes a problem of this workload allocates (inputs, weights, outputs, gradients, workspaces).
+  static int64_t bytes_needed(const Workload& workload, DType dtype);
 
   void forward(Stream stream = nullptr);   // y and the saved pre-activation
   void backward(Stream stream = nullptr);  // dx, dprobs and the four parameter gradients (write)
@@ -32,6 +34,9 @@ class MlpProblem {
   const Workload& workload() const { return workload_; }
   const ExpertMlpSpec& spec() const { return spec_; }
   void set_fusion(MlpFusion fusion) { spec_.fusion = fusion; }
+  // What the last forward and backward ran: "all" (both GLU steps fused into the GEMM epilogues),
+  // "forward", "backward" or "none" (always "none" on the CPU backend).
+  std::string fusion_ran() const;
   // Recompute mode: forward keeps no pre-activation, backward recomputes FC1 from x.
   void set_recompute(bool recompute) { recompute_ = recompute; }
   // Bytes per token kept from forward for backward: x, the pre-activation (not with recompute) and
@@ -54,6 +59,7 @@ class MlpProblem {
   Tensor y_, fc1_out_, dx_, dprobs_, dw1_, db1_, dw2_, db2_;
   Tensor forward_ws_, backward_ws_;
   bool recompute_ = false;
+  bool forward_fused_ = false, backward_fused_ = false;
 };
 
 }  // namespace moe::tools

@@ -1,10 +1,10 @@
 #include "workloads.hpp"
 
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <numeric>
 
+#include "json_io.hpp"
 #include "moe_engine/error.hpp"
 
 #ifndef MOE_ENGINE_SOURCE_DIR
@@ -51,11 +51,8 @@ std::string find_workloads_file(const std::string& explicit_path) {
 }
 
 std::vector<Workload> load_workloads(const std::string& path) {
-  std::ifstream in(path);
-  MOE_CHECK(in.good(), ErrorCode::kIo, "cannot open workloads file '", path, "'");
-  nlohmann::json doc;
+  const nlohmann::json doc = read_json_file(path, "the workloads file");
   try {
-    in >> doc;
     std::vector<Workload> out;
     for (const auto& c : doc.at("cases")) {
       Workload w;
@@ -67,6 +64,10 @@ std::vector<Workload> load_workloads(const std::string& path) {
       w.capacity = c.at("tokens").get<int64_t>();
       w.activation = c.at("activation").get<std::string>();
       w.bias = c.at("bias").get<bool>();
+      MOE_CHECK(w.experts >= 1 && w.hidden >= 1 && w.ffn >= 1, ErrorCode::kIo, "workload '", w.name,
+                "': experts, hidden and ffn must be >= 1, got ", w.experts, ", ", w.hidden, ", ", w.ffn);
+      for (int64_t n : w.tokens_per_expert)
+        MOE_CHECK(n >= 0, ErrorCode::kIo, "workload '", w.name, "': tokens_per_expert has the negative entry ", n);
       MOE_CHECK(int64_t(w.tokens_per_expert.size()) == w.experts, ErrorCode::kIo, "workload '",
                 w.name, "': tokens_per_expert has ", w.tokens_per_expert.size(),
                 " entries, expected ", w.experts);
