@@ -108,9 +108,14 @@ GluSpec glu_of(const nb::tuple& t) {
   return s;
 }
 
-// The buffer capacity T (an undefined or 0-d tensor gives 0; the op's validation names it).
-int64_t rows_of(const TensorView& t) {
-  return t.defined() && t.dim() >= 1 ? t.size(0) : 0;
+// The buffer capacity T: the rows of the op's [T, ...] token tensor, which must be 2-D (a 3-D
+// [B, S, H] batch would otherwise read as T = B and the splits would seem to overflow it). An
+// undefined tensor gives 0; the op's validation names it.
+int64_t rows_of(const char* op, const char* name, const TensorView& t) {
+  if (!t.defined()) return 0;
+  MOE_CHECK(t.dim() == 2, ErrorCode::kShape, op, ": ", name, ": expected a 2-D [T, ...] token tensor (flatten ",
+            "batch and sequence into T rows sorted by expert), got ", t.describe());
+  return t.size(0);
 }
 
 // ---- ops ----
@@ -124,11 +129,12 @@ struct OpCall {
   Stream stream;
   std::vector<TensorView> zero;
 
-  OpCall(nb::handle splits_h, nb::handle offsets_h, const TensorView& rows, uintptr_t stream_i,
-         nb::handle zero_h = nb::list())
+  // `rows` (named `name` in `op`'s messages) holds the token buffer whose rows the splits index.
+  OpCall(const char* op, const char* name, const TensorView& rows, nb::handle splits_h, nb::handle offsets_h,
+         uintptr_t stream_i, nb::handle zero_h = nb::list())
       : splits(view_of(splits_h)),
         offsets(view_of(offsets_h)),
-        capacity(rows_of(rows)),
+        capacity(rows_of(op, name, rows)),
         stream(stream_of(stream_i)),
         zero(views_of(zero_h)) {}
 
@@ -146,18 +152,20 @@ void grouped_linear_forward_py(nb::handle x_h, nb::handle weight_h, nb::handle s
                                nb::handle row_scale_h, nb::handle zero_h, uintptr_t stream_i) {
   const TensorView x = view_of(x_h), y = view_of(y_h), row_scale = view_of(row_scale_h);
   const GroupedParam weight = param_of(weight_h, 2), bias = param_of(bias_h, 1);
-  OpCall(splits_h, offsets_h, x, stream_i, zero_h).run([&](const GroupLayout& g, const ExecContext& e) {
-    grouped_linear_forward(x, weight, g, y, {bias, row_scale}, e);
-  });
+  OpCall("grouped_linear_forward", "x", x, splits_h, offsets_h, stream_i, zero_h)
+      .run([&](const GroupLayout& g, const ExecContext& e) {
+        grouped_linear_forward(x, weight, g, y, {bias, row_scale}, e);
+      });
 }
 
 void grouped_linear_dgrad_py(nb::handle dy_h, nb::handle weight_h, nb::handle splits_h,
                              nb::handle offsets_h, nb::handle dx_h, nb::handle zero_h, uintptr_t stream_i) {
   const TensorView dy = view_of(dy_h), dx = view_of(dx_h);
   const GroupedParam weight = param_of(weight_h, 2);
-  OpCall(splits_h, offsets_h, dy, stream_i, zero_h).run([&](const GroupLayout& g, const ExecContext& e) {
-    grouped_linear_dgrad(dy, weight, g, dx, e);
-  });
+  OpCall("grouped_linear_dgrad", "dy", dy, splits_h, offsets_h, stream_i, zero_h)
+      .run([&](const GroupLayout& g, const ExecContext& e) {
+        grouped_linear_dgrad(dy, weight, g, dx, e);
+      });
 }
 
 void grouped_linear_wgrad_py(nb::handle dy_h, nb::handle x_h, nb::handle splits_h,
@@ -166,9 +174,10 @@ void grouped_linear_wgrad_py(nb::handle dy_h, nb::handle x_h, nb::handle splits_
   const TensorView dy = view_of(dy_h), x = view_of(x_h);
   const GroupedParam dweight = param_of(dweight_h, 2);
   const GradMode grad_mode = parse_grad_mode(mode);
-  OpCall(splits_h, offsets_h, dy, stream_i).run([&](const GroupLayout& g, const ExecContext& e) {
-    grouped_linear_wgrad(dy, x, g, dweight, grad_mode, e);
-  });
+  OpCall("grouped_linear_wgrad", "dy", dy, splits_h, offsets_h, stream_i)
+      .run([&](const GroupLayout& g, const ExecContext& e) {
+        grouped_linear_wgrad(dy, x, g, dweight, grad_mode, e);
+      });
 }
 
 void grouped_linear_dbias_py(nb::handle dy_h, nb::handle splits_h, nb::handle offsets_h,
@@ -177,27 +186,30 @@ void grouped_linear_dbias_py(nb::handle dy_h, nb::handle splits_h, nb::handle of
   const TensorView dy = view_of(dy_h), row_scale = view_of(row_scale_h);
   const GroupedParam dbias = param_of(dbias_h, 1);
   const GradMode grad_mode = parse_grad_mode(mode);
-  OpCall(splits_h, offsets_h, dy, stream_i).run([&](const GroupLayout& g, const ExecContext& e) {
-    grouped_linear_dbias(dy, g, dbias, grad_mode, row_scale, e);
-  });
+  OpCall("grouped_linear_dbias", "dy", dy, splits_h, offsets_h, stream_i)
+      .run([&](const GroupLayout& g, const ExecContext& e) {
+        grouped_linear_dbias(dy, g, dbias, grad_mode, row_scale, e);
+      });
 }
 
 void grouped_linear_dscales_py(nb::handle dy_h, nb::handle bias_h, nb::handle splits_h,
                                nb::handle offsets_h, nb::handle dscales_h, nb::handle zero_h, uintptr_t stream_i) {
   const TensorView dy = view_of(dy_h), dscales = view_of(dscales_h);
   const GroupedParam bias = param_of(bias_h, 1);
-  OpCall(splits_h, offsets_h, dy, stream_i, zero_h).run([&](const GroupLayout& g, const ExecContext& e) {
-    grouped_linear_dscales(dy, bias, g, dscales, false, e);
-  });
+  OpCall("grouped_linear_dscales", "dy", dy, splits_h, offsets_h, stream_i, zero_h)
+      .run([&](const GroupLayout& g, const ExecContext& e) {
+        grouped_linear_dscales(dy, bias, g, dscales, false, e);
+      });
 }
 
 void glu_forward_py(nb::handle h_h, nb::handle probs_h, nb::handle splits_h, nb::handle offsets_h,
                     nb::handle out_h, const nb::tuple& glu, nb::handle zero_h, uintptr_t stream_i) {
   const TensorView h = view_of(h_h), probs = view_of(probs_h), out = view_of(out_h);
   const GluSpec spec = glu_of(glu);
-  OpCall(splits_h, offsets_h, h, stream_i, zero_h).run([&](const GroupLayout& g, const ExecContext& e) {
-    glu_forward(h, probs, g, out, spec, e);
-  });
+  OpCall("glu_forward", "h", h, splits_h, offsets_h, stream_i, zero_h)
+      .run([&](const GroupLayout& g, const ExecContext& e) {
+        glu_forward(h, probs, g, out, spec, e);
+      });
 }
 
 void glu_backward_py(nb::handle h_h, nb::handle probs_h, nb::handle d_out_h, nb::handle splits_h,
@@ -206,9 +218,10 @@ void glu_backward_py(nb::handle h_h, nb::handle probs_h, nb::handle d_out_h, nb:
   const TensorView h = view_of(h_h), probs = view_of(probs_h), d_out = view_of(d_out_h);
   const GluBackwardOutputs outputs{view_of(dh_h), view_of(dprobs_h), view_of(out_h)};
   const GluSpec spec = glu_of(glu);
-  OpCall(splits_h, offsets_h, h, stream_i, zero_h).run([&](const GroupLayout& g, const ExecContext& e) {
-    glu_backward(h, probs, d_out, g, outputs, spec, e);
-  });
+  OpCall("glu_backward", "h", h, splits_h, offsets_h, stream_i, zero_h)
+      .run([&](const GroupLayout& g, const ExecContext& e) {
+        glu_backward(h, probs, d_out, g, outputs, spec, e);
+      });
 }
 
 // weights: (fc1_weight, fc1_bias, fc2_weight, fc2_bias), each a grouped parameter or None.
@@ -228,9 +241,10 @@ void expert_mlp_forward_py(nb::handle x_h, nb::handle probs_h, const nb::tuple& 
                    fc1_out = view_of(fc1_out_h), workspace = view_of(workspace_h);
   const ExpertMlpWeights weights = mlp_weights_of(weights_t);
   const ExpertMlpSpec spec = mlp_spec_of(glu, fusion);
-  OpCall(splits_h, offsets_h, x, stream_i, zero_h).run([&](const GroupLayout& g, const ExecContext& e) {
-    expert_mlp_forward(x, probs, weights, g, y, fc1_out, spec, with_workspace(e, workspace));
-  });
+  OpCall("expert_mlp_forward", "x", x, splits_h, offsets_h, stream_i, zero_h)
+      .run([&](const GroupLayout& g, const ExecContext& e) {
+        expert_mlp_forward(x, probs, weights, g, y, fc1_out, spec, with_workspace(e, workspace));
+      });
 }
 
 // grads: (dx, dprobs, (fc1_weight, mode), (fc1_bias, mode), (fc2_weight, mode), (fc2_bias, mode)).
@@ -253,9 +267,10 @@ void expert_mlp_backward_py(nb::handle dy_h, nb::handle x_h, nb::handle probs_h,
   grads.fc2_weight = param_grad(grads_t[4], 2);
   grads.fc2_bias = param_grad(grads_t[5], 1);
   const ExpertMlpSpec spec = mlp_spec_of(glu, fusion);
-  OpCall(splits_h, offsets_h, dy, stream_i, zero_h).run([&](const GroupLayout& g, const ExecContext& e) {
-    expert_mlp_backward(dy, x, probs, weights, g, fc1_out, grads, spec, with_workspace(e, workspace));
-  });
+  OpCall("expert_mlp_backward", "dy", dy, splits_h, offsets_h, stream_i, zero_h)
+      .run([&](const GroupLayout& g, const ExecContext& e) {
+        expert_mlp_backward(dy, x, probs, weights, g, fc1_out, grads, spec, with_workspace(e, workspace));
+      });
 }
 
 // ---- errors ----

@@ -210,6 +210,36 @@ def test_state_dict_round_trips_across_layouts(device):
         per_expert.load_state_dict({"weight": torch.zeros(5, 32), "bias": packed.bias})
 
 
+def test_a_checkpoint_missing_an_expert_names_it(device):
+    packed = me.GroupedMLP(4, 16, 8, bias=True, device=device, dtype=torch.float32)
+    per_expert = me.GroupedMLP(4, 16, 8, bias=True, layout="per-expert", device=device, dtype=torch.float32)
+    sd = per_expert.state_dict()
+    del sd["fc1.weight2"]
+    for module in (packed, per_expert):
+        with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: [^\n]*"fc1.weight2"'):
+            module.load_state_dict(sd)
+        assert "fc1.weight2" in module.load_state_dict(sd, strict=False).missing_keys
+    # Nested in a model, the expert is named too.
+    model = torch.nn.ModuleDict({"mlp": packed})
+    with pytest.raises(RuntimeError, match=r'"mlp.fc1.weight2"'):
+        model.load_state_dict({f"mlp.{k}": v for k, v in sd.items()})
+
+
+def test_input_of_another_dtype_or_device_names_the_module_setting(device):
+    mlp = me.GroupedMLP(2, 16, 8, device=device)  # the default dtype: bfloat16
+    lin = me.GroupedLinear(2, 16, 8, device=device)
+    x = torch.zeros(4, 16, dtype=torch.float32, device=device)
+    s = make_splits([2, 2], device)
+    for module, name in ((mlp, "GroupedMLP"), (lin, "GroupedLinear")):
+        with pytest.raises(ValueError, match=rf"{name}: x is torch.float32 but the module's parameters are "
+                                             r"torch.bfloat16; pass x.to\(torch.bfloat16\), or build the module "
+                                             r"with dtype=torch.float32"):
+            module(x, s)
+    if device.type == "cuda":
+        with pytest.raises(ValueError, match="x is on cpu but the module's parameters are on cuda"):
+            mlp(torch.zeros(4, 16, dtype=torch.bfloat16), s.cpu())
+
+
 def test_mlp_checkpoint_glu_layout_conversion(device):
     """A Megatron checkpoint (FC1 rows in halves) loads into a pairs module and computes the same."""
     halves = me.GroupedMLP(2, 32, 16, bias=True, glu_layout="halves", device=device, dtype=DTYPE[device.type])

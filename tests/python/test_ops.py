@@ -237,6 +237,29 @@ def test_bad_inputs_are_clear_errors(device):
             me.grouped_linear(x, w, make_splits([4, 4, 5], device))
 
 
+def test_messages_name_the_argument_that_is_wrong(device):
+    """Each mistake is blamed on the argument that made it, with what was expected."""
+    dtype = DTYPES[device.type][0]
+    w = torch.zeros(3, 6, 8, dtype=dtype, device=device)
+    s = make_splits([4, 0, 5], device)
+    # A [B, S, H] batch is not read as T = B rows that the splits overflow.
+    with pytest.raises(ValueError, match=r"grouped_linear_forward: x: expected a 2-D \[T, \.\.\.\] token tensor"):
+        me.grouped_linear(torch.zeros(2, 5, 8, dtype=dtype, device=device), w, s)
+    with pytest.raises(ValueError, match=r"expert_mlp_forward: x: expected a 2-D"):
+        me.expert_mlp(torch.zeros(2, 5, 8, dtype=dtype, device=device), torch.zeros(3, 8, 8, dtype=dtype, device=device),
+                      torch.zeros(3, 8, 4, dtype=dtype, device=device), s)
+    # The weight sets K: an x of another width is the one named.
+    with pytest.raises(ValueError, match=r"grouped_linear_forward: x: expected \[T, K\] = \[9, 8\], got"):
+        me.grouped_linear(torch.zeros(9, 7, dtype=dtype, device=device), w, s)
+    # splits: the accepted dtypes are the integer ones.
+    with pytest.raises(ValueError, match=r"splits must be an int64 or int32 tensor .*, got torch.int16"):
+        me.grouped_linear(torch.zeros(9, 8, dtype=dtype, device=device), w, s.to(torch.int16))
+    with pytest.raises(ValueError, match=r"splits must be an int64 or int32 tensor .*, got torch.float32"):
+        me.grouped_linear(torch.zeros(9, 8, dtype=dtype, device=device), w, s.float())
+    with pytest.raises(ValueError, match=r"splits must be 1-D \[G\]"):
+        me.grouped_linear(torch.zeros(9, 8, dtype=dtype, device=device), w, s.reshape(1, 3))
+
+
 def test_bad_splits_on_the_gpu_are_reported_and_never_write_out_of_bounds(cuda):
     x = torch.randn(10, 8, dtype=torch.bfloat16, device=cuda)
     w = torch.randn(3, 6, 8, dtype=torch.bfloat16, device=cuda)

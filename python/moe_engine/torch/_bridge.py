@@ -101,7 +101,17 @@ def grouped(ts: Sequence[torch.Tensor], expert_rank: int):
     return (descs(ts), desc(pointer_table(ts)))
 
 
+_SPLITS_DTYPES = (torch.int64, torch.int32)
+
+
 def offsets_for(splits: torch.Tensor) -> torch.Tensor:
     """Scratch for the group offsets every op computes from splits (int64 [G+1]). Hold it in a
-    variable across the extension call: a descriptor does not keep its tensor alive."""
+    variable across the extension call: a descriptor does not keep its tensor alive. Checks what
+    only splits can get wrong here, so the message names splits and what it may be."""
+    if not isinstance(splits, torch.Tensor):
+        raise TypeError(f"moe_engine: splits must be a [G] int64 or int32 tensor, got {type(splits).__name__}")
+    if splits.dtype not in _SPLITS_DTYPES:
+        raise ValueError(f"moe_engine: splits must be an int64 or int32 tensor (tokens per expert), got {splits.dtype}")
+    if splits.dim() != 1:
+        raise ValueError(f"moe_engine: splits must be 1-D [G] (tokens per expert), got shape {tuple(splits.shape)}")
     return torch.empty(splits.shape[0] + 1, dtype=torch.int64, device=splits.device)

@@ -34,19 +34,23 @@ from .offload import no_offload
 _LAYOUTS = ("packed", "per-expert")
 
 
-def normalize_grouped_keys(state: dict, key: str, num_groups: int, packed: bool) -> None:
+def normalize_grouped_keys(state: dict, key: str, num_groups: int, packed: bool) -> List[str]:
     """Checkpoint key normalization for one grouped parameter ``key`` (PREFIX + name): a packed
     module gets ``key`` stacked from ``key0..key{G-1}`` when all of those are present and ``key``
     is not; a per-expert module gets ``key`` split (``[G, ...]`` along dim 0, or ``[G*N, ...]``
-    into G equal chunks) when it is present and no indexed key is. Other mixes are left alone."""
+    into G equal chunks) when it is present and no indexed key is. Other mixes are left alone.
+    Returns the indexed keys a packed module misses when the checkpoint has only some experts (torch
+    would report only ``key`` as missing)."""
     indexed = [f"{key}{i}" for i in range(num_groups)]
+    missing = [k for k in indexed if k not in state]
+    partial = missing if packed and key not in state and len(missing) < num_groups else []
     if packed:
-        if key in state or not all(k in state for k in indexed):
-            return
+        if key in state or missing:
+            return partial
         state[key] = torch.stack([state.pop(k) for k in indexed])
-        return
+        return []
     if any(k in state for k in indexed) or key not in state:
-        return
+        return []
     t = state[key]
     if t.dim() == 0 or t.shape[0] % num_groups != 0:
         raise RuntimeError(
@@ -57,6 +61,7 @@ def normalize_grouped_keys(state: dict, key: str, num_groups: int, packed: bool)
     parts = t.unbind(0) if t.shape[0] == num_groups else t.chunk(num_groups, 0)
     for k, part in zip(indexed, parts):
         state[k] = part
+    return []
 
 
 class _ExpertParams(nn.Module):
@@ -87,12 +92,38 @@ class _ExpertParams(nn.Module):
                 for g in range(num_groups):
                     setattr(self, f"bias{g}", make((out_features,)))
         self.has_bias = bias
+        self._missing_experts: List[str] = []
         self._register_load_state_dict_pre_hook(self._normalize_keys)
+        self.register_load_state_dict_post_hook(self._name_missing_experts)
 
     def _normalize_keys(self, state_dict, prefix, *args):
-        normalize_grouped_keys(state_dict, prefix + "weight", self.num_groups, self.packed)
+        self._missing_experts = normalize_grouped_keys(state_dict, prefix + "weight", self.num_groups, self.packed)
         if self.has_bias:
-            normalize_grouped_keys(state_dict, prefix + "bias", self.num_groups, self.packed)
+            self._missing_experts += normalize_grouped_keys(state_dict, prefix + "bias", self.num_groups, self.packed)
+
+    @staticmethod
+    def _name_missing_experts(module, incompatible_keys):
+        # The pre-hook cannot tell a strict load from a lenient one (torch passes strict=True to
+        # every module); reporting the experts as missing keys lets torch apply either.
+        incompatible_keys.missing_keys.extend(module._missing_experts)
+        module._missing_experts = []
+
+    def check_input(self, who: str, x: Tensor) -> None:
+        """x must have the parameters' dtype and device: say so in the module's terms (the op
+        would only say that x differs from a weight)."""
+        p = self.weights()[0]
+        if not isinstance(x, Tensor):
+            raise TypeError(f"moe_engine: {who}: x must be a tensor, got {type(x).__name__}")
+        if x.dtype != p.dtype:
+            raise ValueError(
+                f"moe_engine: {who}: x is {x.dtype} but the module's parameters are {p.dtype}; pass "
+                f"x.to({p.dtype}), or build the module with dtype={x.dtype} (or convert it with .to({x.dtype}))"
+            )
+        if x.device != p.device:
+            raise ValueError(
+                f"moe_engine: {who}: x is on {x.device} but the module's parameters are on {p.device}; "
+                f"move x (x.to('{p.device}')) or the module (.to('{x.device}'))"
+            )
 
     def _list(self, name: str) -> List[nn.Parameter]:
         if self.packed:
@@ -213,6 +244,7 @@ class GroupedLinear(_ExpertParams):
             raise ValueError("moe_engine: GroupedLinear(scale_bias=True) needs row_scale")
         if not self.scale_bias and row_scale is not None:
             raise ValueError("moe_engine: row_scale given but the module was built without scale_bias")
+        self.check_input("GroupedLinear", x)
         with contextlib.nullcontext() if self.offload_activations else no_offload():
             return _GroupedLinearFunction.apply(self, x, splits, row_scale, *self.weights(), *self.biases())
 
@@ -346,6 +378,7 @@ class GroupedMLP(nn.Module):
     def forward(self, x: Tensor, splits: Tensor, probs: Optional[Tensor] = None) -> Tensor:
         """x ``[T, H]`` (rows sorted by expert), splits ``[G]``, probs ``[T]`` float32 (the router
         probs; None: 1) -> y ``[T, H]``; rows past ``sum(splits)`` of y are zeros."""
+        self.fc1.check_input("GroupedMLP", x)
         params = (*self.fc1.weights(), *self.fc1.biases(), *self.fc2.weights(), *self.fc2.biases())
         with contextlib.nullcontext() if self.offload_activations else no_offload():
             return _GroupedMLPFunction.apply(self, x, splits, probs, *params)

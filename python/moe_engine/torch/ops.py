@@ -41,6 +41,12 @@ def _expert_shape(ts: Sequence[Tensor], expert_rank: int) -> Tuple[int, ...]:
     return tuple(ts[0].shape[-expert_rank:])
 
 
+def _rows_cols(t: Tensor) -> Tuple[int, int]:
+    """(T, C) of a token tensor for the outputs allocated before the C++ op validates it (which
+    names a tensor that is not 2-D; unpacking its shape here would fail with a Python message)."""
+    return (t.shape[0], t.shape[-1]) if t.dim() > 0 else (0, 0)
+
+
 def _glu_spec(activation: str, limit: float, alpha: float, offset: float, layout: str):
     return (activation, float(limit), float(alpha), float(offset), layout)
 
@@ -171,7 +177,7 @@ def _expert_mlp(x: Tensor, probs: Optional[Tensor], w1: List[Tensor], b1: List[T
                 b2: List[Tensor], splits: Tensor, activation: str, limit: float, alpha: float,
                 offset: float, layout: str, fusion: str, save_fc1_out: bool) -> Tuple[Tensor, Tensor]:
     """y [T, H] and the pre-activation fc1_out [T, 2F] ([0, 2F] when not saved)."""
-    T, H = x.shape
+    T, H = _rows_cols(x)
     F = _expert_shape(w1, 2)[0] // 2
     y = torch.empty(T, H, dtype=x.dtype, device=x.device)
     fc1_out = torch.empty(T if save_fc1_out else 0, 2 * F, dtype=x.dtype, device=x.device)
@@ -200,7 +206,7 @@ def _expert_mlp_backward_(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx [T, H], dprobs [T] float32, db1 [G, 2F], db2 [G, H]); those not asked for are empty.
     The weight gradients go into w1_grad / w2_grad (empty lists: not computed) per their modes."""
-    T, H = dy.shape
+    T, H = _rows_cols(dy)
     F2 = _expert_shape(w1, 2)[0]
     G = _num_groups(w1, 2)
     dev, dt = dy.device, dy.dtype
@@ -231,7 +237,7 @@ def _expert_mlp_backward_(
 @_expert_mlp_backward_.register_fake
 def _(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, activation, limit, alpha, offset, layout, fusion,
       need_dx, need_dprobs, need_bias_grads, w1_grad, w1_mode, w2_grad, w2_mode):
-    T, H = dy.shape
+    T, H = _rows_cols(dy)
     F2 = _expert_shape(w1, 2)[0]
     G = _num_groups(w1, 2)
     bias = need_bias_grads and len(b1) > 0
