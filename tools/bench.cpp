@@ -1,6 +1,7 @@
 // moe-engine bench mlp: the expert MLP forward + backward on one case, timed, and checked against
 // the float64 oracle when the case is small enough for it.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -195,12 +196,21 @@ int run_bench(const BenchOptions& o) {
     ++done;
     if (device.is_cpu()) progress.update(phase, done, runs, "runs", estimate ? estimate->seconds : 0);
   };
+  const auto warmup_start = std::chrono::steady_clock::now();
   for (int i = 0; i < o.warmup; ++i) {
     problem->forward(stream);
     problem->backward(stream);
     ran("warm-up");
   }
   wait();
+  if (device.is_cuda() && o.warmup > 0 && !o.json) {
+    // The GPU's estimate comes from its warm-up (a CPU run's came before it started).
+    const double per_run =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - warmup_start).count() / o.warmup;
+    std::printf("estimate: about %s for %d timed runs (from the warm-up)\n",
+                format_duration(per_run * iters * (o.vs_unfused ? 2 : 1)).c_str(), iters * (o.vs_unfused ? 2 : 1));
+    std::fflush(stdout);
+  }
   // With --vs-unfused the unfused path is warmed up too, then each timed run of the fused path is
   // followed by one of the unfused path (same inputs, same clocks on average).
   if (o.vs_unfused) {

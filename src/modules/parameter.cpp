@@ -114,6 +114,19 @@ void export_param(std::map<std::string, Tensor>& state, const std::string& key, 
 void import_param(std::map<std::string, Tensor>& state, const std::string& key, const GroupedTensor& param) {
   const GroupedParam& v = param.view();
   normalize_grouped_keys(state, key, v.num_groups(), param.layout());
+  // Per-expert keys for only some experts (left alone by the normalization): name the missing
+  // ones, not the packed key a packed module looked for.
+  if (param.layout() == ExpertLayout::kPacked && !state.count(key)) {
+    std::string missing;
+    int64_t present = 0, shown = 0;
+    for (int64_t g = 0; g < v.num_groups(); ++g) {
+      const std::string k = key + std::to_string(g);
+      if (state.count(k)) ++present;
+      else if (shown++ < 8) missing += (missing.empty() ? "'" : ", '") + k + "'";
+    }
+    MOE_CHECK(present == 0, ErrorCode::kInvalidArgument, "load_state_dict: the checkpoint holds per-expert tensors '",
+              key, "0'.. for ", present, " of ", v.num_groups(), " experts; missing: ", missing, shown > 8 ? ", ..." : "");
+  }
   auto take = [&](const std::string& k, const TensorView& dst) {
     auto it = state.find(k);
     MOE_CHECK(it != state.end(), ErrorCode::kInvalidArgument, "load_state_dict: missing key '", k, "' (expected ",

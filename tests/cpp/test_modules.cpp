@@ -333,6 +333,14 @@ TEST(GroupedLinearModule, LoadStateDictErrors) {
   std::map<std::string, Tensor> mix = m.state_dict();
   mix["weight0"] = Tensor::zeros({kOut, kIn}, DType::kBFloat16);
   EXPECT_MOE_ERROR(m.load_state_dict(mix), ErrorCode::kInvalidArgument, "unexpected keys 'weight0'");
+  // Per-expert keys for some experts only: the missing experts are named.
+  GroupedLinearOptions per_expert = options();
+  per_expert.layout = ExpertLayout::kPerExpert;
+  std::map<std::string, Tensor> partial = GroupedLinear(kG, kIn, kOut, per_expert).state_dict();
+  partial.erase("weight1");
+  EXPECT_MOE_ERROR(m.load_state_dict(partial), ErrorCode::kInvalidArgument,
+                   "the checkpoint holds per-expert tensors 'weight0'.. for " + std::to_string(kG - 1) + " of " +
+                       std::to_string(kG) + " experts; missing: 'weight1'");
 }
 
 TEST(NormalizeGroupedKeys, StacksSplitsAndLeavesMixesAlone) {
