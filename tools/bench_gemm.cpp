@@ -166,7 +166,7 @@ int run_bench_gemm(const BenchOptions& o) {
   std::vector<Entry> entries;
   // Each GEMM warms up for a quarter of min_time_ms, then runs at least min_time_ms; buffers and
   // the first launches add about 50 ms.
-  const long total = long(cases.size()) * 2 * (o.gemm_filter.empty() ? 4 : 1);
+  const long total = long(cases.size()) * (o.gemm_filter.empty() ? 8 : 1);  // 2 layers x 4 GEMMs, or the one
   const double estimate_s = o.settle_ms * 1e-3 + double(total) * (1.25 * o.min_time_ms + 50) * 1e-3;
   std::printf("bench gemm: %ld GEMMs of %zu case(s) on %s (%s), each timed for >= %g ms: about %s\n", total,
               cases.size(), to_string(device).c_str(), inventory.gpus[size_t(device.index)].name.c_str(),
