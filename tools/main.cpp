@@ -3,6 +3,8 @@
 #include <cmath>
 #include <iostream>
 #include <new>
+#include <string>
+#include <vector>
 
 #include "commands.hpp"
 #include "moe_engine/moe_engine.hpp"
@@ -134,7 +136,17 @@ int main(int argc, char** argv) {
   try {
     if (info_cmd->parsed()) return run_info(info);
     if (bench_cmd->parsed()) {
-      if (bench.kind == "gemm") {
+      if (bench.list) return run_bench(bench);  // the cases are the same for both kinds
+      // An option of the other kind would be ignored: say so instead.
+      const bool gemm = bench.kind == "gemm";
+      const std::vector<std::string> mlp_only = {"--fusion", "--recompute", "--vs-unfused", "--glu-layout",
+                                                 "--no-check", "--force", "--json"};
+      const std::vector<std::string> gemm_only = {"--anchor", "--gemm", "--min-time-ms", "--settle-ms", "--json-out"};
+      for (const std::string& option : gemm ? mlp_only : gemm_only)
+        MOE_CHECK(bench_cmd->count(option) == 0, moe::ErrorCode::kInvalidArgument, "bench ", bench.kind, ": ",
+                  option, " applies to bench ", gemm ? "mlp" : "gemm",
+                  option == "--json" ? " (bench gemm writes JSON with --json-out FILE)" : "");
+      if (gemm) {
         if (bench_cmd->count("--case") == 0) bench.case_name = "all";
         return run_bench_gemm(bench);
       }
