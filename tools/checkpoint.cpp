@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "io/file.hpp"
 #include "moe_engine/moe_engine.hpp"
 
 namespace moe::tools {
@@ -80,6 +81,8 @@ int run_checkpoint_convert(const CheckpointOptions& o) {
   // Only one of the two is an error, reported by convert_checkpoint.
   if (!o.glu_from.empty()) c.glu_from = GluLayout::parse(o.glu_from);
   if (!o.glu_to.empty()) c.glu_to = GluLayout::parse(o.glu_to);
+  // A bad output path fails now, not after a large checkpoint was read and converted.
+  detail::check_output_path(o.output, "a safetensors file");
   const SafetensorsFile in = SafetensorsFile::load(o.input);
   const ConvertedCheckpoint out = convert_checkpoint(in, c);
   MOE_CHECK(out.changed(), ErrorCode::kInvalidArgument, "checkpoint convert: nothing to convert in '", o.input,

@@ -23,7 +23,9 @@ class MlpProblem {
  public:
   MlpProblem(const Workload& workload, const GluLayout& layout, DType dtype, Device device,
              uint64_t seed);
-  // The bytes a problem of this workload allocates (inputs, weights, outputs, gradients, workspaces).
+  // The bytes a problem of this workload allocates (inputs, weights, outputs, gradients, workspaces),
+  // known before it is built (bench's estimate); it lists the constructor's tensors, so keep the two
+  // in step.
   static int64_t bytes_needed(const Workload& workload, DType dtype);
 
   void forward(Stream stream = nullptr);   // y and the saved pre-activation
