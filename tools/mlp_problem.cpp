@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "oracle/oracle.hpp"
+
 namespace moe::tools {
 namespace {
 

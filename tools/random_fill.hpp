@@ -5,6 +5,7 @@
 #include <random>
 
 #include "moe_engine/moe_engine.hpp"
+#include "oracle/oracle.hpp"
 
 namespace moe::tools {
 

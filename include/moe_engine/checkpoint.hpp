@@ -1,4 +1,5 @@
-// Checkpoint layout conversion between per-expert and packed expert tensors (DESIGN.md section 4):
+// Checkpoint layout conversion between per-expert and packed expert tensors
+// (docs/design.md, "Checkpoints"):
 // per-expert keys PREFIX.weight0 .. weight{G-1} ([N, K] each) and PREFIX.bias0 .. ([N]) versus
 // packed PREFIX.weight ([G, N, K], or [G*N, K] as TransformerEngine writes it) and PREFIX.bias
 // ([G, N] or [G*N]); optionally with the GLU column layout of FC1 rows changed on the way.

@@ -8,6 +8,7 @@
 #include <string>
 #include <string_view>
 
+#include "moe_engine/enum_names.hpp"
 #include "moe_engine/export.hpp"
 
 #if defined(__CUDACC__)
@@ -23,7 +24,7 @@ enum class DType : uint8_t {
   kFloat32,
   kBFloat16,
   kFloat16,
-  kFloat8E4M3,  // reserved for the FP8 GEMMs (DESIGN.md section 7); no op accepts it yet
+  kFloat8E4M3,  // reserved for the FP8 GEMMs; no op accepts it yet
   kFloat8E5M2,  // reserved, as above
   kInt64,
   kInt32,
@@ -31,9 +32,22 @@ enum class DType : uint8_t {
 };
 
 MOE_API size_t dtype_size(DType dtype);
-MOE_API const char* dtype_name(DType dtype);  // "bfloat16", "float32", ...
-MOE_API DType
-dtype_from_name(std::string_view name);  // accepts the names above and bf16/fp16/fp32/fp64
+template <>
+struct EnumNames<DType> {
+  static constexpr std::string_view kWhat = "dtype";
+  static constexpr EnumName<DType> kNames[] = {
+      {DType::kFloat64, "float64"},         {DType::kFloat32, "float32"},
+      {DType::kBFloat16, "bfloat16"},       {DType::kFloat16, "float16"},
+      {DType::kFloat8E4M3, "float8_e4m3"}, {DType::kFloat8E5M2, "float8_e5m2"},
+      {DType::kInt64, "int64"},             {DType::kInt32, "int32"},
+      {DType::kUInt8, "uint8"},             {DType::kFloat64, "fp64"},
+      {DType::kFloat32, "fp32"},            {DType::kBFloat16, "bf16"},
+      {DType::kFloat16, "fp16"},
+  };
+};
+inline const char* dtype_name(DType dtype) { return enum_name(dtype); }  // "bfloat16", "float32", ...
+// The names above, bf16/fp16/fp32/fp64 included.
+inline DType dtype_from_name(std::string_view name) { return parse_enum<DType>(name); }
 MOE_API bool is_floating(DType dtype);   // the float types the ops compute with (not fp8)
 
 namespace detail {

@@ -1,4 +1,4 @@
-// The expert MLP (DESIGN.md section 3): y[r] = FC2(act(FC1(x[r]) + b1_g) * p[r]) + p[r] * b2_g,
+// The expert MLP (docs/design.md, "Expert MLP"): y[r] = FC2(act(FC1(x[r]) + b1_g) * p[r]) + p[r] * b2_g,
 // i.e. Megatron's p * (W2 act + b2), forward and backward.
 //   x, y [T, H]; fc1 weight G x [2F, H] (rows in spec.glu.layout), bias G x [2F];
 //   fc2 weight G x [H, F], bias G x [H]; probs [T] float32 (undefined: p = 1).
@@ -8,7 +8,9 @@
 #include <cstdint>
 #include <string_view>
 
+#include "moe_engine/enum_names.hpp"
 #include "moe_engine/export.hpp"
+#include "moe_engine/grad_mode.hpp"
 #include "moe_engine/glu.hpp"
 #include "moe_engine/group_layout.hpp"
 #include "moe_engine/grouped_linear.hpp"
@@ -33,8 +35,17 @@ enum class MlpFusion {
   kForward,          // GLU (+ b1, probs) in FC1's epilogue; backward unfused
   kForwardBackward,  // also dGLU + dprobs in FC2 dgrad's epilogue (slower today: see README)
 };
-MOE_API const char* fusion_name(MlpFusion fusion);  // "none", "forward", "all"
-MOE_API MlpFusion parse_fusion(std::string_view name);
+template <>
+struct EnumNames<MlpFusion> {
+  static constexpr std::string_view kWhat = "MLP fusion";
+  static constexpr EnumName<MlpFusion> kNames[] = {
+      {MlpFusion::kNone, "none"},
+      {MlpFusion::kForward, "forward"},
+      {MlpFusion::kForwardBackward, "all"},
+  };
+};
+inline const char* fusion_name(MlpFusion fusion) { return enum_name(fusion); }
+inline MlpFusion parse_fusion(std::string_view name) { return parse_enum<MlpFusion>(name); }
 
 struct ExpertMlpSpec {
   GluSpec glu;
@@ -54,12 +65,6 @@ MOE_API void expert_mlp_forward(const TensorView& x, const TensorView& probs,
                                 const TensorView& y, const TensorView& fc1_out,
                                 const ExpertMlpSpec& spec, const ExecContext& ctx = {},
                                 bool* ran_fused = nullptr);
-
-// Where one parameter gradient goes; an undefined grad is not computed.
-struct ParamGrad {
-  GroupedParam grad;
-  GradMode mode = GradMode::kWrite;
-};
 
 struct ExpertMlpGrads {
   TensorView dx;      // [T, H], optional

@@ -1,31 +1,17 @@
-// Grouped linear (DESIGN.md section 2): one GEMM per expert over the packed token matrix, all
+// Grouped linear (docs/design.md, "Grouped linear"): one GEMM per expert over the packed token matrix, all
 // experts in one call. Rows past offsets[G] are never written.
 //   x [T, K], y [T, N], weight G x [N, K], bias G x [N], T = groups.capacity().
 #pragma once
 
-#include <string_view>
-
+#include "moe_engine/bias_epilogue.hpp"
 #include "moe_engine/export.hpp"
+#include "moe_engine/grad_mode.hpp"
 #include "moe_engine/group_layout.hpp"
 #include "moe_engine/grouped_param.hpp"
 #include "moe_engine/tensor.hpp"
 #include "moe_engine/workspace.hpp"
 
 namespace moe {
-
-// How a parameter gradient reaches its buffer.
-enum class GradMode {
-  kWrite,       // grad = result (any float dtype); an empty expert writes zeros
-  kAccumulate,  // float32 main_grad += result; an empty expert leaves it untouched
-  kOverwrite,   // float32 main_grad = result; an empty expert writes zeros
-};
-MOE_API const char* grad_mode_name(GradMode mode);      // "write", "accumulate", "overwrite"
-MOE_API GradMode parse_grad_mode(std::string_view name);  // the names above
-
-struct BiasEpilogue {
-  GroupedParam bias;     // G x [N]; undefined = no bias
-  TensorView row_scale;  // [T] float32; when defined, adds row_scale[r] * b_g ("scale_bias")
-};
 
 // y[r] = x[r] W_g^T (+ b_g, or + row_scale[r] b_g). y may have any float dtype.
 MOE_API void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,

@@ -7,6 +7,7 @@
 #include <string_view>
 #include <vector>
 
+#include "moe_engine/enum_names.hpp"
 #include "moe_engine/export.hpp"
 #include "moe_engine/tensor.hpp"
 
@@ -14,8 +15,16 @@ namespace moe {
 
 // How G per-expert tensors are held: one [G, ...] tensor or G separate tensors.
 enum class ExpertLayout { kPacked, kPerExpert };
-MOE_API ExpertLayout parse_expert_layout(std::string_view text);  // "packed", "per-expert"
-MOE_API const char* expert_layout_name(ExpertLayout layout);
+template <>
+struct EnumNames<ExpertLayout> {
+  static constexpr std::string_view kWhat = "expert layout";
+  static constexpr EnumName<ExpertLayout> kNames[] = {
+      {ExpertLayout::kPacked, "packed"},
+      {ExpertLayout::kPerExpert, "per-expert"},
+  };
+};
+inline ExpertLayout parse_expert_layout(std::string_view text) { return parse_enum<ExpertLayout>(text); }
+inline const char* expert_layout_name(ExpertLayout layout) { return enum_name(layout); }
 
 class MOE_API GroupedParam {
  public:

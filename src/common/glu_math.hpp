@@ -7,7 +7,7 @@
 #include <type_traits>
 
 #include "moe_engine/dtype.hpp"  // MOE_HOST_DEVICE
-#include "moe_engine/glu.hpp"
+#include "moe_engine/glu_spec.hpp"
 
 namespace moe::detail {
 

@@ -80,16 +80,6 @@ Tensor make_pointer_table(const std::vector<TensorView>& experts) {
   return host.to(experts.front().device());
 }
 
-ExpertLayout parse_expert_layout(std::string_view text) {
-  if (text == "packed") return ExpertLayout::kPacked;
-  if (text == "per-expert") return ExpertLayout::kPerExpert;
-  throw_error(ErrorCode::kInvalidArgument, "expert layout '", text, "': expected packed or per-expert");
-}
-
-const char* expert_layout_name(ExpertLayout layout) {
-  return layout == ExpertLayout::kPacked ? "packed" : "per-expert";
-}
-
 namespace {
 Shape packed_shape(int64_t groups, const Shape& expert_shape) {
   MOE_CHECK(groups >= 1, ErrorCode::kInvalidArgument, "GroupedTensor: expected G >= 1, got ", groups);

@@ -4,8 +4,12 @@
 // thread count and of the weight layout.
 #pragma once
 
-#include "moe_engine/glu.hpp"
-#include "moe_engine/grouped_linear.hpp"
+#include "moe_engine/bias_epilogue.hpp"
+#include "moe_engine/glu_spec.hpp"
+#include "moe_engine/grad_mode.hpp"
+#include "moe_engine/group_layout.hpp"
+#include "moe_engine/grouped_param.hpp"
+#include "moe_engine/tensor.hpp"
 
 namespace moe::cpu {
 

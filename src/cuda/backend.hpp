@@ -4,11 +4,27 @@
 // no host sync, no allocation, fixed launch shapes (CUDA-graph safe).
 #pragma once
 
-#include "moe_engine/expert_mlp.hpp"
-#include "moe_engine/glu.hpp"
-#include "moe_engine/grouped_linear.hpp"
+#include <cstdint>
+
+#include "moe_engine/bias_epilogue.hpp"
+#include "moe_engine/glu_spec.hpp"
+#include "moe_engine/grad_mode.hpp"
+#include "moe_engine/group_layout.hpp"
+#include "moe_engine/grouped_param.hpp"
+#include "moe_engine/tensor.hpp"
 
 namespace moe::cuda {
+
+// offsets[g] = min(sum_{h<g} max(splits[h], 0), capacity) for g = 0..G; reports negative splits
+// and sum > capacity in *record. One block, fixed shape: graph safe for any G.
+void launch_group_offsets(const void* splits, bool splits_are_int32, int64_t num_groups,
+                          int64_t capacity, int64_t* offsets, DeviceErrorRecord* record,
+                          Stream stream);
+
+// Zeroes bytes [offsets[G] * row_bytes, rows * row_bytes) of data (rows past the routed ones).
+// Fixed grid; row_bytes need not be a multiple of anything.
+void launch_zero_unrouted_rows(void* data, int64_t rows, int64_t row_bytes, const int64_t* end_offset,
+                               Stream stream);
 
 void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
                             const GroupLayout& groups, const TensorView& y,
@@ -39,12 +55,13 @@ void glu_dprobs_reduce(const float* partial, int64_t stride, int64_t tiles, cons
 // without doing anything where the kernel cannot run the problem; the caller then composes the
 // unfused path. Inputs arrive validated (ops/expert_mlp.cpp).
 //   FC1: act = GLU(x W1^T + b1) * p; h (optional) receives the pre-activation.
-bool expert_mlp_fc1_glu(const TensorView& x, const ExpertMlpWeights& weights, const GroupLayout& groups,
+bool expert_mlp_fc1_glu(const TensorView& x, const GroupedParam& fc1_weight, const GroupedParam& fc1_bias,
+                        const GroupLayout& groups,
                         const TensorView& probs, const GluSpec& spec, const TensorView& h,
                         const TensorView& act, Stream stream);
 //   FC2 dgrad: from dy and the pre-activation h, dh = dL/dh; act (optional) = act * p recomputed;
 //   dprobs (optional) = <act, dy W2> per row, reduced from `scratch` (>= T * ceil(F / 256) floats).
-bool expert_mlp_fc2_dgrad_glu(const TensorView& dy, const ExpertMlpWeights& weights,
+bool expert_mlp_fc2_dgrad_glu(const TensorView& dy, const GroupedParam& fc2_weight,
                               const GroupLayout& groups, const TensorView& h, const TensorView& probs,
                               const GluSpec& spec, const TensorView& dh, const TensorView& act,
                               const TensorView& dprobs, const TensorView& scratch, Stream stream);

@@ -85,25 +85,6 @@ void check_param_grad(const ops::Validator& v, const char* name, const ParamGrad
 
 }  // namespace
 
-const char* fusion_name(MlpFusion fusion) {
-  switch (fusion) {
-    case MlpFusion::kNone:
-      return "none";
-    case MlpFusion::kForward:
-      return "forward";
-    case MlpFusion::kForwardBackward:
-      return "all";
-  }
-  return "unknown";
-}
-
-MlpFusion parse_fusion(std::string_view name) {
-  if (name == "none") return MlpFusion::kNone;
-  if (name == "forward") return MlpFusion::kForward;
-  if (name == "all") return MlpFusion::kForwardBackward;
-  throw_error(ErrorCode::kInvalidArgument, "unknown MLP fusion '", name, "'; expected none, forward or all");
-}
-
 size_t expert_mlp_forward_workspace_size(int64_t capacity, int64_t /*hidden*/, int64_t ffn,
                                          DType dtype, bool save_fc1_out) {
   ops::WorkspaceCarver c;
@@ -158,7 +139,7 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs,
 #if MOE_ENGINE_WITH_CUDA
         if (spec.fusion != MlpFusion::kNone)
           return compose([&](const TensorView& act) {
-            return cuda::expert_mlp_fc1_glu(x, weights, groups, probs, spec.glu, fc1_out, act, ctx.stream);
+            return cuda::expert_mlp_fc1_glu(x, weights.fc1_weight, weights.fc1_bias, groups, probs, spec.glu, fc1_out, act, ctx.stream);
           });
 #endif
         compose(unfused);
@@ -229,7 +210,7 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
 #if MOE_ENGINE_WITH_CUDA
         if (spec.fusion == MlpFusion::kForwardBackward)
           return compose([&](const TensorView& h, const BackwardBuffers& b, const TensorView& act) {
-            return cuda::expert_mlp_fc2_dgrad_glu(dy, weights, groups, h, probs, spec.glu, b.d_fc1, act,
+            return cuda::expert_mlp_fc2_dgrad_glu(dy, weights.fc2_weight, groups, h, probs, spec.glu, b.d_fc1, act,
                                                   grads.dprobs, b.dprobs_partial, ctx.stream);
           });
 #endif

@@ -10,25 +10,6 @@
 
 namespace moe {
 
-const char* grad_mode_name(GradMode mode) {
-  switch (mode) {
-    case GradMode::kWrite:
-      return "write";
-    case GradMode::kAccumulate:
-      return "accumulate";
-    case GradMode::kOverwrite:
-      return "overwrite";
-  }
-  return "unknown";
-}
-
-GradMode parse_grad_mode(std::string_view name) {
-  for (GradMode m : {GradMode::kWrite, GradMode::kAccumulate, GradMode::kOverwrite})
-    if (name == grad_mode_name(m)) return m;
-  throw_error(ErrorCode::kInvalidArgument, "unknown gradient mode '", name,
-              "'; expected write, accumulate or overwrite");
-}
-
 void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
                             const GroupLayout& groups, const TensorView& y,
                             const BiasEpilogue& bias, [[maybe_unused]] const ExecContext& ctx) {

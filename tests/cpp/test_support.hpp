@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "moe_engine/moe_engine.hpp"
+#include "oracle/oracle.hpp"
 
 namespace moe {
 // gtest prints parameters with these in failure messages ("GetParam() = packed", not the bytes).

@@ -4,8 +4,8 @@
 // works. Launch shapes depend only on static sizes: graph safe.
 #include <string>
 
-#include "cuda/check.hpp"
-#include "cuda/dtype_dispatch.cuh"
+#include "cuda/runtime/check.hpp"
+#include "cuda/runtime/dtype_dispatch.cuh"
 #include "cuda/portable/grouped_gemm.hpp"
 
 namespace moe::cuda::portable {

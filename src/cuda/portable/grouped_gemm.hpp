@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "cuda/grouped_gemm_problem.hpp"
+#include "cuda/gemm/grouped_gemm_problem.hpp"
 #include "moe_engine/device.hpp"
 
 namespace moe::cuda::portable {

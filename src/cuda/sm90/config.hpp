@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "cuda/gemm_form.hpp"
+#include "cuda/gemm/gemm_form.hpp"
 
 namespace moe::cuda::sm90 {
 

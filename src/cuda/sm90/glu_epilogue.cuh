@@ -18,7 +18,7 @@
 #include <cstdint>
 
 #include "common/glu_math.hpp"
-#include "cuda/pair16.cuh"
+#include "cuda/ptx/pair16.cuh"
 #include "cuda/ptx/sync.cuh"
 #include "cuda/sm90/glu_params.hpp"
 

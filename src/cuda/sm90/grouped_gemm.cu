@@ -7,7 +7,7 @@
 #include <string>
 #include <mutex>
 
-#include "cuda/check.hpp"
+#include "cuda/runtime/check.hpp"
 #include "cuda/sm90/grouped_gemm.hpp"
 #include "cuda/sm90/grouped_gemm_kernel.cuh"
 #include "cuda/sm90/launch.cuh"

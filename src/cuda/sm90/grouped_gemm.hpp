@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "cuda/grouped_gemm_problem.hpp"
+#include "cuda/gemm/grouped_gemm_problem.hpp"
 #include "cuda/sm90/glu_params.hpp"
 #include "moe_engine/device.hpp"
 

@@ -24,7 +24,7 @@
 #include "cuda/ptx/sync.cuh"
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/wgmma.cuh"
-#include "cuda/pair16.cuh"
+#include "cuda/ptx/pair16.cuh"
 #include "cuda/sm90/config.hpp"
 #include "cuda/sm90/glu_epilogue.cuh"
 #include "cuda/sm90/scheduler.cuh"

@@ -10,8 +10,8 @@
 #include <mutex>
 #include <string>
 
-#include "cuda/check.hpp"
-#include "cuda/grouped_gemm_problem.hpp"
+#include "cuda/runtime/check.hpp"
+#include "cuda/gemm/grouped_gemm_problem.hpp"
 #include "cuda/sm90/grouped_gemm_kernel.cuh"
 
 namespace moe::cuda::sm90 {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "core/cuda_api.hpp"
-#include "cuda/check.hpp"
+#include "cuda/runtime/check.hpp"
 #include "moe_engine/error.hpp"
 
 namespace moe::cuda::sm90 {

@@ -1,4 +1,4 @@
-// The float64 oracle: a deliberately naive implementation of DESIGN.md sections 2 and 3, written
+// The float64 oracle: a deliberately naive implementation of the ops of docs/design.md, written
 // independently of the CPU backend (plain loops over doubles, its own GLU column mapping, no
 // intermediate rounding). Tests, `moe-engine check` and `moe-engine bench` measure every backend
 // against it. Slow by design: use small problems.
@@ -28,41 +28,41 @@ using Splits =
     std::vector<int64_t>;  // host copy of the routing; every output covers sum(splits) rows
 
 // Conversions from tensors on the CPU (any float dtype; 1-D tensors become one column).
-MOE_API Matrix to_matrix(const TensorView& t);
-MOE_API Vector to_vector(const TensorView& t);
-MOE_API std::vector<Matrix> to_matrices(const GroupedParam& p);  // one per expert (1-D: a column)
+Matrix to_matrix(const TensorView& t);
+Vector to_vector(const TensorView& t);
+std::vector<Matrix> to_matrices(const GroupedParam& p);  // one per expert (1-D: a column)
 // Writes values (row-major, one per element) into a contiguous CPU tensor of any float dtype,
 // rounding to nearest even: how tests and benchmarks build inputs from float64 draws.
-MOE_API void assign(const TensorView& dst, const Vector& values);
+void assign(const TensorView& dst, const Vector& values);
 // The first `rows` rows of a matrix (entries of a vector): the part that belongs to experts.
-MOE_API Matrix head(const Matrix& m, int64_t rows);
-MOE_API Vector head(const Vector& v, int64_t n);
+Matrix head(const Matrix& m, int64_t rows);
+Vector head(const Vector& v, int64_t n);
 
 // The rel_error a result rounded to `dtype` may show against this oracle: one op (only its
 // output is rounded), or the expert MLP (its pre-activation and activation are rounded too).
-MOE_API double op_tolerance(DType dtype);
-MOE_API double mlp_tolerance(DType dtype);
+double op_tolerance(DType dtype);
+double mlp_tolerance(DType dtype);
 
 // ||out - ref|| / ||ref|| over the first ref.rows rows (inf if shapes differ or out has NaN/inf).
-MOE_API double rel_error(const Matrix& out, const Matrix& ref);
-MOE_API double rel_error(const Vector& out, const Vector& ref);
-MOE_API double rel_error(const std::vector<Matrix>& out, const std::vector<Matrix>& ref);
+double rel_error(const Matrix& out, const Matrix& ref);
+double rel_error(const Vector& out, const Vector& ref);
+double rel_error(const std::vector<Matrix>& out, const std::vector<Matrix>& ref);
 
 // ---- grouped linear (section 2); bias is [G, N] (row g = b_g), empty = none ----
-MOE_API Matrix linear_forward(const Matrix& x, const std::vector<Matrix>& w, const Splits& splits,
+Matrix linear_forward(const Matrix& x, const std::vector<Matrix>& w, const Splits& splits,
                               const Matrix& bias, const Vector& row_scale);
-MOE_API Matrix linear_dgrad(const Matrix& dy, const std::vector<Matrix>& w, const Splits& splits);
-MOE_API std::vector<Matrix> linear_wgrad(const Matrix& dy, const Matrix& x, const Splits& splits);
-MOE_API Matrix linear_dbias(const Matrix& dy, const Splits& splits, const Vector& row_scale);
-MOE_API Vector linear_dscales(const Matrix& dy, const Matrix& bias, const Splits& splits);
+Matrix linear_dgrad(const Matrix& dy, const std::vector<Matrix>& w, const Splits& splits);
+std::vector<Matrix> linear_wgrad(const Matrix& dy, const Matrix& x, const Splits& splits);
+Matrix linear_dbias(const Matrix& dy, const Splits& splits, const Vector& row_scale);
+Vector linear_dscales(const Matrix& dy, const Matrix& bias, const Splits& splits);
 
 // ---- GLU (section 3); probs empty = 1 ----
-MOE_API Matrix glu_forward(const Matrix& h, const Vector& probs, const GluSpec& spec);
+Matrix glu_forward(const Matrix& h, const Vector& probs, const GluSpec& spec);
 struct GluGrads {
   Matrix dh;
   Vector dprobs;  // empty when probs is empty
 };
-MOE_API GluGrads glu_backward(const Matrix& h, const Vector& probs, const Matrix& d_out,
+GluGrads glu_backward(const Matrix& h, const Vector& probs, const Matrix& d_out,
                               const GluSpec& spec);
 
 // ---- expert MLP (section 3) ----
@@ -81,9 +81,9 @@ struct MlpGrads {
   std::vector<Matrix> dw1, dw2;
   Matrix db1, db2;  // empty when the bias is absent
 };
-MOE_API MlpForward mlp_forward(const Matrix& x, const Vector& probs, const MlpParams& params,
+MlpForward mlp_forward(const Matrix& x, const Vector& probs, const MlpParams& params,
                                const Splits& splits, const GluSpec& spec);
-MOE_API MlpGrads mlp_backward(const Matrix& dy, const Matrix& x, const Vector& probs,
+MlpGrads mlp_backward(const Matrix& dy, const Matrix& x, const Vector& probs,
                               const MlpParams& params, const Splits& splits, const GluSpec& spec);
 
 }  // namespace moe::oracle

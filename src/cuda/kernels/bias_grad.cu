@@ -1,8 +1,8 @@
 // Deterministic bias-gradient kernels: each output element is reduced by one thread (dbias) or one
 // warp with a fixed shuffle tree (dscales), in a fixed order.
-#include "cuda/bias_grad.hpp"
-#include "cuda/check.hpp"
-#include "cuda/dtype_dispatch.cuh"
+#include "cuda/kernels/bias_grad.hpp"
+#include "cuda/runtime/check.hpp"
+#include "cuda/runtime/dtype_dispatch.cuh"
 
 namespace moe::cuda {
 namespace {

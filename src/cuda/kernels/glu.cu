@@ -7,9 +7,9 @@
 
 #include "common/glu_math.hpp"
 #include "cuda/backend.hpp"
-#include "cuda/check.hpp"
-#include "cuda/dtype_dispatch.cuh"
-#include "cuda/pair16.cuh"
+#include "cuda/runtime/check.hpp"
+#include "cuda/runtime/dtype_dispatch.cuh"
+#include "cuda/ptx/pair16.cuh"
 
 namespace moe::cuda {
 namespace {

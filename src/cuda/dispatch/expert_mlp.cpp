@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "cuda/backend.hpp"
-#include "cuda/grouped_gemm_problem.hpp"
+#include "cuda/gemm/grouped_gemm_problem.hpp"
 #include "cuda/sm90/grouped_gemm.hpp"
 
 namespace moe::cuda {
@@ -21,7 +21,8 @@ sm90::GluEpilogueParams epilogue_for(const GluSpec& spec, int64_t ffn, const Ten
 
 }  // namespace
 
-bool expert_mlp_fc1_glu(const TensorView& x, const ExpertMlpWeights& w, const GroupLayout& groups,
+bool expert_mlp_fc1_glu(const TensorView& x, const GroupedParam& fc1_weight, const GroupedParam& fc1_bias,
+                        const GroupLayout& groups,
                         const TensorView& probs, const GluSpec& spec, const TensorView& h,
                         const TensorView& act, Stream stream) {
   const char* op = "expert_mlp_forward";
@@ -29,15 +30,15 @@ bool expert_mlp_fc1_glu(const TensorView& x, const ExpertMlpWeights& w, const Gr
   GroupedGemmProblem p = problem_for(Form::kForward, groups, x.dtype(), x.dtype());
   p.a = x.data();
   p.a_row_stride = x.stride(0);
-  p.b = expert_address(op, "fc1_weight", w.fc1_weight);
-  p.b_row_stride = w.fc1_weight.expert_shape()[1];
+  p.b = expert_address(op, "fc1_weight", fc1_weight);
+  p.b_row_stride = fc1_weight.expert_shape()[1];
   // Without h the output map is never used for stores; it is encoded over act's memory.
   p.d = {h.defined() ? h.data() : act.data(), 0, nullptr};
   p.d_row_stride = h.defined() ? h.stride(0) : 2 * F;
   p.n = 2 * F;
   p.k = x.size(1);
-  p.bias = expert_address(op, "fc1_bias", w.fc1_bias);
-  if (w.fc1_bias.defined()) p.bias_dtype = w.fc1_bias.dtype();
+  p.bias = expert_address(op, "fc1_bias", fc1_bias);
+  if (fc1_bias.defined()) p.bias_dtype = fc1_bias.dtype();
   sm90::GluEpilogueParams g = epilogue_for(spec, F, probs);
   g.act = act.data();
   g.act_stride = act.stride(0);
@@ -47,7 +48,7 @@ bool expert_mlp_fc1_glu(const TensorView& x, const ExpertMlpWeights& w, const Gr
   return true;
 }
 
-bool expert_mlp_fc2_dgrad_glu(const TensorView& dy, const ExpertMlpWeights& w, const GroupLayout& groups,
+bool expert_mlp_fc2_dgrad_glu(const TensorView& dy, const GroupedParam& fc2_weight, const GroupLayout& groups,
                               const TensorView& h, const TensorView& probs, const GluSpec& spec,
                               const TensorView& dh, const TensorView& act, const TensorView& dprobs,
                               const TensorView& scratch, Stream stream) {
@@ -58,8 +59,8 @@ bool expert_mlp_fc2_dgrad_glu(const TensorView& dy, const ExpertMlpWeights& w, c
   GroupedGemmProblem p = problem_for(Form::kDgrad, groups, dy.dtype(), dy.dtype());
   p.a = dy.data();
   p.a_row_stride = dy.stride(0);
-  p.b = expert_address(op, "fc2_weight", w.fc2_weight);
-  p.b_row_stride = w.fc2_weight.expert_shape()[1];
+  p.b = expert_address(op, "fc2_weight", fc2_weight);
+  p.b_row_stride = fc2_weight.expert_shape()[1];
   p.d = {dh.data(), 0, nullptr};  // the output map is never used for stores
   p.d_row_stride = dh.stride(0);
   p.n = dy.size(1);

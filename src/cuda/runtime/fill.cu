@@ -3,7 +3,7 @@
 
 #include "common/hash_random.hpp"
 #include "core/cuda_api.hpp"
-#include "cuda/check.hpp"
+#include "cuda/runtime/check.hpp"
 
 namespace moe::cuda_api {
 namespace {

@@ -8,8 +8,8 @@
 
 #include <cstdint>
 
-#include "cuda/expert_address.hpp"
-#include "cuda/gemm_form.hpp"
+#include "cuda/gemm/expert_address.hpp"
+#include "cuda/gemm/gemm_form.hpp"
 #include "moe_engine/dtype.hpp"
 #include "moe_engine/group_layout.hpp"
 

@@ -3,8 +3,8 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
-#include "cuda/check.hpp"
-#include "cuda/group_offsets.hpp"
+#include "cuda/runtime/check.hpp"
+#include "cuda/backend.hpp"
 
 namespace moe::cuda {
 namespace {

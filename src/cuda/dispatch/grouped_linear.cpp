@@ -3,8 +3,8 @@
 #include <string>
 
 #include "cuda/backend.hpp"
-#include "cuda/bias_grad.hpp"
-#include "cuda/grouped_gemm_problem.hpp"
+#include "cuda/kernels/bias_grad.hpp"
+#include "cuda/gemm/grouped_gemm_problem.hpp"
 #include "cuda/portable/grouped_gemm.hpp"
 #include "cuda/sm90/grouped_gemm.hpp"
 

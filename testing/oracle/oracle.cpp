@@ -1,6 +1,6 @@
 // Naive float64 reference. Deliberately shares no code with src/cpu: plain triple loops, its own
 // column mapping per GLU layout and its own activation formulas.
-#include "moe_engine/oracle.hpp"
+#include "oracle/oracle.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -3,7 +3,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "cuda/check.hpp"
+#include "cuda/runtime/check.hpp"
 
 namespace moe::cuda {
 

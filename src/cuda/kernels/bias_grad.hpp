@@ -1,7 +1,7 @@
 // Bias gradients on CUDA: db_g = sum_r s[r] dy[r] and dscales[r] = <dy[r], b_g>.
 #pragma once
 
-#include "cuda/expert_address.hpp"
+#include "cuda/gemm/expert_address.hpp"
 #include "moe_engine/group_layout.hpp"
 #include "moe_engine/tensor.hpp"
 
