@@ -1,5 +1,5 @@
 // The few CUDA runtime services the host code needs, behind one internal interface so the rest of
-// the library compiles without CUDA headers. Implemented in src/cuda/cuda_api.cpp, or by
+// the library compiles without CUDA headers. Implemented in src/cuda/runtime/cuda_api.cpp, or by
 // cuda_api_none.cpp in a build without CUDA (every call then throws kNotImplemented).
 #pragma once
 
