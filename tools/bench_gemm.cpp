@@ -33,9 +33,9 @@ struct Timing {
 // of a ratio are measured alike: warm up (a quarter of `min_ms`, which also estimates one run),
 // then record max(`iters`, min_ms / estimate) runs with CUDA events and no host synchronization
 // between them, each after zeroing `flush` (do_bench's 256 MB "cache clear"; untimed) when given;
-// the median is reported. With a host wait before every run (the s3-s9 timing), each run's
-// interval also held its host-side launch work, which do_bench hides for torch: short GEMMs read
-// up to 5% slow (s10; the flush itself moves the suite by 0.25%).
+// the median is reported. A host wait before every run would put its host-side launch work into
+// each run's interval, which do_bench hides for torch: short GEMMs would read up to 5% slow (the
+// flush itself moves the suite by 0.25%; docs/performance-log.md).
 template <class F>
 Timing time_op(Device device, Stream stream, int warmup, int iters, double min_ms, const Tensor& flush,
                F&& op) {

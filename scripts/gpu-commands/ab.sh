@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
-# Same-call A/B of the grouped GEMM benchmark: this tree's build against a baseline tree (and
-# variants of this build under environment settings), alternated round by round with the anchor,
-# so the machine and its clock state weigh on all alike. Prints and writes $OUT/ab.md.
-#   here:   rm -rf .ab-base && mkdir .ab-base && git archive REF | tar -x -C .ab-base
-#           mkdir -p .shared && cp ../shared/bench/torch_anchor.py .shared/
-#   device: run(command="ROUNDS=2 scripts/gpu-ab [NAME:VAR=VALUE ...] [-- CASE]",   (VAR ARGS: bench arguments)
-#               carry=[".deps", ".shared", ".ab-base"])
+# Usage: scripts/gpu ab [NAME:VAR=VALUE ...] [-- CASE]
+#
+# Same-call A/B of the grouped-GEMM benchmark: this tree's build ("new") against a baseline tree
+# ("base", in .ab-base/), and optionally variants of this build under environment settings, all
+# alternated round by round with the anchor, so that the machine and its clock state weigh on all
+# alike. Prints and writes $OUT/ab.md (bench/report/ab-report.py, rewritten after every round, so
+# a cut-off run keeps what it has); raw runs and logs in $OUT/ab.tgz.
+#
+# Before, on the development machine, the baseline tree (carried with .deps):
+#   rm -rf .ab-base && mkdir .ab-base && git archive REF | tar -x -C .ab-base
+#
+#   NAME:VAR=VALUE   a variant: this build run with VAR=VALUE in its environment; VAR=ARGS passes
+#                    extra `bench gemm` arguments instead, e.g. "noflush:ARGS=--l2-flush-mb 0"
+#   -- CASE          only the cases whose names contain CASE
+# Environment: ROUNDS (default 2). Needs the anchor script (scripts/gpu fetch-deps) and PyTorch.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu-out}
+. "$(dirname "$0")/lib.sh"
 mkdir -p "$OUT/ab"
 variants=()
 case_filter=
@@ -16,9 +23,11 @@ while [ $# -gt 0 ]; do
   if [ "$1" = "--" ]; then case_filter=${2:-}; break; fi
   variants+=("$1"); shift
 done
-mkdir -p .deps/root
-for f in .deps/debs/*.deb; do [ -e "$f" ] && dpkg -x "$f" .deps/root; done
-configure() { [ -f "$2/build.ninja" ] || cmake -S "$1" -B "$2" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PWD/.deps/root/usr" >/dev/null; }
+if [ ! -f .ab-base/CMakeLists.txt ]; then
+  echo "scripts/gpu ab: no baseline tree in .ab-base/ (see scripts/gpu ab --help)" >&2
+  exit 2
+fi
+find_anchor
 configure . build-gpu
 configure .ab-base build-base
 half=$(( $(nproc) / 2 ))
@@ -35,12 +44,11 @@ bench() {  # bench NAME BINARY ROUND [ENV...]  (ARGS="..." in ENV: extra argumen
     --json-out "$OUT/ab/$name-$i.json" "${args[@]}" >>"$OUT/ab/bench.log"
 }
 for i in $(seq 1 "${ROUNDS:-2}"); do
-  PYTHONUNBUFFERED=1 python3 scripts/anchor-steady.py .shared/torch_anchor.py --workloads bench/workloads.json \
-    ${case_filter:+--cases "$case_filter"} --out "$OUT/ab/anchor-$i.json" >>"$OUT/ab/anchor.log" 2>&1
+  run_anchor "$OUT/ab/anchor-$i.json" "$OUT/ab/anchor.log" "$case_filter"
   bench base build-base/tools/moe-engine "$i"
   bench new build-gpu/tools/moe-engine "$i"
   for v in "${variants[@]}"; do bench "${v%%:*}" build-gpu/tools/moe-engine "$i" "${v#*:}"; done
-  python3 scripts/ab-report "$OUT/ab" >"$OUT/ab.md"  # after every round: a cut-off call keeps what it has
+  python3 bench/report/ab-report.py "$OUT/ab" >"$OUT/ab.md"
 done
 cat "$OUT/ab.md"
 tar -C "$OUT" -czf "$OUT/ab.tgz" ab && rm -rf "$OUT/ab"

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: per-tile cycle counts of the Hopper kernel (MOE_ENGINE_SM90_PROBE
-# build in build-probe: mainloop, epilogue and its steps, per launch) over one fused and one
-# unfused forward + backward of each given MLP case.
-#   device tool: run(command="scripts/gpu-mlp-probe CASE...", carry=[".deps"])
+# Usage: scripts/gpu mlp-probe CASE...
+#
+# Per-tile cycle counts of the Hopper kernel (a build with MOE_ENGINE_SM90_PROBE=ON in
+# build-probe/: mainloop, epilogue and its steps, per launch) over one fused and one unfused
+# forward + backward of each given MLP case, printed in launch order.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT" .deps/root
-for f in .deps/debs/*.deb; do [ -e "$f" ] && dpkg -x "$f" .deps/root; done
-cmake -S . -B build-probe -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_ENGINE_SM90_PROBE=ON \
-  -DCMAKE_PREFIX_PATH="$PWD/.deps/root/usr" >/dev/null
+. "$(dirname "$0")/lib.sh"
+if [ $# -eq 0 ]; then
+  echo "scripts/gpu mlp-probe: name at least one case (moe-engine bench --list)" >&2
+  exit 2
+fi
+configure . build-probe -DMOE_ENGINE_SM90_PROBE=ON
 cmake --build build-probe -j "$(nproc)" --target moe-engine >"$OUT/probe-build.log" 2>&1
 for c in "$@"; do
   layout=blocks:32
