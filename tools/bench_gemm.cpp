@@ -1,6 +1,6 @@
 // moe-engine bench gemm: the six grouped GEMMs of every case (FC1 and FC2 x forward, dgrad,
-// wgrad) on a GPU, timed with CUDA events, with the roofline fraction and, given the JSON that
-// ../shared/bench/torch_anchor.py wrote in the same device run, the speedup over torch._grouped_mm.
+// wgrad) on a GPU, timed with CUDA events, with the roofline fraction and, given the JSON that the
+// anchor script (torch_anchor.py) wrote in the same run, the speedup over torch._grouped_mm.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -21,7 +21,7 @@
 namespace moe::tools {
 namespace {
 
-// Ceilings when no anchor is given: the H200 figures of ../shared/bench/anchor_h200_torch.json.
+// Ceilings when no anchor is given: the H200 figures of the anchor script's reference run.
 constexpr double kDefaultBf16Tflops = 787.0;
 constexpr double kHbmTBps = 4.27;  // device-to-device copy, read + write
 
@@ -99,7 +99,7 @@ struct Entry {
 void check_anchor(const nlohmann::json& anchor, const std::string& path) {
   auto fail = [&](const std::string& what) {
     throw_error(ErrorCode::kIo, "bench gemm: the anchor file '", path, "' ", what,
-                " (expected the output of ../shared/bench/torch_anchor.py)");
+                " (expected the output of the anchor script, torch_anchor.py)");
   };
   if (!anchor.is_object() || !anchor.contains("cases") || !anchor["cases"].is_array())
     fail("has no \"cases\" array");

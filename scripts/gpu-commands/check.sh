@@ -64,7 +64,8 @@ gpu_tests() {
 
 # sanitize TOOL: every selected GPU test under compute-sanitizer TOOL, one process per test.
 sanitize() {
-  local tool=$1 log="$OUT/sanitize-$tool.log" limit tmp rc n t0=$SECONDS
+  local tool=$1
+  local log="$OUT/sanitize-$tool.log" limit tmp rc n t0=$SECONDS
   case "$tool" in
     racecheck) limit=${SANITIZE_TIMEOUT:-3600} ;;
     *) limit=${SANITIZE_TIMEOUT:-900} ;;

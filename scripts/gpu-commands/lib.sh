@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Helpers shared by the sub-commands of scripts/gpu (sourced by them; not a command). The runner
 # has made the repository root the current directory and exported OUT.
 OUT=${OUT:-$PWD/gpu-out}

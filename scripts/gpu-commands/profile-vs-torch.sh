@@ -8,6 +8,10 @@
 # Needs PyTorch; builds build-gpu/ if needed.
 set -uo pipefail
 . "$(dirname "$0")/lib.sh"
+if [ $# -eq 0 ]; then
+  echo "scripts/gpu profile-vs-torch: expected at least one 'CASE:GEMM' (see scripts/gpu profile-vs-torch --help)" >&2
+  exit 2
+fi
 mkdir -p "$OUT/pvt"
 build_gpu "$OUT/pvt/build.log" moe-engine || exit 1
 csvs=()

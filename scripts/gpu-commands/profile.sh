@@ -10,6 +10,10 @@
 # Builds build-gpu/ if needed (REBUILD=1: configure it again).
 set -uo pipefail
 . "$(dirname "$0")/lib.sh"
+if [ $# -eq 0 ]; then
+  echo "scripts/gpu profile: expected at least one 'CASE[:GEMM]' (see scripts/gpu profile --help)" >&2
+  exit 2
+fi
 mkdir -p "$OUT/profiles"
 build_gpu "$OUT/build.log" moe-engine || exit 1
 nvidia-smi -q -d CLOCK,POWER,PERFORMANCE >"$OUT/profiles/clocks-before.txt" 2>&1
