@@ -1,6 +1,6 @@
 // moe-engine bench gemm: the six grouped GEMMs of every case (FC1 and FC2 x forward, dgrad,
-// wgrad) on a GPU, timed with CUDA events, with the roofline fraction and, given the JSON that
-// ../shared/bench/torch_anchor.py wrote in the same device run, the speedup over torch._grouped_mm.
+// wgrad) on a GPU, timed with CUDA events, with the roofline fraction and, given the JSON that the
+// anchor script (torch_anchor.py) wrote in the same run, the speedup over torch._grouped_mm.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -21,7 +21,7 @@
 namespace moe::tools {
 namespace {
 
-// Ceilings when no anchor is given: the H200 figures of ../shared/bench/anchor_h200_torch.json.
+// Ceilings when no anchor is given: the H200 figures of the anchor script's reference run.
 constexpr double kDefaultBf16Tflops = 787.0;
 constexpr double kHbmTBps = 4.27;  // device-to-device copy, read + write
 
@@ -33,9 +33,9 @@ struct Timing {
 // of a ratio are measured alike: warm up (a quarter of `min_ms`, which also estimates one run),
 // then record max(`iters`, min_ms / estimate) runs with CUDA events and no host synchronization
 // between them, each after zeroing `flush` (do_bench's 256 MB "cache clear"; untimed) when given;
-// the median is reported. With a host wait before every run (the s3-s9 timing), each run's
-// interval also held its host-side launch work, which do_bench hides for torch: short GEMMs read
-// up to 5% slow (s10; the flush itself moves the suite by 0.25%).
+// the median is reported. A host wait before every run would put its host-side launch work into
+// each run's interval, which do_bench hides for torch: short GEMMs would read up to 5% slow (the
+// flush itself moves the suite by 0.25%; docs/performance-log.md).
 template <class F>
 Timing time_op(Device device, Stream stream, int warmup, int iters, double min_ms, const Tensor& flush,
                F&& op) {
@@ -99,7 +99,7 @@ struct Entry {
 void check_anchor(const nlohmann::json& anchor, const std::string& path) {
   auto fail = [&](const std::string& what) {
     throw_error(ErrorCode::kIo, "bench gemm: the anchor file '", path, "' ", what,
-                " (expected the output of ../shared/bench/torch_anchor.py)");
+                " (expected the output of the anchor script, torch_anchor.py)");
   };
   if (!anchor.is_object() || !anchor.contains("cases") || !anchor["cases"].is_array())
     fail("has no \"cases\" array");

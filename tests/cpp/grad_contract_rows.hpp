@@ -1,4 +1,4 @@
-// The six rows of the gradient contract (DESIGN.md section 4), shared by the module tests.
+// The six rows of the gradient contract (docs/design.md section 6), shared by the module tests.
 #pragma once
 
 #include <gtest/gtest.h>

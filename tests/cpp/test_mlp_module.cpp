@@ -123,7 +123,8 @@ TEST(GroupedMlpModule, RecomputeEqualsSavedAndKeepsOnlyX) {
   MlpForwardResult fr = recompute.forward(b.x, b.routing.layout, b.probs);
   EXPECT_FALSE(fr.ctx.saves_fc1_out());
   EXPECT_TRUE(fr.ctx.saves_input());
-  // DESIGN.md section 3's memory bound: 2 (H + 2F) bytes per token + the prob; recompute: x + prob.
+  // docs/design.md section 4's memory bound: 2 (H + 2F) bytes per token + the prob; recompute:
+  // x + prob.
   const int64_t T = b.x.size(0);
   EXPECT_EQ(fs.ctx.saved_bytes(), T * (2 * (kH + 2 * kF) + 4));
   EXPECT_EQ(fr.ctx.saved_bytes(), T * (2 * kH + 4));
@@ -169,8 +170,8 @@ TEST(GroupedMlpModule, KeepsOnlyWhatBackwardNeeds) {
   EXPECT_MOE_ERROR(m.backward(f.ctx, b.dy), ErrorCode::kInvalidArgument, "already used");
 }
 
-// The six rows of DESIGN.md section 4 (grad_contract_rows.hpp), for both weights at once and both
-// layouts.
+// The six rows of docs/design.md section 6 (grad_contract_rows.hpp), for both weights at once and
+// both layouts.
 
 class MlpGradientContract : public ::testing::TestWithParam<std::tuple<Row, ExpertLayout>> {};
 

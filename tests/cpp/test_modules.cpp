@@ -1,5 +1,6 @@
-// GroupedLinear module: the gradient contract of DESIGN.md section 4 (all six rows), delayed wgrad,
-// main_grad accumulate / overwrite, hooks, what forward keeps, layouts, checkpoints (CPU backend).
+// GroupedLinear module: the gradient contract of docs/design.md section 6 (all six rows), delayed
+// wgrad, main_grad accumulate / overwrite, hooks, what forward keeps, layouts, checkpoints (CPU
+// backend).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -131,7 +132,7 @@ TEST(GroupedLinearModule, KeepsOnlyWhatBackwardNeeds) {
   EXPECT_MOE_ERROR(m.backward(f.ctx, b.dy), ErrorCode::kInvalidArgument, "already used");
 }
 
-// The six rows of DESIGN.md section 4 (grad_contract_rows.hpp), for both layouts.
+// The six rows of docs/design.md section 6 (grad_contract_rows.hpp), for both layouts.
 class GradientContract : public ::testing::TestWithParam<std::tuple<Row, ExpertLayout>> {};
 
 TEST_P(GradientContract, Row) {

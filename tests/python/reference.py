@@ -73,8 +73,8 @@ def glu_ref(h, layout, activation, limit=7.0, alpha=1.702, offset=1.0):
     gate, lin = h[:, gi], h[:, li]
     if activation == "swiglu":
         return torch.nn.functional.silu(gate) * lin
-    # DESIGN.md: the gradient is 0 where gate > limit / |linear| > limit (it passes at equality,
-    # unlike torch.clamp's backward).
+    # docs/design.md section 3: the gradient is 0 where gate > limit / |linear| > limit (it passes at
+    # equality, unlike torch.clamp's backward).
     g = torch.where(gate > limit, torch.full_like(gate, limit), gate)
     l_ = torch.where(lin.abs() > limit, lin.sign() * limit, lin) + offset
     return g * torch.sigmoid(alpha * g) * l_

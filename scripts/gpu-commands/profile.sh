@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: Nsight Compute profiles of chosen grouped GEMMs (one timed run
-# each, clocks left alone). Reports land in $OUT as CSV (details page) plus the raw .ncu-rep files.
-#   device tool: run(command="scripts/gpu-profile 'CASE[:FILTER]' ...", carry=[".deps"])
-# FILTER names one GEMM, e.g. 'mixtral-8x7b/mild:fc2/fwd'; the third launch (after two warm-ups)
-# is profiled.
+# Usage: scripts/gpu profile 'CASE[:GEMM]' ...
+#
+# Nsight Compute profiles of chosen grouped GEMMs: for each argument one launch of our kernel (the
+# third, after two warm-ups; clocks left alone), with the SpeedOfLight, compute, memory, warp-state,
+# scheduler and launch sections. GEMM (FC/FORM, e.g. 'mixtral-8x7b/mild:fc2/fwd') picks one GEMM
+# of the case; without it, the third launch of the case's whole `bench gemm` run is profiled.
+# Reports go to $OUT/profiles.tgz: per argument the .ncu-rep, its details and raw pages as CSV,
+# and the clocks before and after.
+# Builds build-gpu/ if needed (REBUILD=1: configure it again).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT/profiles"
-if [ ! -x build-gpu/tools/moe-engine ] || [ -n "${REBUILD:-}" ]; then
-  mkdir -p .deps/root
-  for f in .deps/debs/*.deb; do [ -e "$f" ] && dpkg -x "$f" .deps/root; done
-  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PWD/.deps/root/usr" >/dev/null
+. "$(dirname "$0")/lib.sh"
+if [ $# -eq 0 ]; then
+  echo "scripts/gpu profile: expected at least one 'CASE[:GEMM]' (see scripts/gpu profile --help)" >&2
+  exit 2
 fi
-cmake --build build-gpu -j "$(nproc)" --target moe-engine >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+mkdir -p "$OUT/profiles"
+build_gpu "$OUT/build.log" moe-engine || exit 1
 nvidia-smi -q -d CLOCK,POWER,PERFORMANCE >"$OUT/profiles/clocks-before.txt" 2>&1
 ncu --query-metrics >"$OUT/profiles/metrics.txt" 2>&1
 sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis

@@ -2,7 +2,7 @@
 """Combines rounds of `moe-engine bench gemm` (each run right after its own torch_anchor.py run)
 into one result: per GEMM the median time over rounds, for us and for torch, then the ratios.
 Writes OUT_PREFIX.json (the combined result, rounds included), OUT_PREFIX.md and OUT_PREFIX.png.
-Usage: scripts/bench-report OUT_PREFIX ROUND1.json [ROUND2.json ...]"""
+Run by scripts/gpu bench. Usage: bench/report/gemm-report.py OUT_PREFIX ROUND1.json [ROUND2.json ...]"""
 import json
 import math
 import statistics

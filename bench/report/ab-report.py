@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Report of scripts/gpu-ab: per variant, the geomean speedup vs torch._grouped_mm (per-GEMM
-medians over rounds, as bench-report) and per GEMM its time relative to the baseline build.
-Usage: scripts/ab-report DIR   (DIR holds NAME-ROUND.json files; NAME 'base' is the baseline)"""
+"""Report of scripts/gpu ab: per variant, the geomean speedup vs torch._grouped_mm (per-GEMM
+medians over rounds, as gemm-report.py) and per GEMM its time relative to the baseline build.
+Usage: bench/report/ab-report.py DIR   (DIR holds NAME-ROUND.json files; NAME 'base' is the baseline)"""
 import collections
 import glob
 import math

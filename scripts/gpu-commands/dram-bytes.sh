@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
-# On the GPU machine: DRAM and L2-fabric traffic of single grouped GEMM launches (ncu, one pass,
-# clocks left alone), for each given build, after scripts/gpu-ab or gpu-check built them.
-#   device tool: run(command="scripts/gpu-dram-bytes 'build-base build-gpu' CASE:fc1/fwd ...")
-# Environment variables given as NAME=VALUE after the builds apply to every run.
+# Usage: scripts/gpu dram-bytes 'BUILD_DIR ...' 'CASE:GEMM' ...
+#
+# DRAM and L2-fabric traffic and the duration of single grouped-GEMM launches (ncu, one pass,
+# clocks left alone; the third launch), for each given build directory and GEMM (FC/FORM), e.g.
+# scripts/gpu dram-bytes 'build-base build-gpu' 'mixtral-8x7b/balanced:fc2/wgrad'. The builds must
+# exist (scripts/gpu ab or check makes them); variables set in the command's environment apply to
+# every run.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+. "$(dirname "$0")/lib.sh"
+if [ $# -lt 2 ]; then
+  echo "scripts/gpu dram-bytes: expected 'BUILD_DIR ...' and at least one CASE:GEMM (see --help)" >&2
+  exit 2
+fi
 builds=$1
 shift
 metrics=dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_ltcfabric.sum,gpu__time_duration.sum

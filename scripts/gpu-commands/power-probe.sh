@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: samples SM clock, power and throttle reasons (nvidia-smi, 50 ms)
-# while our GEMM and torch._grouped_mm run sustained, to tell power-limited clocks from kernel
-# inefficiency. Needs build-gpu (scripts/gpu-check) and .shared/torch_anchor.py.
-#   device tool: run(command="scripts/gpu-power-probe [CASE [GEMM...]]", carry=[".deps", ".shared"])
+# Usage: scripts/gpu power-probe [CASE [GEMM...]]
+#
+# Samples SM clock, power and throttle reasons (nvidia-smi, every 50 ms) while our GEMMs and
+# torch._grouped_mm run sustained, to tell power-limited clocks from kernel inefficiency: first
+# all GEMMs of CASE (ours, then the anchor script), then each GEMM for 3 s each way (ours with
+# `bench gemm --min-time-ms 3000`, torch with bench/drivers/torch-sustained.py). Prints the clock
+# and power medians per phase; the samples are in $OUT/power.csv.
+# CASE defaults to mixtral-8x7b/balanced, GEMM (FC/FORM, e.g. fc1/fwd) to fc2/wgrad.
+# Needs the anchor script (scripts/gpu fetch-deps) and PyTorch; builds build-gpu/ if needed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT"
+. "$(dirname "$0")/lib.sh"
 case_name=${1:-mixtral-8x7b/balanced}
 shift || true
 gemms=("${@:-fc2/wgrad}")
-if [ ! -x build-gpu/tools/moe-engine ]; then
-  mkdir -p .deps/root
-  for f in .deps/debs/*.deb; do [ -e "$f" ] && dpkg -x "$f" .deps/root; done
-  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PWD/.deps/root/usr" >/dev/null
-fi
-cmake --build build-gpu -j "$(nproc)" --target moe-engine >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+find_anchor || exit 1
+build_gpu "$OUT/build.log" moe-engine || exit 1
 log="$OUT/power.csv"
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
   --format=csv,noheader -lms 50 >"$log" 2>&1 &
@@ -26,7 +25,7 @@ mark "ours: $case_name all GEMMs"
 build-gpu/tools/moe-engine bench gemm --case "$case_name" >"$OUT/ours.txt" 2>&1
 sleep 1
 mark "torch anchor: $case_name"
-PYTHONUNBUFFERED=1 python3 .shared/torch_anchor.py --workloads bench/workloads.json --cases "$case_name" \
+PYTHONUNBUFFERED=1 python3 "$ANCHOR" --workloads bench/workloads.json --cases "$case_name" \
   --out "$OUT/anchor.json" >"$OUT/anchor.log" 2>&1
 sleep 1
 for gemm in "${gemms[@]}"; do
@@ -34,7 +33,7 @@ for gemm in "${gemms[@]}"; do
   build-gpu/tools/moe-engine bench gemm --case "$case_name" --gemm "$gemm" --min-time-ms 3000 >>"$OUT/ours.txt" 2>&1
   sleep 1
   mark "torch sustained 3 s: $gemm"
-  python3 scripts/torch-sustained.py --workloads bench/workloads.json --case "$case_name" --gemm "$gemm" \
+  python3 bench/drivers/torch-sustained.py --workloads bench/workloads.json --case "$case_name" --gemm "$gemm" \
     --seconds 3 >>"$OUT/ours.txt" 2>&1
   sleep 1
 done

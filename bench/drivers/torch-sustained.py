@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Runs one torch._grouped_mm GEMM of a workloads.json case back to back for a few seconds (no
 cache flush between calls) and prints its median time: the sustained-clock counterpart of
-`moe-engine bench gemm --min-time-ms`. Inputs as in torch_anchor.py (randn)."""
+`moe-engine bench gemm --min-time-ms` (scripts/gpu power-probe runs both). Inputs as in
+torch_anchor.py (randn)."""
 import argparse, json, time
 import torch
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Runs one torch._grouped_mm of a benchmark case a few times (for ncu: profile its 3rd launch).
+"""Runs one torch._grouped_mm of a benchmark case a few times (for ncu: profile its 3rd launch;
+scripts/gpu profile-vs-torch does).
 Usage: torch-gemm-once.py CASE FC GEMM   e.g.  qwen3-30b-a3b/balanced fc2 fwd"""
-import json, sys
+import json, os, sys
 import torch
 
 case_name, fc, gemm = sys.argv[1:4]
-suite = json.load(open("bench/workloads.json"))
+suite = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "workloads.json")))
 c = next(c for c in suite["cases"] if c["name"] == case_name)
 E, H, Fd, T = c["experts"], c["hidden"], c["ffn"], c["tokens"]
 counts = torch.tensor(c["tokens_per_expert"], dtype=torch.int64)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Combines per-case `moe-engine bench mlp --vs-unfused --json` results with the torch_anchor.py
 JSON of the same device run into OUT_PREFIX.{json,md,png} (the PNG only where matplotlib exists).
-Usage: scripts/mlp-report OUT_PREFIX ANCHOR.json MLP_CASE.json [...]"""
+Run by scripts/gpu mlp-bench. Usage: bench/report/mlp-report.py OUT_PREFIX ANCHOR.json MLP_CASE.json [...]"""
 import json
 import math
 import sys
@@ -52,7 +52,7 @@ def main():
     out = {
         "device": anchor["device"],
         "torch": anchor["torch"],
-        "command": "scripts/gpu-mlp-bench (per case: " + entries[0]["command"].split(" --case")[0] +
+        "command": "scripts/gpu mlp-bench (per case: " + entries[0]["command"].split(" --case")[0] +
                    " --case CASE --device cuda:0 --no-check --json --vs-unfused --glu-layout LAYOUT --iters N"
                    " --fusion " + entries[0]["fusion_requested"] + (" --recompute" if entries[0]["recompute"] else "") + ")",
         "geomean_speedup_vs_torch_eager": geo(sp),

@@ -3,10 +3,11 @@
 bench/workloads.json, GroupedMLP forward+backward (autograd, plain gradients: wgrad written, as
 `moe-engine bench mlp` does) timed with CUDA events per iteration (median), next to the C++ time
 of `moe-engine bench mlp` for the same case and options, and (with --anchor) the PyTorch-eager MLP
-of ../shared/bench/torch_anchor.py from the same run.
+of the anchor script (torch_anchor.py) from the same run. scripts/gpu python runs it.
 
-Usage: torch-bench.py --cli build-gpu/tools/moe-engine [--cases SUBSTR] [--iters 20]
-                      [--glu-layout blocks:32] [--anchor anchor.json] [--out results.json]
+Usage: torch-module-bench.py --cli build-gpu/tools/moe-engine [--cases SUBSTR] [--iters 20]
+                             [--glu-layout blocks:32] [--anchor anchor.json] [--out results.json]
+       torch-module-bench.py --md RESULTS.json    (rewrites the Markdown table of a result)
 """
 import argparse
 import json
@@ -64,10 +65,10 @@ def main():
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--cli", required=True)
-    ap.add_argument("--workloads", default=os.path.join(HERE, "..", "bench", "workloads.json"))
+    ap.add_argument("--workloads", default=os.path.join(HERE, "..", "workloads.json"))
     ap.add_argument("--cases", default="")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--glu-layout", default="", help="default: pairs for gpt-oss, else blocks:32 (as gpu-mlp-bench)")
+    ap.add_argument("--glu-layout", default="", help="default: pairs for gpt-oss, else blocks:32 (as scripts/gpu mlp-bench)")
     ap.add_argument("--anchor", default="")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
@@ -108,7 +109,7 @@ def main():
 
 
 def markdown(s):
-    """The results as a Markdown table (also: torch-bench.py --md RESULTS.json rewrites it)."""
+    """The results as a Markdown table (also: torch-module-bench.py --md RESULTS.json rewrites it)."""
     lines = [f"# GroupedMLP (PyTorch module) vs the C++ benchmark, {s['device']}", "",
              f"`{s['command']}` (torch {s['torch']}, moe_engine {s['moe_engine']}, {s['iters']} timed runs, median)", "",
              f"Module / C++ time: geomean **{s['geomean_module_over_cpp']:.3f}**, max {s['max_module_over_cpp']:.3f}."]

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Prints chosen metrics of ncu raw-page CSVs side by side: profile-table A.csv B.csv ...
-(the metric names matching any of the patterns below, one row each)."""
+"""Prints chosen metrics of ncu raw-page CSVs side by side (scripts/gpu profile-vs-torch uses it):
+bench/report/profile-table.py A.csv B.csv ... (the metric names matching any of the patterns
+below, one row each)."""
 import csv, re, sys
 
 PATTERNS = [r"^gpu__time_duration\.sum$", r"^gpc__cycles_elapsed\.avg\.per_second$",

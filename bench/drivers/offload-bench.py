@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Activation offload benchmark (issue 7): a stack of 8 GroupedMLP layers of a suite case
+"""Activation offload benchmark: a stack of 8 GroupedMLP layers of a suite case
 (bf16, main_grad accumulation), forward + backward per step, with offload off and on (all layers
 but the last offloaded). Reports, in the same run:
 - the host link: pinned copies each way;
@@ -15,6 +15,7 @@ but the last offloaded). Reports, in the same run:
 
 Usage: offload-bench.py [--cases qwen3-30b-a3b/balanced,mixtral-8x7b/balanced] [--layers 8]
                         [--steps 5] [--out results.json]   (also writes results.md)
+(OFFLOAD=1 scripts/gpu python runs it.)
 """
 import argparse
 import gc
@@ -115,7 +116,7 @@ def measure(stack, case, offload, steps):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workloads", default=os.path.join(HERE, "..", "bench", "workloads.json"))
+    ap.add_argument("--workloads", default=os.path.join(HERE, "..", "workloads.json"))
     ap.add_argument("--cases", default="qwen3-30b-a3b/balanced,mixtral-8x7b/balanced")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
@@ -186,7 +187,7 @@ def markdown(r):
              "backward's transient buffers (dy, dx, the MLP backward's scratch) and the stack's output.",
              "- Layer keeps: `pre-activation` = x and FC1's output [T, 2F] (the default); `x-only` = "
              "`recompute_fc1=True` (FC1 runs again in backward; 2H + 4 instead of 2(H + 2F) + 4 bytes per row).",
-             "- Link ms: offloaded bytes / the slower direction (the issue's denominator); copies ms: what this "
+             "- Link ms: offloaded bytes / the slower direction (step_time_ratio's denominator); copies ms: what this "
              "schedule moves at the link's speed, out and back (offloaded + reloaded bytes).", "",
              "| case | layer keeps | layers (offloaded) | step ms off | on | peak saved GiB off | on | **peak_memory_ratio** | "
              "peak allocated GiB off | on | ratio | offloaded / reloaded GiB | link ms | copies ms | "

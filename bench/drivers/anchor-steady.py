@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Runs ../shared/bench/torch_anchor.py unchanged, after bringing the GPU to its steady power state.
+"""Runs the anchor script (torch_anchor.py) unchanged, after bringing the GPU to its steady power
+state.
 
 Under sustained load an H200 runs at its power cap (~700 W): clocks start at boost and settle over
-about a second, with a dip as the power controller catches up (scripts/gpu-power-probe shows it).
+about a second, with a dip as the power controller catches up (scripts/gpu power-probe shows it).
 torch_anchor.py starts timing at once, so its first measurements (the dense ceiling, the first
 case) would see different clocks from the rest and from our benchmark, which settles the same way
 (`moe-engine bench gemm --settle-ms`). Usage: anchor-steady.py ANCHOR.py [anchor arguments...]

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Usage: scripts/gpu fetch-deps
+#
+# Runs on the development machine, not on the GPU machine (which has no package registry): puts
+# into .deps/ (git-ignored) what the GPU machine needs and cannot download, so that copying the
+# repository with .deps is enough there:
+#   .deps/debs/            header-only Debian packages of the build (CLI11, nlohmann-json) and
+#                          GoogleTest's sources, unpacked there with dpkg -x
+#   .deps/wheels/          the Python build backend for `pip install .` (scikit-build-core and what
+#                          it needs, nanobind), installed there by scripts/python-test
+#   .deps/torch_anchor.py  the anchor script (times torch._grouped_mm, the per-expert cuBLAS loop
+#                          and the PyTorch-eager MLP on bench/workloads.json), which lives outside
+#                          this repository: copied from ANCHOR_SRC (default:
+#                          ../shared/bench/torch_anchor.py) when it exists
+# Packages already downloaded are kept; the anchor script is copied again.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+mkdir -p .deps/debs .deps/wheels
+(
+  cd .deps/debs
+  for p in libcli11-dev nlohmann-json3-dev googletest; do
+    ls "${p}"_*.deb >/dev/null 2>&1 || apt-get download "$p"
+  done
+  ls -la
+)
+(
+  cd .deps/wheels
+  python3 -m pip download -q --no-deps -d . scikit-build-core pathspec packaging nanobind
+  ls -la
+)
+anchor=${ANCHOR_SRC:-../shared/bench/torch_anchor.py}
+if [ -f "$anchor" ]; then
+  cp "$anchor" .deps/torch_anchor.py
+  echo "anchor script: $anchor -> .deps/torch_anchor.py"
+else
+  echo "note: no anchor script at $anchor (set ANCHOR_SRC): bench, mlp-bench, ab and power-probe need it"
+fi
