@@ -82,9 +82,11 @@ sanitize() {
   for t in "${tests[@]}"; do
     rc=0
     # shellcheck disable=SC2086  # SANITIZE_ARGS: options, split on spaces
-    timeout --kill-after=60 "$limit" compute-sanitizer --tool "$tool" --error-exitcode 86 ${SANITIZE_ARGS:-} \
+    MOE_TEST_UNDER_SANITIZER=$tool timeout --kill-after=60 "$limit" compute-sanitizer --tool "$tool" --error-exitcode 86 ${SANITIZE_ARGS:-} \
       build-gpu/tests/moe_engine_gpu_tests --gtest_filter="$t" >"$tmp" 2>&1 || rc=$?
-    n=$(sed -n 's/.*ERROR SUMMARY: \([0-9][0-9]*\) error.*/\1/p' "$tmp" | tail -1)
+    # memcheck/synccheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: ... (N errors, ...)".
+    n=$(sed -n -e 's/.*ERROR SUMMARY: \([0-9][0-9]*\) error.*/\1/p' \
+      -e 's/.*RACECHECK SUMMARY: .*(\([0-9][0-9]*\) error.*/\1/p' "$tmp" | tail -1)
     n=${n:-0}
     errors=$((errors + n))
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -91,6 +92,14 @@ class CapturedGraph {
 inline std::string no_gpu_reason() {
   const GpuInventory inv = query_gpus();
   return inv.gpus.empty() ? "no CUDA GPU visible: " + inv.note : std::string();
+}
+
+// How many times a test repeats a whole step: fewer under compute-sanitizer (the GPU runner sets
+// MOE_TEST_UNDER_SANITIZER). racecheck keeps a record of every shared-memory access of every launch
+// in host memory: ten steps of a twelve-layer stack outgrew a 128 GiB host and were killed.
+inline int step_repeats(int normal, int under_sanitizer) {
+  const char* tool = std::getenv("MOE_TEST_UNDER_SANITIZER");
+  return tool != nullptr && *tool != '\0' ? under_sanitizer : normal;
 }
 
 }  // namespace moe::test

@@ -123,7 +123,8 @@ TEST(GpuOffloadMemory, ManyLayersAndStepsLeakNothing) {
   ActivationOffload offload(cuda, shape.layers, -1, {.min_bytes = 0});
   StepResult first;
   size_t used = 0, pinned = 0;
-  for (int step = 0; step < 10; ++step) {
+  const int steps = step_repeats(10, 3);
+  for (int step = 0; step < steps; ++step) {
     const StepResult r = stack.step(in.x, in.layouts, in.probs, in.dy, &offload, stream.s);
     synchronize(stream.s);
     const size_t now = stream_ordered_memory(cuda).used_bytes;
