@@ -94,12 +94,13 @@ inline std::string no_gpu_reason() {
   return inv.gpus.empty() ? "no CUDA GPU visible: " + inv.note : std::string();
 }
 
-// How many times a test repeats a whole step: fewer under compute-sanitizer (the GPU runner sets
-// MOE_TEST_UNDER_SANITIZER). racecheck keeps a record of every shared-memory access of every launch
-// in host memory: ten steps of a twelve-layer stack outgrew a 128 GiB host and were killed.
-inline int step_repeats(int normal, int under_sanitizer) {
+// A test's size (layers, steps) under compute-sanitizer, which the GPU runner announces with
+// MOE_TEST_UNDER_SANITIZER. racecheck holds shadow state of every block's shared memory for each
+// launch it has not analyzed yet, so a step that enqueues many large-shared-memory kernels
+// without a sync needs host memory in proportion: a twelve-layer step passed 130 GB and was killed.
+inline int smaller_under_sanitizer(int normal, int smaller) {
   const char* tool = std::getenv("MOE_TEST_UNDER_SANITIZER");
-  return tool != nullptr && *tool != '\0' ? under_sanitizer : normal;
+  return tool != nullptr && *tool != '\0' ? smaller : normal;
 }
 
 }  // namespace moe::test

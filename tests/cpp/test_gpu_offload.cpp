@@ -114,7 +114,7 @@ TEST(GpuOffloadMemory, PeakDropsByTheOffloadedLayers) {
 
 TEST(GpuOffloadMemory, ManyLayersAndStepsLeakNothing) {
   if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
-  const StackShape shape{.layers = 12, .groups = 4, .hidden = 128, .ffn = 256};
+  const StackShape shape{.layers = smaller_under_sanitizer(12, 4), .groups = 4, .hidden = 128, .ffn = 256};
   Rng rng;
   GpuInputs in(shape, 2048, rng);
   Stream stream;
@@ -123,7 +123,7 @@ TEST(GpuOffloadMemory, ManyLayersAndStepsLeakNothing) {
   ActivationOffload offload(cuda, shape.layers, -1, {.min_bytes = 0});
   StepResult first;
   size_t used = 0, pinned = 0;
-  const int steps = step_repeats(10, 3);
+  const int steps = smaller_under_sanitizer(10, 3);
   for (int step = 0; step < steps; ++step) {
     const StepResult r = stack.step(in.x, in.layouts, in.probs, in.dy, &offload, stream.s);
     synchronize(stream.s);
