@@ -61,17 +61,17 @@ struct StoreEpilogue {
 
   template <class Probe>
   __device__ __forceinline__ void store(const Tile& t, float (&acc)[Config::kBlockN / 2], Probe& probe) const {
-    with_store_batches<Slab>(p, smem, th, t, acc, map_d, probe,
-                             [&](const Slab& s, auto& run_batch, auto& store_batch, auto& batch_live) {
+    auto all_batches = [&](const Slab& s, auto& run_batch, auto& store_batch, auto& batch_live) {
 #pragma unroll
-                               for (int batch = 0; batch < Slab::kChunks / Slab::kBatch; ++batch) {
-                                 if (!s.slab_live || !batch_live(batch)) break;  // uniform
-                                 if (kForm == Form::kForward && p.bias != nullptr)
-                                   store_batch(batch, std::true_type{});
-                                 else
-                                   store_batch(batch, std::false_type{});
-                               }
-                             });
+      for (int batch = 0; batch < Slab::kChunks / Slab::kBatch; ++batch) {
+        if (!s.slab_live || !batch_live(batch)) break;  // uniform
+        if (kForm == Form::kForward && p.bias != nullptr)
+          store_batch(batch, std::true_type{});
+        else
+          store_batch(batch, std::false_type{});
+      }
+    };
+    with_store_batches<Slab>(p, smem, th, t, acc, map_d, probe, all_batches);
   }
 };
 

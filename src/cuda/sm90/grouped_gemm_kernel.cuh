@@ -100,7 +100,7 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
       RingState<Pipe::kStages> ring;
       Tile t;
       for (int32_t i = first_pair(); scheduler.get(i, t); i += pair_stride())
-        if (!skipped(t)) producer.load_tile(t, ring);
+        if (!skipped(t)) producer.load(t, ring);
     }
     // Neither block may exit while the other can still multicast into it or arrive on its barriers.
     ptx::cluster_sync();
@@ -132,7 +132,7 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
       continue;
     }
     epilogue.begin_tile(t);
-    Probe probe;
+    Probe probe;  // this tile's cycle counts (NoProbe: none)
     mainloop.run(
         t, acc, ring, probe,
         [&](int kb) {

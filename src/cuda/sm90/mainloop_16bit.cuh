@@ -2,11 +2,14 @@
 // warpgroup multiplies its 64 rows of the 128 x 256 tile with wgmma, one ring stage per k step,
 // into fp32 accumulators in registers, and releases each stage once the wgmma reading it retired.
 //
-// The kernel picks its mainloop by type (grouped_gemm_kernel.cuh's MainloopFor). Another mainloop
-// (an FP8 one with per-block scales) is another type with the same interface:
+// The kernel picks its mainloop by type (grouped_gemm_kernel.cuh's MainloopFor), so another
+// mainloop is another type with the same interface, not a branch in this one:
 //   Mainloop(const SharedStorage<Pipe>&, uint32_t math, uint32_t lane)   once per math thread
 //   Accumulators                                                        its register tile
 //   run(tile, acc, ring, probe, after_step, after_loop)                 the k-loop of one tile
+// An FP8 block-scaled mainloop (E4M3 operands, fp32 scales per 128 of K) would run wgmma into a
+// temporary per 128 of K and add it, scaled, into the fp32 Accumulators; the epilogues (which see
+// only fp32 accumulators) and the hooks' places stay as they are.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -28,8 +28,8 @@ struct Producer {
   const SharedStorage<Pipe>& smem;
 
   // Every k step of tile t: wait for the stage to be free in both blocks, announce its bytes,
-  // load it.
-  __device__ __forceinline__ void load_tile(const Tile t, RingState<Pipe::kStages>& ring) const {
+  // load it. (t by value: by reference the compiler laid out the multicast branch differently.)
+  __device__ __forceinline__ void load(const Tile t, RingState<Pipe::kStages>& ring) const {
     for (int kb = 0; kb < t.k_blocks; ++kb) {
       ptx::mbarrier_wait(&smem.empty[ring.stage], ring.phase ^ 1u);
       // A ghost expects nothing: its arrival alone completes the phase.
@@ -84,6 +84,7 @@ struct Producer {
       ptx::tma_load_4d(smem.stage_a(stage), &map_a, bar, k0, ragged_row(t, t.m0), ragged_end(t),
                        int32_t(Config::kRaggedRows));
     }
+    // Most pairs share B. (The hint also keeps the branch's layout as it was in the kernel.)
     if (__builtin_expect(t.multicast && p.multicast, 1)) {
       load_b_half(int(ptx::cluster_rank()), true);
     } else {
