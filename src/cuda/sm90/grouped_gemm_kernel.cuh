@@ -119,16 +119,16 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
   RingState<Pipe::kStages> ring;
   Tile t, next;
   int32_t pair = first_pair();
+  auto look_up = [&] { return scheduler.get(pair, next); };  // the tile after t
   for (bool have = scheduler.get(pair, t); have; t = next) {
     pair += pair_stride();
-    auto look_up = [&] { have = scheduler.get(pair, next); };
     if (skipped(t)) {
-      look_up();
+      have = look_up();
       continue;
     }
     if (!t.live) {  // a ghost: keep the barrier phases in step with the peer, nothing else
       smem.pass_over(t.k_blocks, ring, lane);
-      look_up();
+      have = look_up();
       continue;
     }
     epilogue.begin_tile(t);
@@ -136,15 +136,15 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
     mainloop.run(
         t, acc, ring, probe,
         [&](int kb) {
-          if (kEarlyLookup && kb == kLookupStep) look_up();
+          if (kEarlyLookup && kb == kLookupStep) have = look_up();
           epilogue.after_step(t, kb);
         },
         [&] {
           const bool looked_up = kEarlyLookup && t.k_blocks > kLookupStep;
-          if (!Epi::kLookUpAfter && !looked_up) look_up();
+          if (!Epi::kLookUpAfter && !looked_up) have = look_up();
         });
     epilogue.store(t, acc, probe);
-    if constexpr (Epi::kLookUpAfter) look_up();
+    if constexpr (Epi::kLookUpAfter) have = look_up();
     probe.end_tile();
   }
   if (th.wg_thread == 0) ptx::bulk_wait_group_all();
