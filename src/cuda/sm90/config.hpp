@@ -13,8 +13,8 @@ using cuda::Form;
 // What the epilogue does with a tile's accumulators.
 enum class Epilogue : int {
   kStore = 0,        // D (+ bias / scaled bias), TMA stores (every form)
-  kGluForward = 1,   // forward only: h = D + b1 -> GLU(h) * p, h stored too if asked (glu_epilogue.cuh)
-  kGluBackward = 2,  // dgrad only: D = d(act * p) -> dh, act * p, dprobs shares (glu_epilogue.cuh)
+  kGluForward = 1,   // forward only: h = D + b1 -> GLU(h) * p, h stored too if asked (epilogue_glu.cuh)
+  kGluBackward = 2,  // dgrad only: D = d(act * p) -> dh, act * p, dprobs shares (epilogue_glu.cuh)
 };
 
 // The tile geometry and thread layout, the same for every instance.
@@ -65,11 +65,11 @@ struct Pipeline {
   static_assert(kSharedBytes <= 232448, "exceeds the 227 KiB of shared memory per block");
 };
 
-// The default: the deepest ring (3 stages + 4 buffers for every instance measured 0.99x over
-// the suite, s3; s10 per GEMM: tiles of one k step need the 4th stage's loads in flight).
+// The default: the deepest ring (measured: 3 stages + 4 buffers for every instance ran at 0.99x
+// over the suite; per GEMM, tiles of one k step need the 4th stage's loads in flight).
 using DeepRing = Pipeline<4, 2>;
 // A 16-bit tile's stores in one batch, with no wait inside the epilogue, at the cost of a stage:
-// faster for wgrads with 16-bit outputs over >= 4 k steps per tile (grouped_gemm.cu's choice).
+// faster for wgrads with 16-bit outputs over >= 4 k steps per tile (heuristics.hpp decides).
 using WideEpilogue = Pipeline<3, 4>;
 
 static_assert(Config::kProducerRegisters + Config::kMathWarpgroups * Config::kMathRegisters <=

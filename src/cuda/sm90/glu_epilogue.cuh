@@ -1,7 +1,8 @@
-// GLU epilogues of the Hopper grouped GEMM: the fused expert MLP (DESIGN.md section 3).
+// GLU epilogues of the Hopper grouped GEMM: the fused expert MLP (docs/design.md). This file holds
+// their per-row math; the epilogue types the kernel picks are in epilogue_glu.cuh.
 //   forward (FC1): the caller has turned the accumulators into h = x W1^T + b1 rounded to the
 //     input dtype (the values the unfused path stores); this computes act(gate, linear) * p
-//     [T, F] into registers, 64 features at a time, and stages it for TMA stores. The kernel
+//     [T, F] into registers, 64 features at a time, and stages it for TMA stores. The epilogue
 //     interleaves that math with the TMA stores of h when backward keeps h.
 //   backward (FC2 dgrad): the accumulators hold d(act * p) for 256 features; with the saved h this
 //     writes dh = dL/dh [T, 2F], the recomputed act * p (FC2's wgrad input) and, per row, the
@@ -101,7 +102,7 @@ __device__ __forceinline__ void backward_tile(const float (&acc)[128], const Glu
   auto h_row = [&](int h) { return static_cast<const T*>(g.h) + (rows.row + 8 * h) * g.h_stride; };
   // h is read one group at a time, so each group waits for its loads (L2 hits: the tile's h was
   // prefetched). Measured slow (docs/performance-log.md); four groups' loads in flight at once
-  // measured no faster (s7).
+  // measured no faster.
   float dp[2] = {0.f, 0.f};
 #pragma unroll
   for (int j = 0; j < 32; ++j) {

@@ -1,4 +1,4 @@
-// Parameters of the Hopper grouped GEMM's GLU epilogues (glu_epilogue.cuh), host-visible.
+// Parameters of the Hopper grouped GEMM's GLU epilogues (epilogue_glu.cuh), host-visible.
 #pragma once
 
 #include <cstdint>

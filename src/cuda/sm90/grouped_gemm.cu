@@ -4,12 +4,14 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <string>
 #include <mutex>
+#include <string>
+#include <type_traits>
 
 #include "cuda/runtime/check.hpp"
 #include "cuda/sm90/grouped_gemm.hpp"
 #include "cuda/sm90/grouped_gemm_kernel.cuh"
+#include "cuda/sm90/heuristics.hpp"
 #include "cuda/sm90/launch.cuh"
 #include "cuda/sm90/tensor_maps.hpp"
 
@@ -18,29 +20,26 @@ namespace {
 
 using namespace launch_detail;
 
+// One output dtype: the shared-memory split heuristics.hpp picks (WideEpilogue instances exist
+// for 16-bit wgrads only).
+template <Form kForm, class In, class Out>
+void launch_store(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
+  if constexpr (kForm == Form::kWgrad && !std::is_same_v<Out, float>) {
+    if (store_pipeline(kForm, pr.capacity, pr.num_groups, pr.out_dtype) == PipelineShape::kWideEpilogue)
+      return launch<kForm, In, Out, Epilogue::kStore, WideEpilogue>(pr, r, stream);
+  }
+  launch<kForm, In, Out, Epilogue::kStore, DeepRing>(pr, r, stream);
+}
+
 template <Form kForm, class In>
 void launch_out(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
-  // Wgrads with 16-bit outputs over >= 4 k steps per tile on average: the whole 64 x 256 slab
-  // of a math warpgroup goes out in one batch (WideEpilogue), measured 1-4% faster than two
-  // batches with a 4-stage ring on the suite's bf16 wgrads (s10, performance log); 1-step tiles
-  // (the small batch) need the 4th stage's loads in flight more (+4-5% with it gone), and fp32
-  // outputs take two batches either way (+1-4%). Static information only: the same at capture
-  // and replay.
-  if constexpr (kForm == Form::kWgrad) {
-    if (pr.capacity >= 4 * Config::kBlockK * pr.num_groups) {
-      if (pr.out_dtype == DType::kBFloat16)
-        return launch<kForm, In, __nv_bfloat16, Epilogue::kStore, WideEpilogue>(pr, r, stream);
-      if (pr.out_dtype == DType::kFloat16)
-        return launch<kForm, In, __half, Epilogue::kStore, WideEpilogue>(pr, r, stream);
-    }
-  }
   switch (pr.out_dtype) {
     case DType::kBFloat16:
-      return launch<kForm, In, __nv_bfloat16>(pr, r, stream);
+      return launch_store<kForm, In, __nv_bfloat16>(pr, r, stream);
     case DType::kFloat16:
-      return launch<kForm, In, __half>(pr, r, stream);
+      return launch_store<kForm, In, __half>(pr, r, stream);
     case DType::kFloat32:
-      return launch<kForm, In, float>(pr, r, stream);
+      return launch_store<kForm, In, float>(pr, r, stream);
     default:
       throw_error(ErrorCode::kInternal, "grouped GEMM: unsupported output dtype");
   }

@@ -13,7 +13,7 @@ namespace moe::cuda::sm90 {
 bool can_run(const GroupedGemmProblem& problem, std::string* why);
 void run(const GroupedGemmProblem& problem, Stream stream);
 
-// The fused expert MLP's GEMMs with a GLU epilogue (glu_epilogue.cuh): FC1's forward (the problem's
+// The fused expert MLP's GEMMs with a GLU epilogue (epilogue_glu.cuh): FC1's forward (the problem's
 // output d is h [T, 2F], stored only if glu.store_h) or FC2's dgrad (d = d(act * p) [T, F], never
 // stored). can_run_glu adds the epilogue's own needs to can_run's.
 bool can_run_glu(const GroupedGemmProblem& problem, const GluEpilogueParams& glu, std::string* why);

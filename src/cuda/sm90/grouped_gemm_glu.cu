@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cuda/sm90/grouped_gemm.hpp"
+#include "cuda/sm90/heuristics.hpp"
 #include "cuda/sm90/launch.cuh"
 #include "cuda/sm90/tensor_maps.hpp"
 
@@ -46,17 +47,19 @@ void run_glu(const GroupedGemmProblem& pr, const GluEpilogueParams& glu, Stream 
   r.params.glu = glu;
   if (pr.form == Form::kForward)  // act [T, F]: 64-row x 64-feature boxes, clipped at each group's end
     r.e = make_ragged_tensor_map(glu.act, pr.in_dtype, pr.n / 2, glu.act_stride, 64, 64);
+  static_assert(glu_pipeline() == PipelineShape::kDeepRing, "the GLU instances are built with DeepRing");
+  using Pipe = DeepRing;
   const bool fp16 = pr.in_dtype == DType::kFloat16;
   if (pr.form == Form::kForward) {
     if (fp16)
-      launch_detail::launch<Form::kForward, __half, __half, Epilogue::kGluForward>(pr, r, stream);
+      launch_detail::launch<Form::kForward, __half, __half, Epilogue::kGluForward, Pipe>(pr, r, stream);
     else
-      launch_detail::launch<Form::kForward, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluForward>(pr, r, stream);
+      launch_detail::launch<Form::kForward, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluForward, Pipe>(pr, r, stream);
   } else {
     if (fp16)
-      launch_detail::launch<Form::kDgrad, __half, __half, Epilogue::kGluBackward>(pr, r, stream);
+      launch_detail::launch<Form::kDgrad, __half, __half, Epilogue::kGluBackward, Pipe>(pr, r, stream);
     else
-      launch_detail::launch<Form::kDgrad, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluBackward>(pr, r, stream);
+      launch_detail::launch<Form::kDgrad, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluBackward, Pipe>(pr, r, stream);
   }
 }
 

@@ -13,6 +13,7 @@
 #include "cuda/runtime/check.hpp"
 #include "cuda/gemm/grouped_gemm_problem.hpp"
 #include "cuda/sm90/grouped_gemm_kernel.cuh"
+#include "cuda/sm90/probe.cuh"
 
 namespace moe::cuda::sm90 {
 
@@ -57,7 +58,6 @@ inline bool multicast_enabled() {
   }();
   return enabled;
 }
-
 
 inline cudaLaunchConfig_t launch_config(int grid, uint32_t shared_bytes, Stream stream,
                                         cudaLaunchAttribute* cluster) {
@@ -111,23 +111,9 @@ void launch(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
   cudaLaunchAttribute cluster{};
   const cudaLaunchConfig_t config =
       launch_config(persistent_grid<kForm, In, Out, kEpi, Pipe>(pr.device), Pipe::kSharedBytes, stream, &cluster);
-#ifdef MOE_SM90_PROBE
-  unsigned long long zero[16] = {};
-  MOE_CUDA_CHECK(cudaMemcpyToSymbol(g_probe, zero, sizeof(zero)), "probe reset");
-#endif
+  Probe::before_launch();
   MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, r.a, r.b, r.d, r.e, r.params), "launching grouped_gemm_kernel");
-#ifdef MOE_SM90_PROBE
-  unsigned long long v[16];
-  MOE_CUDA_CHECK(cudaMemcpyFromSymbol(v, g_probe, sizeof(v)), "probe read");
-  if (v[3])
-    std::fprintf(stderr, "probe form %d: tiles %llu steps/tile %.1f, cycles/tile: mainloop %.0f epilogue %.0f gap %.0f\n",
-                 int(kForm), v[3], double(v[4]) / v[3], double(v[0]) / v[3], double(v[1]) / v[3],
-                 double(v[2]) / v[3]);
-  if (v[3])
-    std::fprintf(stderr, "probe epilogue steps/tile: setup %.0f wait %.0f bar %.0f st.shared %.0f fence %.0f bar %.0f issue %.0f\n",
-                 double(v[8]) / v[3], double(v[9]) / v[3], double(v[10]) / v[3], double(v[11]) / v[3],
-                 double(v[12]) / v[3], double(v[13]) / v[3], double(v[14]) / v[3]);
-#endif
+  Probe::after_launch(kForm);
 }
 
 }  // namespace launch_detail

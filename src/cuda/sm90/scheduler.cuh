@@ -40,6 +40,13 @@ struct Tile {
   bool multicast;      // the pair shares its B tile: each block loads half of it for both
 };
 
+// Coordinates of a tile's rows in a ragged tensor map (tensor_maps.hpp): `row` within the group's
+// `rows` rows, and the group's end.
+__device__ __forceinline__ int32_t ragged_row(const Tile& t, int32_t row) {
+  return int32_t(Config::kRaggedRows) - t.rows + row;
+}
+__device__ __forceinline__ int32_t ragged_end(const Tile& t) { return int32_t(t.row_begin + t.rows); }
+
 // Pair indices are 32-bit: the host launcher checks that every problem has fewer than 2^31 pairs.
 // A group of m_tiles x n_tiles tiles is cut into pairs: first the tiles of rows 2i and 2i + 1 of
 // each column (sharing B), then, if m_tiles is odd, the last row in pairs of adjacent columns

@@ -1,0 +1,37 @@
+// Tile-configuration choices of the Hopper grouped GEMM's launchers: which shared-memory split
+// (config.hpp's Pipeline) an instance runs with. Each is decided on the host from static problem
+// shapes only (form, dtypes, capacity, group count), never from device data such as the routing,
+// so that a launch captured in a CUDA graph stays right at every replay. One function per
+// decision, with the measurement behind it (details in docs/performance-log.md).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/sm90/config.hpp"
+#include "moe_engine/dtype.hpp"
+
+namespace moe::cuda::sm90 {
+
+// The launchable Pipeline shapes (config.hpp).
+enum class PipelineShape { kDeepRing, kWideEpilogue };
+
+// GEMMs with the store epilogue. Wgrads with 16-bit outputs over >= 4 k steps per tile on
+// average (capacity rows over num_groups groups) take WideEpilogue: the whole 64 x 256 slab of
+// a math warpgroup goes out in one batch, measured 1-4% faster than two batches with a 4-stage
+// ring on the suite's bf16 wgrads. 1-step tiles (the small batch) need the 4th stage's loads in
+// flight more (+4-5% time with it gone), fp32 outputs take two batches either way (+1-4%), and
+// forward/dgrad measured within +-1%: those keep DeepRing.
+inline PipelineShape store_pipeline(Form form, int64_t capacity, int64_t num_groups, DType out_dtype) {
+  const bool out16 = out_dtype == DType::kBFloat16 || out_dtype == DType::kFloat16;
+  if (form == Form::kWgrad && out16 && capacity >= 4 * Config::kBlockK * num_groups)
+    return PipelineShape::kWideEpilogue;
+  return PipelineShape::kDeepRing;
+}
+
+// The GLU epilogues keep DeepRing. WideEpilogue for FC1's GLU forward (h in one batch, act in a
+// second) measured lower on every case (small batch 0.994-0.997 vs 0.999-1.006): the memory-bound
+// small batch needs the 4th stage more than the epilogue needs the buffers. (The GLU forward's
+// interleaving of h's batches with the act math is written for two buffers.)
+constexpr PipelineShape glu_pipeline() { return PipelineShape::kDeepRing; }
+
+}  // namespace moe::cuda::sm90
