@@ -123,7 +123,7 @@ TEST(GroupedMlpModule, RecomputeEqualsSavedAndKeepsOnlyX) {
   MlpForwardResult fr = recompute.forward(b.x, b.routing.layout, b.probs);
   EXPECT_FALSE(fr.ctx.saves_fc1_out());
   EXPECT_TRUE(fr.ctx.saves_input());
-  // DESIGN.md section 3's memory bound: 2 (H + 2F) bytes per token + the prob; recompute: x + prob.
+  // docs/design.md section 3's memory bound: 2 (H + 2F) bytes per token + the prob; recompute: x + prob.
   const int64_t T = b.x.size(0);
   EXPECT_EQ(fs.ctx.saved_bytes(), T * (2 * (kH + 2 * kF) + 4));
   EXPECT_EQ(fr.ctx.saved_bytes(), T * (2 * kH + 4));
@@ -169,8 +169,8 @@ TEST(GroupedMlpModule, KeepsOnlyWhatBackwardNeeds) {
   EXPECT_MOE_ERROR(m.backward(f.ctx, b.dy), ErrorCode::kInvalidArgument, "already used");
 }
 
-// The six rows of DESIGN.md section 4 (grad_contract_rows.hpp), for both weights at once and both
-// layouts.
+// The rows of docs/design.md section 4 (tests/data/grad_contract.json), for both weights at once
+// and both layouts.
 
 class MlpGradientContract : public ::testing::TestWithParam<std::tuple<Row, ExpertLayout>> {};
 
@@ -181,6 +181,8 @@ TEST_P(MlpGradientContract, Row) {
   GroupedMLPOptions o = options(layout);
   o.delay_wgrad_compute = row.delay;
   o.accumulate_into_main_grad = row.main_grad;
+  o.overwrite_main_grad = row.overwrite;
+  o.zero_out_wgrad = row.zero_out;
   GroupedMLP m(kG, kH, kF, o);
   std::optional<MainGrads> mg;
   if (row.main_grad) mg.emplace(m);
@@ -224,7 +226,7 @@ TEST_P(MlpGradientContract, Row) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(SixRows, MlpGradientContract, all_rows_and_layouts(), row_and_layout_name);
+INSTANTIATE_TEST_SUITE_P(TableRows, MlpGradientContract, all_rows_and_layouts(), row_and_layout_name);
 
 TEST(GroupedMlpModule, DelayedEqualsImmediateTwiceIsDoubleOverwriteReplacesHooksOnce) {
   Rng rng;
