@@ -141,8 +141,14 @@ std::string dlpack_dtype_name(nb::dlpack::dtype dt) {
   return name;
 }
 
+// DLPack 1.1's float8 codes (kDLFloat8_e4m3fn, kDLFloat8_e5m2), by value: older nanobind releases
+// (pyproject.toml accepts >= 2.0) do not name them.
+constexpr uint8_t kDLFloat8E4M3FN = 10, kDLFloat8E5M2 = 12;
+
 DType dtype_of(const char* op, const char* name, nb::dlpack::dtype dt) {
   using Code = nb::dlpack::dtype_code;
+  if (dt.lanes == 1 && dt.bits == 8 && dt.code == kDLFloat8E4M3FN) return DType::kFloat8E4M3;
+  if (dt.lanes == 1 && dt.bits == 8 && dt.code == kDLFloat8E5M2) return DType::kFloat8E5M2;
   if (dt.lanes == 1) {
     switch (Code(dt.code)) {
       case Code::Float:
@@ -153,8 +159,6 @@ DType dtype_of(const char* op, const char* name, nb::dlpack::dtype dt) {
       case Code::Bfloat:
         if (dt.bits == 16) return DType::kBFloat16;
         break;
-      case Code::Float8_E4M3FN: return DType::kFloat8E4M3;
-      case Code::Float8_E5M2: return DType::kFloat8E5M2;
       case Code::Int:
         if (dt.bits == 64) return DType::kInt64;
         if (dt.bits == 32) return DType::kInt32;
@@ -200,7 +204,9 @@ TensorView view_of(const char* op, const char* name, const TensorArg& t) {
     if (empty || shape[int(d)] == 1) strides[int(d)] = contiguous;
     contiguous *= std::max<int64_t>(shape[int(d)], 1);
   }
-  return TensorView(a.data(), shape, strides, dtype, *device);
+  // data(): the address with DLPack's byte offset applied (a const pointer in older nanobind releases).
+  void* data = const_cast<void*>(static_cast<const void*>(a.data()));
+  return TensorView(data, shape, strides, dtype, *device);
 }
 
 GroupedParam param_of(const char* op, const char* name, const GroupedArg& arg, int expert_rank) {

@@ -223,6 +223,10 @@ def test_tensors_cross_with_their_dtype(device, dtype, name):
     if dtype is None:
         pytest.skip("this torch has no such dtype")
     t = torch.zeros(2, 3, device=device).to(dtype)
+    try:
+        torch.utils.dlpack.to_dlpack(t)
+    except Exception as e:  # float8 crosses DLPack only in recent torch releases
+        pytest.skip(f"this torch does not export {dtype} through DLPack: {e}")
     info = _C.tensor_info(t)
     assert (info["dtype"], info["shape"], info["strides"]) == (name, [2, 3], [3, 1])
     assert info["device"] == ("cpu" if device.type == "cpu" else f"cuda:{t.get_device()}")
@@ -251,11 +255,12 @@ def test_tensors_cross_with_their_strides_offsets_and_sizes(device):
             _C.tensor_info(bad)
 
 
-def test_empty_token_buffers_run(device):
-    dt = DTYPE[device.type]
-    w = torch.randn(3, 6, 8, dtype=dt, device=device, requires_grad=True)
-    x = torch.zeros(0, 8, dtype=dt, device=device, requires_grad=True)
-    y = me.grouped_linear(x, w, make_splits([0, 0, 0], device))
+def test_an_empty_token_buffer_runs_forward_and_backward():
+    """T = 0: the gradient of the sum arrives with strides [0, 0], which address nothing (CPU
+    backend; the CUDA kernels are not run on empty buffers here)."""
+    w = torch.randn(3, 6, 8, requires_grad=True)
+    x = torch.zeros(0, 8, requires_grad=True)
+    y = me.grouped_linear(x, w, make_splits([0, 0, 0], "cpu"))
     assert y.shape == (0, 6)
     y.sum().backward()
     assert torch.equal(w.grad, torch.zeros_like(w))
