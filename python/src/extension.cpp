@@ -655,7 +655,8 @@ void bind_ops(nb::module_& m) {
   using nb::arg;
   m.def("route", &route, arg("splits"), arg("offsets"), arg("tokens"), arg("stream"), arg("op"), arg("tokens_name"),
         "Computes the group offsets of `splits` into `offsets` (int64 [G+1], on the splits' device) for the rows of "
-        "`tokens` with GroupLayout::compute (on `stream`), and returns the Routing that the ops take.");
+        "`tokens` with GroupLayout::compute (on `stream`), and returns the Routing that the ops take. The offsets "
+        "buffer is handed over: nothing may write into it while the Routing lives.");
   m.def("find_routing", &find_routing, arg("offsets"), arg("splits"), arg("capacity"),
         "The live Routing whose offsets tensor (from Routing.offsets_capsule) `offsets` is, if it was computed from "
         "the same `splits` buffer for `capacity` rows; None otherwise.");

@@ -118,7 +118,7 @@ def routing_of(op: str, tokens_name: str, tokens: torch.Tensor, splits: torch.Te
         if found is not None:
             return found
     check_splits(splits)
-    offsets = torch.empty(splits.shape[0] + 1, dtype=torch.int64, device=splits.device)
+    offsets = torch.empty(splits.shape[0] + 1, dtype=torch.int64, device=splits.device)  # the routing's alone
     return _C.route(splits, offsets, tokens, stream, op, tokens_name)
 
 
