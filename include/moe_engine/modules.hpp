@@ -1,13 +1,16 @@
-// Training modules (DESIGN.md section 4). The ops compute; a module owns its parameters and
+// Training modules (docs/design.md section 6). The ops compute; a module owns its parameters and
 // carries the training contract around them, as TransformerEngine's GroupedLinear and Megatron's
 // expert MLP do:
 //  - parameters in the packed [G, ...] or per-expert layout (bit-identical results);
 //  - forward keeps only what backward needs (the input only when the weight wants a gradient);
 //  - the weight gradient goes where the options say (returned, queued for backward_dw, or
 //    accumulated into the parameter's float32 main_grad) and backward reports what it hands back
-//    per the six-row table of DESIGN.md section 4, with Megatron's parameter attributes
+//    per the six-row table of docs/design.md section 6, with Megatron's parameter attributes
 //    (main_grad, grad_added_to_main_grad) so the PyTorch layer maps it 1:1;
 //  - state_dict / load_state_dict with the checkpoint key normalization.
+// The decisions of the contract and of the key normalization are pure functions (grad_outcome,
+// plan_grouped_keys): these modules and the PyTorch modules (through moe_engine._C) apply the same
+// ones, each to its own parameters and tensors.
 // The caller keeps the routing (GroupLayout's splits and offsets) alive until backward has run.
 #pragma once
 
@@ -72,14 +75,57 @@ class MOE_API Parameter {
   GroupedTensor grad_;
 };
 
-// What backward hands back for one parameter (DESIGN.md section 4).
+// What backward hands back for one parameter (docs/design.md section 6).
 enum class GradKind {
   kNone,   // nothing: the gradient went to main_grad, or was queued for backward_dw
   kGrad,   // the gradient itself (in `grad`)
   kDummy,  // the module's shared dummy (in `grad`; zeros when zero_out_wgrad), so that
            // data-parallel hooks fire; main_grad already holds (or will hold) the gradient
 };
-MOE_API const char* grad_kind_name(GradKind kind);
+MOE_API const char* grad_kind_name(GradKind kind);  // "none", "grad", "dummy"
+
+// ---- the gradient contract as a decision ----
+
+// What decides the fate of one weight gradient: the module's options and what the framework hung
+// on the parameter (Megatron-LM's attributes).
+struct GradContractCase {
+  bool accumulate_into_main_grad = false;  // the module option
+  bool overwrite_main_grad = false;        // the module option or the parameter's attribute
+  bool zero_out_wgrad = false;             // the module option or the parameter's attribute
+  bool delay_wgrad_compute = false;        // the module option
+  bool has_grad_added_to_main_grad = false;  // the parameter carries grad_added_to_main_grad
+};
+
+// Where the wgrad GEMM writes.
+enum class GradTarget {
+  kFresh,     // a new tensor in the weight's dtype and layout, which backward hands back
+  kMainGrad,  // the parameter's float32 main_grad (accumulate or overwrite)
+  kGrad,      // the parameter's .grad: the first gradient since it was cleared is written, the
+              // next ones are added (delayed gradients without main_grad)
+};
+MOE_API const char* grad_target_name(GradTarget target);  // "fresh", "main_grad", "grad"
+
+// When grad_added_to_main_grad becomes true.
+enum class FlagUpdate {
+  kNever,       // the parameter has no flag, or the gradient does not go to main_grad
+  kBackward,    // in backward, when the GEMM adds into main_grad
+  kBackwardDw,  // in backward_dw, when the queued GEMM has run
+};
+MOE_API const char* flag_update_name(FlagUpdate update);  // "never", "backward", "backward_dw"
+
+struct GradOutcome {
+  bool deferred = false;  // the GEMM is queued for backward_dw instead of running in backward
+  GradTarget target = GradTarget::kFresh;
+  GradMode mode = GradMode::kWrite;  // the GEMM's mode into the target (kGrad: kAccumulate, see there)
+  GradKind handed_back = GradKind::kGrad;  // what backward hands autograd for the parameter
+  bool zero_dummy = false;  // kDummy: the dummy is zeroed each time it is handed back
+  FlagUpdate flag = FlagUpdate::kNever;
+};
+
+// The six-row table of docs/design.md section 6 (plain; delayed; main_grad without and with
+// grad_added_to_main_grad; delayed + main_grad without and with it), with overwrite_main_grad and
+// zero_out_wgrad. Overwrite and zero_out matter only for gradients into main_grad.
+MOE_API GradOutcome grad_outcome(const GradContractCase& c);
 
 struct ParamGradResult {
   GradKind kind = GradKind::kNone;
@@ -98,19 +144,19 @@ class MOE_API WeightGradContract {
 
   // kInvalidArgument (naming `who`) when the gradient goes to main_grad and there is none.
   void check_main_grad(const Parameter& w, const char* who) const;
-  // A gradient computed now: its target, and the outcome in `result` (row 1 of the table: a fresh
-  // tensor in the weight's dtype; rows 2-6: main_grad, handing back nothing or the dummy). The
-  // caller has run check_main_grad (before consuming anything).
+  // A gradient computed now (grad_outcome without delay): its target, and what backward hands
+  // back in `result`. The caller has run check_main_grad (before consuming anything).
   ParamGrad immediate(Parameter& w, ParamGradResult& result, const ExecContext& exec);
-  // A gradient queued for backward_dw: the outcome now (nothing, or the dummy).
+  // A gradient queued for backward_dw: what backward hands back now (nothing, or the dummy).
   ParamGradResult queued(const Parameter& w, const ExecContext& exec);
-  // backward_dw: the target of one queued gradient (main_grad, or .grad: written by the first
-  // since zero_grad, then added to), and ran() once it has run.
+  // backward_dw: the target of one queued gradient, and ran() once it has run.
   ParamGrad delayed_target(Parameter& w) const;
   void ran(Parameter& w) const;
 
  private:
-  ParamGradResult main_grad_outcome(const Parameter& w, const ExecContext& exec);
+  GradOutcome outcome(const Parameter& w, bool delayed) const;
+  ParamGradResult handed_back(const Parameter& w, const GradOutcome& o, const ExecContext& exec);
+  ParamGrad target(Parameter& w, const GradOutcome& o, const ParamGradResult& result) const;
 
   bool into_main_grad_, overwrite_, zero_out_;
   GroupedTensor dummy_;  // the shared dummy gradient (weight dtype), made on first use
@@ -259,7 +305,7 @@ struct MlpBackwardResult {
   ParamGradResult fc1_weight, fc1_bias, fc2_weight, fc2_bias;  // bias gradients: never delayed
 };
 
-// The expert MLP of DESIGN.md section 3 with the training contract of GroupedLinear for both
+// The expert MLP of docs/design.md section 4 with the training contract of GroupedLinear for both
 // weights: y = FC2(act(FC1(x) + b1) * p) + p * b2.
 class MOE_API GroupedMLP {
  public:
@@ -315,11 +361,48 @@ class MOE_API GroupedMLP {
   std::vector<std::function<void()>> hooks_;
 };
 
-// Checkpoint key normalization for one grouped parameter `key` (PREFIX + name) of G experts,
-// towards `layout` (DESIGN.md section 4): packed + all G indexed keys present and the packed key
-// absent -> stack them; per-expert + the packed key present and no indexed key -> split it
-// ([G, ...] along dim 0, or [G*N, ...] into G equal chunks; any other shape: kInvalidArgument);
-// every other mix is left alone. CPU tensors only.
+// ---- checkpoint key normalization ----
+
+// A checkpoint tensor as the key normalization sees it: its shape and its dtype's name.
+struct CheckpointEntry {
+  Shape shape;
+  std::string dtype;
+};
+
+// What the normalization does with one grouped parameter's keys, decided from the keys present and
+// their shapes (docs/design.md section 9; Megatron's _normalize_grouped_parameter_keys). These
+// modules and the PyTorch modules apply it, each to its own tensors.
+struct GroupedKeyPlan {
+  enum class Action {
+    kKeep,     // leave the keys as they are (already in the layout, or a mix that is left alone)
+    kStack,    // key0..key{G-1} -> key of `shape` [G, expert...]
+    kSplit,    // key -> key0..key{G-1}, each of `shape` (from [G, ...] along dim 0, or [G*N, ...] in G chunks)
+    kReshape,  // key [G*N, ...] (TransformerEngine's single grouped parameter) -> key of `shape` [G, N, ...]
+  };
+  Action action = Action::kKeep;
+  Shape shape;
+  // A packed layout whose checkpoint has key0.. for some experts but not all (and no key): the
+  // absent keys, for the loader to report (it would otherwise report only the packed key missing).
+  std::vector<std::string> missing;
+  // Not empty when the keys cannot be normalized (a tensor that does not split into G experts,
+  // experts of different shapes or dtypes); the loader raises it (the action is then kKeep).
+  std::string error;
+};
+MOE_API const char* grouped_key_action_name(GroupedKeyPlan::Action action);  // "keep", "stack", "split", "reshape"
+
+// The plan for one grouped parameter `key` (PREFIX + name) of `groups` experts towards `layout`,
+// from `entries` (the checkpoint's keys; only key and key0..key{G-1} are read):
+//  - packed, key absent, all G indexed keys present: stack (the experts must agree in shape and dtype);
+//  - packed, key present of shape [G*N, ...] where `expert_shape` (the module's [N, ...], when given)
+//    asks for [G, N, ...]: reshape;
+//  - per-expert, key present and no indexed key: split [G, ...] or [G*N, ...] (anything else: error);
+//  - every other mix: keep (with `missing` named for a packed layout given some experts only).
+MOE_API GroupedKeyPlan plan_grouped_keys(const std::map<std::string, CheckpointEntry>& entries,
+                                         const std::string& key, int64_t groups, ExpertLayout layout,
+                                         const Shape& expert_shape = {});
+
+// Applies plan_grouped_keys (without an expert shape) to a state dict of CPU tensors: stacks or
+// splits into new tensors; an error of the plan is kShape. Reshapes are left to the loader.
 MOE_API void normalize_grouped_keys(std::map<std::string, Tensor>& state, const std::string& key,
                                     int64_t groups, ExpertLayout layout);
 

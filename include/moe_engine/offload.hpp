@@ -1,4 +1,4 @@
-// Activation offloading to host memory (DESIGN.md section 4): the tensors a module context keeps
+// Activation offloading to host memory (docs/design.md section 8): the tensors a module context keeps
 // for backward (LinearContext, MlpContext) go to pinned host memory on a side stream while the
 // forward goes on, their device memory is released, and they come back one layer ahead of their
 // backward. Results are bit-identical to running without offload: the same bytes come back.
@@ -14,7 +14,8 @@
 //     mlp[i].backward(ctx[i], dy, {stream});  ...
 //   }
 //
-// Schedule: a context's copies start when offload() is called (on a side stream, after the work
+// Schedule (OffloadSchedule below decides it; moe_engine.torch.ActivationOffload follows the same
+// one): a context's copies start when offload() is called (on a side stream, after the work
 // enqueued on `stream` so far, so they overlap the rest of the forward); the device memory of
 // layer i is released when layer i + 2 begins (`stream` then waits for layer i's copies), so at
 // most two layers' tensors are resident in the forward. Backward keeps the same window: restoring
@@ -34,6 +35,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <vector>
 
 #include "moe_engine/device.hpp"
 #include "moe_engine/export.hpp"
@@ -56,6 +59,50 @@ struct OffloadTicket {
 
 struct OffloadOptions {
   int64_t min_bytes = int64_t(1) << 20;  // smaller saved tensors stay on the device
+};
+
+// The decisions of activation offload for a stack of `num_layers` layers, as pure functions: which
+// saved tensors go to host memory, when a layer's device copies are released and when its reload
+// starts. ActivationOffload below and moe_engine.torch.ActivationOffload (through moe_engine._C)
+// both follow it, each with its own streams, events and memory.
+class MOE_API OffloadSchedule {
+ public:
+  // The layers [0, offload_layers) are offloaded (nullopt: all but the last). kInvalidArgument
+  // unless num_layers >= 1, 0 <= offload_layers <= num_layers and min_bytes >= 0.
+  OffloadSchedule(int num_layers, std::optional<int> offload_layers = std::nullopt,
+                  int64_t min_bytes = OffloadOptions{}.min_bytes);
+
+  int num_layers() const { return num_layers_; }
+  int offload_layers() const { return offload_layers_; }
+  int64_t min_bytes() const { return min_bytes_; }
+
+  // Whether a tensor of `nbytes` that layer `layer` saves for backward goes to host memory;
+  // `opted_out`: its module or the tensor itself opted out.
+  bool offloads(int layer, int64_t nbytes, bool opted_out) const {
+    return layer < offload_layers_ && !opted_out && nbytes >= min_bytes_;
+  }
+  // Forward: when layer `layer` begins, the layer whose device copies are released (its copies to
+  // host memory are waited for), or -1. At most two layers' tensors are resident.
+  static int released_at_forward(int layer) { return layer >= 2 ? layer - 2 : -1; }
+
+  struct BackwardStart {
+    std::vector<int> release;  // in order: these layers' device copies are released
+    std::vector<int> reload;   // in order: these layers' reloads start (if not started yet)
+  };
+  // Backward: when the backward of `layer` begins (`first`: the first of the step). Only the
+  // window of the layer and the one below stays: the first backward releases every other layer,
+  // later ones the layers above (done with backward); the reloads of the layer and of the one
+  // below start.
+  BackwardStart at_backward(int layer, bool first) const;
+
+  // A reload that finds the layer's device copies still held (the last offloaded layer: nothing
+  // released it before backward) uses them and copies nothing back. Layer 0 has no layer below
+  // whose backward would release it afterwards, so it is released at once.
+  static bool release_after_kept_reload(int layer) { return layer == 0; }
+
+ private:
+  int num_layers_, offload_layers_;
+  int64_t min_bytes_;
 };
 
 class MOE_API ActivationOffload {

@@ -1,68 +1,243 @@
-// moe_engine._C: the Python face of the C++ library, kept thin. Tensors cross as plain
-// descriptors (data pointer, shape, strides, dtype code, device index), so the extension links no
-// framework; the PyTorch layer (moe_engine/torch) builds them and passes the current CUDA stream.
-// Every op computes its group offsets from `splits` itself (one small kernel into caller scratch),
-// so no caller can hand a kernel offsets that were not validated.
+// moe_engine._C: the Python face of the C++ library, kept thin. It links no framework: tensors
+// cross as DLPack arrays (nb::ndarray; torch tensors pass straight through, see TensorArg), and
+// CUDA work runs on the stream the caller passes (moe_engine.torch passes PyTorch's current one).
+//
+// Routing: every op takes a Routing, the group offsets of one `splits` for a buffer of T rows. Only
+// route() makes one, by running GroupLayout::compute (Python cannot construct a Routing), so the
+// offsets a kernel sees were always computed and checked (CPU) or sanitized (CUDA) by it. A layer
+// computes its routing once in forward and its backward reuses it: the routing is handed to torch
+// as a tensor over the offsets whose storage owns the Routing (offsets_capsule), and find_routing
+// gets the very same Routing back from that tensor.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <atomic>
+#include <charconv>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moe_engine/moe_engine.hpp"
 
 namespace nb = nanobind;
 
+namespace moe_python {
+
+// A tensor argument: whatever nanobind imports as an nb::ndarray (a DLPack producer or capsule).
+struct TensorArg {
+  nb::ndarray<> array;
+};
+
+// torch.Tensor and torch.utils.dlpack.to_dlpack, found once PyTorch has been imported (this module
+// never imports it). Strong references, kept for the life of the process.
+struct TorchExport {
+  PyObject* tensor_type = nullptr;
+  PyObject* to_dlpack = nullptr;
+};
+
+const TorchExport& torch_export() {
+  static TorchExport found;
+  if (found.tensor_type != nullptr) return found;
+  PyObject* torch = PyImport_GetModule(nb::str("torch").ptr());  // new reference, or NULL: not imported
+  if (torch == nullptr) {
+    PyErr_Clear();
+    return found;
+  }
+  PyObject* tensor_type = PyObject_GetAttrString(torch, "Tensor");
+  PyObject* dlpack = PyImport_ImportModule("torch.utils.dlpack");
+  PyObject* to_dlpack = dlpack ? PyObject_GetAttrString(dlpack, "to_dlpack") : nullptr;
+  Py_XDECREF(dlpack);
+  Py_DECREF(torch);
+  if (tensor_type == nullptr || to_dlpack == nullptr || !PyType_Check(tensor_type)) {
+    PyErr_Clear();  // a torch still being imported: try again next time
+    Py_XDECREF(tensor_type);
+    Py_XDECREF(to_dlpack);
+    return found;
+  }
+  found.to_dlpack = to_dlpack;
+  found.tensor_type = tensor_type;
+  return found;
+}
+
+}  // namespace moe_python
+
+namespace nanobind::detail {
+
+// Torch tensors are exported with torch.utils.dlpack.to_dlpack (at::toDLPack: it wraps the tensor
+// and touches no stream) rather than the t.__dlpack__() that nanobind's ndarray caster calls:
+//  - __dlpack__ synchronizes with the consumer's stream when given one (stream other than -1): it
+//    records an event on the current stream and makes the consumer's stream wait; for None (the
+//    DLPack default) that is the legacy default stream, which fails a CUDA-graph capture. nanobind
+//    passes no stream, so what happens depends on the torch version's default for it; to_dlpack has
+//    no such argument.
+//  - __dlpack__ refuses tensors that require grad (every parameter) and tensors on a GPU other than
+//    the current one; nanobind then falls back to to_dlpack anyway, after two raised exceptions.
+//  - __dlpack__ is Python code: about 2.3 us per tensor against 0.3 us for to_dlpack.
+// Anything else (numpy arrays, DLPack capsules, other frameworks) goes through nanobind's caster.
+template <>
+struct type_caster<moe_python::TensorArg> {
+  NB_TYPE_CASTER(moe_python::TensorArg, const_name("Tensor"))
+
+  bool from_python(handle src, uint8_t flags, cleanup_list* cleanup) noexcept {
+    make_caster<nb::ndarray<>> array;
+    const moe_python::TorchExport& torch = moe_python::torch_export();
+    if (torch.tensor_type != nullptr && PyObject_TypeCheck(src.ptr(), (PyTypeObject*)torch.tensor_type)) {
+      PyObject* args[] = {src.ptr()};
+      object capsule = steal(PyObject_Vectorcall(torch.to_dlpack, args, 1, nullptr));
+      if (!capsule.is_valid()) {
+        PyErr_Clear();
+        return false;
+      }
+      if (!array.from_python(capsule, flags, cleanup)) return false;
+    } else if (!array.from_python(src, flags, cleanup)) {
+      return false;
+    }
+    value.array = std::move(array.value);
+    return true;
+  }
+
+  static handle from_cpp(const moe_python::TensorArg&, rv_policy, cleanup_list*) noexcept { return handle(); }
+};
+
+}  // namespace nanobind::detail
+
+namespace moe_python {
 namespace {
 
 using namespace moe;
 
-// ---- tensors and grouped parameters from Python ----
+// A grouped parameter: (tensors, pointer table or None). One tensor of rank expert_rank + 1 is the
+// packed layout, otherwise one tensor per expert (the table holds their addresses on CUDA); an
+// empty list is no parameter.
+using GroupedArg = std::pair<std::vector<TensorArg>, std::optional<TensorArg>>;
 
-// (data_ptr, shape, strides, dtype code, device index or -1 for the CPU), or () for "none"
-// (nanobind refuses None for plain object parameters).
-TensorView view_of(nb::handle h) {
-  if (h.is_none()) return {};
-  const auto t = nb::borrow<nb::tuple>(h);
-  if (t.size() == 0) return {};
-  Shape shape, strides;
-  for (nb::handle d : nb::borrow<nb::tuple>(t[1])) shape.push_back(nb::cast<int64_t>(d));
-  for (nb::handle d : nb::borrow<nb::tuple>(t[2])) strides.push_back(nb::cast<int64_t>(d));
-  const int device = nb::cast<int>(t[4]);
-  return TensorView(reinterpret_cast<void*>(nb::cast<uintptr_t>(t[0])), shape, strides,
-                    DType(nb::cast<int>(t[3])), device < 0 ? Device::cpu() : Device::cuda(device));
+// ---- DLPack arrays as TensorViews ----
+
+std::string dlpack_dtype_name(nb::dlpack::dtype dt) {
+  using Code = nb::dlpack::dtype_code;
+  const char* kind = nullptr;
+  switch (Code(dt.code)) {
+    case Code::Int: kind = "int"; break;
+    case Code::UInt: kind = "uint"; break;
+    case Code::Float: kind = "float"; break;
+    case Code::Bfloat: kind = "bfloat"; break;
+    case Code::Complex: kind = "complex"; break;
+    case Code::Bool: return "bool";
+    default: return "DLPack type code " + std::to_string(int(dt.code)) + " of " + std::to_string(int(dt.bits)) + " bits";
+  }
+  std::string name = kind + std::to_string(int(dt.bits));
+  if (dt.lanes != 1) name += "x" + std::to_string(int(dt.lanes));
+  return name;
 }
 
-// ([descriptors], pointer table descriptor or None). One descriptor of rank expert_rank + 1 is
-// the packed layout; otherwise one descriptor per expert. An empty list is "no parameter".
-GroupedParam param_of(nb::handle h, int expert_rank) {
-  if (h.is_none()) return {};
-  const auto t = nb::borrow<nb::tuple>(h);
-  const auto items = nb::borrow<nb::list>(t[0]);
-  if (items.size() == 0) return {};
+// DLPack 1.1's float8 codes (kDLFloat8_e4m3fn, kDLFloat8_e5m2), by value: older nanobind releases
+// (pyproject.toml accepts >= 2.0) do not name them.
+constexpr uint8_t kDLFloat8E4M3FN = 10, kDLFloat8E5M2 = 12;
+
+DType dtype_of(const char* op, const char* name, nb::dlpack::dtype dt) {
+  using Code = nb::dlpack::dtype_code;
+  if (dt.lanes == 1 && dt.bits == 8 && dt.code == kDLFloat8E4M3FN) return DType::kFloat8E4M3;
+  if (dt.lanes == 1 && dt.bits == 8 && dt.code == kDLFloat8E5M2) return DType::kFloat8E5M2;
+  if (dt.lanes == 1) {
+    switch (Code(dt.code)) {
+      case Code::Float:
+        if (dt.bits == 64) return DType::kFloat64;
+        if (dt.bits == 32) return DType::kFloat32;
+        if (dt.bits == 16) return DType::kFloat16;
+        break;
+      case Code::Bfloat:
+        if (dt.bits == 16) return DType::kBFloat16;
+        break;
+      case Code::Int:
+        if (dt.bits == 64) return DType::kInt64;
+        if (dt.bits == 32) return DType::kInt32;
+        break;
+      case Code::UInt:
+        if (dt.bits == 8) return DType::kUInt8;
+        break;
+      default: break;
+    }
+  }
+  throw_error(ErrorCode::kDType, op, ": ", name, ": unsupported dtype ", dlpack_dtype_name(dt),
+              "; expected one of float64, float32, bfloat16, float16, float8_e4m3, float8_e5m2, int64, int32, uint8");
+}
+
+// Pinned host memory (kDLCUDAHost) is host memory; managed memory belongs to its GPU.
+std::optional<Device> known_device(const nb::ndarray<>& a) {
+  switch (a.device_type()) {
+    case nb::device::cpu::value:
+    case nb::device::cuda_host::value: return Device::cpu();
+    case nb::device::cuda::value:
+    case nb::device::cuda_managed::value: return Device::cuda(a.device_id());
+    default: return std::nullopt;
+  }
+}
+
+TensorView view_of(const char* op, const char* name, const TensorArg& t) {
+  const nb::ndarray<>& a = t.array;
+  const std::optional<Device> device = known_device(a);
+  MOE_CHECK(device.has_value(), ErrorCode::kDevice, op, ": ", name, ": expected a CPU or CUDA tensor, got DLPack device type ",
+            a.device_type());
+  MOE_CHECK(a.ndim() <= size_t(kMaxDims), ErrorCode::kShape, op, ": ", name, ": expected at most ", kMaxDims,
+            " dimensions, got ", a.ndim());
+  const DType dtype = dtype_of(op, name, a.dtype());
+  const int ndim = int(a.ndim());
+  const Shape shape(a.shape_ptr(), a.shape_ptr() + ndim);
+  // Strides in elements (nanobind fills them in when the producer leaves them out). Those of an
+  // extent-1 dimension, and all of a tensor without elements, address nothing: they become the
+  // contiguous ones, as torch's is_contiguous() ignores them (the gradient of a sum over an empty
+  // tensor comes with strides [0, 0], for one).
+  Shape strides(a.stride_ptr(), a.stride_ptr() + ndim);
+  const bool empty = shape.numel() == 0;
+  for (int64_t d = ndim - 1, contiguous = 1; d >= 0; --d) {
+    if (empty || shape[int(d)] == 1) strides[int(d)] = contiguous;
+    contiguous *= std::max<int64_t>(shape[int(d)], 1);
+  }
+  // data(): the address with DLPack's byte offset applied (a const pointer in older nanobind releases).
+  void* data = const_cast<void*>(static_cast<const void*>(a.data()));
+  return TensorView(data, shape, strides, dtype, *device);
+}
+
+GroupedParam param_of(const char* op, const char* name, const GroupedArg& arg, int expert_rank) {
+  const auto& [items, table] = arg;
+  if (items.empty()) return {};
   if (items.size() == 1) {
-    const TensorView v = view_of(items[0]);
+    const TensorView v = view_of(op, name, items[0]);
     if (v.dim() == expert_rank + 1) return GroupedParam::packed(v);
   }
   std::vector<TensorView> experts;
   experts.reserve(items.size());
-  for (nb::handle item : items) experts.push_back(view_of(item));
-  return GroupedParam::per_expert(std::move(experts), view_of(t[1]));
+  for (const TensorArg& item : items) experts.push_back(view_of(op, name, item));
+  return GroupedParam::per_expert(std::move(experts), table ? view_of(op, name, *table) : TensorView());
 }
 
 Stream stream_of(uintptr_t stream) { return reinterpret_cast<Stream>(stream); }
+
+// The buffer capacity T: the rows of the op's [T, ...] token tensor, which must be 2-D (a 3-D
+// [B, S, H] batch would otherwise read as T = B and the splits would seem to overflow it).
+int64_t rows_of(const char* op, const char* name, const TensorView& t) {
+  MOE_CHECK(t.dim() == 2, ErrorCode::kShape, op, ": ", name, ": expected a 2-D [T, ...] token tensor (flatten ",
+            "batch and sequence into T rows sorted by expert), got ", t.describe());
+  return t.size(0);
+}
 
 // ---- the device error flags: one per GPU, for the life of the process ----
 
 std::mutex flags_mutex;
 std::map<int, std::unique_ptr<DeviceErrorFlag>> flags;
 
-DeviceErrorFlag& error_flag(Device device, Stream) {
+DeviceErrorFlag& error_flag(Device device) {
   std::lock_guard<std::mutex> lock(flags_mutex);
   auto& flag = flags[device.index];
   // Created on first use (a cudaMalloc, which CUDA refuses during graph capture: the PyTorch
@@ -71,213 +246,361 @@ DeviceErrorFlag& error_flag(Device device, Stream) {
   return *flag;
 }
 
-// Offsets of `splits` into `offsets` (int64 [G+1] on the splits' device) for a buffer of
-// `capacity` rows. Bad splits throw on the CPU; on CUDA they are sanitized and recorded.
-// Runs without the GIL: takes no Python objects.
-GroupLayout layout_of(const TensorView& splits, const TensorView& offsets, int64_t capacity,
-                      Stream stream) {
-  DeviceErrorFlag* flag = splits.device().is_cuda() ? &error_flag(splits.device(), stream) : nullptr;
-  return GroupLayout::compute(splits, capacity, offsets, flag, stream);
+// ---- routing ----
+
+std::atomic<uint64_t> layout_computations{0};
+
+// One GroupLayout::compute result, with the splits and offsets buffers it views kept alive. While
+// it lives, its offsets buffer belongs to it (no allocator can hand that address to another
+// tensor), so the registry below maps (device, offsets address) to it without ambiguity.
+class Routing {
+ public:
+  Routing(nb::ndarray<> splits, nb::ndarray<> offsets, const GroupLayout& layout)
+      : splits_(std::move(splits)), offsets_(std::move(offsets)), layout_(layout) {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    registry()[key(layout_.device(), layout_.offsets().data())] = this;
+  }
+  ~Routing() {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    auto it = registry().find(key(layout_.device(), layout_.offsets().data()));
+    if (it != registry().end() && it->second == this) registry().erase(it);
+  }
+  Routing(const Routing&) = delete;
+  Routing& operator=(const Routing&) = delete;
+
+  const GroupLayout& layout() const { return layout_; }
+
+  // The live routing whose offsets are at `address` on `device`, or nullptr.
+  static Routing* find(Device device, const void* address) {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    auto it = registry().find(key(device, address));
+    return it == registry().end() ? nullptr : it->second;
+  }
+  static size_t live() {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    return registry().size();
+  }
+
+ private:
+  using Key = std::pair<int, const void*>;
+  static Key key(Device device, const void* address) { return {device.is_cpu() ? -1 : device.index, address}; }
+  static std::mutex& registry_mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::map<Key, Routing*>& registry() {
+    static std::map<Key, Routing*> r;
+    return r;
+  }
+
+  nb::ndarray<> splits_, offsets_;
+  GroupLayout layout_;
+};
+
+// Offsets of `splits` into `offsets` (int64 [G+1] on the splits' device) for the rows of `tokens`.
+// Bad splits throw on the CPU; on CUDA they are sanitized and recorded in the device's error flag.
+nb::object route(const TensorArg& splits_arg, const TensorArg& offsets_arg, const TensorArg& tokens_arg,
+                 uintptr_t stream, const std::string& op, const std::string& tokens_name) {
+  const TensorView splits = view_of(op.c_str(), "splits", splits_arg);
+  const TensorView offsets = view_of(op.c_str(), "offsets", offsets_arg);
+  const int64_t capacity = rows_of(op.c_str(), tokens_name.c_str(), view_of(op.c_str(), tokens_name.c_str(), tokens_arg));
+  GroupLayout layout;
+  if (splits.device().is_cuda()) {  // a kernel launch: without the GIL
+    nb::gil_scoped_release release;
+    layout = GroupLayout::compute(splits, capacity, offsets, &error_flag(splits.device()), stream_of(stream));
+  } else {  // G additions
+    layout = GroupLayout::compute(splits, capacity, offsets, nullptr, stream_of(stream));
+  }
+  ++layout_computations;
+  return nb::cast(new Routing(splits_arg.array, offsets_arg.array, layout), nb::rv_policy::take_ownership);
 }
 
-std::vector<TensorView> views_of(nb::handle list) {
-  std::vector<TensorView> out;
-  for (nb::handle h : nb::borrow<nb::list>(list)) out.push_back(view_of(h));
-  return out;
+// The live Routing that `offsets` is the offsets tensor of, if it was computed from `splits` (the
+// same buffer) for `capacity` rows; None otherwise (a copy, a tensor of another routing, anything).
+nb::object find_routing(const TensorArg& offsets_arg, const TensorArg& splits_arg, int64_t capacity) {
+  const nb::ndarray<>& offsets = offsets_arg.array;
+  const nb::ndarray<>& splits = splits_arg.array;
+  const std::optional<Device> device = known_device(offsets);
+  Routing* routing = device ? Routing::find(*device, offsets.data()) : nullptr;
+  if (routing == nullptr) return nb::none();
+  const GroupLayout& g = routing->layout();
+  const nb::dlpack::dtype int64{uint8_t(nb::dlpack::dtype_code::Int), 64, 1};
+  const bool same_offsets = offsets.dtype() == int64 && offsets.ndim() == 1 &&
+                            int64_t(offsets.shape(0)) == g.num_groups() + 1 && offsets.stride(0) == 1;
+  const bool same_splits = splits.data() == g.splits().data() && known_device(splits) == g.splits().device() &&
+                           splits.ndim() == 1 && int64_t(splits.shape(0)) == g.num_groups() &&
+                           splits.dtype().bits == uint8_t(8 * g.splits().element_size());
+  if (!same_offsets || !same_splits || capacity != g.capacity()) return nb::none();
+  return nb::find(routing);
 }
 
-// Fresh outputs of the PyTorch layer: their unrouted rows become zeros (see zero_unrouted_rows).
-void zero_tails(const std::vector<TensorView>& outputs, const GroupLayout& groups, Stream stream) {
-  for (const TensorView& t : outputs)
-    if (t.defined()) zero_unrouted_rows(t, groups, stream);
+// DLPack's unversioned managed tensor (DLManagedTensor), the struct a "dltensor" capsule holds.
+struct ManagedTensor {
+  nb::dlpack::dltensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(ManagedTensor*);
+};
+
+// The export of a routing's offsets: the tensor made from it keeps the Routing (a Python object)
+// alive until its storage is freed.
+struct OffsetsExport {
+  ManagedTensor managed{};
+  int64_t shape[1] = {0};
+  int64_t strides[1] = {1};
+  PyObject* routing = nullptr;
+};
+
+bool python_alive() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
 }
+
+// Torch frees a storage on whichever thread drops it last (an autograd worker, say), with or
+// without the GIL: take it before touching the Routing. At interpreter exit the routing is left to
+// the interpreter.
+void release_offsets_export(ManagedTensor* managed) {
+  auto* e = static_cast<OffsetsExport*>(managed->manager_ctx);
+  if (python_alive()) {
+    const PyGILState_STATE gil = PyGILState_Ensure();
+    Py_DECREF(e->routing);
+    PyGILState_Release(gil);
+  }
+  delete e;
+}
+
+// A capsule nobody consumed (torch renames the ones it takes to "used_dltensor").
+void offsets_capsule_destructor(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, "dltensor")) return;
+  auto* managed = static_cast<ManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+  managed->deleter(managed);
+}
+
+nb::object offsets_capsule(Routing& routing) {
+  const TensorView& offsets = routing.layout().offsets();
+  auto e = std::make_unique<OffsetsExport>();
+  e->shape[0] = offsets.size(0);
+  nb::dlpack::dltensor& t = e->managed.dl_tensor;
+  t.data = offsets.data();
+  t.device = {offsets.device().is_cpu() ? int32_t(nb::device::cpu::value) : int32_t(nb::device::cuda::value),
+              offsets.device().is_cpu() ? 0 : offsets.device().index};
+  t.ndim = 1;
+  t.dtype = {uint8_t(nb::dlpack::dtype_code::Int), 64, 1};
+  t.shape = e->shape;
+  t.strides = e->strides;
+  e->managed.manager_ctx = e.get();
+  e->managed.deleter = release_offsets_export;
+  PyObject* capsule = PyCapsule_New(&e->managed, "dltensor", offsets_capsule_destructor);
+  if (capsule == nullptr) throw nb::python_error();
+  e->routing = nb::find(&routing).release().ptr();
+  e.release();
+  return nb::steal(capsule);
+}
+
+// ---- ops ----
+
+// One op call: its name (for messages) and stream. run() releases the GIL, so every Python
+// argument is read before.
+struct Call {
+  const char* op;
+  Stream stream;
+
+  TensorView operator()(const char* name, const TensorArg& t) const { return view_of(op, name, t); }
+  TensorView operator()(const char* name, const std::optional<TensorArg>& t) const {
+    return t ? view_of(op, name, *t) : TensorView();
+  }
+  GroupedParam param(const char* name, const GroupedArg& g, int expert_rank) const {
+    return param_of(op, name, g, expert_rank);
+  }
+
+  // Runs the op, then zeroes the unrouted rows of its fresh [T, ...] outputs `token_outputs` (no
+  // expert writes them; the gradient of an unrouted row is exactly zero).
+  template <class Op>
+  void run(const Routing& routing, std::initializer_list<TensorView> token_outputs, Op&& op_fn) const {
+    const GroupLayout groups = routing.layout();
+    const std::vector<TensorView> outputs(token_outputs);
+    nb::gil_scoped_release release;
+    op_fn(groups, ExecContext{stream, {}});
+    for (const TensorView& t : outputs)
+      if (t.defined()) zero_unrouted_rows(t, groups, stream);
+  }
+};
 
 ExecContext with_workspace(ExecContext exec, const TensorView& ws) {
   if (ws.defined()) exec.workspace = {ws.data(), ws.nbytes(), ws.device()};
   return exec;
 }
 
-// (activation, limit, alpha, offset, layout) -> the GLU spec.
-GluSpec glu_of(const nb::tuple& t) {
-  GluSpec s;
-  s.activation = parse_activation(nb::cast<std::string>(t[0]));
-  s.limit = nb::cast<float>(t[1]);
-  s.alpha = nb::cast<float>(t[2]);
-  s.offset = nb::cast<float>(t[3]);
-  s.layout = GluLayout::parse(nb::cast<std::string>(t[4]));
-  return s;
+void grouped_linear_forward_py(const TensorArg& x_arg, const GroupedArg& weight_arg, const Routing& routing,
+                               const TensorArg& y_arg, const GroupedArg& bias_arg,
+                               const std::optional<TensorArg>& row_scale_arg, uintptr_t stream) {
+  const Call c{"grouped_linear_forward", stream_of(stream)};
+  const TensorView x = c("x", x_arg), y = c("y", y_arg), row_scale = c("row_scale", row_scale_arg);
+  const GroupedParam weight = c.param("weight", weight_arg, 2), bias = c.param("bias", bias_arg, 1);
+  c.run(routing, {y}, [&](const GroupLayout& g, const ExecContext& e) {
+    grouped_linear_forward(x, weight, g, y, {bias, row_scale}, e);
+  });
 }
 
-// The buffer capacity T: the rows of the op's [T, ...] token tensor, which must be 2-D (a 3-D
-// [B, S, H] batch would otherwise read as T = B and the splits would seem to overflow it). An
-// undefined tensor gives 0; the op's validation names it.
-int64_t rows_of(const char* op, const char* name, const TensorView& t) {
-  if (!t.defined()) return 0;
-  MOE_CHECK(t.dim() == 2, ErrorCode::kShape, op, ": ", name, ": expected a 2-D [T, ...] token tensor (flatten ",
-            "batch and sequence into T rows sorted by expert), got ", t.describe());
-  return t.size(0);
+void grouped_linear_dgrad_py(const TensorArg& dy_arg, const GroupedArg& weight_arg, const Routing& routing,
+                             const TensorArg& dx_arg, uintptr_t stream) {
+  const Call c{"grouped_linear_dgrad", stream_of(stream)};
+  const TensorView dy = c("dy", dy_arg), dx = c("dx", dx_arg);
+  const GroupedParam weight = c.param("weight", weight_arg, 2);
+  c.run(routing, {dx}, [&](const GroupLayout& g, const ExecContext& e) { grouped_linear_dgrad(dy, weight, g, dx, e); });
 }
 
-// ---- ops ----
-
-// Where an op runs: the routing (offsets computed from splits for T rows), the stream, and the
-// fresh outputs whose unrouted rows become zeros afterwards. run() releases the GIL, so everything
-// Python must be read before.
-struct OpCall {
-  TensorView splits, offsets;
-  int64_t capacity;
-  Stream stream;
-  std::vector<TensorView> zero;
-
-  // `rows` (named `name` in `op`'s messages) holds the token buffer whose rows the splits index.
-  OpCall(const char* op, const char* name, const TensorView& rows, nb::handle splits_h, nb::handle offsets_h,
-         uintptr_t stream_i, nb::handle zero_h = nb::list())
-      : splits(view_of(splits_h)),
-        offsets(view_of(offsets_h)),
-        capacity(rows_of(op, name, rows)),
-        stream(stream_of(stream_i)),
-        zero(views_of(zero_h)) {}
-
-  template <class Op>
-  void run(Op&& op) const {
-    nb::gil_scoped_release release;
-    const GroupLayout groups = layout_of(splits, offsets, capacity, stream);
-    op(groups, ExecContext{stream, {}});
-    zero_tails(zero, groups, stream);
-  }
-};
-
-void grouped_linear_forward_py(nb::handle x_h, nb::handle weight_h, nb::handle splits_h,
-                               nb::handle offsets_h, nb::handle y_h, nb::handle bias_h,
-                               nb::handle row_scale_h, nb::handle zero_h, uintptr_t stream_i) {
-  const TensorView x = view_of(x_h), y = view_of(y_h), row_scale = view_of(row_scale_h);
-  const GroupedParam weight = param_of(weight_h, 2), bias = param_of(bias_h, 1);
-  OpCall("grouped_linear_forward", "x", x, splits_h, offsets_h, stream_i, zero_h)
-      .run([&](const GroupLayout& g, const ExecContext& e) {
-        grouped_linear_forward(x, weight, g, y, {bias, row_scale}, e);
-      });
-}
-
-void grouped_linear_dgrad_py(nb::handle dy_h, nb::handle weight_h, nb::handle splits_h,
-                             nb::handle offsets_h, nb::handle dx_h, nb::handle zero_h, uintptr_t stream_i) {
-  const TensorView dy = view_of(dy_h), dx = view_of(dx_h);
-  const GroupedParam weight = param_of(weight_h, 2);
-  OpCall("grouped_linear_dgrad", "dy", dy, splits_h, offsets_h, stream_i, zero_h)
-      .run([&](const GroupLayout& g, const ExecContext& e) {
-        grouped_linear_dgrad(dy, weight, g, dx, e);
-      });
-}
-
-void grouped_linear_wgrad_py(nb::handle dy_h, nb::handle x_h, nb::handle splits_h,
-                             nb::handle offsets_h, nb::handle dweight_h, const std::string& mode,
-                             uintptr_t stream_i) {
-  const TensorView dy = view_of(dy_h), x = view_of(x_h);
-  const GroupedParam dweight = param_of(dweight_h, 2);
+void grouped_linear_wgrad_py(const TensorArg& dy_arg, const TensorArg& x_arg, const Routing& routing,
+                             const GroupedArg& dweight_arg, const std::string& mode, uintptr_t stream) {
+  const Call c{"grouped_linear_wgrad", stream_of(stream)};
+  const TensorView dy = c("dy", dy_arg), x = c("x", x_arg);
+  const GroupedParam dweight = c.param("out", dweight_arg, 2);
   const GradMode grad_mode = parse_grad_mode(mode);
-  OpCall("grouped_linear_wgrad", "dy", dy, splits_h, offsets_h, stream_i)
-      .run([&](const GroupLayout& g, const ExecContext& e) {
-        grouped_linear_wgrad(dy, x, g, dweight, grad_mode, e);
-      });
+  c.run(routing, {}, [&](const GroupLayout& g, const ExecContext& e) {
+    grouped_linear_wgrad(dy, x, g, dweight, grad_mode, e);
+  });
 }
 
-void grouped_linear_dbias_py(nb::handle dy_h, nb::handle splits_h, nb::handle offsets_h,
-                             nb::handle dbias_h, const std::string& mode, nb::handle row_scale_h,
-                             uintptr_t stream_i) {
-  const TensorView dy = view_of(dy_h), row_scale = view_of(row_scale_h);
-  const GroupedParam dbias = param_of(dbias_h, 1);
+void grouped_linear_dbias_py(const TensorArg& dy_arg, const Routing& routing, const GroupedArg& dbias_arg,
+                             const std::string& mode, const std::optional<TensorArg>& row_scale_arg,
+                             uintptr_t stream) {
+  const Call c{"grouped_linear_dbias", stream_of(stream)};
+  const TensorView dy = c("dy", dy_arg), row_scale = c("row_scale", row_scale_arg);
+  const GroupedParam dbias = c.param("dbias", dbias_arg, 1);
   const GradMode grad_mode = parse_grad_mode(mode);
-  OpCall("grouped_linear_dbias", "dy", dy, splits_h, offsets_h, stream_i)
-      .run([&](const GroupLayout& g, const ExecContext& e) {
-        grouped_linear_dbias(dy, g, dbias, grad_mode, row_scale, e);
-      });
+  c.run(routing, {}, [&](const GroupLayout& g, const ExecContext& e) {
+    grouped_linear_dbias(dy, g, dbias, grad_mode, row_scale, e);
+  });
 }
 
-void grouped_linear_dscales_py(nb::handle dy_h, nb::handle bias_h, nb::handle splits_h,
-                               nb::handle offsets_h, nb::handle dscales_h, nb::handle zero_h, uintptr_t stream_i) {
-  const TensorView dy = view_of(dy_h), dscales = view_of(dscales_h);
-  const GroupedParam bias = param_of(bias_h, 1);
-  OpCall("grouped_linear_dscales", "dy", dy, splits_h, offsets_h, stream_i, zero_h)
-      .run([&](const GroupLayout& g, const ExecContext& e) {
-        grouped_linear_dscales(dy, bias, g, dscales, false, e);
-      });
+void grouped_linear_dscales_py(const TensorArg& dy_arg, const GroupedArg& bias_arg, const Routing& routing,
+                               const TensorArg& dscales_arg, uintptr_t stream) {
+  const Call c{"grouped_linear_dscales", stream_of(stream)};
+  const TensorView dy = c("dy", dy_arg), dscales = c("dscales", dscales_arg);
+  const GroupedParam bias = c.param("bias", bias_arg, 1);
+  c.run(routing, {dscales}, [&](const GroupLayout& g, const ExecContext& e) {
+    grouped_linear_dscales(dy, bias, g, dscales, false, e);
+  });
 }
 
-void glu_forward_py(nb::handle h_h, nb::handle probs_h, nb::handle splits_h, nb::handle offsets_h,
-                    nb::handle out_h, const nb::tuple& glu, nb::handle zero_h, uintptr_t stream_i) {
-  const TensorView h = view_of(h_h), probs = view_of(probs_h), out = view_of(out_h);
-  const GluSpec spec = glu_of(glu);
-  OpCall("glu_forward", "h", h, splits_h, offsets_h, stream_i, zero_h)
-      .run([&](const GroupLayout& g, const ExecContext& e) {
-        glu_forward(h, probs, g, out, spec, e);
-      });
+void glu_forward_py(const TensorArg& h_arg, const std::optional<TensorArg>& probs_arg, const Routing& routing,
+                    const TensorArg& out_arg, const GluSpec& spec, uintptr_t stream) {
+  const Call c{"glu_forward", stream_of(stream)};
+  const TensorView h = c("h", h_arg), probs = c("probs", probs_arg), out = c("out", out_arg);
+  c.run(routing, {out}, [&](const GroupLayout& g, const ExecContext& e) { glu_forward(h, probs, g, out, spec, e); });
 }
 
-void glu_backward_py(nb::handle h_h, nb::handle probs_h, nb::handle d_out_h, nb::handle splits_h,
-                     nb::handle offsets_h, nb::handle dh_h, nb::handle dprobs_h, nb::handle out_h,
-                     const nb::tuple& glu, nb::handle zero_h, uintptr_t stream_i) {
-  const TensorView h = view_of(h_h), probs = view_of(probs_h), d_out = view_of(d_out_h);
-  const GluBackwardOutputs outputs{view_of(dh_h), view_of(dprobs_h), view_of(out_h)};
-  const GluSpec spec = glu_of(glu);
-  OpCall("glu_backward", "h", h, splits_h, offsets_h, stream_i, zero_h)
-      .run([&](const GroupLayout& g, const ExecContext& e) {
-        glu_backward(h, probs, d_out, g, outputs, spec, e);
-      });
+void glu_backward_py(const TensorArg& h_arg, const std::optional<TensorArg>& probs_arg, const TensorArg& d_out_arg,
+                     const Routing& routing, const TensorArg& dh_arg, const std::optional<TensorArg>& dprobs_arg,
+                     const GluSpec& spec, uintptr_t stream) {
+  const Call c{"glu_backward", stream_of(stream)};
+  const TensorView h = c("h", h_arg), probs = c("probs", probs_arg), d_out = c("d_out", d_out_arg);
+  const GluBackwardOutputs outputs{c("dh", dh_arg), c("dprobs", dprobs_arg), {}};
+  c.run(routing, {outputs.dh, outputs.dprobs}, [&](const GroupLayout& g, const ExecContext& e) {
+    glu_backward(h, probs, d_out, g, outputs, spec, e);
+  });
 }
 
-// weights: (fc1_weight, fc1_bias, fc2_weight, fc2_bias), each a grouped parameter or None.
-ExpertMlpWeights mlp_weights_of(const nb::tuple& w) {
-  return {param_of(w[0], 2), param_of(w[1], 1), param_of(w[2], 2), param_of(w[3], 1)};
+ExpertMlpWeights mlp_weights_of(const Call& c, const GroupedArg& w1, const GroupedArg& b1, const GroupedArg& w2,
+                                const GroupedArg& b2) {
+  return {c.param("fc1_weight", w1, 2), c.param("fc1_bias", b1, 1), c.param("fc2_weight", w2, 2),
+          c.param("fc2_bias", b2, 1)};
 }
 
-ExpertMlpSpec mlp_spec_of(const nb::tuple& glu, const std::string& fusion) {
-  return {glu_of(glu), parse_fusion(fusion)};
+void expert_mlp_forward_py(const TensorArg& x_arg, const std::optional<TensorArg>& probs_arg, const GroupedArg& w1,
+                           const GroupedArg& b1, const GroupedArg& w2, const GroupedArg& b2, const Routing& routing,
+                           const TensorArg& y_arg, const std::optional<TensorArg>& fc1_out_arg, const GluSpec& glu,
+                           const std::string& fusion, const std::optional<TensorArg>& workspace_arg,
+                           uintptr_t stream) {
+  const Call c{"expert_mlp_forward", stream_of(stream)};
+  const TensorView x = c("x", x_arg), probs = c("probs", probs_arg), y = c("y", y_arg),
+                   fc1_out = c("fc1_out", fc1_out_arg), workspace = c("workspace", workspace_arg);
+  const ExpertMlpWeights weights = mlp_weights_of(c, w1, b1, w2, b2);
+  const ExpertMlpSpec spec{glu, parse_fusion(fusion)};
+  c.run(routing, {y}, [&](const GroupLayout& g, const ExecContext& e) {
+    expert_mlp_forward(x, probs, weights, g, y, fc1_out, spec, with_workspace(e, workspace));
+  });
 }
 
-void expert_mlp_forward_py(nb::handle x_h, nb::handle probs_h, const nb::tuple& weights_t,
-                           nb::handle splits_h, nb::handle offsets_h, nb::handle y_h,
-                           nb::handle fc1_out_h, const nb::tuple& glu, const std::string& fusion,
-                           nb::handle workspace_h, nb::handle zero_h, uintptr_t stream_i) {
-  const TensorView x = view_of(x_h), probs = view_of(probs_h), y = view_of(y_h),
-                   fc1_out = view_of(fc1_out_h), workspace = view_of(workspace_h);
-  const ExpertMlpWeights weights = mlp_weights_of(weights_t);
-  const ExpertMlpSpec spec = mlp_spec_of(glu, fusion);
-  OpCall("expert_mlp_forward", "x", x, splits_h, offsets_h, stream_i, zero_h)
-      .run([&](const GroupLayout& g, const ExecContext& e) {
-        expert_mlp_forward(x, probs, weights, g, y, fc1_out, spec, with_workspace(e, workspace));
-      });
-}
-
-// grads: (dx, dprobs, (fc1_weight, mode), (fc1_bias, mode), (fc2_weight, mode), (fc2_bias, mode)).
-void expert_mlp_backward_py(nb::handle dy_h, nb::handle x_h, nb::handle probs_h,
-                            const nb::tuple& weights_t, nb::handle splits_h, nb::handle offsets_h,
-                            nb::handle fc1_out_h, const nb::tuple& grads_t, const nb::tuple& glu,
-                            const std::string& fusion, nb::handle workspace_h, nb::handle zero_h, uintptr_t stream_i) {
-  const TensorView dy = view_of(dy_h), x = view_of(x_h), probs = view_of(probs_h),
-                   fc1_out = view_of(fc1_out_h), workspace = view_of(workspace_h);
-  const ExpertMlpWeights weights = mlp_weights_of(weights_t);
-  auto param_grad = [&](nb::handle h, int rank) {
-    const auto t = nb::borrow<nb::tuple>(h);
-    return ParamGrad{param_of(t[0], rank), parse_grad_mode(nb::cast<std::string>(t[1]))};
-  };
+// The weight gradients go into the given buffers with their modes; the bias gradients are written.
+void expert_mlp_backward_py(const TensorArg& dy_arg, const std::optional<TensorArg>& x_arg,
+                            const std::optional<TensorArg>& probs_arg, const GroupedArg& w1, const GroupedArg& b1,
+                            const GroupedArg& w2, const GroupedArg& b2, const Routing& routing,
+                            const std::optional<TensorArg>& fc1_out_arg, const std::optional<TensorArg>& dx_arg,
+                            const std::optional<TensorArg>& dprobs_arg, const GroupedArg& fc1_weight_grad,
+                            const std::string& fc1_weight_mode, const GroupedArg& fc1_bias_grad,
+                            const GroupedArg& fc2_weight_grad, const std::string& fc2_weight_mode,
+                            const GroupedArg& fc2_bias_grad, const GluSpec& glu, const std::string& fusion,
+                            const std::optional<TensorArg>& workspace_arg, uintptr_t stream) {
+  const Call c{"expert_mlp_backward", stream_of(stream)};
+  const TensorView dy = c("dy", dy_arg), x = c("x", x_arg), probs = c("probs", probs_arg),
+                   fc1_out = c("fc1_out", fc1_out_arg), workspace = c("workspace", workspace_arg);
+  const ExpertMlpWeights weights = mlp_weights_of(c, w1, b1, w2, b2);
   ExpertMlpGrads grads;
-  grads.dx = view_of(grads_t[0]);
-  grads.dprobs = view_of(grads_t[1]);
-  grads.fc1_weight = param_grad(grads_t[2], 2);
-  grads.fc1_bias = param_grad(grads_t[3], 1);
-  grads.fc2_weight = param_grad(grads_t[4], 2);
-  grads.fc2_bias = param_grad(grads_t[5], 1);
-  const ExpertMlpSpec spec = mlp_spec_of(glu, fusion);
-  OpCall("expert_mlp_backward", "dy", dy, splits_h, offsets_h, stream_i, zero_h)
-      .run([&](const GroupLayout& g, const ExecContext& e) {
-        expert_mlp_backward(dy, x, probs, weights, g, fc1_out, grads, spec, with_workspace(e, workspace));
-      });
+  grads.dx = c("dx", dx_arg);
+  grads.dprobs = c("dprobs", dprobs_arg);
+  grads.fc1_weight = {c.param("fc1_weight_grad", fc1_weight_grad, 2), parse_grad_mode(fc1_weight_mode)};
+  grads.fc1_bias = {c.param("fc1_bias_grad", fc1_bias_grad, 1), GradMode::kWrite};
+  grads.fc2_weight = {c.param("fc2_weight_grad", fc2_weight_grad, 2), parse_grad_mode(fc2_weight_mode)};
+  grads.fc2_bias = {c.param("fc2_bias_grad", fc2_bias_grad, 1), GradMode::kWrite};
+  const ExpertMlpSpec spec{glu, parse_fusion(fusion)};
+  c.run(routing, {grads.dx, grads.dprobs}, [&](const GroupLayout& g, const ExecContext& e) {
+    expert_mlp_backward(dy, x, probs, weights, g, fc1_out, grads, spec, with_workspace(e, workspace));
+  });
+}
+
+// ---- the GLU spec as one value ----
+
+// Its one-line form, "activation=clamped_qgeglu,layout=blocks:32,limit=7,alpha=1.702,offset=1":
+// what the custom ops take (a string crosses torch's dispatcher; GluSpec.parse reads it back).
+std::string format_float(float v) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof(buf), v);  // the shortest text that reads back as v
+  return std::string(buf, r.ptr);
+}
+
+std::string glu_spec_text(const GluSpec& s) {
+  return "activation=" + std::string(activation_name(s.activation)) + ",layout=" + s.layout.name() +
+         ",limit=" + format_float(s.limit) + ",alpha=" + format_float(s.alpha) + ",offset=" + format_float(s.offset);
+}
+
+GluSpec parse_glu_spec(const std::string& text) {
+  GluSpec s;
+  auto fail = [&](const std::string& why) {
+    throw_error(ErrorCode::kInvalidArgument, "GluSpec: ", why, " in '", text,
+                "'; expected 'activation=A,layout=L,limit=X,alpha=X,offset=X' (every item optional)");
+  };
+  size_t begin = 0;
+  while (begin < text.size()) {
+    const size_t end = std::min(text.find(',', begin), text.size());
+    const std::string item = text.substr(begin, end - begin);
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos) fail("no '=' in '" + item + "'");
+    const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+    auto number = [&]() {
+      float v = 0;
+      const auto r = std::from_chars(value.data(), value.data() + value.size(), v);
+      if (r.ec != std::errc() || r.ptr != value.data() + value.size()) fail("'" + value + "' is not a number");
+      return v;
+    };
+    if (key == "activation") s.activation = parse_activation(value);
+    else if (key == "layout") s.layout = GluLayout::parse(value);
+    else if (key == "limit") s.limit = number();
+    else if (key == "alpha") s.alpha = number();
+    else if (key == "offset") s.offset = number();
+    else fail("unknown item '" + key + "'");
+    begin = end + 1;
+  }
+  return s;
 }
 
 // ---- errors ----
 
 // Reads and clears the error flag of GPU `device` (waits for `stream`); raises if a kernel
 // reported bad splits. No flag yet (no op has run there): nothing to report.
-void check_errors_py(int device, uintptr_t stream_i) {
+void check_errors_py(int device, uintptr_t stream) {
   DeviceErrorFlag* flag = nullptr;
   {
     std::lock_guard<std::mutex> lock(flags_mutex);
@@ -286,12 +609,12 @@ void check_errors_py(int device, uintptr_t stream_i) {
   }
   if (flag == nullptr) return;
   nb::gil_scoped_release release;
-  flag->check(stream_of(stream_i));
+  flag->check(stream_of(stream));
 }
 
-void init_device_py(int device, uintptr_t stream_i) {
+void init_device_py(int device) {
   nb::gil_scoped_release release;
-  error_flag(Device::cuda(device), stream_of(stream_i));
+  error_flag(Device::cuda(device));
 }
 
 // moe::Error -> ValueError for bad arguments, NotImplementedError, DeviceError (a RuntimeError)
@@ -328,17 +651,161 @@ void register_errors(nb::module_& m) {
   });
 }
 
+void bind_ops(nb::module_& m) {
+  using nb::arg;
+  m.def("route", &route, arg("splits"), arg("offsets"), arg("tokens"), arg("stream"), arg("op"), arg("tokens_name"),
+        "Computes the group offsets of `splits` into `offsets` (int64 [G+1], on the splits' device) for the rows of "
+        "`tokens` with GroupLayout::compute (on `stream`), and returns the Routing that the ops take. The offsets "
+        "buffer is handed over: nothing may write into it while the Routing lives.");
+  m.def("find_routing", &find_routing, arg("offsets"), arg("splits"), arg("capacity"),
+        "The live Routing whose offsets tensor (from Routing.offsets_capsule) `offsets` is, if it was computed from "
+        "the same `splits` buffer for `capacity` rows; None otherwise.");
+  m.def("group_layout_computations", [] { return layout_computations.load(); },
+        "How many times route() has run GroupLayout::compute in this process (for tests).");
+  m.def("live_routings", &Routing::live, "How many Routing objects are alive (for tests).");
+  m.def(
+      "tensor_info",
+      [](const TensorArg& t) {
+        const TensorView v = view_of("tensor_info", "t", t);
+        nb::dict d;
+        d["dtype"] = dtype_name(v.dtype());
+        d["shape"] = std::vector<int64_t>(v.shape().begin(), v.shape().end());
+        d["strides"] = std::vector<int64_t>(v.strides().begin(), v.strides().end());
+        d["device"] = to_string(v.device());
+        d["data"] = reinterpret_cast<uintptr_t>(v.data());
+        return d;
+      },
+      arg("t"), "How the ops see a tensor argument: dtype, shape, strides (elements), device, data address.");
+  nb::class_<Routing>(m, "Routing",
+                      "The group offsets of one splits tensor for a buffer of T rows, as GroupLayout::compute made "
+                      "them (only route() creates one). Holds the splits and offsets buffers alive.")
+      .def_prop_ro("num_groups", [](const Routing& r) { return r.layout().num_groups(); })
+      .def_prop_ro("capacity", [](const Routing& r) { return r.layout().capacity(); })
+      .def_prop_ro("device", [](const Routing& r) { return to_string(r.layout().device()); })
+      .def("offsets_capsule", &offsets_capsule,
+           "A DLPack capsule over the offsets whose consumer (torch.utils.dlpack.from_dlpack) keeps this routing "
+           "alive as long as the tensor's storage lives; find_routing gets the routing back from that tensor.");
+
+  nb::class_<GluSpec>(m, "GluSpec", "A GLU activation with its parameters and the gate/linear column layout.")
+      .def(
+          "__init__",
+          [](GluSpec* self, const std::string& activation, const std::string& layout, float limit, float alpha,
+             float offset) { new (self) GluSpec{parse_activation(activation), limit, alpha, offset, GluLayout::parse(layout)}; },
+          arg("activation") = "swiglu", arg("layout") = "halves", arg("limit") = 7.0f, arg("alpha") = 1.702f,
+          arg("offset") = 1.0f)
+      .def_static("parse", &parse_glu_spec, arg("text"), "The spec of a GluSpec.text string.")
+      .def_prop_ro("text", &glu_spec_text, "One line that GluSpec.parse reads back (what the custom ops take).")
+      .def_prop_ro("activation", [](const GluSpec& s) { return std::string(activation_name(s.activation)); })
+      .def_prop_ro("layout", [](const GluSpec& s) { return s.layout.name(); })
+      .def_ro("limit", &GluSpec::limit)
+      .def_ro("alpha", &GluSpec::alpha)
+      .def_ro("offset", &GluSpec::offset)
+      .def("__eq__", [](const GluSpec& a, const GluSpec& b) { return glu_spec_text(a) == glu_spec_text(b); })
+      .def("__repr__", [](const GluSpec& s) { return "GluSpec.parse('" + glu_spec_text(s) + "')"; });
+
+  m.def("grouped_linear_forward", &grouped_linear_forward_py, arg("x"), arg("weight"), arg("routing"), arg("y"),
+        arg("bias"), arg("row_scale").none(), arg("stream"));
+  m.def("grouped_linear_dgrad", &grouped_linear_dgrad_py, arg("dy"), arg("weight"), arg("routing"), arg("dx"),
+        arg("stream"));
+  m.def("grouped_linear_wgrad", &grouped_linear_wgrad_py, arg("dy"), arg("x"), arg("routing"), arg("out"),
+        arg("mode"), arg("stream"));
+  m.def("grouped_linear_dbias", &grouped_linear_dbias_py, arg("dy"), arg("routing"), arg("dbias"), arg("mode"),
+        arg("row_scale").none(), arg("stream"));
+  m.def("grouped_linear_dscales", &grouped_linear_dscales_py, arg("dy"), arg("bias"), arg("routing"),
+        arg("dscales"), arg("stream"));
+  m.def("glu_forward", &glu_forward_py, arg("h"), arg("probs").none(), arg("routing"), arg("out"), arg("spec"),
+        arg("stream"));
+  m.def("glu_backward", &glu_backward_py, arg("h"), arg("probs").none(), arg("d_out"), arg("routing"), arg("dh"),
+        arg("dprobs").none(), arg("spec"), arg("stream"));
+  m.def("expert_mlp_forward", &expert_mlp_forward_py, arg("x"), arg("probs").none(), arg("fc1_weight"),
+        arg("fc1_bias"), arg("fc2_weight"), arg("fc2_bias"), arg("routing"), arg("y"), arg("fc1_out").none(),
+        arg("spec"), arg("fusion"), arg("workspace").none(), arg("stream"));
+  m.def("expert_mlp_backward", &expert_mlp_backward_py, arg("dy"), arg("x").none(), arg("probs").none(),
+        arg("fc1_weight"), arg("fc1_bias"), arg("fc2_weight"), arg("fc2_bias"), arg("routing"),
+        arg("fc1_out").none(), arg("dx").none(), arg("dprobs").none(), arg("fc1_weight_grad"),
+        arg("fc1_weight_mode"), arg("fc1_bias_grad"), arg("fc2_weight_grad"), arg("fc2_weight_mode"),
+        arg("fc2_bias_grad"), arg("spec"), arg("fusion"), arg("workspace").none(), arg("stream"));
+  m.def("check_errors", &check_errors_py, arg("device"), arg("stream") = 0);
+  m.def("init_device", &init_device_py, arg("device"));
+
+  m.def("expert_mlp_forward_workspace_size",
+        [](int64_t T, int64_t H, int64_t F, const std::string& dtype, bool save_fc1_out) {
+          return expert_mlp_forward_workspace_size(T, H, F, dtype_from_name(dtype), save_fc1_out);
+        });
+  m.def("expert_mlp_backward_workspace_size",
+        [](int64_t T, int64_t H, int64_t F, const std::string& dtype, bool recompute_fc1, const std::string& fusion) {
+          return expert_mlp_backward_workspace_size(T, H, F, dtype_from_name(dtype), recompute_fc1, parse_fusion(fusion));
+        });
+}
+
+// ---- the training contract's decisions (moe_engine.torch applies them to torch parameters) ----
+
+void bind_contract(nb::module_& m) {
+  using nb::arg;
+  nb::class_<GradOutcome>(m, "GradOutcome", "What happens to one weight gradient (moe::grad_outcome).")
+      .def_ro("deferred", &GradOutcome::deferred)
+      .def_prop_ro("target", [](const GradOutcome& o) { return grad_target_name(o.target); })
+      .def_prop_ro("mode", [](const GradOutcome& o) { return grad_mode_name(o.mode); })
+      .def_prop_ro("handed_back", [](const GradOutcome& o) { return grad_kind_name(o.handed_back); })
+      .def_ro("zero_dummy", &GradOutcome::zero_dummy)
+      .def_prop_ro("flag", [](const GradOutcome& o) { return flag_update_name(o.flag); });
+  m.def(
+      "grad_outcome",
+      [](bool accumulate_into_main_grad, bool overwrite_main_grad, bool zero_out_wgrad, bool delay_wgrad_compute,
+         bool has_grad_added_to_main_grad) {
+        return grad_outcome({accumulate_into_main_grad, overwrite_main_grad, zero_out_wgrad, delay_wgrad_compute,
+                             has_grad_added_to_main_grad});
+      },
+      arg("accumulate_into_main_grad"), arg("overwrite_main_grad"), arg("zero_out_wgrad"),
+      arg("delay_wgrad_compute"), arg("has_grad_added_to_main_grad"));
+
+  nb::class_<GroupedKeyPlan>(m, "GroupedKeyPlan", "What the checkpoint key normalization does with one parameter.")
+      .def_prop_ro("action", [](const GroupedKeyPlan& p) { return grouped_key_action_name(p.action); })
+      .def_prop_ro("shape", [](const GroupedKeyPlan& p) { return std::vector<int64_t>(p.shape.begin(), p.shape.end()); })
+      .def_ro("missing", &GroupedKeyPlan::missing)
+      .def_ro("error", &GroupedKeyPlan::error);
+  m.def(
+      "plan_grouped_keys",
+      [](const std::map<std::string, std::pair<std::vector<int64_t>, std::string>>& entries, const std::string& key,
+         int64_t groups, const std::string& layout, const std::vector<int64_t>& expert_shape) {
+        std::map<std::string, CheckpointEntry> e;
+        for (const auto& [k, v] : entries) e.emplace(k, CheckpointEntry{Shape(v.first.begin(), v.first.end()), v.second});
+        return plan_grouped_keys(e, key, groups, parse_expert_layout(layout),
+                                 Shape(expert_shape.begin(), expert_shape.end()));
+      },
+      arg("entries"), arg("key"), arg("groups"), arg("layout"), arg("expert_shape") = std::vector<int64_t>(),
+      "entries: {key: (shape, dtype name)} of the checkpoint (key and key0..key{G-1} are read); layout: packed or "
+      "per-expert; expert_shape: the module's [N, ...] (lets a packed module take [G*N, ...]).");
+
+  nb::class_<OffloadSchedule>(m, "OffloadSchedule", "The decisions of activation offload (moe::OffloadSchedule).")
+      .def(nb::init<int, std::optional<int>, int64_t>(), arg("num_layers"), arg("offload_layers").none() = nb::none(),
+           arg("min_bytes") = OffloadOptions{}.min_bytes)
+      .def_prop_ro("num_layers", &OffloadSchedule::num_layers)
+      .def_prop_ro("offload_layers", &OffloadSchedule::offload_layers)
+      .def_prop_ro("min_bytes", &OffloadSchedule::min_bytes)
+      .def("offloads", &OffloadSchedule::offloads, arg("layer"), arg("nbytes"), arg("opted_out"))
+      .def_static("released_at_forward", &OffloadSchedule::released_at_forward, arg("layer"))
+      .def(
+          "at_backward",
+          [](const OffloadSchedule& s, int layer, bool first) {
+            OffloadSchedule::BackwardStart b = s.at_backward(layer, first);
+            return std::make_pair(std::move(b.release), std::move(b.reload));
+          },
+          arg("layer"), arg("first"), "(layers to release, layers whose reload starts), in order")
+      .def_static("release_after_kept_reload", &OffloadSchedule::release_after_kept_reload, arg("layer"));
+}
+
 }  // namespace
+}  // namespace moe_python
 
 NB_MODULE(_C, m) {
+  using namespace moe;
   m.doc() = "moe-engine: grouped GEMMs and expert MLPs for MoE training (C++ core)";
-  register_errors(m);
-
-  nb::dict dtypes;
-  for (DType d : {DType::kFloat64, DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kInt64,
-                  DType::kInt32, DType::kUInt8})
-    dtypes[dtype_name(d)] = int(d);
-  m.attr("dtype_codes") = dtypes;
+  moe_python::register_errors(m);
+  // Objects of this module may legitimately outlive it at interpreter exit (a GluSpec in a module
+  // or cache of another package, a Routing owned by a torch tensor's storage); nanobind would
+  // report them as leaks.
+  nb::set_leak_warnings(false);
 
   m.def("build_info", [] {
     const BuildInfo b = build_info();
@@ -375,24 +842,6 @@ NB_MODULE(_C, m) {
   m.def("activation_name", [](const std::string& text) { return std::string(activation_name(parse_activation(text))); });
   m.def("fusion_name", [](const std::string& text) { return std::string(fusion_name(parse_fusion(text))); });
 
-  m.def("expert_mlp_forward_workspace_size",
-        [](int64_t T, int64_t H, int64_t F, int dtype, bool save_fc1_out) {
-          return expert_mlp_forward_workspace_size(T, H, F, DType(dtype), save_fc1_out);
-        });
-  m.def("expert_mlp_backward_workspace_size",
-        [](int64_t T, int64_t H, int64_t F, int dtype, bool recompute_fc1, const std::string& fusion) {
-          return expert_mlp_backward_workspace_size(T, H, F, DType(dtype), recompute_fc1, parse_fusion(fusion));
-        });
-
-  m.def("grouped_linear_forward", &grouped_linear_forward_py);
-  m.def("grouped_linear_dgrad", &grouped_linear_dgrad_py);
-  m.def("grouped_linear_wgrad", &grouped_linear_wgrad_py);
-  m.def("grouped_linear_dbias", &grouped_linear_dbias_py);
-  m.def("grouped_linear_dscales", &grouped_linear_dscales_py);
-  m.def("glu_forward", &glu_forward_py);
-  m.def("glu_backward", &glu_backward_py);
-  m.def("expert_mlp_forward", &expert_mlp_forward_py);
-  m.def("expert_mlp_backward", &expert_mlp_backward_py);
-  m.def("check_errors", &check_errors_py, nb::arg("device"), nb::arg("stream") = 0);
-  m.def("init_device", &init_device_py, nb::arg("device"), nb::arg("stream") = 0);
+  moe_python::bind_ops(m);
+  moe_python::bind_contract(m);
 }

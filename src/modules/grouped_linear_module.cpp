@@ -1,4 +1,4 @@
-// GroupedLinear: parameters, the gradient contract (DESIGN.md section 4), delayed wgrad, checkpoints.
+// GroupedLinear: parameters, the gradient contract (docs/design.md section 6), delayed wgrad, checkpoints.
 #include <cmath>
 #include <string>
 #include <utility>

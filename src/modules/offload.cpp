@@ -48,6 +48,26 @@ struct Event {
 
 }  // namespace
 
+OffloadSchedule::OffloadSchedule(int num_layers, std::optional<int> offload_layers, int64_t min_bytes)
+    : num_layers_(num_layers), offload_layers_(offload_layers.value_or(num_layers - 1)), min_bytes_(min_bytes) {
+  MOE_CHECK(num_layers >= 1, ErrorCode::kInvalidArgument, "ActivationOffload: expected num_layers >= 1, got ",
+            num_layers);
+  MOE_CHECK(offload_layers_ >= 0 && offload_layers_ <= num_layers, ErrorCode::kInvalidArgument,
+            "ActivationOffload: offload_layers must be in [0, ", num_layers, "], got ", offload_layers_);
+  MOE_CHECK(min_bytes >= 0, ErrorCode::kInvalidArgument, "ActivationOffload: min_bytes must be >= 0, got ", min_bytes);
+}
+
+OffloadSchedule::BackwardStart OffloadSchedule::at_backward(int layer, bool first) const {
+  MOE_CHECK(layer >= 0 && layer < num_layers_, ErrorCode::kInvalidArgument, "ActivationOffload: layer ", layer,
+            " is not in [0, ", num_layers_, ")");
+  BackwardStart s;
+  for (int i = first ? 0 : layer + 1; i < num_layers_; ++i)
+    if (i != layer && i != layer - 1) s.release.push_back(i);
+  s.reload.push_back(layer);
+  if (layer >= 1) s.reload.push_back(layer - 1);
+  return s;
+}
+
 struct ActivationOffload::Impl {
   // One saved tensor of an offloaded context: which field, its shape, where it lives meanwhile.
   struct Saved {
@@ -77,8 +97,8 @@ struct ActivationOffload::Impl {
   };
 
   Device device;
-  int num_layers, offload_layers;
-  OffloadOptions options;
+  OffloadSchedule schedule;
+  int num_layers;
   bool cuda;
   Stream d2h = nullptr, h2d = nullptr;
   std::vector<Layer> layers;
@@ -89,12 +109,11 @@ struct ActivationOffload::Impl {
   int64_t offloaded_bytes = 0, reloaded_bytes = 0;
 
   Impl(Device d, int n, int k, const OffloadOptions& o)
-      : device(d), num_layers(n), offload_layers(k < 0 ? n - 1 : k), options(o), cuda(d.is_cuda()), layers(size_t(n)) {
-    MOE_CHECK(n >= 1, ErrorCode::kInvalidArgument, "ActivationOffload: expected num_layers >= 1, got ", n);
-    MOE_CHECK(offload_layers <= n, ErrorCode::kInvalidArgument, "ActivationOffload: offload_layers must be in [0, ",
-              n, "], got ", k);
-    MOE_CHECK(o.min_bytes >= 0, ErrorCode::kInvalidArgument, "ActivationOffload: min_bytes must be >= 0, got ",
-              o.min_bytes);
+      : device(d),
+        schedule(n, k < 0 ? std::nullopt : std::optional<int>(k), o.min_bytes),
+        num_layers(n),
+        cuda(d.is_cuda()),
+        layers(size_t(n)) {
     if (cuda) {
       d2h = cuda_api::stream_create(d.index);
       h2d = cuda_api::stream_create(d.index);
@@ -161,7 +180,8 @@ struct ActivationOffload::Impl {
               "ActivationOffload.begin_layer: layers begin in order 0, 1, ... within a step; expected ",
               in_backward || current < 0 ? 0 : current + 1, ", got ", layer);
     if (layer == 0) new_step(stream);
-    if (layer >= 2) release(layers[size_t(layer - 2)], stream);
+    if (const int released = OffloadSchedule::released_at_forward(layer); released >= 0)
+      release(layers[size_t(released)], stream);
     current = layer;
   }
 
@@ -175,12 +195,13 @@ struct ActivationOffload::Impl {
     const int entry_index = int(l.entries.size());
     Entry& entry = l.entries.emplace_back();
     ctx.offload_ = {this, step, current, entry_index, false};
-    if (current >= offload_layers || !ctx.offloadable_) return;
     auto fields = ctx.saved_tensors();
     bool ordered = false;
     for (int f = 0; f < int(fields.size()); ++f) {
       Tensor& t = *fields[size_t(f)];
-      if (!t.defined() || int64_t(t.nbytes()) < options.min_bytes || !(t.device() == device)) continue;
+      if (!t.defined() || !(t.device() == device) ||
+          !schedule.offloads(current, int64_t(t.nbytes()), !ctx.offloadable_))
+        continue;
       if (!ordered) {  // the copies start after the work enqueued on `stream` so far
         record(*l.marker, stream);
         wait(d2h, *l.marker);
@@ -215,7 +236,7 @@ struct ActivationOffload::Impl {
       for (Entry& e : l.entries)
         for (Saved& s : e.saved) s.reloaded = std::move(s.source);
       record(*l.reloaded, stream);
-      if (layer == 0) release(l, stream);  // no layer below whose restore would release it
+      if (OffloadSchedule::release_after_kept_reload(layer)) release(l, stream);
       return;
     }
     // Allocated in stream order on the compute stream (freed there once backward is done with
@@ -242,15 +263,10 @@ struct ActivationOffload::Impl {
               ": the context comes from an earlier step (layer 0 has begun again since)");
     Entry& entry = layers[size_t(ticket.layer)].entries[size_t(ticket.entry)];
     MOE_CHECK(!entry.restored, ErrorCode::kInvalidArgument, who, ": the context was restored already");
-    if (!in_backward) {  // the first backward of the step: only its window stays (this layer and the one below)
-      in_backward = true;
-      for (int i = 0; i < num_layers; ++i)
-        if (i != ticket.layer && i != ticket.layer - 1) release(layers[size_t(i)], stream);
-    }
-    for (int i = ticket.layer + 1; i < num_layers; ++i) release(layers[size_t(i)], stream);  // their backward is enqueued
-
-    start_reload(ticket.layer, stream);
-    if (ticket.layer >= 1) start_reload(ticket.layer - 1, stream);
+    const OffloadSchedule::BackwardStart start = schedule.at_backward(ticket.layer, !in_backward);
+    in_backward = true;
+    for (int i : start.release) release(layers[size_t(i)], stream);
+    for (int i : start.reload) start_reload(i, stream);
     Layer& l = layers[size_t(ticket.layer)];
     if (!entry.saved.empty()) {
       wait(stream, *l.reloaded);
@@ -274,7 +290,7 @@ ActivationOffload::ActivationOffload(Device device, int num_layers, int offload_
 ActivationOffload::~ActivationOffload() = default;
 
 int ActivationOffload::num_layers() const { return impl_->num_layers; }
-int ActivationOffload::offload_layers() const { return impl_->offload_layers; }
+int ActivationOffload::offload_layers() const { return impl_->schedule.offload_layers(); }
 void ActivationOffload::begin_layer(int layer, Stream stream) { impl_->begin_layer(layer, stream); }
 void ActivationOffload::offload(LinearContext& ctx, Stream stream) { impl_->offload(ctx, stream, "ActivationOffload.offload"); }
 void ActivationOffload::offload(MlpContext& ctx, Stream stream) { impl_->offload(ctx, stream, "ActivationOffload.offload"); }

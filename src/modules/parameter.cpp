@@ -25,6 +25,76 @@ void Parameter::set_main_grad(const GroupedParam& main_grad) {
   main_grad_ = main_grad;
 }
 
+const char* grouped_key_action_name(GroupedKeyPlan::Action action) {
+  switch (action) {
+    case GroupedKeyPlan::Action::kKeep: return "keep";
+    case GroupedKeyPlan::Action::kStack: return "stack";
+    case GroupedKeyPlan::Action::kSplit: return "split";
+    case GroupedKeyPlan::Action::kReshape: return "reshape";
+  }
+  return "?";
+}
+
+GroupedKeyPlan plan_grouped_keys(const std::map<std::string, CheckpointEntry>& entries, const std::string& key,
+                                 int64_t groups, ExpertLayout layout, const Shape& expert_shape) {
+  MOE_CHECK(groups >= 1, ErrorCode::kInvalidArgument, "normalize_grouped_keys: expected G >= 1, got ", groups);
+  GroupedKeyPlan plan;
+  const auto packed = entries.find(key);
+  std::vector<const CheckpointEntry*> indexed(size_t(groups), nullptr);
+  std::vector<std::string> absent;
+  for (int64_t g = 0; g < groups; ++g) {
+    const auto it = entries.find(key + std::to_string(g));
+    if (it != entries.end()) indexed[size_t(g)] = &it->second;
+    else absent.push_back(key + std::to_string(g));
+  }
+  const int64_t present = groups - int64_t(absent.size());
+  auto describe = [](const CheckpointEntry& e) { return e.shape.to_string() + " " + e.dtype; };
+
+  if (layout == ExpertLayout::kPacked) {
+    if (packed == entries.end() && present == groups) {
+      const CheckpointEntry& first = *indexed[0];
+      for (int64_t g = 1; g < groups; ++g) {
+        const CheckpointEntry& e = *indexed[size_t(g)];
+        if (e.shape == first.shape && e.dtype == first.dtype) continue;
+        plan.error = detail::str_cat("checkpoint key '", key, g, "' is ", describe(e), ", but '", key, "0' is ",
+                                     describe(first), ": the experts of '", key, "' must share one shape and dtype");
+        return plan;
+      }
+      plan.action = GroupedKeyPlan::Action::kStack;
+      plan.shape.push_back(groups);
+      for (int64_t d : first.shape) plan.shape.push_back(d);
+    } else if (packed == entries.end() && present > 0) {
+      plan.missing = std::move(absent);
+    } else if (packed != entries.end() && expert_shape.size() >= 1) {
+      // TransformerEngine's single grouped parameter [G*N, ...] for a module that holds [G, N, ...].
+      const Shape& s = packed->second.shape;
+      Shape want{groups};
+      for (int64_t d : expert_shape) want.push_back(d);
+      if (s.size() == expert_shape.size() && s[0] == groups * expert_shape[0] && s.numel() == want.numel()) {
+        plan.action = GroupedKeyPlan::Action::kReshape;
+        plan.shape = want;
+      }
+    }
+    return plan;
+  }
+  if (packed == entries.end() || present > 0) return plan;
+  const Shape& s = packed->second.shape;
+  if (s.size() == 0 || s[0] % groups != 0) {
+    plan.error = detail::str_cat("cannot split checkpoint key '", key, "' ", describe(packed->second),
+                                 " into experts: its first dimension does not split into ", groups,
+                                 " experts (expected [G, ...] or [G*N, ...])");
+    return plan;
+  }
+  plan.action = GroupedKeyPlan::Action::kSplit;
+  if (s[0] == groups) {
+    plan.shape = Shape(s.begin() + 1, s.end());
+  } else {
+    plan.shape = s;
+    plan.shape[0] = s[0] / groups;
+  }
+  return plan;
+}
+
 namespace {
 
 const Tensor& cpu_contiguous(const Tensor& t, const std::string& key) {
@@ -35,49 +105,50 @@ const Tensor& cpu_contiguous(const Tensor& t, const std::string& key) {
   return t;
 }
 
-}  // namespace
+// The checkpoint's key and key0..key{G-1}, as plan_grouped_keys reads them.
+std::map<std::string, CheckpointEntry> entries_of(const std::map<std::string, Tensor>& state, const std::string& key,
+                                                  int64_t groups) {
+  std::map<std::string, CheckpointEntry> entries;
+  auto add = [&](const std::string& k) {
+    const auto it = state.find(k);
+    if (it != state.end()) entries.emplace(k, CheckpointEntry{it->second.shape(), dtype_name(it->second.dtype())});
+  };
+  add(key);
+  for (int64_t g = 0; g < groups; ++g) add(key + std::to_string(g));
+  return entries;
+}
 
-void normalize_grouped_keys(std::map<std::string, Tensor>& state, const std::string& key, int64_t groups,
-                            ExpertLayout layout) {
-  MOE_CHECK(groups >= 1, ErrorCode::kInvalidArgument, "normalize_grouped_keys: expected G >= 1, got ", groups);
-  const bool packed_present = state.count(key) > 0;
-  int64_t indexed = 0;
-  for (int64_t g = 0; g < groups; ++g) indexed += int64_t(state.count(key + std::to_string(g)));
-  if (layout == ExpertLayout::kPacked && !packed_present && indexed == groups) {
-    // Stack key0..key{G-1} into key [G, ...].
+// Stacks or splits per the plan, into new CPU tensors (a reshape is the loader's: it views).
+void apply_plan(std::map<std::string, Tensor>& state, const std::string& key, int64_t groups,
+                const GroupedKeyPlan& plan) {
+  MOE_CHECK(plan.error.empty(), ErrorCode::kShape, plan.error);
+  if (plan.action == GroupedKeyPlan::Action::kStack) {
     const Tensor& first = cpu_contiguous(state.at(key + "0"), key + "0");
-    const Tensor stacked =
-        GroupedTensor::zeros(groups, first.shape(), first.dtype(), Device::cpu(), ExpertLayout::kPacked).packed();
+    const Tensor stacked = Tensor::empty(plan.shape, first.dtype());
     for (int64_t g = 0; g < groups; ++g) {
       const std::string k = key + std::to_string(g);
       const Tensor& t = cpu_contiguous(state.at(k), k);
-      MOE_CHECK(t.shape() == first.shape() && t.dtype() == first.dtype(), ErrorCode::kShape, "checkpoint key '", k,
-                "' is ", t.view().describe(), ", but '", key, "0' is ", first.view().describe());
       std::memcpy(static_cast<uint8_t*>(stacked.data()) + size_t(g) * t.nbytes(), t.data(), t.nbytes());
     }
     for (int64_t g = 0; g < groups; ++g) state.erase(key + std::to_string(g));
     state.emplace(key, stacked);
-  } else if (layout == ExpertLayout::kPerExpert && packed_present && indexed == 0) {
-    // Split key [G, ...] along dim 0, or [G*N, ...] into G equal chunks.
+  } else if (plan.action == GroupedKeyPlan::Action::kSplit) {
     const Tensor packed = cpu_contiguous(state.at(key), key);
-    MOE_CHECK(packed.dim() >= 1, ErrorCode::kShape, "checkpoint key '", key, "' is a scalar");
-    Shape expert;
-    if (packed.size(0) == groups) {
-      expert = Shape(packed.shape().begin() + 1, packed.shape().end());
-    } else {
-      MOE_CHECK(packed.size(0) % groups == 0, ErrorCode::kShape, "checkpoint key '", key, "' is ",
-                packed.view().describe(), ": its first dimension does not split into ", groups, " experts");
-      expert = packed.shape();
-      expert[0] = packed.size(0) / groups;
-    }
     state.erase(key);
     const size_t bytes = packed.nbytes() / size_t(groups);
     for (int64_t g = 0; g < groups; ++g) {
-      Tensor t = Tensor::empty(expert, packed.dtype());
+      Tensor t = Tensor::empty(plan.shape, packed.dtype());
       std::memcpy(t.data(), static_cast<const uint8_t*>(packed.data()) + size_t(g) * bytes, bytes);
       state.emplace(key + std::to_string(g), t);
     }
   }
+}
+
+}  // namespace
+
+void normalize_grouped_keys(std::map<std::string, Tensor>& state, const std::string& key, int64_t groups,
+                            ExpertLayout layout) {
+  apply_plan(state, key, groups, plan_grouped_keys(entries_of(state, key, groups), key, groups, layout));
 }
 
 namespace detail {
@@ -113,29 +184,24 @@ void export_param(std::map<std::string, Tensor>& state, const std::string& key, 
 
 void import_param(std::map<std::string, Tensor>& state, const std::string& key, const GroupedTensor& param) {
   const GroupedParam& v = param.view();
-  normalize_grouped_keys(state, key, v.num_groups(), param.layout());
-  // Per-expert keys for only some experts (left alone by the normalization): name the missing
-  // ones, not the packed key a packed module looked for.
-  if (param.layout() == ExpertLayout::kPacked && !state.count(key)) {
+  const GroupedKeyPlan plan =
+      plan_grouped_keys(entries_of(state, key, v.num_groups()), key, v.num_groups(), param.layout(), v.expert_shape());
+  // Per-expert keys for only some experts: name the missing ones, not the packed key a packed
+  // module looked for.
+  if (!plan.missing.empty()) {
     std::string missing;
-    int64_t present = 0, shown = 0;
-    for (int64_t g = 0; g < v.num_groups(); ++g) {
-      const std::string k = key + std::to_string(g);
-      if (state.count(k)) ++present;
-      else if (shown++ < 8) missing += (missing.empty() ? "'" : ", '") + k + "'";
-    }
-    MOE_CHECK(present == 0, ErrorCode::kInvalidArgument, "load_state_dict: the checkpoint holds per-expert tensors '",
-              key, "0'.. for ", present, " of ", v.num_groups(), " experts; missing: ", missing, shown > 8 ? ", ..." : "");
+    for (size_t i = 0; i < plan.missing.size() && i < 8; ++i) missing += (i == 0 ? "'" : ", '") + plan.missing[i] + "'";
+    throw_error(ErrorCode::kInvalidArgument, "load_state_dict: the checkpoint holds per-expert tensors '", key,
+                "0'.. for ", v.num_groups() - int64_t(plan.missing.size()), " of ", v.num_groups(),
+                " experts; missing: ", missing, plan.missing.size() > 8 ? ", ..." : "");
   }
+  apply_plan(state, key, v.num_groups(), plan);
   auto take = [&](const std::string& k, const TensorView& dst) {
     auto it = state.find(k);
     MOE_CHECK(it != state.end(), ErrorCode::kInvalidArgument, "load_state_dict: missing key '", k, "' (expected ",
               dst.describe(), ")");
     TensorView src = it->second.view();
-    // A packed [G*N, ...] tensor (TransformerEngine's single grouped parameter) is [G, N, ...].
-    if (src.is_contiguous() && src.numel() == dst.numel() && src.dim() == dst.dim() - 1 && src.dim() >= 1 &&
-        src.size(0) == dst.size(0) * dst.size(1))
-      src = src.reshape(dst.shape());
+    if (plan.action == GroupedKeyPlan::Action::kReshape && src.is_contiguous()) src = src.reshape(plan.shape);
     MOE_CHECK(src.shape() == dst.shape(), ErrorCode::kShape, "load_state_dict: key '", k, "' is ",
               it->second.view().describe(), ", expected shape ", dst.shape().to_string());
     MOE_CHECK(src.dtype() == dst.dtype(), ErrorCode::kDType, "load_state_dict: key '", k, "' is ",

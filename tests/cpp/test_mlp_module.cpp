@@ -170,8 +170,8 @@ TEST(GroupedMlpModule, KeepsOnlyWhatBackwardNeeds) {
   EXPECT_MOE_ERROR(m.backward(f.ctx, b.dy), ErrorCode::kInvalidArgument, "already used");
 }
 
-// The six rows of docs/design.md section 6 (grad_contract_rows.hpp), for both weights at once and
-// both layouts.
+// The rows of docs/design.md section 6 (tests/data/grad_contract.json), for both weights at once
+// and both layouts.
 
 class MlpGradientContract : public ::testing::TestWithParam<std::tuple<Row, ExpertLayout>> {};
 
@@ -182,6 +182,8 @@ TEST_P(MlpGradientContract, Row) {
   GroupedMLPOptions o = options(layout);
   o.delay_wgrad_compute = row.delay;
   o.accumulate_into_main_grad = row.main_grad;
+  o.overwrite_main_grad = row.overwrite;
+  o.zero_out_wgrad = row.zero_out;
   GroupedMLP m(kG, kH, kF, o);
   std::optional<MainGrads> mg;
   if (row.main_grad) mg.emplace(m);
@@ -225,7 +227,7 @@ TEST_P(MlpGradientContract, Row) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(SixRows, MlpGradientContract, all_rows_and_layouts(), row_and_layout_name);
+INSTANTIATE_TEST_SUITE_P(TableRows, MlpGradientContract, all_rows_and_layouts(), row_and_layout_name);
 
 TEST(GroupedMlpModule, DelayedEqualsImmediateTwiceIsDoubleOverwriteReplacesHooksOnce) {
   Rng rng;

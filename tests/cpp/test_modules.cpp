@@ -1,4 +1,4 @@
-// GroupedLinear module: the gradient contract of docs/design.md section 6 (all six rows), delayed
+// GroupedLinear module: the gradient contract of docs/design.md section 6 (every row), delayed
 // wgrad, main_grad accumulate / overwrite, hooks, what forward keeps, layouts, checkpoints (CPU
 // backend).
 #include <gtest/gtest.h>
@@ -132,7 +132,7 @@ TEST(GroupedLinearModule, KeepsOnlyWhatBackwardNeeds) {
   EXPECT_MOE_ERROR(m.backward(f.ctx, b.dy), ErrorCode::kInvalidArgument, "already used");
 }
 
-// The six rows of docs/design.md section 6 (grad_contract_rows.hpp), for both layouts.
+// The rows of docs/design.md section 6 (tests/data/grad_contract.json), for both layouts.
 class GradientContract : public ::testing::TestWithParam<std::tuple<Row, ExpertLayout>> {};
 
 TEST_P(GradientContract, Row) {
@@ -142,6 +142,8 @@ TEST_P(GradientContract, Row) {
   GroupedLinearOptions o = options(layout);
   o.delay_wgrad_compute = row.delay;
   o.accumulate_into_main_grad = row.main_grad;
+  o.overwrite_main_grad = row.overwrite;
+  o.zero_out_wgrad = row.zero_out;
   GroupedLinear m(kG, kIn, kOut, o);
   MainGrad mg(m.weight());
   if (row.main_grad) m.weight().set_main_grad(mg.param());
@@ -176,7 +178,34 @@ TEST_P(GradientContract, Row) {
     EXPECT_TRUE(param_equals(r.weight.grad, Tensor::zeros({kG, kOut, kIn}, DType::kBFloat16)));
 }
 
-INSTANTIATE_TEST_SUITE_P(SixRows, GradientContract, all_rows_and_layouts(), row_and_layout_name);
+INSTANTIATE_TEST_SUITE_P(TableRows, GradientContract, all_rows_and_layouts(), row_and_layout_name);
+
+// The decision itself, row by row: what both the C++ modules and moe_engine.torch apply.
+TEST(GradOutcome, EveryRowOfTheTable) {
+  for (const Row& row : grad_contract_rows()) {
+    const GradOutcome got = grad_outcome({row.main_grad, row.overwrite, row.zero_out, row.delay, row.flag});
+    EXPECT_EQ(got.deferred, row.outcome.deferred) << row.name;
+    EXPECT_EQ(got.target, row.outcome.target) << row.name << ": " << grad_target_name(got.target);
+    EXPECT_EQ(got.mode, row.outcome.mode) << row.name << ": " << grad_mode_name(got.mode);
+    EXPECT_EQ(got.handed_back, row.outcome.handed_back) << row.name << ": " << grad_kind_name(got.handed_back);
+    EXPECT_EQ(got.zero_dummy, row.outcome.zero_dummy) << row.name;
+    EXPECT_EQ(got.flag, row.outcome.flag) << row.name << ": " << flag_update_name(got.flag);
+  }
+}
+
+TEST(GradOutcome, ModifiersMatterOnlyForMainGrad) {
+  // overwrite / zero_out without main_grad (parameter attributes a framework may set anyway).
+  const GradOutcome plain = grad_outcome({false, true, true, false, true});
+  EXPECT_EQ(plain.target, GradTarget::kFresh);
+  EXPECT_EQ(plain.mode, GradMode::kWrite);
+  EXPECT_EQ(plain.handed_back, GradKind::kGrad);
+  EXPECT_FALSE(plain.zero_dummy);
+  EXPECT_EQ(plain.flag, FlagUpdate::kNever);
+  // zero_out without the flag: there is no dummy to zero.
+  EXPECT_FALSE(grad_outcome({true, false, true, false, false}).zero_dummy);
+  // Overwrite is a mode of the delayed GEMM too.
+  EXPECT_EQ(grad_outcome({true, true, false, true, true}).mode, GradMode::kOverwrite);
+}
 
 TEST(GroupedLinearModule, DelayedEqualsImmediateAccumulateTwiceIsDoubleOverwriteReplaces) {
   Rng rng;
@@ -374,6 +403,50 @@ TEST(NormalizeGroupedKeys, StacksSplitsAndLeavesMixesAlone) {
   EXPECT_EQ(mix.size(), 2u);
   std::map<std::string, Tensor> bad{{"w0", filled({2, 3}, 0)}, {"w1", filled({3, 2}, 0)}, {"w2", filled({2, 3}, 0)}};
   EXPECT_MOE_ERROR(normalize_grouped_keys(bad, "w", 3, ExpertLayout::kPacked), ErrorCode::kShape, "'w1'");
+}
+
+// The decision alone, on shapes and dtype names (what moe_engine.torch applies to torch tensors).
+TEST(PlanGroupedKeys, DecidesFromTheKeysAndShapes) {
+  using Action = GroupedKeyPlan::Action;
+  const std::map<std::string, CheckpointEntry> per_expert{
+      {"w0", {{2, 3}, "float32"}}, {"w1", {{2, 3}, "float32"}}, {"w2", {{2, 3}, "float32"}}};
+  GroupedKeyPlan p = plan_grouped_keys(per_expert, "w", 3, ExpertLayout::kPacked);
+  EXPECT_EQ(p.action, Action::kStack);
+  EXPECT_EQ(p.shape, (Shape{3, 2, 3}));
+  EXPECT_EQ(plan_grouped_keys(per_expert, "w", 3, ExpertLayout::kPerExpert).action, Action::kKeep);
+
+  const std::map<std::string, CheckpointEntry> flat{{"w", {{6, 3}, "bfloat16"}}};
+  p = plan_grouped_keys(flat, "w", 3, ExpertLayout::kPerExpert);
+  EXPECT_EQ(p.action, Action::kSplit);
+  EXPECT_EQ(p.shape, (Shape{2, 3}));
+  p = plan_grouped_keys({{"w", {{3, 2, 3}, "bfloat16"}}}, "w", 3, ExpertLayout::kPerExpert);
+  EXPECT_EQ(p.action, Action::kSplit);
+  EXPECT_EQ(p.shape, (Shape{2, 3}));
+  // TransformerEngine's [G*N, K] into a packed module of [G, N, K]: only with the module's expert shape.
+  EXPECT_EQ(plan_grouped_keys(flat, "w", 3, ExpertLayout::kPacked).action, Action::kKeep);
+  p = plan_grouped_keys(flat, "w", 3, ExpertLayout::kPacked, Shape{2, 3});
+  EXPECT_EQ(p.action, Action::kReshape);
+  EXPECT_EQ(p.shape, (Shape{3, 2, 3}));
+  EXPECT_EQ(plan_grouped_keys(flat, "w", 3, ExpertLayout::kPacked, Shape{3, 3}).action, Action::kKeep);
+  EXPECT_EQ(plan_grouped_keys({{"w", {{3, 2, 3}, "bfloat16"}}}, "w", 3, ExpertLayout::kPacked, Shape{2, 3}).action,
+            Action::kKeep);
+
+  // Some experts only: kept, and the absent ones named for a packed module.
+  p = plan_grouped_keys({{"w0", {{2}, "float32"}}, {"w2", {{2}, "float32"}}}, "w", 3, ExpertLayout::kPacked);
+  EXPECT_EQ(p.action, Action::kKeep);
+  EXPECT_EQ(p.missing, std::vector<std::string>{"w1"});
+  EXPECT_TRUE(plan_grouped_keys({{"w0", {{2}, "float32"}}}, "w", 3, ExpertLayout::kPerExpert).missing.empty());
+
+  // Errors are data: each loader raises them its own way.
+  p = plan_grouped_keys({{"w", {{7, 3}, "float32"}}}, "w", 3, ExpertLayout::kPerExpert);
+  EXPECT_EQ(p.action, Action::kKeep);
+  EXPECT_NE(p.error.find("cannot split checkpoint key 'w' [7, 3] float32"), std::string::npos) << p.error;
+  p = plan_grouped_keys({{"w", {{}, "float32"}}}, "w", 3, ExpertLayout::kPerExpert);
+  EXPECT_NE(p.error.find("does not split into 3 experts"), std::string::npos) << p.error;
+  p = plan_grouped_keys({{"w0", {{2}, "float32"}}, {"w1", {{2}, "float16"}}, {"w2", {{2}, "float32"}}}, "w", 3,
+                        ExpertLayout::kPacked);
+  EXPECT_NE(p.error.find("checkpoint key 'w1' is [2] float16, but 'w0' is [2] float32"), std::string::npos) << p.error;
+  EXPECT_MOE_ERROR(plan_grouped_keys({}, "w", 0, ExpertLayout::kPacked), ErrorCode::kInvalidArgument, "G >= 1");
 }
 
 }  // namespace

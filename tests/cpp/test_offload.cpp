@@ -1,7 +1,12 @@
 // ActivationOffload on the CPU backend (the bookkeeping, with synchronous copies): bit-identical
 // to no offload over several steps, what goes and what stays (per-module opt-out, min_bytes, the
-// last layer), host buffers reused across steps, and clear errors for every misuse.
+// last layer), host buffers reused across steps, and clear errors for every misuse; the schedule
+// (moe::OffloadSchedule) against the table it shares with the Python tests.
 #include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
 
 #include "offload_stack.hpp"
 
@@ -145,6 +150,47 @@ TEST(OffloadCpuErrors, MisuseIsAClearError) {
   offload.offload(old_ctx, nullptr);
   offload.begin_layer(0, nullptr);
   expect_invalid([&] { offload.restore(old_ctx, nullptr); }, "earlier step");
+}
+
+// tests/data/offload_schedule.json: the decisions both ActivationOffload classes follow.
+nlohmann::json offload_schedule_table() {
+  const std::string path = std::string(MOE_ENGINE_TEST_DATA_DIR) + "/offload_schedule.json";
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("cannot read " + path);
+  return nlohmann::json::parse(in);
+}
+
+std::optional<int> offload_layers_of(const nlohmann::json& j) {
+  return j.is_null() ? std::nullopt : std::optional<int>(j.get<int>());
+}
+
+TEST(OffloadSchedule, EveryCaseOfTheTable) {
+  const nlohmann::json table = offload_schedule_table();
+  ASSERT_FALSE(table.at("stacks").empty());
+  for (const nlohmann::json& c : table.at("stacks")) {
+    const int n = c.at("num_layers").get<int>();
+    const OffloadSchedule s(n, offload_layers_of(c.at("offload_layers")), c.at("min_bytes").get<int64_t>());
+    SCOPED_TRACE("num_layers " + std::to_string(n));
+    EXPECT_EQ(s.num_layers(), n);
+    EXPECT_EQ(s.offload_layers(), c.at("resolved_offload_layers").get<int>());
+    for (int i = 0; i < n; ++i) {
+      EXPECT_EQ(OffloadSchedule::released_at_forward(i), c.at("released_at_forward").at(size_t(i)).get<int>()) << i;
+      EXPECT_EQ(OffloadSchedule::release_after_kept_reload(i), c.at("release_after_kept_reload").at(size_t(i)).get<bool>())
+          << i;
+    }
+    for (const nlohmann::json& o : c.at("offloads"))
+      EXPECT_EQ(s.offloads(o.at(0).get<int>(), o.at(1).get<int64_t>(), o.at(2).get<bool>()), o.at(3).get<bool>()) << o;
+    for (const nlohmann::json& b : c.at("backward")) {
+      const OffloadSchedule::BackwardStart got = s.at_backward(b.at("layer").get<int>(), b.at("first").get<bool>());
+      EXPECT_EQ(got.release, b.at("release").get<std::vector<int>>()) << b;
+      EXPECT_EQ(got.reload, b.at("reload").get<std::vector<int>>()) << b;
+    }
+  }
+  for (const nlohmann::json& e : table.at("errors"))
+    expect_invalid([&] { OffloadSchedule(e.at("num_layers").get<int>(), offload_layers_of(e.at("offload_layers")),
+                                         e.at("min_bytes").get<int64_t>()); },
+                   e.at("message").get<std::string>());
+  expect_invalid([] { OffloadSchedule(2).at_backward(2, true); }, "layer 2 is not in [0, 2)");
 }
 
 }  // namespace

@@ -2,6 +2,9 @@
 through a real backward with Megatron-DDP-style hooks, delayed wgrad, FSDP main_grad, state_dict
 round trips across layouts (and GLU layouts), torch.compile of a module forward."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
@@ -72,19 +75,20 @@ def plain_wgrads(kind, device, layout):
     return [p.grad.float().clone() for p in weight_params(m)]
 
 
+# The rows of docs/design.md section 6, shared with the C++ module tests (tests/data/grad_contract.json).
+ROWS = json.loads((Path(__file__).resolve().parent.parent / "data" / "grad_contract.json").read_text())["rows"]
+
+
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 @pytest.mark.parametrize("layout", ["packed", "per-expert"])
-@pytest.mark.parametrize(
-    "row", ["plain", "delayed", "main_grad", "main_grad+flag", "delayed+main_grad", "delayed+main_grad+flag",
-            "main_grad+flag+zero_out", "overwrite"])
+@pytest.mark.parametrize("row", ROWS, ids=[r["name"] for r in ROWS])
 def test_every_row_of_the_gradient_contract(device, kind, layout, row):
     expected = plain_wgrads(kind, device, layout)
-    into_main = "main_grad" in row or row == "overwrite"
-    delayed = row.startswith("delayed")
+    into_main, delayed = row["main_grad"], row["delay"]
     m = build(kind, device, layout=layout, accumulate_into_main_grad=into_main, delay_wgrad_compute=delayed,
-              overwrite_main_grad=row == "overwrite")
+              overwrite_main_grad=row["overwrite"])
     weights = weight_params(m)
-    ddp_log = attach_ddp(m, with_flag="flag" in row, zero_out="zero_out" in row) if into_main else []
+    ddp_log = attach_ddp(m, with_flag=row["flag"], zero_out=row["zero_out"]) if into_main else []
     if into_main:
         for p in weights:
             p.main_grad.fill_(1.0)  # accumulate adds to it; overwrite replaces it
@@ -100,19 +104,18 @@ def test_every_row_of_the_gradient_contract(device, kind, layout, row):
             assert getattr(p, "skip_backward_post_hook", False)
     for p, ref in zip(weights, expected):
         got = seen.get(id(p))
-        if row == "plain":
+        if row["handed_back"] == "grad":
             assert got is not None and torch.equal(got.float(), ref)
-        elif row in ("delayed", "main_grad", "delayed+main_grad", "overwrite"):
-            assert got is None, row  # nothing handed back: no grad += behind our back
+        elif row["handed_back"] == "none":
+            assert got is None  # nothing handed back: no grad += behind our back
         else:  # the shared dummy
             assert got is not None and got.shape == p.shape
-            if "zero_out" in row:
+            if row["zero_dummy"]:
                 assert torch.all(got == 0)
-    if into_main:
-        flagged = "flag" in row
-        for p in weights:
-            if flagged:
-                assert p.grad_added_to_main_grad == (not delayed)
+    for p in weights:
+        assert hasattr(p, "grad_added_to_main_grad") == row["flag"]
+        if row["flag"]:
+            assert p.grad_added_to_main_grad == row["flag_after_backward"]
     assert m.backward_dw() is None
     assert len(fired) == (1 if delayed else 0)
     m.backward_dw()  # nothing queued: no-op, hooks do not fire again
@@ -120,11 +123,11 @@ def test_every_row_of_the_gradient_contract(device, kind, layout, row):
     if into_main:  # Megatron's reduce hook ran once for every parameter
         assert len(ddp_log) == len(list(m.parameters()))
     for p, ref in zip(weights, expected):
+        if row["flag"]:
+            assert p.grad_added_to_main_grad == row["flag_after_dw"]
         if into_main:
-            base = 0.0 if row == "overwrite" else 1.0
-            assert_close(p.main_grad - base, ref, DTYPE[device.type], f"main_grad {row}")
-            if "flag" in row:
-                assert p.grad_added_to_main_grad
+            base = 0.0 if row["mode"] == "overwrite" else 1.0
+            assert_close(p.main_grad - base, ref, DTYPE[device.type], f"main_grad {row['name']}")
         elif delayed:
             assert torch.equal(p.grad.float(), ref)
 
@@ -208,6 +211,16 @@ def test_state_dict_round_trips_across_layouts(device):
     assert torch.equal(per_expert.weight3, packed.weight[3])
     with pytest.raises(RuntimeError, match="cannot split"):
         per_expert.load_state_dict({"weight": torch.zeros(5, 32), "bias": packed.bias})
+    # TransformerEngine's single grouped parameter [G*N, K] loads into a packed module too.
+    again.weight.data.zero_()
+    again.bias.data.zero_()
+    again.load_state_dict(flat)
+    assert torch.equal(again.weight, packed.weight) and torch.equal(again.bias, packed.bias)
+    # Experts that disagree: named.
+    bad = per_expert.state_dict()
+    bad["weight1"] = torch.zeros(48, 31, dtype=bad["weight0"].dtype, device=device)
+    with pytest.raises(RuntimeError, match=r"checkpoint key 'weight1' is \[48, 31\] .*but 'weight0' is \[48, 32\]"):
+        again.load_state_dict(bad)
 
 
 def test_a_checkpoint_missing_an_expert_names_it(device):

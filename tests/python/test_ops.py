@@ -168,19 +168,26 @@ def test_opcheck_of_every_op():
     h = torch.randn(12, 16)
     w1, w2 = torch.randn(3, 16, 8), torch.randn(3, 8, 8)
     ops = torch.ops.moe_engine
+    pairs = me.glu_text("swiglu", "pairs")
+    routing = ops.grouped_linear_routed(x, [w], s, [], None)[1]  # a live routing of (s, 12 rows)
     cases = [
         (ops.grouped_linear, (x, [w], s, [b], p)),
         (ops.grouped_linear, (x, list(w.unbind(0)), s, [], None)),
+        (ops.grouped_linear_routed, (x, [w], s, [b], p)),
         (ops.grouped_linear_dgrad, (dy, [w], s)),
+        (ops.grouped_linear_dgrad, (dy, [w], s, routing)),
         (ops.grouped_linear_wgrad_, (dy, x, s, [torch.empty(3, 6, 8)], "write")),
+        (ops.grouped_linear_wgrad_, (dy, x, s, [torch.empty(3, 6, 8)], "write", routing)),
         (ops.grouped_linear_dbias, (dy, s, p)),
         (ops.grouped_linear_dscales, (dy, [b], s)),
-        (ops.glu, (h, p, s, "swiglu", 7.0, 1.702, 1.0, "pairs")),
-        (ops.glu_backward, (h, p, torch.randn(12, 8), s, "swiglu", 7.0, 1.702, 1.0, "pairs")),
-        (ops.expert_mlp, (x, p, [w1], [], [w2], [], s, "swiglu", 7.0, 1.702, 1.0, "halves", "forward", True)),
-        (ops.expert_mlp_backward_, (torch.randn(12, 8), x, p, [w1], [], [w2], [], s, None, "swiglu", 7.0, 1.702,
-                                    1.0, "halves", "none", True, True, False, [torch.zeros(3, 16, 8)], "accumulate",
-                                    [], "write")),
+        (ops.glu, (h, p, s, pairs)),
+        (ops.glu_routed, (h, p, s, pairs)),
+        (ops.glu_backward, (h, p, torch.randn(12, 8), s, pairs)),
+        (ops.glu_backward, (h, p, torch.randn(12, 8), s, pairs, routing)),
+        (ops.expert_mlp, (x, p, [w1], [], [w2], [], s, me.glu_text(), "forward", True)),
+        (ops.expert_mlp_routed, (x, p, [w1], [], [w2], [], s, me.glu_text(), "forward", False)),
+        (ops.expert_mlp_backward_, (torch.randn(12, 8), x, p, [w1], [], [w2], [], s, None, me.glu_text(), "none", True,
+                                    True, False, [torch.zeros(3, 16, 8)], "accumulate", [], "write")),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
@@ -188,8 +195,8 @@ def test_opcheck_of_every_op():
 
 def test_autograd_registration_passes_opcheck():
     x, w, s = torch.randn(12, 8, requires_grad=True), torch.randn(3, 6, 8, requires_grad=True), torch.tensor([4, 0, 5])
-    torch.library.opcheck(torch.ops.moe_engine.grouped_linear, (x, [w], s, [], None),
-                          test_utils=("test_autograd_registration",))
+    for op in (torch.ops.moe_engine.grouped_linear_routed, torch.ops.moe_engine.grouped_linear):
+        torch.library.opcheck(op, (x, [w], s, [], None), test_utils=("test_autograd_registration",))
 
 
 def test_functional_api_compiles_fullgraph(device):

@@ -1,5 +1,14 @@
-"""How torch tensors reach the C++ extension: plain descriptors, the current CUDA stream, the
-experts' pointer tables. Nothing here reads a tensor's values (no host sync)."""
+"""How torch tensors reach the C++ extension: the tensors themselves (``_C`` imports them as DLPack
+arrays, see python/src/extension.cpp), the current CUDA stream, the experts' pointer tables, and
+the routing. Nothing here reads a tensor's values (no host sync).
+
+The routing of a layer (``_C.Routing``: the group offsets that ``GroupLayout::compute`` made from
+``splits``) is computed once per forward and reused by the backward. Torch's dispatcher carries
+only tensors, so a forward op returns the routing as a tensor over its offsets (``routing_tensor``)
+whose storage owns the ``_C.Routing``; a backward op given that tensor gets the same ``_C.Routing``
+back (``routing_of``). A tensor that is not a live routing of the same splits and rows (a copy, a
+forged one) is never trusted: the offsets are then computed again from splits.
+"""
 
 from __future__ import annotations
 
@@ -7,33 +16,14 @@ from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
+import torch.utils.dlpack
 
 from .. import _C
 
-_DTYPE_CODES = {
-    getattr(torch, name): code for name, code in _C.dtype_codes.items() if hasattr(torch, name)
-}
 
-
-def dtype_code(dtype: torch.dtype) -> int:
-    code = _DTYPE_CODES.get(dtype)
-    if code is None:
-        raise ValueError(
-            f"moe_engine: unsupported dtype {dtype}; expected one of "
-            f"{', '.join(str(d) for d in _DTYPE_CODES)}"
-        )
-    return code
-
-
-def desc(t: Optional[torch.Tensor]):
-    """(data pointer, shape, strides, dtype code, device index or -1), or () for no tensor."""
-    if t is None:
-        return ()
-    return (t.data_ptr(), tuple(t.shape), t.stride(), dtype_code(t.dtype), t.get_device())
-
-
-def descs(ts: Sequence[torch.Tensor]) -> list:
-    return [desc(t) for t in ts]
+def dtype_name(dtype: torch.dtype) -> str:
+    """The C++ library's name of a torch dtype ("bfloat16", ...)."""
+    return str(dtype)[len("torch."):]
 
 
 _READY_DEVICES = set()
@@ -49,7 +39,7 @@ def ensure_device(index: int) -> None:
             f"moe_engine: first use of cuda:{index} inside CUDA graph capture; call "
             "moe_engine.torch.init_device() (or run any moe_engine op) before capturing"
         )
-    _C.init_device(index, torch.cuda.current_stream(index).cuda_stream)
+    _C.init_device(index)
     _READY_DEVICES.add(index)
 
 
@@ -94,24 +84,51 @@ def is_packed(ts: Sequence[torch.Tensor], expert_rank: int) -> bool:
 
 
 def grouped(ts: Sequence[torch.Tensor], expert_rank: int):
-    """A grouped parameter for the extension: one packed [G, ...] tensor (rank expert_rank + 1) or
-    G per-expert tensors (with their pointer table on CUDA); an empty list is no parameter."""
+    """A grouped parameter for the extension: (tensors, pointer table or None). One packed
+    [G, ...] tensor (rank expert_rank + 1) or G per-expert tensors (with their pointer table on
+    CUDA); an empty list is no parameter."""
     if len(ts) == 0 or is_packed(ts, expert_rank):
-        return (descs(ts), None)
-    return (descs(ts), desc(pointer_table(ts)))
+        return (ts, None)
+    return (ts, pointer_table(ts))
 
+
+# ---- routing ----
 
 _SPLITS_DTYPES = (torch.int64, torch.int32)
 
 
-def offsets_for(splits: torch.Tensor) -> torch.Tensor:
-    """Scratch for the group offsets every op computes from splits (int64 [G+1]). Hold it in a
-    variable across the extension call: a descriptor does not keep its tensor alive. Checks what
-    only splits can get wrong here, so the message names splits and what it may be."""
+def check_splits(splits: torch.Tensor) -> None:
+    """What only splits can get wrong here, so that the message names splits and what it may be."""
     if not isinstance(splits, torch.Tensor):
         raise TypeError(f"moe_engine: splits must be a [G] int64 or int32 tensor, got {type(splits).__name__}")
     if splits.dtype not in _SPLITS_DTYPES:
         raise ValueError(f"moe_engine: splits must be an int64 or int32 tensor (tokens per expert), got {splits.dtype}")
     if splits.dim() != 1:
         raise ValueError(f"moe_engine: splits must be 1-D [G] (tokens per expert), got shape {tuple(splits.shape)}")
-    return torch.empty(splits.shape[0] + 1, dtype=torch.int64, device=splits.device)
+
+
+def routing_of(op: str, tokens_name: str, tokens: torch.Tensor, splits: torch.Tensor, stream: int,
+               saved: Optional[torch.Tensor] = None):
+    """The ``_C.Routing`` of ``splits`` for the rows of ``tokens`` (the op's [T, ...] token tensor,
+    named ``tokens_name`` in ``op``'s messages): the one ``saved`` stands for, when it is the
+    routing tensor of a live routing of these splits and rows, else a new one (``GroupLayout::compute``:
+    one small kernel on ``stream``, into an offsets buffer from torch's allocator)."""
+    if saved is not None:
+        found = _C.find_routing(saved, splits, tokens.shape[0] if tokens.dim() > 0 else -1)
+        if found is not None:
+            return found
+    check_splits(splits)
+    offsets = torch.empty(splits.shape[0] + 1, dtype=torch.int64, device=splits.device)  # the routing's alone
+    return _C.route(splits, offsets, tokens, stream, op, tokens_name)
+
+
+def routing_tensor(routing) -> torch.Tensor:
+    """The routing as a tensor that crosses torch's dispatcher: int64 [G+1], its offsets, on the
+    splits' device. Its storage holds the ``_C.Routing`` (and with it the splits and offsets
+    buffers), so the routing lives as long as autograd keeps the tensor. Read-only by contract."""
+    return torch.utils.dlpack.from_dlpack(routing.offsets_capsule())
+
+
+def routing_like(splits: torch.Tensor) -> torch.Tensor:
+    """What a fake implementation returns for a routing tensor."""
+    return splits.new_empty(splits.shape[0] + 1, dtype=torch.int64)

@@ -1,4 +1,4 @@
-"""The weight-gradient contract of DESIGN.md section 4 on torch parameters, with Megatron-LM's
+"""The weight-gradient contract of docs/design.md section 6 on torch parameters, with Megatron-LM's
 attributes: where a weight gradient goes (a fresh tensor, ``param.main_grad``, or ``param.grad``
 after ``backward_dw``) and what backward hands back to autograd for it:
 
@@ -12,21 +12,27 @@ after ``backward_dw``) and what backward hands back to autograd for it:
 | delayed + main_grad, with the flag              | shared dummy; flag set when backward_dw runs  |
 
 Returning None keeps autograd from doing ``grad += wgrad`` behind us; the dummy exists because
-data-parallel hooks need a gradient object to fire. The C++ modules implement the same table
-(``moe::detail::WeightGradContract``); this is its twin on torch parameters, whose attributes
-(``main_grad``, ``get_main_grad``, ``overwrite_main_grad``, ...) live in Python.
+data-parallel hooks need a gradient object to fire. The decision is the C++ library's
+(``moe::grad_outcome``, through ``_C.grad_outcome``), which the C++ modules apply too; this file
+applies it to torch parameters, whose attributes (``main_grad``, ``get_main_grad``,
+``overwrite_main_grad``, ...) live in Python.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from .. import _C
 from .ops import new_expert_grads
 
 _FLAG = "grad_added_to_main_grad"
+
+# _C.grad_outcome is pure: one call per distinct case.
+_grad_outcome = functools.lru_cache(maxsize=None)(_C.grad_outcome)
 
 
 def main_grad_of(p: torch.nn.Parameter, name: str) -> Tensor:
@@ -61,63 +67,65 @@ class WeightGradContract:
         self.zero_out = zero_out_wgrad
         self._dummies: Dict[Tuple, Tensor] = {}
 
-    def _mode(self, params: Sequence[Tensor]) -> str:
-        overwrite = {self.overwrite or bool(getattr(p, "overwrite_main_grad", False)) for p in params}
-        if len(overwrite) != 1:
-            raise ValueError("moe_engine: the experts of one weight disagree on overwrite_main_grad")
-        return "overwrite" if overwrite.pop() else "accumulate"
+    def _outcomes(self, params: Sequence[Tensor], delayed: bool) -> list:
+        """The decision for each parameter: the module's options with the parameter's attributes."""
+        return [_grad_outcome(self.into_main_grad, self.overwrite or bool(getattr(p, "overwrite_main_grad", False)),
+                              self.zero_out or bool(getattr(p, "zero_out_wgrad", False)), delayed, hasattr(p, _FLAG))
+                for p in params]
 
-    def main_grad_target(self, params: Sequence[Tensor], names: Sequence[str]) -> Tuple[List[Tensor], str]:
-        return [main_grad_of(p, n) for p, n in zip(params, names)], self._mode(params)
-
-    def _dummy(self, p: Tensor) -> Tensor:
+    def _dummy(self, p: Tensor, zero: bool) -> Tensor:
         key = (tuple(p.shape), p.dtype, p.device)
         d = self._dummies.get(key)
         if d is None:
             d = self._dummies[key] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-        if self.zero_out or getattr(p, "zero_out_wgrad", False):
+        if zero:
             d.zero_()
         return d
 
-    def _main_grad_outcome(self, params: Sequence[Tensor], set_flag: bool) -> List[Optional[Tensor]]:
+    def _handed_back(self, params, outcomes, targets) -> List[Optional[Tensor]]:
         out: List[Optional[Tensor]] = []
-        for p in params:
-            if hasattr(p, _FLAG):
-                if set_flag:
-                    setattr(p, _FLAG, True)
-                out.append(self._dummy(p))
+        for i, (p, o) in enumerate(zip(params, outcomes)):
+            if o.handed_back == "grad":
+                out.append(targets[i])
+            elif o.handed_back == "dummy":
+                out.append(self._dummy(p, o.zero_dummy))
             else:
                 out.append(None)
         return out
 
-    def targets(self, params, names) -> Tuple[List[Tensor], str]:
-        """Where a weight gradient computed now goes, and how: main_grad (accumulate/overwrite)
-        or fresh tensors (write)."""
-        if self.into_main_grad:
-            return self.main_grad_target(params, names)
-        return new_expert_grads(params), "write"
+    def targets(self, params, names, delayed: bool = False) -> Tuple[List[Tensor], str]:
+        """Where a weight gradient computed now goes, and how: main_grad (accumulate/overwrite) or
+        fresh tensors (write; a delayed gradient without main_grad is then added to ``.grad`` by
+        ``finish_delayed``). The GEMM covers all experts at once, so they must agree on the mode."""
+        outcomes = self._outcomes(params, delayed)
+        if outcomes[0].target != "main_grad":
+            return new_expert_grads(params), "write"
+        modes = {o.mode for o in outcomes}
+        if len(modes) != 1:
+            raise ValueError("moe_engine: the experts of one weight disagree on overwrite_main_grad")
+        return [main_grad_of(p, n) for p, n in zip(params, names)], modes.pop()
 
     def outcome(self, params, targets) -> List[Optional[Tensor]]:
-        """What autograd gets for a gradient computed now into ``targets``."""
-        if self.into_main_grad:
-            return self._main_grad_outcome(params, set_flag=True)
-        return list(targets)
+        """What autograd gets for a gradient computed now into ``targets`` (sets the flags)."""
+        outcomes = self._outcomes(params, delayed=False)
+        for p, o in zip(params, outcomes):
+            if o.flag == "backward":
+                setattr(p, _FLAG, True)
+        return self._handed_back(params, outcomes, targets)
 
     def queued(self, params, names) -> List[Optional[Tensor]]:
         """What autograd gets for a gradient queued for backward_dw."""
-        if self.into_main_grad:
-            for p, n in zip(params, names):
+        outcomes = self._outcomes(params, delayed=True)
+        for p, n, o in zip(params, names, outcomes):
+            if o.target == "main_grad":
                 main_grad_of(p, n)  # fail now, not in backward_dw
-            return self._main_grad_outcome(params, set_flag=False)
-        return [None] * len(params)
+        return self._handed_back(params, outcomes, [None] * len(params))
 
     def finish_delayed(self, params, targets) -> None:
         """After backward_dw computed a queued gradient into ``targets``: set the flags, or add the
-        gradient to ``param.grad`` (there is no main_grad)."""
-        if self.into_main_grad:
-            for p in params:
-                if hasattr(p, _FLAG):
-                    setattr(p, _FLAG, True)
-            return
-        for p, g in zip(params, targets):
-            p.grad = g if p.grad is None else p.grad.add_(g)
+        gradient to ``param.grad``."""
+        for p, g, o in zip(params, targets, self._outcomes(params, delayed=True)):
+            if o.flag == "backward_dw":
+                setattr(p, _FLAG, True)
+            if o.target == "grad":
+                p.grad = g if p.grad is None else p.grad.add_(g)

@@ -1,5 +1,5 @@
 """``GroupedLinear`` and ``GroupedMLP``: nn.Modules over the moe-engine ops with the training
-contract of TransformerEngine / Megatron-LM (DESIGN.md section 4):
+contract of TransformerEngine / Megatron-LM (docs/design.md section 6):
 
 - parameters packed (``weight`` ``[G, N, K]``) or per expert (``weight0`` .. ``weight{G-1}``);
 - ``accumulate_into_main_grad``: the wgrad GEMM adds into (or, with ``overwrite_main_grad``,
@@ -9,12 +9,15 @@ contract of TransformerEngine / Megatron-LM (DESIGN.md section 4):
 - ``delay_wgrad_compute``: backward computes dgrad (and bias gradients) only; ``backward_dw()`` runs
   the queued weight gradients, then the hooks registered with
   ``register_wgrad_accumulation_and_reduce_hooks``; weights carry ``skip_backward_post_hook``;
-- ``load_state_dict`` normalizes checkpoint keys between the packed and per-expert forms;
+- ``load_state_dict`` normalizes checkpoint keys between the packed and per-expert forms (the plan
+  comes from the C++ library, ``_C.plan_grouped_keys``, which the C++ modules apply too);
 - ``offload_activations=False`` keeps the module's saved tensors on the device inside an
   ``ActivationOffload`` region (the per-module opt-out; ``offload.py``).
 
 The routing ``splits`` is a ``[G]`` tensor on the tokens' device; nothing reads it on the host, so
-forward and backward can be captured in a CUDA graph and replayed with new splits.
+forward and backward can be captured in a CUDA graph and replayed with new splits. Forward computes
+the group offsets once; backward (and ``backward_dw``) reuse them through the forward's routing
+tensor (``ops``).
 """
 
 from __future__ import annotations
@@ -28,40 +31,37 @@ from torch import Tensor, nn
 
 from .. import _C
 from . import ops
+from ._bridge import dtype_name as _dtype_name
 from ._contract import WeightGradContract
 from .offload import no_offload
 
 _LAYOUTS = ("packed", "per-expert")
 
 
-def normalize_grouped_keys(state: dict, key: str, num_groups: int, packed: bool) -> List[str]:
-    """Checkpoint key normalization for one grouped parameter ``key`` (PREFIX + name): a packed
-    module gets ``key`` stacked from ``key0..key{G-1}`` when all of those are present and ``key``
-    is not; a per-expert module gets ``key`` split (``[G, ...]`` along dim 0, or ``[G*N, ...]``
-    into G equal chunks) when it is present and no indexed key is. Other mixes are left alone.
-    Returns the indexed keys a packed module misses when the checkpoint has only some experts (torch
-    would report only ``key`` as missing)."""
+def normalize_grouped_keys(state: dict, key: str, num_groups: int, packed: bool,
+                           expert_shape: Sequence[int] = ()) -> List[str]:
+    """Checkpoint key normalization for one grouped parameter ``key`` (PREFIX + name), as the C++
+    modules do it (``_C.plan_grouped_keys`` decides; this applies the plan to torch tensors): a
+    packed module gets ``key`` stacked from ``key0..key{G-1}`` when all of those are present and
+    ``key`` is not; a per-expert module gets ``key`` split (``[G, ...]`` along dim 0, or
+    ``[G*N, ...]`` into G equal chunks) when it is present and no indexed key is; with
+    ``expert_shape`` (the module's ``[N, ...]``) a packed module's ``[G*N, ...]`` key is reshaped to
+    ``[G, N, ...]``. Other mixes are left alone. Returns the indexed keys a packed module misses when
+    the checkpoint has only some experts (torch would report only ``key`` as missing)."""
     indexed = [f"{key}{i}" for i in range(num_groups)]
-    missing = [k for k in indexed if k not in state]
-    partial = missing if packed and key not in state and len(missing) < num_groups else []
-    if packed:
-        if key in state or missing:
-            return partial
+    entries = {k: (tuple(state[k].shape), _dtype_name(state[k].dtype)) for k in [key, *indexed] if k in state}
+    plan = _C.plan_grouped_keys(entries, key, num_groups, "packed" if packed else "per-expert", list(expert_shape))
+    if plan.error:
+        raise RuntimeError(f"moe_engine: {plan.error}")
+    if plan.action == "stack":
         state[key] = torch.stack([state.pop(k) for k in indexed])
-        return []
-    if any(k in state for k in indexed) or key not in state:
-        return []
-    t = state[key]
-    if t.dim() == 0 or t.shape[0] % num_groups != 0:
-        raise RuntimeError(
-            f"moe_engine: cannot split checkpoint tensor '{key}' of shape {tuple(t.shape)} into "
-            f"{num_groups} experts (expected [G, ...] or [G*N, ...])"
-        )
-    del state[key]
-    parts = t.unbind(0) if t.shape[0] == num_groups else t.chunk(num_groups, 0)
-    for k, part in zip(indexed, parts):
-        state[k] = part
-    return []
+    elif plan.action == "split":
+        parts = state.pop(key).reshape(num_groups, *plan.shape).unbind(0)
+        for k, part in zip(indexed, parts):
+            state[k] = part
+    elif plan.action == "reshape":
+        state[key] = state[key].reshape(plan.shape)
+    return plan.missing
 
 
 class _ExpertParams(nn.Module):
@@ -97,9 +97,13 @@ class _ExpertParams(nn.Module):
         self.register_load_state_dict_post_hook(self._name_missing_experts)
 
     def _normalize_keys(self, state_dict, prefix, *args):
-        self._missing_experts = normalize_grouped_keys(state_dict, prefix + "weight", self.num_groups, self.packed)
+        weight = self.weights()[0]
+        expert_shape = weight.shape[1:] if self.packed else weight.shape
+        self._missing_experts = normalize_grouped_keys(state_dict, prefix + "weight", self.num_groups, self.packed,
+                                                       expert_shape)
         if self.has_bias:
-            self._missing_experts += normalize_grouped_keys(state_dict, prefix + "bias", self.num_groups, self.packed)
+            self._missing_experts += normalize_grouped_keys(state_dict, prefix + "bias", self.num_groups, self.packed,
+                                                            expert_shape[:1])
 
     @staticmethod
     def _name_missing_experts(module, incompatible_keys):
@@ -169,21 +173,22 @@ class _GroupedLinearFunction(torch.autograd.Function):
     def forward(ctx, module: "GroupedLinear", x, splits, row_scale, *params):
         n = len(params) if not module.has_bias else len(params) // 2
         weights, biases = list(params[:n]), list(params[n:])
-        y = ops._grouped_linear(x, weights, splits, biases, row_scale)
+        y, routing = ops._grouped_linear(x, weights, splits, biases, row_scale)
         keep_x = any(w.requires_grad for w in weights)
-        ctx.save_for_backward(x if keep_x else None, splits, row_scale, *params)
+        ctx.save_for_backward(x if keep_x else None, splits, row_scale, routing, *params)
         ctx.module, ctx.n = module, n
         return y
 
     @staticmethod
     def backward(ctx, dy):
         m: GroupedLinear = ctx.module
-        x, splits, row_scale, *params = ctx.saved_tensors
+        x, splits, row_scale, routing, *params = ctx.saved_tensors
         weights, biases = params[: ctx.n], params[ctx.n :]
         need = ctx.needs_input_grad
         dy = dy.contiguous()
         need_w, need_b = any(need[4 : 4 + ctx.n]), any(need[4 + ctx.n :])  # inputs: module, x, splits, row_scale, params
-        dx, db, ds = ops.linear_grads_but_weight(dy, weights, biases, splits, row_scale, need[1], need_b, need[3])
+        dx, db, ds = ops.linear_grads_but_weight(dy, weights, biases, splits, row_scale, need[1], need_b, need[3],
+                                                 routing)
         dw: List[Optional[Tensor]] = [None] * len(weights)
         if need_w:
 
@@ -193,16 +198,16 @@ class _GroupedLinearFunction(torch.autograd.Function):
             contract, names, params = m._weight_grad, m.weight_names(), m.weights()
             if m.delay_wgrad_compute:
 
-                def job(dy=dy, x=x, splits=splits):
-                    targets, mode = contract.targets(params, names)
-                    ops._grouped_linear_wgrad_(dy, x, splits, targets, mode)
+                def job(dy=dy, x=x, splits=splits, routing=routing):
+                    targets, mode = contract.targets(params, names, delayed=True)
+                    ops._grouped_linear_wgrad_(dy, x, splits, targets, mode, routing)
                     contract.finish_delayed(params, targets)
 
                 m._delayed.queue.append(job)
                 dw = contract.queued(params, names)
             else:
                 targets, mode = contract.targets(params, names)
-                ops._grouped_linear_wgrad_(dy, x, splits, targets, mode)
+                ops._grouped_linear_wgrad_(dy, x, splits, targets, mode, routing)
                 dw = contract.outcome(params, targets)
         return (None, dx, None, ds, *dw, *db)
 
@@ -270,16 +275,18 @@ class _GroupedMLPFunction(torch.autograd.Function):
         need_act = x.requires_grad or (probs is not None and probs.requires_grad) or any(
             p.requires_grad for p in (*w1, *b1, *w2))
         save_fc1_out = need_act and not module.recompute_fc1
-        y, fc1_out = ops._expert_mlp(x, probs, w1, b1, w2, b2, splits, *module._spec, module.fusion, save_fc1_out)
+        y, fc1_out, routing = ops._expert_mlp(x, probs, w1, b1, w2, b2, splits, module._glu_text, module.fusion,
+                                              save_fc1_out)
         keep_x = any(w.requires_grad for w in w1) or (need_act and module.recompute_fc1)
-        ctx.save_for_backward(x if keep_x else None, splits, probs, fc1_out if save_fc1_out else None, *params)
+        ctx.save_for_backward(x if keep_x else None, splits, probs, fc1_out if save_fc1_out else None, routing,
+                              *params)
         ctx.module = module
         return y
 
     @staticmethod
     def backward(ctx, dy):
         m: GroupedMLP = ctx.module
-        x, splits, probs, fc1_out, *params = ctx.saved_tensors
+        x, splits, probs, fc1_out, routing, *params = ctx.saved_tensors
         w1, b1, w2, b2 = m._split_params(params)
         need = ctx.needs_input_grad
         dy = dy.contiguous()
@@ -287,11 +294,11 @@ class _GroupedMLPFunction(torch.autograd.Function):
         wants_w1, wants_b1, wants_w2, wants_b2 = m._split_params(need[4:])  # inputs: module, x, splits, probs, params
         need_bias = any(wants_b1) or any(wants_b2)
         need_w1, need_w2 = any(wants_w1), any(wants_w2)
-        spec = (*m._spec, m.fusion)
+        glu, fusion = m._glu_text, m.fusion
 
         def run(g1, mode1, g2, mode2, dx=need_dx, dp=need_dprobs, bias=need_bias):
-            return ops._expert_mlp_backward_(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, *spec, dx, dp, bias,
-                                             g1, mode1, g2, mode2)
+            return ops._expert_mlp_backward_(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, glu, fusion, dx, dp, bias,
+                                             g1, mode1, g2, mode2, routing)
 
         n1, n2 = m.fc1.weight_names(), m.fc2.weight_names()
         c1, c2 = m._fc1_grad, m._fc2_grad
@@ -303,8 +310,8 @@ class _GroupedMLPFunction(torch.autograd.Function):
 
                 def job():
                     # One pass computes both weights' gradients (recomputing FC2 dgrad + dGLU).
-                    g1, mode1 = c1.targets(p1, n1) if need_w1 else ([], "write")
-                    g2, mode2 = c2.targets(p2, n2) if need_w2 else ([], "write")
+                    g1, mode1 = c1.targets(p1, n1, delayed=True) if need_w1 else ([], "write")
+                    g2, mode2 = c2.targets(p2, n2, delayed=True) if need_w2 else ([], "write")
                     run(g1, mode1, g2, mode2, dx=False, dp=False, bias=False)
                     if need_w1:
                         c1.finish_delayed(p1, g1)
@@ -347,12 +354,12 @@ class GroupedMLP(nn.Module):
                  zero_out_wgrad: bool = False, offload_activations: bool = True, device=None,
                  dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        glu_layout = _C.glu_layout_name(glu_layout)
-        _C.glu_row_permutation(glu_layout, glu_layout, ffn)  # F must suit the layout
+        self._glu = _C.GluSpec(activation, glu_layout, float(limit), float(alpha), float(offset))
+        self._glu_text = self._glu.text  # what the custom ops take
+        _C.glu_row_permutation(self._glu.layout, self._glu.layout, ffn)  # F must suit the layout
         self.num_groups, self.hidden, self.ffn = num_groups, hidden, ffn
         self.fc1 = _ExpertParams(num_groups, 2 * ffn, hidden, bias, layout, device, dtype)
         self.fc2 = _ExpertParams(num_groups, hidden, ffn, bias, layout, device, dtype)
-        self._spec = (_C.activation_name(activation), float(limit), float(alpha), float(offset), glu_layout)
         self.fusion = _C.fusion_name(fusion)
         self.recompute_fc1 = recompute_fc1
         self.delay_wgrad_compute = delay_wgrad_compute
@@ -366,7 +373,7 @@ class GroupedMLP(nn.Module):
 
     @property
     def glu_layout(self) -> str:
-        return self._spec[4]
+        return self._glu.layout
 
     def _split_params(self, params):
         n1, nb1 = len(self.fc1.weights()), len(self.fc1.biases())
@@ -406,8 +413,9 @@ class GroupedMLP(nn.Module):
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def extra_repr(self) -> str:
-        act, limit, alpha, offset, layout = self._spec
-        extra = f"(limit={limit}, alpha={alpha}, offset={offset})" if act == "clamped_qgeglu" else ""
+        g = self._glu
+        act, limit, alpha, offset, layout = g.activation, g.limit, g.alpha, g.offset, g.layout
+        extra = f"(limit={limit:g}, alpha={alpha:g}, offset={offset:g})" if act == "clamped_qgeglu" else ""
         return (f"num_groups={self.num_groups}, hidden={self.hidden}, ffn={self.ffn}, activation={act}{extra}, "
                 f"glu_layout={layout}, fusion={self.fusion}, recompute_fc1={self.recompute_fc1}")
 

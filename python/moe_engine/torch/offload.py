@@ -1,4 +1,4 @@
-"""Activation offloading to pinned host memory (DESIGN.md section 4; issue 7).
+"""Activation offloading to pinned host memory (docs/design.md section 8).
 
 The activations that autograd keeps for a layer's backward (for the moe-engine modules: x and the
 FC1 pre-activation) are copied to pinned host memory on a side stream as they are saved, their
@@ -25,6 +25,9 @@ device memory is released, and they are copied back one layer ahead of the layer
   backward of layer i + 1 starts, and a layer whose device memory was still held when its reload
   was due (the last offloaded one, released only when backward begins) keeps it and is not
   copied back.
+- The schedule (which tensors go, when layers are released and reloaded) is the C++ library's
+  ``moe::OffloadSchedule`` (``_C.OffloadSchedule``), which its own ``moe::ActivationOffload``
+  follows too; this class applies it with torch's streams, events and allocator.
 - Results are bit-identical to running without offload: the same kernels see the same bytes.
 - Pinned buffers are allocated on first use per (layer, tensor slot) and kept across steps, so a
   step can be captured in a CUDA graph after one eager step and replayed (the copies and events
@@ -46,6 +49,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from .. import _C
 
 _STATE = threading.local()
 
@@ -116,10 +121,9 @@ class ActivationOffload:
                  device=None):
         if not torch.cuda.is_available():
             raise RuntimeError("moe_engine: activation offload needs a CUDA device")
+        self._schedule = _C.OffloadSchedule(num_layers, offload_layers, min_bytes)
         self.num_layers = num_layers
-        self.offload_layers = num_layers - 1 if offload_layers is None else offload_layers
-        if not 0 <= self.offload_layers <= num_layers:
-            raise ValueError(f"moe_engine: offload_layers must be in [0, {num_layers}], got {self.offload_layers}")
+        self.offload_layers = self._schedule.offload_layers
         self.min_bytes = min_bytes
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         self._d2h = torch.cuda.Stream(self.device)
@@ -141,8 +145,9 @@ class ActivationOffload:
         marks the layer's output (needed to schedule the reloads)."""
         if index == 0:
             self._new_step()
-        if index >= 2:
-            self._release(index - 2)
+        released = _C.OffloadSchedule.released_at_forward(index)
+        if released >= 0:
+            self._release(released)
         with torch.autograd.graph.saved_tensors_hooks(self._packer(index), self._unpack):
             yield _Scope(self, index)
         st = self._layers[index]
@@ -177,8 +182,8 @@ class ActivationOffload:
             if (isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad) or not t.is_cuda
                     or t.device != self.device):
                 return t
-            if (index >= self.offload_layers or _opted_out() or getattr(t, "_moe_no_offload", False)
-                    or t.numel() * t.element_size() < self.min_bytes or not t.is_contiguous()):
+            opted_out = _opted_out() or getattr(t, "_moe_no_offload", False)
+            if not t.is_contiguous() or not self._schedule.offloads(index, t.numel() * t.element_size(), opted_out):
                 kept = _Kept(t)
                 self._track(kept, t)
                 return kept
@@ -213,16 +218,13 @@ class ActivationOffload:
 
     def _backward_hook(self, index: int):
         def hook(grad):
-            if not self._in_backward:  # the first layer to run backward: only its window stays
-                self._in_backward = True
-                for i in range(self.num_layers):
-                    if i not in (index, index - 1):
-                        self._release(i)
-            for i in range(index + 1, self.num_layers):  # done with backward (kept originals)
+            # Only the window of this layer and the one below stays; their reloads start.
+            release, reload = self._schedule.at_backward(index, not self._in_backward)
+            self._in_backward = True
+            for i in release:
                 self._release(i)
-            self._start_reload(index)
-            if index >= 1:
-                self._start_reload(index - 1)
+            for i in reload:
+                self._start_reload(i)
             return grad
 
         return hook
@@ -240,8 +242,8 @@ class ActivationOffload:
                 rec.device_tensor, rec.source = rec.source, None
                 self._track(rec, rec.device_tensor)
             st.saved = []
-            if index == 0:  # no layer below whose backward hook would release it
-                self._release(0)
+            if _C.OffloadSchedule.release_after_kept_reload(index):
+                self._release(index)
             return
         main = torch.cuda.current_stream(self.device)
         # The reloaded tensors are allocated on the current stream (freed there after their use in

@@ -2,25 +2,35 @@
 
 Each custom op has a fake implementation (shapes only), so it traces under ``torch.compile``, and
 runs the C++ op on the tensors' device (CPU backend or CUDA kernels) on the current stream.
-``splits`` stays a tensor on that device throughout: no op reads it on the host, each computes the
-group offsets itself, so every op is CUDA-graph safe. Fresh outputs hold zeros in the rows past
-``sum(splits)``, where no expert writes (the gradient of an unrouted row is exactly zero).
+``splits`` stays a tensor on that device throughout: no op reads it on the host, so every op is
+CUDA-graph safe. Fresh outputs hold zeros in the rows past ``sum(splits)``, where no expert writes
+(the gradient of an unrouted row is exactly zero).
+
+Routing: the group offsets are computed from ``splits`` once per forward (``GroupLayout::compute``,
+one small kernel). The differentiable ops (``grouped_linear_routed``, ``glu_routed``,
+``expert_mlp_routed``) return them as a routing tensor with their result, and their backward passes
+it to the backward ops' ``routing`` argument, which reuse that computation (see ``_bridge``).
+Called without a routing tensor (or with one that is not the live routing of the same splits), a
+backward op computes the offsets itself.
 
 Weights and biases are passed as lists: ``[w]`` with ``w`` packed ``[G, N, K]`` (``[G, N]`` for a
-bias), or G per-expert tensors ``[N, K]`` (``[N]``). The differentiable functions at the end
+bias), or G per-expert tensors ``[N, K]`` (``[N]``). A GLU activation crosses as one string,
+``GluSpec.text`` (``glu_text`` makes it). The differentiable functions at the end
 (``grouped_linear``, ``glu``, ``expert_mlp``) return plain gradients; the modules in
 ``moe_engine.torch.modules`` add the main_grad contract on top of the same ops.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from .. import _C
-from ._bridge import desc, dtype_code, ensure_device, grouped, is_packed, offsets_for, stream_of
+from ._bridge import (dtype_name, ensure_device, grouped, is_packed, routing_like, routing_of, routing_tensor,
+                      stream_of)
 
 Experts = Union[Tensor, Sequence[Tensor]]
 
@@ -47,162 +57,200 @@ def _rows_cols(t: Tensor) -> Tuple[int, int]:
     return (t.shape[0], t.shape[-1]) if t.dim() > 0 else (0, 0)
 
 
-def _glu_spec(activation: str, limit: float, alpha: float, offset: float, layout: str):
-    return (activation, float(limit), float(alpha), float(offset), layout)
+_GLU_TEXTS: dict = {}
+
+
+@torch.compiler.assume_constant_result  # a pure function of its arguments: torch.compile runs it, traces nothing
+def glu_text(activation: str = "swiglu", layout: str = "halves", limit: float = 7.0, alpha: float = 1.702,
+             offset: float = 1.0) -> str:
+    """The one-string form of a GLU activation that the custom ops take (``_C.GluSpec.text``);
+    checks the names and the layout."""
+    key = (activation, layout, float(limit), float(alpha), float(offset))
+    text = _GLU_TEXTS.get(key)
+    if text is None:
+        text = _GLU_TEXTS[key] = _C.GluSpec(*key).text
+    return text
+
+
+@functools.lru_cache(maxsize=None)
+def _glu_spec(text: str):
+    """The ``_C.GluSpec`` of a custom op's ``glu`` string, parsed once per distinct string."""
+    return _C.GluSpec.parse(text)
+
+
+# The public forward ops keep their schemas: each is the routed op less the routing (an implicit
+# composite, so autograd and torch.compile go through the routed op and its formula).
+_LIB = torch.library.Library("moe_engine", "FRAGMENT")
+
+
+def _composite(schema: str, fn) -> None:
+    _LIB.define(schema)
+    _LIB.impl(schema.split("(", 1)[0], fn, "CompositeImplicitAutograd")
 
 
 # ---- grouped linear ----
 
 
-@torch.library.custom_op("moe_engine::grouped_linear", mutates_args=())
+@torch.library.custom_op("moe_engine::grouped_linear_routed", mutates_args=())
 def _grouped_linear(
     x: Tensor, weight: List[Tensor], splits: Tensor, bias: List[Tensor], row_scale: Optional[Tensor]
-) -> Tensor:
+) -> Tuple[Tensor, Tensor]:
+    """grouped_linear, and the routing tensor of the offsets it computed."""
     y = torch.empty(x.shape[0], _expert_shape(weight, 2)[0], dtype=x.dtype, device=x.device)
-    offsets = offsets_for(splits)
-    _C.grouped_linear_forward(desc(x), grouped(weight, 2), desc(splits), desc(offsets),
-                              desc(y), grouped(bias, 1), desc(row_scale), [desc(y)], stream_of(x))
-    return y
+    stream = stream_of(x)
+    r = routing_of("grouped_linear_forward", "x", x, splits, stream)
+    _C.grouped_linear_forward(x, grouped(weight, 2), r, y, grouped(bias, 1), row_scale, stream)
+    return y, routing_tensor(r)
 
 
 @_grouped_linear.register_fake
 def _(x, weight, splits, bias, row_scale):
-    return x.new_empty(x.shape[0], _expert_shape(weight, 2)[0])
+    return x.new_empty(x.shape[0], _expert_shape(weight, 2)[0]), routing_like(splits)
+
+
+_composite("grouped_linear(Tensor x, Tensor[] weight, Tensor splits, Tensor[] bias, Tensor? row_scale) -> Tensor",
+           lambda x, weight, splits, bias, row_scale: _grouped_linear(x, weight, splits, bias, row_scale)[0])
 
 
 @torch.library.custom_op("moe_engine::grouped_linear_dgrad", mutates_args=())
-def _grouped_linear_dgrad(dy: Tensor, weight: List[Tensor], splits: Tensor) -> Tensor:
+def _grouped_linear_dgrad(dy: Tensor, weight: List[Tensor], splits: Tensor,
+                          routing: Optional[Tensor] = None) -> Tensor:
     dx = torch.empty(dy.shape[0], _expert_shape(weight, 2)[1], dtype=dy.dtype, device=dy.device)
-    offsets = offsets_for(splits)
-    _C.grouped_linear_dgrad(desc(dy), grouped(weight, 2), desc(splits), desc(offsets),
-                            desc(dx), [desc(dx)], stream_of(dy))
+    stream = stream_of(dy)
+    r = routing_of("grouped_linear_dgrad", "dy", dy, splits, stream, routing)
+    _C.grouped_linear_dgrad(dy, grouped(weight, 2), r, dx, stream)
     return dx
 
 
 @_grouped_linear_dgrad.register_fake
-def _(dy, weight, splits):
+def _(dy, weight, splits, routing=None):
     return dy.new_empty(dy.shape[0], _expert_shape(weight, 2)[1])
 
 
 @torch.library.custom_op("moe_engine::grouped_linear_wgrad_", mutates_args=("out",))
-def _grouped_linear_wgrad_(dy: Tensor, x: Tensor, splits: Tensor, out: List[Tensor], mode: str) -> None:
-    offsets = offsets_for(splits)
-    _C.grouped_linear_wgrad(desc(dy), desc(x), desc(splits), desc(offsets),
-                            grouped(out, 2), mode, stream_of(dy))
+def _grouped_linear_wgrad_(dy: Tensor, x: Tensor, splits: Tensor, out: List[Tensor], mode: str,
+                           routing: Optional[Tensor] = None) -> None:
+    stream = stream_of(dy)
+    r = routing_of("grouped_linear_wgrad", "dy", dy, splits, stream, routing)
+    _C.grouped_linear_wgrad(dy, x, r, grouped(out, 2), mode, stream)
 
 
 @_grouped_linear_wgrad_.register_fake
-def _(dy, x, splits, out, mode):
+def _(dy, x, splits, out, mode, routing=None):
     return None
 
 
 @torch.library.custom_op("moe_engine::grouped_linear_dbias", mutates_args=())
-def _grouped_linear_dbias(dy: Tensor, splits: Tensor, row_scale: Optional[Tensor]) -> Tensor:
+def _grouped_linear_dbias(dy: Tensor, splits: Tensor, row_scale: Optional[Tensor],
+                          routing: Optional[Tensor] = None) -> Tensor:
     db = torch.empty(splits.shape[0], dy.shape[1], dtype=dy.dtype, device=dy.device)
-    offsets = offsets_for(splits)
-    _C.grouped_linear_dbias(desc(dy), desc(splits), desc(offsets), grouped([db], 1),
-                            "write", desc(row_scale), stream_of(dy))
+    stream = stream_of(dy)
+    r = routing_of("grouped_linear_dbias", "dy", dy, splits, stream, routing)
+    _C.grouped_linear_dbias(dy, r, grouped([db], 1), "write", row_scale, stream)
     return db
 
 
 @_grouped_linear_dbias.register_fake
-def _(dy, splits, row_scale):
+def _(dy, splits, row_scale, routing=None):
     return dy.new_empty(splits.shape[0], dy.shape[1])
 
 
 @torch.library.custom_op("moe_engine::grouped_linear_dscales", mutates_args=())
-def _grouped_linear_dscales(dy: Tensor, bias: List[Tensor], splits: Tensor) -> Tensor:
+def _grouped_linear_dscales(dy: Tensor, bias: List[Tensor], splits: Tensor,
+                            routing: Optional[Tensor] = None) -> Tensor:
     ds = torch.empty(dy.shape[0], dtype=torch.float32, device=dy.device)
-    offsets = offsets_for(splits)
-    _C.grouped_linear_dscales(desc(dy), grouped(bias, 1), desc(splits), desc(offsets),
-                              desc(ds), [desc(ds)], stream_of(dy))
+    stream = stream_of(dy)
+    r = routing_of("grouped_linear_dscales", "dy", dy, splits, stream, routing)
+    _C.grouped_linear_dscales(dy, grouped(bias, 1), r, ds, stream)
     return ds
 
 
 @_grouped_linear_dscales.register_fake
-def _(dy, bias, splits):
+def _(dy, bias, splits, routing=None):
     return dy.new_empty(dy.shape[0], dtype=torch.float32)
 
 
 # ---- GLU activations ----
 
 
-@torch.library.custom_op("moe_engine::glu", mutates_args=())
-def _glu(h: Tensor, probs: Optional[Tensor], splits: Tensor, activation: str, limit: float,
-         alpha: float, offset: float, layout: str) -> Tensor:
+@torch.library.custom_op("moe_engine::glu_routed", mutates_args=())
+def _glu(h: Tensor, probs: Optional[Tensor], splits: Tensor, glu: str) -> Tuple[Tensor, Tensor]:
+    """glu, and the routing tensor of the offsets it computed."""
     out = torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype, device=h.device)
-    offsets = offsets_for(splits)
-    _C.glu_forward(desc(h), desc(probs), desc(splits), desc(offsets), desc(out),
-                   _glu_spec(activation, limit, alpha, offset, layout), [desc(out)], stream_of(h))
-    return out
+    stream = stream_of(h)
+    r = routing_of("glu_forward", "h", h, splits, stream)
+    _C.glu_forward(h, probs, r, out, _glu_spec(glu), stream)
+    return out, routing_tensor(r)
 
 
 @_glu.register_fake
-def _(h, probs, splits, activation, limit, alpha, offset, layout):
-    return h.new_empty(h.shape[0], h.shape[1] // 2)
+def _(h, probs, splits, glu):
+    return h.new_empty(h.shape[0], h.shape[1] // 2), routing_like(splits)
+
+
+_composite("glu(Tensor h, Tensor? probs, Tensor splits, str glu) -> Tensor",
+           lambda h, probs, splits, glu: _glu(h, probs, splits, glu)[0])
 
 
 @torch.library.custom_op("moe_engine::glu_backward", mutates_args=())
-def _glu_backward(h: Tensor, probs: Optional[Tensor], d_out: Tensor, splits: Tensor, activation: str,
-                  limit: float, alpha: float, offset: float, layout: str) -> Tuple[Tensor, Tensor]:
+def _glu_backward(h: Tensor, probs: Optional[Tensor], d_out: Tensor, splits: Tensor, glu: str,
+                  routing: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """dh [T, 2F] and dprobs [T] float32 (empty without probs)."""
     dh = torch.empty_like(h)
     dprobs = torch.empty(h.shape[0] if probs is not None else 0, dtype=torch.float32, device=h.device)
-    outs = [desc(dh)] + ([desc(dprobs)] if probs is not None else [])
-    offsets = offsets_for(splits)
-    _C.glu_backward(desc(h), desc(probs), desc(d_out), desc(splits), desc(offsets),
-                    desc(dh), desc(dprobs) if probs is not None else (), (),
-                    _glu_spec(activation, limit, alpha, offset, layout), outs, stream_of(h))
+    stream = stream_of(h)
+    r = routing_of("glu_backward", "h", h, splits, stream, routing)
+    _C.glu_backward(h, probs, d_out, r, dh, dprobs if probs is not None else None, _glu_spec(glu), stream)
     return dh, dprobs
 
 
 @_glu_backward.register_fake
-def _(h, probs, d_out, splits, activation, limit, alpha, offset, layout):
+def _(h, probs, d_out, splits, glu, routing=None):
     return h.new_empty(h.shape), h.new_empty(h.shape[0] if probs is not None else 0, dtype=torch.float32)
 
 
 # ---- expert MLP ----
 
 
-def _mlp_weights(w1, b1, w2, b2):
-    return (grouped(w1, 2), grouped(b1, 1), grouped(w2, 2), grouped(b2, 1))
-
-
 def _workspace(nbytes: int, device: torch.device) -> Optional[Tensor]:
     return torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes > 0 else None
 
 
-@torch.library.custom_op("moe_engine::expert_mlp", mutates_args=())
+@torch.library.custom_op("moe_engine::expert_mlp_routed", mutates_args=())
 def _expert_mlp(x: Tensor, probs: Optional[Tensor], w1: List[Tensor], b1: List[Tensor], w2: List[Tensor],
-                b2: List[Tensor], splits: Tensor, activation: str, limit: float, alpha: float,
-                offset: float, layout: str, fusion: str, save_fc1_out: bool) -> Tuple[Tensor, Tensor]:
-    """y [T, H] and the pre-activation fc1_out [T, 2F] ([0, 2F] when not saved)."""
+                b2: List[Tensor], splits: Tensor, glu: str, fusion: str,
+                save_fc1_out: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """y [T, H], the pre-activation fc1_out [T, 2F] ([0, 2F] when not saved) and the routing tensor."""
     T, H = _rows_cols(x)
     F = _expert_shape(w1, 2)[0] // 2
     y = torch.empty(T, H, dtype=x.dtype, device=x.device)
     fc1_out = torch.empty(T if save_fc1_out else 0, 2 * F, dtype=x.dtype, device=x.device)
-    ws = _workspace(_C.expert_mlp_forward_workspace_size(T, H, F, dtype_code(x.dtype), save_fc1_out), x.device)
-    offsets = offsets_for(splits)
-    _C.expert_mlp_forward(desc(x), desc(probs), _mlp_weights(w1, b1, w2, b2), desc(splits),
-                          desc(offsets), desc(y), desc(fc1_out) if save_fc1_out else (),
-                          _glu_spec(activation, limit, alpha, offset, layout), fusion, desc(ws), [desc(y)],
-                          stream_of(x))
-    return y, fc1_out
+    stream = stream_of(x)
+    r = routing_of("expert_mlp_forward", "x", x, splits, stream)
+    ws = _workspace(_C.expert_mlp_forward_workspace_size(T, H, F, dtype_name(x.dtype), save_fc1_out), x.device)
+    _C.expert_mlp_forward(x, probs, grouped(w1, 2), grouped(b1, 1), grouped(w2, 2), grouped(b2, 1), r, y,
+                          fc1_out if save_fc1_out else None, _glu_spec(glu), fusion, ws, stream)
+    return y, fc1_out, routing_tensor(r)
 
 
 @_expert_mlp.register_fake
-def _(x, probs, w1, b1, w2, b2, splits, activation, limit, alpha, offset, layout, fusion, save_fc1_out):
+def _(x, probs, w1, b1, w2, b2, splits, glu, fusion, save_fc1_out):
     F2 = _expert_shape(w1, 2)[0]
-    return x.new_empty(x.shape), x.new_empty(x.shape[0] if save_fc1_out else 0, F2)
+    return x.new_empty(x.shape), x.new_empty(x.shape[0] if save_fc1_out else 0, F2), routing_like(splits)
+
+
+_composite("expert_mlp(Tensor x, Tensor? probs, Tensor[] w1, Tensor[] b1, Tensor[] w2, Tensor[] b2, Tensor splits, "
+           "str glu, str fusion, bool save_fc1_out) -> (Tensor, Tensor)",
+           lambda x, probs, w1, b1, w2, b2, splits, glu, fusion, save_fc1_out:
+           _expert_mlp(x, probs, w1, b1, w2, b2, splits, glu, fusion, save_fc1_out)[:2])
 
 
 @torch.library.custom_op("moe_engine::expert_mlp_backward_", mutates_args=("w1_grad", "w2_grad"))
 def _expert_mlp_backward_(
     dy: Tensor, x: Optional[Tensor], probs: Optional[Tensor], w1: List[Tensor], b1: List[Tensor],
-    w2: List[Tensor], b2: List[Tensor], splits: Tensor, fc1_out: Optional[Tensor], activation: str,
-    limit: float, alpha: float, offset: float, layout: str, fusion: str, need_dx: bool,
-    need_dprobs: bool, need_bias_grads: bool, w1_grad: List[Tensor], w1_mode: str,
-    w2_grad: List[Tensor], w2_mode: str,
+    w2: List[Tensor], b2: List[Tensor], splits: Tensor, fc1_out: Optional[Tensor], glu: str, fusion: str,
+    need_dx: bool, need_dprobs: bool, need_bias_grads: bool, w1_grad: List[Tensor], w1_mode: str,
+    w2_grad: List[Tensor], w2_mode: str, routing: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx [T, H], dprobs [T] float32, db1 [G, 2F], db2 [G, H]); those not asked for are empty.
     The weight gradients go into w1_grad / w2_grad (empty lists: not computed) per their modes."""
@@ -215,28 +263,21 @@ def _expert_mlp_backward_(
     bias = need_bias_grads and len(b1) > 0
     db1 = torch.empty(G if bias else 0, F2, dtype=dt, device=dev)
     db2 = torch.empty(G if bias else 0, H, dtype=dt, device=dev)
+    stream = stream_of(dy)
+    r = routing_of("expert_mlp_backward", "dy", dy, splits, stream, routing)
     recompute = fc1_out is None
-    ws = _workspace(_C.expert_mlp_backward_workspace_size(T, H, F2 // 2, dtype_code(dt), recompute, fusion), dev)
-    grads = (
-        desc(dx) if need_dx else (),
-        desc(dprobs) if need_dprobs else (),
-        (grouped(w1_grad, 2), w1_mode),
-        (grouped([db1] if bias else [], 1), "write"),
-        (grouped(w2_grad, 2), w2_mode),
-        (grouped([db2] if bias else [], 1), "write"),
-    )
-    zero = ([desc(dx)] if need_dx else []) + ([desc(dprobs)] if need_dprobs else [])
-    offsets = offsets_for(splits)
-    _C.expert_mlp_backward(desc(dy), desc(x), desc(probs), _mlp_weights(w1, b1, w2, b2), desc(splits),
-                           desc(offsets), desc(fc1_out), grads,
-                           _glu_spec(activation, limit, alpha, offset, layout), fusion, desc(ws), zero,
-                           stream_of(dy))
+    ws = _workspace(_C.expert_mlp_backward_workspace_size(T, H, F2 // 2, dtype_name(dt), recompute, fusion), dev)
+    _C.expert_mlp_backward(dy, x, probs, grouped(w1, 2), grouped(b1, 1), grouped(w2, 2), grouped(b2, 1), r, fc1_out,
+                           dx if need_dx else None, dprobs if need_dprobs else None,
+                           grouped(w1_grad, 2), w1_mode, grouped([db1] if bias else [], 1),
+                           grouped(w2_grad, 2), w2_mode, grouped([db2] if bias else [], 1),
+                           _glu_spec(glu), fusion, ws, stream)
     return dx, dprobs, db1, db2
 
 
 @_expert_mlp_backward_.register_fake
-def _(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, activation, limit, alpha, offset, layout, fusion,
-      need_dx, need_dprobs, need_bias_grads, w1_grad, w1_mode, w2_grad, w2_mode):
+def _(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, glu, fusion, need_dx, need_dprobs, need_bias_grads,
+      w1_grad, w1_mode, w2_grad, w2_mode, routing=None):
     T, H = _rows_cols(dy)
     F2 = _expert_shape(w1, 2)[0]
     G = _num_groups(w1, 2)
@@ -269,38 +310,40 @@ def grouped_linear(x: Tensor, weight: Experts, splits: Tensor, bias: Optional[Ex
     x's device; bias ``[G, N]`` or G tensors ``[N]``; row_scale ``[T]`` float32 ("scale_bias").
     Differentiable in x, weight, bias and row_scale.
     """
-    return _grouped_linear(x, _as_list(weight), splits, _as_list(bias), row_scale)
+    return _grouped_linear(x, _as_list(weight), splits, _as_list(bias), row_scale)[0]
 
 
 def _grouped_linear_setup(ctx, inputs, output):
     x, weight, splits, bias, row_scale = inputs
-    ctx.save_for_backward(x, splits, row_scale, *weight, *bias)
+    ctx.save_for_backward(x, splits, row_scale, output[1], *weight, *bias)
     ctx.n_weight, ctx.n_bias = len(weight), len(bias)
 
 
 def linear_grads_but_weight(dy: Tensor, weight: Sequence[Tensor], bias: Sequence[Tensor], splits: Tensor,
-                            row_scale: Optional[Tensor], need_x: bool, need_bias: bool, need_scale: bool):
+                            row_scale: Optional[Tensor], need_x: bool, need_bias: bool, need_scale: bool,
+                            routing: Optional[Tensor] = None):
     """A grouped linear layer's gradients other than the weight's (the functional API and the
     GroupedLinear module differ only in where that one goes): dx, the bias gradients (a list in
-    the bias's layout, Nones when not needed) and the row-scale gradient. dy contiguous."""
-    dx = _grouped_linear_dgrad(dy, list(weight), splits) if need_x else None
+    the bias's layout, Nones when not needed) and the row-scale gradient. dy contiguous;
+    ``routing``: the forward's routing tensor."""
+    dx = _grouped_linear_dgrad(dy, list(weight), splits, routing) if need_x else None
     db = [None] * len(bias)
     if bias and need_bias:
-        db = split_like(_grouped_linear_dbias(dy, splits, row_scale), bias, 1)
-    ds = _grouped_linear_dscales(dy, list(bias), splits) if (need_scale and bias) else None
+        db = split_like(_grouped_linear_dbias(dy, splits, row_scale, routing), bias, 1)
+    ds = _grouped_linear_dscales(dy, list(bias), splits, routing) if (need_scale and bias) else None
     return dx, db, ds
 
 
-def _grouped_linear_backward(ctx, dy):
-    x, splits, row_scale, *rest = ctx.saved_tensors
+def _grouped_linear_backward(ctx, dy, _d_routing):
+    x, splits, row_scale, routing, *rest = ctx.saved_tensors
     weight, bias = rest[: ctx.n_weight], rest[ctx.n_weight :]
     dy = dy.contiguous()
     need_x, need_w, _, need_b, need_s = ctx.needs_input_grad
-    dx, db, ds = linear_grads_but_weight(dy, weight, bias, splits, row_scale, need_x, _any(need_b), need_s)
+    dx, db, ds = linear_grads_but_weight(dy, weight, bias, splits, row_scale, need_x, _any(need_b), need_s, routing)
     dw = [None] * len(weight)  # list inputs take lists of the same length back
     if _any(need_w):
         dw = new_expert_grads(weight)
-        _grouped_linear_wgrad_(dy, x, splits, dw, "write")
+        _grouped_linear_wgrad_(dy, x, splits, dw, "write", routing)
     return dx, dw, None, db, ds
 
 
@@ -308,7 +351,7 @@ def _any(flag) -> bool:
     return any(flag) if isinstance(flag, (list, tuple)) else bool(flag)
 
 
-torch.library.register_autograd("moe_engine::grouped_linear", _grouped_linear_backward,
+torch.library.register_autograd("moe_engine::grouped_linear_routed", _grouped_linear_backward,
                                 setup_context=_grouped_linear_setup)
 
 
@@ -319,22 +362,22 @@ def glu(h: Tensor, splits: Tensor, probs: Optional[Tensor] = None, activation: s
     h ``[T, 2F]`` with gate/linear columns in ``layout`` (``halves``, ``pairs``, ``blocks:s``);
     activation ``swiglu`` or ``clamped_qgeglu`` (limit, alpha, offset). Differentiable in h, probs.
     """
-    return _glu(h, probs, splits, activation, limit, alpha, offset, layout)
+    return _glu(h, probs, splits, glu_text(activation, layout, limit, alpha, offset))[0]
 
 
 def _glu_setup(ctx, inputs, output):
-    h, probs, splits, *spec = inputs
-    ctx.save_for_backward(h, probs, splits)
+    h, probs, splits, spec = inputs
+    ctx.save_for_backward(h, probs, splits, output[1])
     ctx.spec = spec
 
 
-def _glu_bwd(ctx, d_out):
-    h, probs, splits = ctx.saved_tensors
-    dh, dprobs = _glu_backward(h, probs, d_out.contiguous(), splits, *ctx.spec)
-    return (dh, dprobs if probs is not None else None, None) + (None,) * 5
+def _glu_bwd(ctx, d_out, _d_routing):
+    h, probs, splits, routing = ctx.saved_tensors
+    dh, dprobs = _glu_backward(h, probs, d_out.contiguous(), splits, ctx.spec, routing)
+    return dh, dprobs if probs is not None else None, None, None
 
 
-torch.library.register_autograd("moe_engine::glu", _glu_bwd, setup_context=_glu_setup)
+torch.library.register_autograd("moe_engine::glu_routed", _glu_bwd, setup_context=_glu_setup)
 
 
 def expert_mlp(x: Tensor, fc1_weight: Experts, fc2_weight: Experts, splits: Tensor,
@@ -350,21 +393,20 @@ def expert_mlp(x: Tensor, fc1_weight: Experts, fc2_weight: Experts, splits: Tens
     Differentiable in x, probs, the weights and the biases.
     """
     return _expert_mlp(x, probs, _as_list(fc1_weight), _as_list(fc1_bias), _as_list(fc2_weight),
-                          _as_list(fc2_bias), splits, activation, limit, alpha, offset, layout, fusion,
-                          not recompute_fc1)[0]
+                       _as_list(fc2_bias), splits, glu_text(activation, layout, limit, alpha, offset), fusion,
+                       not recompute_fc1)[0]
 
 
 def _expert_mlp_setup(ctx, inputs, output):
-    x, probs, w1, b1, w2, b2, splits, *spec = inputs
-    fc1_out = output[1]
-    save = spec[-1]
-    ctx.save_for_backward(x, probs, splits, fc1_out if save else None, *w1, *b1, *w2, *b2)
+    x, probs, w1, b1, w2, b2, splits, glu, fusion, save = inputs
+    _, fc1_out, routing = output
+    ctx.save_for_backward(x, probs, splits, fc1_out if save else None, routing, *w1, *b1, *w2, *b2)
     ctx.counts = (len(w1), len(b1), len(w2), len(b2))
-    ctx.spec = spec[:-1]
+    ctx.spec = (glu, fusion)
 
 
-def _expert_mlp_bwd(ctx, dy, _d_fc1_out):
-    x, probs, splits, fc1_out, *rest = ctx.saved_tensors
+def _expert_mlp_bwd(ctx, dy, _d_fc1_out, _d_routing):
+    x, probs, splits, fc1_out, routing, *rest = ctx.saved_tensors
     n1, nb1, n2, nb2 = ctx.counts
     w1, b1 = rest[:n1], rest[n1 : n1 + nb1]
     w2, b2 = rest[n1 + nb1 : n1 + nb1 + n2], rest[n1 + nb1 + n2 :]
@@ -375,16 +417,17 @@ def _expert_mlp_bwd(ctx, dy, _d_fc1_out):
     g2 = new_expert_grads(w2) if need_w2 else []
     dx, dprobs, db1, db2 = _expert_mlp_backward_(
         dy.contiguous(), x, probs, list(w1), list(b1), list(w2), list(b2), splits, fc1_out, *ctx.spec,
-        bool(need[0]), probs is not None and bool(need[1]), need_bias, g1, "write", g2, "write")
+        bool(need[0]), probs is not None and bool(need[1]), need_bias, g1, "write", g2, "write", routing)
+
     def each(grads, like):  # list inputs take lists of the same length back
         return grads if grads else [None] * len(like)
 
     return (dx if need[0] else None, dprobs if (probs is not None and need[1]) else None,
             each(g1, w1), each(split_like(db1, b1, 1) if (b1 and need_bias) else None, b1),
-            each(g2, w2), each(split_like(db2, b2, 1) if (b2 and need_bias) else None, b2)) + (None,) * 8
+            each(g2, w2), each(split_like(db2, b2, 1) if (b2 and need_bias) else None, b2)) + (None,) * 4
 
 
-torch.library.register_autograd("moe_engine::expert_mlp", _expert_mlp_bwd, setup_context=_expert_mlp_setup)
+torch.library.register_autograd("moe_engine::expert_mlp_routed", _expert_mlp_bwd, setup_context=_expert_mlp_setup)
 
 
 # ---- backward pieces (for callers that run their own autograd, e.g. delayed wgrad) ----
@@ -420,7 +463,7 @@ def glu_backward(h: Tensor, d_out: Tensor, splits: Tensor, probs: Optional[Tenso
                  activation: str = "swiglu", layout: str = "halves", limit: float = 7.0, alpha: float = 1.702,
                  offset: float = 1.0) -> Tuple[Tensor, Optional[Tensor]]:
     """``(dh [T, 2F], dprobs [T] float32 or None)`` from ``d_out = dL/d(glu(h) * probs)``."""
-    dh, dprobs = _glu_backward(h, probs, d_out.contiguous(), splits, activation, limit, alpha, offset, layout)
+    dh, dprobs = _glu_backward(h, probs, d_out.contiguous(), splits, glu_text(activation, layout, limit, alpha, offset))
     return dh, (dprobs if probs is not None else None)
 
 
@@ -442,7 +485,7 @@ def expert_mlp_backward(dy: Tensor, x: Optional[Tensor], fc1_weight: Experts, fc
     mode1 = "write" if fc1_weight_grad is None else wgrad_mode
     mode2 = "write" if fc2_weight_grad is None else wgrad_mode
     dx, dprobs, db1, db2 = _expert_mlp_backward_(
-        dy.contiguous(), x, probs, w1, b1, w2, b2, splits, fc1_out, activation, limit, alpha, offset, layout,
+        dy.contiguous(), x, probs, w1, b1, w2, b2, splits, fc1_out, glu_text(activation, layout, limit, alpha, offset),
         fusion, need_dx, probs is not None, bool(b1), g1, mode1, g2, mode2)
     return {"dx": dx if need_dx else None, "dprobs": dprobs if probs is not None else None,
             "fc1_weight": g1 or None, "fc1_bias": split_like(db1, b1, 1) if b1 else None,
