@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <numeric>
+#include <thread>
 
 #include "gpu_support.hpp"
 
@@ -89,6 +90,34 @@ TEST_P(GpuGroupedLinear, ForwardEveryBiasModeAndOutputDtype) {
       }
     EXPECT_NO_THROW(r.flag.check());
   }
+}
+
+// An op called on a thread that has made no CUDA call yet (as autograd's backward thread is when
+// the routing comes from the forward): the op makes the device's context current itself. Without
+// that, the Hopper kernel's tensor-map encoding failed with CUDA_ERROR_INVALID_CONTEXT.
+TEST(GpuThreads, AnOpRunsOnAFreshThread) {
+  if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
+  Rng rng;
+  DualRouting r({40, 0, 300, 7}, 360);
+  const int64_t G = r.cpu.num_groups(), T = 360, N = 256, K = 128;
+  Tensor xd = to_gpu(random_tensor({T, K}, DType::kBFloat16, rng));
+  Tensor wd = to_gpu(random_tensor({G, N, K}, DType::kBFloat16, rng, 0.1));
+  Tensor here = poisoned_gpu({T, N}, DType::kBFloat16), there = poisoned_gpu({T, N}, DType::kBFloat16);
+  grouped_linear_forward(xd, GroupedParam::packed(wd), r.gpu, here);
+  std::string error;
+  std::thread worker([&] {
+    try {
+      grouped_linear_forward(xd, GroupedParam::packed(wd), r.gpu, there);
+      synchronize(nullptr);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  worker.join();
+  ASSERT_EQ(error, "");
+  synchronize(nullptr);
+  EXPECT_TRUE(bitwise_equal(to_host(here), to_host(there)));
+  EXPECT_NO_THROW(r.flag.check());
 }
 
 TEST_P(GpuGroupedLinear, Dgrad) {

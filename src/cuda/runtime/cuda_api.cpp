@@ -65,7 +65,11 @@ float event_elapsed_ms(void* start, void* stop) {
 
 ScopedDevice::ScopedDevice(int device) {
   MOE_CUDA_CHECK(cudaGetDevice(&previous_), "cudaGetDevice");
-  if (previous_ != device) MOE_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
+  // Always set, even when cudaGetDevice already names the device: on a thread that has made no
+  // runtime call yet (autograd's backward thread, say) it reports device 0 while no context is
+  // current, and the driver calls behind a launch (cuTensorMapEncodeTiled) then fail with
+  // CUDA_ERROR_INVALID_CONTEXT. cudaSetDevice makes the device's primary context current.
+  MOE_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
 }
 
 ScopedDevice::~ScopedDevice() {
