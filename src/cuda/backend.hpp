@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "moe_engine/bias_epilogue.hpp"
+#include "moe_engine/fp8.hpp"
 #include "moe_engine/glu_spec.hpp"
 #include "moe_engine/grad_mode.hpp"
 #include "moe_engine/group_layout.hpp"
@@ -65,5 +66,19 @@ bool expert_mlp_fc2_dgrad_glu(const TensorView& dy, const GroupedParam& fc2_weig
                               const GroupLayout& groups, const TensorView& h, const TensorView& probs,
                               const GluSpec& spec, const TensorView& dh, const TensorView& act,
                               const TensorView& dprobs, const TensorView& scratch, Stream stream);
+
+// FP8 block scaling (moe_engine/fp8.hpp). Quantizers: one launch each, fixed shapes, only rows
+// < offsets[G] read and written (kernels/fp8_quantize.cu).
+void quantize_fp8(const TensorView& x, const GroupLayout& groups, const Fp8Rows& rows, const Fp8Columns& columns,
+                  const Fp8Recipe& recipe, Stream stream);
+void quantize_fp8_weight(const GroupedParam& weight, const Fp8Weight& out, const Fp8Recipe& recipe, Stream stream);
+// The FP8 grouped GEMMs (Hopper kernel, sm90/; dispatch/fp8_linear.cpp): kNotImplemented, saying
+// why, where the kernel cannot run the problem (there is no other CUDA FP8 path).
+void grouped_linear_forward(const Fp8Rows& x, const Fp8Weight& weight, const GroupLayout& groups,
+                            const TensorView& y, const BiasEpilogue& bias, Stream stream);
+void grouped_linear_dgrad(const Fp8Rows& dy, const Fp8Weight& weight, const GroupLayout& groups,
+                          const TensorView& dx, Stream stream);
+void grouped_linear_wgrad(const Fp8Columns& dy, const Fp8Columns& x, const GroupLayout& groups,
+                          const GroupedParam& dweight, GradMode mode, Stream stream);
 
 }  // namespace moe::cuda
