@@ -32,6 +32,14 @@ struct GroupedGemmProblem {
   const float* row_scale = nullptr;     // forward: [T] scales of the bias
   bool accumulate = false;              // wgrad: d += result (fp32); empty groups untouched
   int device = 0;
+  // FP8 block scaling (in_dtype float8_e4m3; moe_engine/fp8.hpp). The dgrad runs as the forward
+  // form over the weight's transposed copy; the wgrad's a and b are the columns copies [N, C] and
+  // [K, C], its offsets their column offsets and capacity C.
+  //   forward: a_scales [ceil(K/128), S] (row stride S), b_scales [G, ceil(N/128), ceil(K/128)];
+  //   wgrad:   a_scales [C/128, N], b_scales [C/128, K] (row strides N and K).
+  const float* a_scales = nullptr;
+  int64_t a_scales_stride = 0;
+  const float* b_scales = nullptr;
 };
 
 // A problem of `form` over the routing `groups` (operands and sizes still to fill in).

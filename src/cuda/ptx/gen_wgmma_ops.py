@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Generates wgmma_ops.inc, beside this file: the wgmma.mma_async wrappers (64xNx16, both operands
-in shared memory, f32 accumulators) for N in {64, 128, 256} and bf16/fp16 inputs. Each has N/2
+in shared memory, f32 accumulators) for N in {64, 128, 256} and bf16/fp16 inputs, and the FP8 ones
+(64xNx32, E4M3 x E4M3, both operands K-major: FP8 wgmma has no transpose) for N in {64, 128}. Each has N/2
 accumulator operands, too many to write by hand. The output goes to stdout; from the repository
 root: python3 src/cuda/ptx/gen_wgmma_ops.py > src/cuda/ptx/wgmma_ops.inc
 """
@@ -31,7 +32,29 @@ struct WgmmaSS<{n}, {flag}> {{
 }};
 """
 
+def fp8_wrapper(n):
+    regs = n // 2
+    acc = ", ".join(f"%{i}" for i in range(regs))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    return f"""
+template <>
+struct WgmmaFp8SS<{n}> {{
+  __device__ __forceinline__ static void mma(float (&d)[{regs}], uint64_t desc_a, uint64_t desc_b,
+                                             uint32_t scale_d) {{
+    asm volatile(
+        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "
+        "{{{acc}}}, %{regs}, %{regs + 1}, p, 1, 1;\\n}}\\n"
+        : {outs}
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  }}
+}};
+"""
+
+
 print(HEADER)
 for n in (64, 128, 256):
     for dtype in ("bf16", "f16"):
         print(wrapper(n, dtype), end="")
+for n in (64, 128):
+    print(fp8_wrapper(n), end="")

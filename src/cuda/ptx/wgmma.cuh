@@ -26,7 +26,7 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[kRegs]) {
 }
 
 // Matrix descriptor of a 128-byte-swizzled shared-memory operand (tiles 1024-byte aligned):
-//   K-major (rows of 64 16-bit values along K): stride = 1024 (between 8-row groups), leading unused;
+//   K-major (rows of 128 bytes along K: 64 16-bit or 128 8-bit values): stride = 1024 (between 8-row groups), leading unused;
 //   MN-major (rows of 64 values along M or N):  stride = 1024 (between 8-row groups along K),
 //                                               leading = bytes between 64-wide M/N panels.
 __device__ __forceinline__ uint64_t smem_descriptor(uint32_t smem_address, uint32_t leading_bytes,
@@ -42,6 +42,11 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t smem_address, uint3
 // 64 x N x 16 step; scale_d = 0 overwrites the accumulators instead of adding.
 template <int kN, bool kFp16>
 struct WgmmaSS;
+
+// WgmmaFp8SS<N>::mma(acc, desc_a, desc_b, scale_d): acc (+)= A B for a 64 x N x 32 step of E4M3
+// operands, both K-major (rows of 128 values along K).
+template <int kN>
+struct WgmmaFp8SS;
 
 #include "cuda/ptx/wgmma_ops.inc"
 

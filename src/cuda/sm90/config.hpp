@@ -48,20 +48,34 @@ struct Config {
   static constexpr uint32_t kRaggedRows = 1u << 30;  // extent of the ragged dimension
 };
 
+// The FP8 block-scaled tile: 128 x 128 x 128. One k step is one 128-wide scale block of E4M3 (one
+// 128-byte swizzle row), and each math warpgroup holds two 64 x 128 fp32 tiles (the running sum and
+// the tensor core's partial sum of the step, promoted with the scales): 128 registers, where the
+// 16-bit tile's 64 x 256 would need 256.
+struct Fp8Config : Config {
+  static constexpr int kBlockN = 128;
+  static constexpr int kBlockK = 128;
+  static constexpr uint32_t kABytes = kBlockM * kBlockK;  // 16 KiB
+  static constexpr uint32_t kBBytes = kBlockN * kBlockK;  // 16 KiB
+  static constexpr uint32_t kStageBytes = kABytes + kBBytes;
+  static constexpr uint32_t kBiasBytes = kMathWarpgroups * kBlockN * 2;
+};
+
 // How a block's shared memory is split between the ring of operand stages and the epilogue's
 // buffers, per math warpgroup: its output goes out in batches of that many 128-byte column
 // chunks, each batch waiting for the previous one's stores to have read their buffers. 227 KiB
 // hold 4 stages + 2 buffers or 3 stages + 4 buffers (a whole 16-bit 64 x 256 slab per batch).
-template <int kStagesT, int kEpilogueBuffersT>
+template <int kStagesT, int kEpilogueBuffersT, class CfgT = Config>
 struct Pipeline {
+  using Cfg = CfgT;  // the tile shape
   static constexpr int kStages = kStagesT;
   static constexpr int kEpilogueBuffers = kEpilogueBuffersT;
   static constexpr uint32_t kEpilogueBytes =
       Config::kMathWarpgroups * kEpilogueBuffers * Config::kEpilogueBufferBytes;
   static constexpr uint32_t kBarrierBytes = 2 * kStages * sizeof(uint64_t);
   // 1 KiB of slack: the dynamic shared-memory base is aligned up to 1024 (swizzle atoms).
-  static constexpr uint32_t kSharedBytes = kStages * Config::kStageBytes + kEpilogueBytes + Config::kBiasBytes +
-                                           kBarrierBytes + Config::kOffsetBytes + 1024;
+  static constexpr uint32_t kSharedBytes = kStages * Cfg::kStageBytes + kEpilogueBytes + Cfg::kBiasBytes +
+                                           kBarrierBytes + Cfg::kOffsetBytes + 1024;
   static_assert(kSharedBytes <= 232448, "exceeds the 227 KiB of shared memory per block");
 };
 
@@ -71,6 +85,8 @@ using DeepRing = Pipeline<4, 2>;
 // A 16-bit tile's stores in one batch, with no wait inside the epilogue, at the cost of a stage:
 // faster for wgrads with 16-bit outputs over >= 4 k steps per tile (heuristics.hpp decides).
 using WideEpilogue = Pipeline<3, 4>;
+// FP8: six 32 KiB stages and two epilogue buffers per math warpgroup.
+using Fp8Ring = Pipeline<6, 2, Fp8Config>;
 
 static_assert(Config::kProducerRegisters + Config::kMathWarpgroups * Config::kMathRegisters <=
                   (Config::kMathWarpgroups + 1) * Config::kLaunchRegisters,

@@ -5,6 +5,9 @@
 // (epilogue_glu.cuh) are built on them.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
 #include <cstdint>
 #include <type_traits>
 
@@ -33,15 +36,26 @@ __device__ __forceinline__ void store_pair(uint32_t addr, float a, float b, floa
   ptx::st_shared_v2_f32(addr, a, b);
 }
 
+// The bias's element type: the input dtype for 16-bit GEMMs, bf16 for FP8 ones.
+template <class In>
+struct BiasTypeOf {
+  using type = In;
+};
+template <>
+struct BiasTypeOf<__nv_fp8_e4m3> {
+  using type = __nv_bfloat16;
+};
+
 // One math warpgroup's slab of tile t in the epilogue: its addresses in the epilogue buffers, its
 // bias (staged in shared memory) and row scales. Plain values: with references to the kernel's
 // parameters and tile among its fields, the epilogues using it compiled to different code.
 template <Form kForm, class In, class Out, class Pipe>
 struct EpilogueSlab {
-  using InType = In;
+  using InType = typename BiasTypeOf<In>::type;  // what the epilogue reads in the input dtype: the bias
   using OutType = Out;
+  using Cfg = typename Pipe::Cfg;
   static constexpr bool kKGrouped = kForm == Form::kWgrad;
-  static constexpr int kBN = Config::kBlockN;
+  static constexpr int kBN = Cfg::kBlockN;
   static constexpr int kChunkCols = 128 / int(sizeof(Out));  // columns per 128-byte row (a multiple of 8)
   static constexpr int kGroupsPerChunk = kChunkCols / 8;     // 8-column accumulator groups per chunk
   static constexpr int kChunks = kBN / kChunkCols;
@@ -74,13 +88,14 @@ struct EpilogueSlab {
     // This warpgroup's copy of the tile's bias columns (pairs of 16-bit values). Shared memory is
     // addressed explicitly (32-bit, st/ld.shared): through the aligned generic pointer the
     // compiler emits generic 64-bit loads and stores, which made the epilogue issue-bound.
-    bias_tile = ptx::smem_address(smem.bias) + math * Config::kBlockN * 2;
+    bias_tile = ptx::smem_address(smem.bias) + math * kBN * 2;
     if constexpr (kForm == Form::kForward) {
       if (p.bias != nullptr) {
         // n is even and n_out a multiple of 8 (TMA alignment): each pair is all in or all out.
         const int32_t n = t.n0 + 2 * int32_t(wg_thread);
-        const In* bias = p.bias_table ? reinterpret_cast<const In*>(p.bias_table[t.group])
-                                      : static_cast<const In*>(p.bias) + int64_t(t.group) * p.n_out;
+        using Bias = InType;
+        const Bias* bias = p.bias_table ? reinterpret_cast<const Bias*>(p.bias_table[t.group])
+                                        : static_cast<const Bias*>(p.bias) + int64_t(t.group) * p.n_out;
         ptx::st_shared_b32(bias_tile + 4 * wg_thread,
                            n < p.n_out ? __ldg(reinterpret_cast<const uint32_t*>(bias + n)) : 0u);
       }
@@ -116,7 +131,7 @@ struct EpilogueSlab {
 template <class Slab, class Pipe, class Probe, class Finish>
 __device__ __forceinline__ void with_store_batches(const GemmParams& p, const SharedStorage<Pipe>& smem,
                                                    const MathThread& th, const Tile& t,
-                                                   float (&acc)[Config::kBlockN / 2], const CUtensorMap& map_d,
+                                                   float (&acc)[Slab::kBN / 2], const CUtensorMap& map_d,
                                                    Probe& probe, Finish&& finish) {
   using In = typename Slab::InType;
   using Out = typename Slab::OutType;

@@ -53,14 +53,14 @@ struct StoreEpilogue {
         const CUtensorMap* md = p.d_maps ? p.d_maps + t.group : &map_d;
         const int32_t gd = p.d_maps ? 0 : t.group;
         constexpr int32_t kBoxCols = 128 / int32_t(sizeof(float));  // the epilogue's store boxes
-        for (int32_t col = t.n0; col < min(t.n0 + Config::kBlockN, p.n_out); col += kBoxCols)
+        for (int32_t col = t.n0; col < min(t.n0 + Slab::kBN, p.n_out); col += kBoxCols)
           ptx::tma_prefetch_3d(md, col, slab_row, gd);
       }
     }
   }
 
   template <class Probe>
-  __device__ __forceinline__ void store(const Tile& t, float (&acc)[Config::kBlockN / 2], Probe& probe) const {
+  __device__ __forceinline__ void store(const Tile& t, float (&acc)[Slab::kBN / 2], Probe& probe) const {
     auto all_batches = [&](const Slab& s, auto& run_batch, auto& store_batch, auto& batch_live) {
 #pragma unroll
       for (int batch = 0; batch < Slab::kChunks / Slab::kBatch; ++batch) {

@@ -12,6 +12,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -23,19 +24,34 @@
 #include "cuda/sm90/epilogue_glu.cuh"
 #include "cuda/sm90/epilogue_store.cuh"
 #include "cuda/sm90/mainloop_16bit.cuh"
+#include "cuda/sm90/mainloop_fp8.cuh"
 #include "cuda/sm90/params.hpp"
 #include "cuda/sm90/probe.cuh"
 #include "cuda/sm90/producer.cuh"
+#include "cuda/sm90/producer_fp8.cuh"
 #include "cuda/sm90/ring.cuh"
 #include "cuda/sm90/scheduler.cuh"
 
 namespace moe::cuda::sm90 {
 
-// The mainloop for the operand type: 16-bit operands (bf16, fp16) today. A mainloop for other
-// operands (FP8 with per-block scales) is a specialization here, beside Mainloop16Bit.
+// The mainloop and producer for the operand type: 16-bit operands (bf16, fp16), or E4M3 with
+// per-block scales.
 template <class In, Form kForm, class Pipe>
 struct MainloopFor {
   using type = Mainloop16Bit<In, kForm, Pipe>;
+};
+template <Form kForm, class Pipe>
+struct MainloopFor<__nv_fp8_e4m3, kForm, Pipe> {
+  using type = MainloopFp8<kForm, Pipe>;
+};
+
+template <class In, Form kForm, class Pipe>
+struct ProducerFor {
+  using type = Producer<kForm, Pipe>;
+};
+template <Form kForm, class Pipe>
+struct ProducerFor<__nv_fp8_e4m3, kForm, Pipe> {
+  using type = ProducerFp8<kForm, Pipe>;
 };
 
 template <Epilogue kEpi, Form kForm, class In, class Out, class Pipe>
@@ -51,6 +67,7 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
                     (kEpi == Epilogue::kGluBackward && kForm == Form::kDgrad),
                 "GLU epilogues: forward on FC1, backward on FC2's dgrad");
   using Mainloop = typename MainloopFor<In, kForm, Pipe>::type;
+  using Cfg = typename Pipe::Cfg;
   using Epi = EpilogueFor<kEpi, kForm, In, Out, Pipe>;
   constexpr bool kKGrouped = kForm == Form::kWgrad;
   // M-grouped forms look the next tile up under the mainloop, at step kLookupStep (or after the
@@ -78,9 +95,9 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
   }
   auto make_scheduler = [&] {
     if constexpr (kKGrouped)
-      return KGroupedScheduler(p.offsets, p.num_groups, p.m_out, p.n_out);
+      return KGroupedScheduler<Cfg>(p.offsets, p.num_groups, p.m_out, p.n_out);
     else
-      return MGroupedScheduler(p.offsets, prefix_in_smem ? smem.prefix : 0u, p.num_groups, p.n_out, p.k);
+      return MGroupedScheduler<Cfg>(p.offsets, prefix_in_smem ? smem.prefix : 0u, p.num_groups, p.n_out, p.k);
   };
   if constexpr (!kKGrouped) {
     if (prefix_in_smem && warp == 1) make_scheduler().fill_prefix(lane);
@@ -95,7 +112,7 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
     // ---------------- producer warpgroup: one thread loads every tile's k steps ----------------
     ptx::setmaxnreg_decrease<Config::kProducerRegisters>();
     if (warp == 0 && lane == 0) {
-      const Producer<kForm, Pipe> producer{map_a, map_b, p, smem};
+      const typename ProducerFor<In, kForm, Pipe>::type producer{map_a, map_b, p, smem};
       auto scheduler = make_scheduler();
       RingState<Pipe::kStages> ring;
       Tile t;
@@ -112,7 +129,7 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
   const uint32_t math = warp / 4 - 1;  // which 64 rows of the tile
   // This warp's 16 rows within the 64: 16 * (warp % 4).
   const MathThread th{lane, math, threadIdx.x - 128 * (math + 1), 16 * (warp % 4)};
-  const Mainloop mainloop(smem, math, lane);
+  const Mainloop mainloop(smem, p, math, lane);
   const Epi epilogue{p, map_d, map_e, smem, th};
   typename Mainloop::Accumulators acc;
   auto scheduler = make_scheduler();
@@ -151,8 +168,8 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
   ptx::cluster_sync();
 }
 
-// The kernel: the body above where the sm_90a features exist (wgmma, TMA multicast, setmaxnreg),
-// nothing elsewhere (the host pass, other architectures). The one architecture guard.
+// The kernels: the body above where the sm_90a features exist (wgmma, TMA multicast, setmaxnreg),
+// nothing elsewhere (the host pass, other architectures). The architecture guards.
 template <Form kForm, class In, class Out, Epilogue kEpi = Epilogue::kStore, class Pipe = DeepRing>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
@@ -161,6 +178,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
                         const __grid_constant__ CUtensorMap map_e, const GemmParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   grouped_gemm_body<kForm, In, Out, kEpi, Pipe>(map_a, map_b, map_d, map_e, p);
+#endif
+}
+
+// The FP8 kernel: the same body with E4M3 operands (store epilogue).
+template <Form kForm, class Out, class Pipe = Fp8Ring>
+__global__ void __launch_bounds__(Config::kThreads, 1)
+    grouped_gemm_fp8_kernel(const __grid_constant__ CUtensorMap map_a,
+                            const __grid_constant__ CUtensorMap map_b,
+                            const __grid_constant__ CUtensorMap map_d, const GemmParams p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  grouped_gemm_body<kForm, __nv_fp8_e4m3, Out, Epilogue::kStore, Pipe>(map_a, map_b, map_d, map_d, p);
 #endif
 }
 

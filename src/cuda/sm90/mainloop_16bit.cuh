@@ -4,12 +4,11 @@
 //
 // The kernel picks its mainloop by type (grouped_gemm_kernel.cuh's MainloopFor), so another
 // mainloop is another type with the same interface, not a branch in this one:
-//   Mainloop(const SharedStorage<Pipe>&, uint32_t math, uint32_t lane)   once per math thread
+//   Mainloop(const SharedStorage<Pipe>&, const GemmParams&, uint32_t math, uint32_t lane)
+//                                                                       once per math thread
 //   Accumulators                                                        its register tile
 //   run(tile, acc, ring, probe, after_step, after_loop)                 the k-loop of one tile
-// An FP8 block-scaled mainloop (E4M3 operands, fp32 scales per 128 of K) would run wgmma into a
-// temporary per 128 of K and add it, scaled, into the fp32 Accumulators; the epilogues (which see
-// only fp32 accumulators) and the hooks' places stay as they are.
+// The FP8 block-scaled mainloop (mainloop_fp8.cuh) is the other one.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,6 +19,7 @@
 #include "cuda/ptx/sync.cuh"
 #include "cuda/ptx/wgmma.cuh"
 #include "cuda/sm90/config.hpp"
+#include "cuda/sm90/params.hpp"
 #include "cuda/sm90/ring.cuh"
 #include "cuda/sm90/scheduler.cuh"
 
@@ -55,7 +55,8 @@ struct Mainloop16Bit {
   const uint32_t lane;
   const uint32_t a_offset;  // this warpgroup's 64 rows of A within a stage
 
-  __device__ __forceinline__ Mainloop16Bit(const SharedStorage<Pipe>& smem, uint32_t math, uint32_t lane)
+  __device__ __forceinline__ Mainloop16Bit(const SharedStorage<Pipe>& smem, const GemmParams&, uint32_t math,
+                                           uint32_t lane)
       : smem(smem), lane(lane), a_offset(kTransA ? math * Config::kPanelBytes : math * 64 * 128) {}
 
   // The k-loop of tile t into acc. after_step(kb) runs after step kb has been issued (and the

@@ -27,6 +27,12 @@ struct GemmParams {
   const CUtensorMap* b_maps;
   const CUtensorMap* d_maps;
   const int64_t* bias_table;
+  // FP8 (fp32 scales): M-grouped, A's row scales [k blocks, a_scale_stride] (M-major) and the
+  // weight's block scales [G, b_scale_rows, b_scale_cols]; K-grouped (wgrad), A's and B's scales
+  // [C / 128, a_scale_stride = m_out] and [C / 128, n_out].
+  const float* a_scales;
+  const float* b_scales;
+  int32_t a_scale_stride, b_scale_rows, b_scale_cols;
 };
 
 }  // namespace moe::cuda::sm90

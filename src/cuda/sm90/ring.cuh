@@ -33,6 +33,7 @@ struct RingState {
 // the bias staging, the full and empty barriers, and the M-grouped scheduler's prefix of pairs.
 template <class Pipe>
 struct SharedStorage {
+  using Cfg = typename Pipe::Cfg;
   static constexpr int kStages = Pipe::kStages;
 
   uint8_t* stages;
@@ -44,17 +45,16 @@ struct SharedStorage {
 
   __device__ __forceinline__ explicit SharedStorage(uint8_t* raw) {
     stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
-    epilogue = stages + kStages * Config::kStageBytes;
+    epilogue = stages + kStages * Cfg::kStageBytes;
     bias = epilogue + Pipe::kEpilogueBytes;
-    full = reinterpret_cast<uint64_t*>(bias + Config::kBiasBytes);
+    full = reinterpret_cast<uint64_t*>(bias + Cfg::kBiasBytes);
     empty = full + kStages;
     prefix = ptx::smem_address(empty + kStages);
   }
 
-  __device__ __forceinline__ uint8_t* stage_a(int s) const { return stages + s * Config::kStageBytes; }
-  __device__ __forceinline__ uint8_t* stage_b(int s) const {
-    return stages + s * Config::kStageBytes + Config::kABytes;
-  }
+  __device__ __forceinline__ uint8_t* stage_a(int s) const { return stages + s * Cfg::kStageBytes; }
+  __device__ __forceinline__ uint8_t* stage_b(int s) const { return stages + s * Cfg::kStageBytes + Cfg::kABytes; }
+
 
   // One thread, before the cluster's first barrier.
   __device__ __forceinline__ void init_barriers() const {

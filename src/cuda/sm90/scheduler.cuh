@@ -55,6 +55,7 @@ __device__ __forceinline__ int64_t pair_count(int64_t m_tiles, int64_t n_tiles) 
   return (m_tiles / 2) * n_tiles + (m_tiles & 1) * ((n_tiles + 1) / 2);
 }
 
+template <class Cfg = Config>
 __device__ __forceinline__ void pair_tile(int32_t q, int32_t m_tiles, int32_t n_tiles, Tile& tile) {
   const uint32_t rank = ptx::cluster_rank();
   const int32_t pair_rows = m_tiles / 2;
@@ -72,12 +73,13 @@ __device__ __forceinline__ void pair_tile(int32_t q, int32_t m_tiles, int32_t n_
     tile.live = n < n_tiles;
     tile.multicast = false;
   }
-  tile.m0 = m * Config::kBlockM;
-  tile.n0 = n * Config::kBlockN;
+  tile.m0 = m * Cfg::kBlockM;
+  tile.n0 = n * Cfg::kBlockN;
 }
 
 // Forward and dgrad: the rows of each group are tiled by kBlockM, its columns by kBlockN. Pair
-// indices only grow, so the walk over the groups advances monotonically.
+// indices only grow, so the walk over the groups advances monotonically. Cfg: the tile shape.
+template <class Cfg = Config>
 class MGroupedScheduler {
  public:
   // `prefix`: shared address of pairs-before-group[0..G] (the kernel's prologue fills it when
@@ -88,8 +90,8 @@ class MGroupedScheduler {
       : offsets_(offsets),
         prefix_(prefix),
         num_groups_(num_groups),
-        n_tiles_((n + Config::kBlockN - 1) / Config::kBlockN),
-        k_blocks_((k + Config::kBlockK - 1) / Config::kBlockK) {}
+        n_tiles_((n + Cfg::kBlockN - 1) / Cfg::kBlockN),
+        k_blocks_((k + Cfg::kBlockK - 1) / Cfg::kBlockK) {}
 
   __device__ bool get(int32_t pair, Tile& tile) {
     if (prefix_) {
@@ -112,8 +114,8 @@ class MGroupedScheduler {
       }
     }
     const int64_t begin = __ldg(offsets_ + group_), end = __ldg(offsets_ + group_ + 1);
-    const int32_t m_tiles = int32_t((end - begin + Config::kBlockM - 1) / Config::kBlockM);
-    pair_tile(pair - first_, m_tiles, n_tiles_, tile);
+    const int32_t m_tiles = int32_t((end - begin + Cfg::kBlockM - 1) / Cfg::kBlockM);
+    pair_tile<Cfg>(pair - first_, m_tiles, n_tiles_, tile);
     tile.group = group_;
     tile.k_blocks = k_blocks_;
     tile.row_begin = begin;
@@ -124,7 +126,7 @@ class MGroupedScheduler {
   // Pairs of group g (from the offsets in global memory).
   __device__ int32_t pairs_of(int32_t g) const {
     const int64_t rows = __ldg(offsets_ + g + 1) - __ldg(offsets_ + g);
-    return int32_t(pair_count((rows + Config::kBlockM - 1) / Config::kBlockM, n_tiles_));
+    return int32_t(pair_count((rows + Cfg::kBlockM - 1) / Cfg::kBlockM, n_tiles_));
   }
 
   // Fills the shared prefix (one warp, before any get): lane l sums a run of groups, a warp scan
@@ -161,12 +163,13 @@ class MGroupedScheduler {
 // Wgrad: every group owns the same ceil(M / kBlockM) x ceil(N / kBlockN) output tiles; the
 // contraction runs over the group's rows (ceil(R / kBlockK) steps, zero for an empty group).
 // Both tiles of a pair belong to one group, so they have the same number of steps.
+template <class Cfg = Config>
 class KGroupedScheduler {
  public:
   __device__ KGroupedScheduler(const int64_t* offsets, int32_t num_groups, int32_t m, int32_t n)
       : offsets_(offsets),
-        m_tiles_((m + Config::kBlockM - 1) / Config::kBlockM),
-        n_tiles_((n + Config::kBlockN - 1) / Config::kBlockN),
+        m_tiles_((m + Cfg::kBlockM - 1) / Cfg::kBlockM),
+        n_tiles_((n + Cfg::kBlockN - 1) / Cfg::kBlockN),
         pairs_per_group_(int32_t(pair_count(m_tiles_, n_tiles_))),
         total_(pairs_per_group_ * num_groups) {}
 
@@ -174,10 +177,10 @@ class KGroupedScheduler {
     if (pair >= total_) return false;
     const int32_t g = pair / pairs_per_group_;
     const int64_t begin = __ldg(offsets_ + g), end = __ldg(offsets_ + g + 1);
-    pair_tile(pair - g * pairs_per_group_, m_tiles_, n_tiles_, tile);
+    pair_tile<Cfg>(pair - g * pairs_per_group_, m_tiles_, n_tiles_, tile);
     tile.group = g;
     tile.rows = int32_t(end - begin);
-    tile.k_blocks = (tile.rows + Config::kBlockK - 1) / Config::kBlockK;
+    tile.k_blocks = (tile.rows + Cfg::kBlockK - 1) / Cfg::kBlockK;
     tile.row_begin = begin;
     return true;
   }

@@ -37,6 +37,7 @@ CUtensorMapDataType tma_dtype(DType dtype) {
     case DType::kBFloat16: return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
     case DType::kFloat16: return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     case DType::kFloat32: return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+    case DType::kFloat8E4M3: return CU_TENSOR_MAP_DATA_TYPE_UINT8;  // TMA moves bytes
     default: throw_error(ErrorCode::kInternal, "tensor map: unsupported dtype ", dtype_name(dtype));
   }
 }

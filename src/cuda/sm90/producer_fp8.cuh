@@ -1,0 +1,79 @@
+// The producer of the Hopper FP8 grouped GEMM (block scaling): one thread of warpgroup 0 fills the
+// ring's stages with TMA loads, one stage per 128-wide k step. Both operands are K-major E4M3
+// (FP8 wgmma has no transposed operands), so the three GEMMs take two shapes:
+//   M-grouped (forward, and dgrad with the weight's transposed copy):
+//     A = the group's token rows [T, K] through a ragged map (zero past the group's end),
+//     B = W_g rows [N, K] (3-D map over [G, N, K]);
+//   K-grouped (wgrad): A = dY^T [N, C], B = X^T [K, C], the columns copies in which every group's
+//     tokens start at a multiple of 128 (offsets = the copies' column offsets) and end in zeros, so
+//     plain maps load whole steps.
+// The math threads read the scales themselves (mainloop_fp8.cuh).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/ptx/cluster.cuh"
+#include "cuda/ptx/sync.cuh"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/sm90/config.hpp"
+#include "cuda/sm90/params.hpp"
+#include "cuda/sm90/ring.cuh"
+#include "cuda/sm90/scheduler.cuh"
+
+namespace moe::cuda::sm90 {
+
+template <Form kForm, class Pipe>
+struct ProducerFp8 {
+  using Cfg = typename Pipe::Cfg;
+  static constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kBK = Cfg::kBlockK;
+  static constexpr bool kKGrouped = kForm == Form::kWgrad;
+  // What lands in each block per live step: A and all of B (its half and the peer's, or both).
+  static constexpr uint32_t kStepBytes = Cfg::kABytes + Cfg::kBBytes;
+
+  const CUtensorMap& map_a;
+  const CUtensorMap& map_b;
+  const GemmParams& p;
+  const SharedStorage<Pipe>& smem;
+
+  __device__ __forceinline__ void load(const Tile t, RingState<Pipe::kStages>& ring) const {
+    for (int kb = 0; kb < t.k_blocks; ++kb) {
+      ptx::mbarrier_wait(&smem.empty[ring.stage], ring.phase ^ 1u);
+      ptx::mbarrier_arrive_expect_tx(&smem.full[ring.stage], t.live ? kStepBytes : 0u);
+      if (t.live) load_step(t, kb, ring.stage);
+      ring.advance();
+    }
+  }
+
+  __device__ __forceinline__ void load_step(const Tile& t, int kb, int stage) const {
+    uint64_t* bar = &smem.full[stage];
+    const uint16_t mask = (1u << Cfg::kClusterSize) - 1u;
+    // B in two halves of kBN / 2 rows: with multicast this block loads half `half` into both blocks.
+    auto load_b_half = [&](int half, bool multicast) {
+      uint8_t* dst = smem.stage_b(stage) + half * (Cfg::kBBytes / 2);
+      const int32_t n = t.n0 + half * (kBN / 2);
+      if constexpr (kKGrouped) {
+        const int32_t col = int32_t(t.row_begin) + kb * kBK;
+        if (multicast) ptx::tma_load_3d_multicast(dst, &map_b, bar, mask, col, n, 0);
+        else ptx::tma_load_3d(dst, &map_b, bar, col, n, 0);
+      } else {
+        if (multicast) ptx::tma_load_3d_multicast(dst, &map_b, bar, mask, kb * kBK, n, t.group);
+        else ptx::tma_load_3d(dst, &map_b, bar, kb * kBK, n, t.group);
+      }
+    };
+    if constexpr (kKGrouped) {
+      // This step's 128 tokens in the columns copies.
+      ptx::tma_load_3d(smem.stage_a(stage), &map_a, bar, int32_t(t.row_begin) + kb * kBK, t.m0, 0);
+    } else {
+      ptx::tma_load_4d(smem.stage_a(stage), &map_a, bar, kb * kBK, ragged_row(t, t.m0), ragged_end(t),
+                       int32_t(Cfg::kRaggedRows));
+    }
+    if (__builtin_expect(t.multicast && p.multicast, 1)) {
+      load_b_half(int(ptx::cluster_rank()), true);
+    } else {
+      load_b_half(0, false);
+      load_b_half(1, false);
+    }
+  }
+};
+
+}  // namespace moe::cuda::sm90
