@@ -1,6 +1,8 @@
 // moe-engine bench gemm: the six grouped GEMMs of every case (FC1 and FC2 x forward, dgrad,
 // wgrad) on a GPU, timed with CUDA events, with the roofline fraction and, given the JSON that the
 // anchor script (torch_anchor.py) wrote in the same run, the speedup over torch._grouped_mm.
+// --dtype fp8: the FP8 block-scaled GEMMs (operands quantized once, untimed) with the same GEMM in
+// bf16 timed beside each, and the quantizers' own times.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -23,6 +25,7 @@ namespace {
 
 // Ceilings when no anchor is given: the H200 figures of the anchor script's reference run.
 constexpr double kDefaultBf16Tflops = 787.0;
+constexpr double kDefaultFp8Tflops = 1287.0;  // dense FP8 (tensorwise) on the H200, torch 2.11
 constexpr double kHbmTBps = 4.27;  // device-to-device copy, read + write
 
 struct Timing {
@@ -92,6 +95,7 @@ struct Entry {
   std::string case_name, fc, gemm;
   double ms = 0, min_ms = 0, flops = 0, bytes = 0, tflops = 0, roofline_fraction = 0;
   double torch_ms = 0, speedup_vs_torch = 0, loop_ms = 0, speedup_vs_loop = 0;
+  double bf16_ms = 0, time_ratio_vs_bf16 = 0;  // fp8: the same GEMM in bf16, same run
   bool in_geomean = false;
 };
 
@@ -151,11 +155,14 @@ int run_bench_gemm(const BenchOptions& o) {
             "bench gemm times the CUDA kernels: use a CUDA device");
   MOE_CHECK(size_t(device.index) < inventory.gpus.size(), ErrorCode::kDevice, "bench gemm: --device ", o.device,
             ": this process sees ", inventory.gpus.size(), " GPU(s)");
-  const DType dt = dtype_from_name(o.dtype);
+  const bool fp8 = o.dtype == "fp8" || o.dtype == "float8_e4m3";
+  // FP8: the bf16 tensors are quantized; the bf16 GEMMs run beside the FP8 ones.
+  const DType dt = fp8 ? DType::kBFloat16 : dtype_from_name(o.dtype);
 
   const double bf16_tflops = anchor.contains("dense_8192_tflops")
                                  ? anchor["dense_8192_tflops"].get<double>()
                                  : kDefaultBf16Tflops;
+  const double peak_tflops = fp8 ? kDefaultFp8Tflops : bf16_tflops;
   const Stream stream = nullptr;
   settle(device, stream, o.settle_ms);
   const Tensor flush = o.l2_flush_mb > 0
@@ -166,7 +173,8 @@ int run_bench_gemm(const BenchOptions& o) {
   std::vector<Entry> entries;
   // Each GEMM warms up for a quarter of min_time_ms, then runs at least min_time_ms; buffers and
   // the first launches add about 50 ms.
-  const long total = long(cases.size()) * (o.gemm_filter.empty() ? 8 : 1);  // 2 layers x 4 GEMMs, or the one
+  // 2 layers x 4 GEMMs, or the one (fp8: each beside its bf16 twin, and 3 quantizers per layer)
+  const long total = long(cases.size()) * (o.gemm_filter.empty() ? (fp8 ? 22 : 8) : (fp8 ? 2 : 1));
   const double estimate_s = o.settle_ms * 1e-3 + double(total) * (1.25 * o.min_time_ms + 50) * 1e-3;
   std::printf("bench gemm: %ld GEMMs of %zu case(s) on %s (%s), each timed for >= %g ms: about %s\n", total,
               cases.size(), to_string(device).c_str(), inventory.gpus[size_t(device.index)].name.c_str(),
@@ -203,6 +211,7 @@ int run_bench_gemm(const BenchOptions& o) {
         std::function<void()> run;
         const char* anchor_key;  // torch._grouped_mm counterpart
         bool in_geomean;
+        std::function<void()> bf16;  // fp8: the same GEMM in bf16
       };
       const std::vector<Gemm> gemms = {
           {"fwd", e * (routed * K + weights + routed * N),
@@ -221,8 +230,53 @@ int run_bench_gemm(const BenchOptions& o) {
            },
            "grouped_mm_wgrad", false},
       };
-      for (const Gemm& g : gemms) {
+      // FP8: the operands quantized once (the quantizers are timed as entries of their own).
+      const int64_t C = fp8_columns_capacity(T, G), S = fp8_scales_pitch(T);
+      auto blocks = [](int64_t n) { return (n + 127) / 128; };
+      auto f8 = [&](Shape shape) { return fp8 ? Tensor::empty(shape, DType::kFloat8E4M3, device) : Tensor(); };
+      auto f32 = [&](Shape shape) { return fp8 ? Tensor::empty(shape, DType::kFloat32, device) : Tensor(); };
+      auto i64 = [&](Shape shape) { return fp8 ? Tensor::empty(shape, DType::kInt64, device) : Tensor(); };
+      const Tensor xq = f8({T, K}), xs = f32({blocks(K), S}), xcq = f8({K, C}), xcs = f32({C / 128, K});
+      const Tensor dyq = f8({T, N}), dys = f32({blocks(N), S}), dycq = f8({N, C}), dycs = f32({C / 128, N});
+      const Tensor col_x = i64({G + 1}), col_dy = i64({G + 1});
+      const Tensor wq = f8({G, N, K}), ws = f32({G, blocks(N), blocks(K)}), wqt = f8({G, K, N}),
+                   wst = f32({G, blocks(K), blocks(N)});
+      const Fp8Rows x_rows{xq, xs}, dy_rows{dyq, dys};
+      const Fp8Columns x_cols{xcq, xcs, col_x}, dy_cols{dycq, dycs, col_dy};
+      const Fp8Weight w_q{wq, ws, wqt, wst};
+      std::vector<Gemm> run_list = gemms;
+      if (fp8) {
+        const double q_in = 2.0 * double(routed), q_out = double(routed) + 4.0 * double(routed) / 128;
+        auto quantize_x = [&] { quantize_fp8(x, groups, x_rows, x_cols, {}, ctx); };
+        auto quantize_dy = [&] { quantize_fp8(dy, groups, dy_rows, dy_cols, {}, ctx); };
+        auto quantize_w = [&] { quantize_fp8_weight(W, w_q, {}, ctx); };
+        quantize_x();
+        quantize_dy();
+        quantize_w();
+        const double e8 = 1.0;
+        run_list = {
+            {"fwd", e8 * (routed * K + weights) + e * routed * N,
+             [&] { grouped_linear_forward(x_rows, w_q, groups, y, {}, ctx); }, nullptr, true, gemms[0].run},
+            {"dgrad", e8 * (routed * N + weights) + e * routed * K,
+             [&] { grouped_linear_dgrad(dy_rows, w_q, groups, dx, ctx); }, nullptr, true, gemms[1].run},
+            {"wgrad", e8 * (routed * N + routed * K) + e * weights,
+             [&] { grouped_linear_wgrad(dy_cols, x_cols, groups, GroupedParam::packed(dw), GradMode::kWrite, ctx); },
+             nullptr, true, gemms[2].run},
+            {"wgrad_acc", e8 * (routed * N + routed * K) + 8.0 * weights,
+             [&] {
+               grouped_linear_wgrad(dy_cols, x_cols, groups, GroupedParam::packed(main_grad), GradMode::kAccumulate,
+                                    ctx);
+             },
+             nullptr, false, gemms[3].run},
+            // Quantizers: bf16 read, rows + columns (+ scales) written; weights: both copies.
+            {"quant_x", K * (q_in + 2 * q_out), quantize_x, nullptr, false, nullptr},
+            {"quant_dy", N * (q_in + 2 * q_out), quantize_dy, nullptr, false, nullptr},
+            {"quant_w", weights * (2.0 + 2.0), quantize_w, nullptr, false, nullptr},
+        };
+      }
+      for (const Gemm& g : run_list) {
         if (!o.gemm_filter.empty() && o.gemm_filter != fc + "/" + g.name) continue;
+        const bool quantizer = std::string(g.name).rfind("quant", 0) == 0;
         const Timing t = time_op(device, stream, warmup, iters, o.min_time_ms, flush, g.run);
         Entry en;
         en.case_name = w.name;
@@ -230,24 +284,30 @@ int run_bench_gemm(const BenchOptions& o) {
         en.gemm = g.name;
         en.ms = t.median_ms;
         en.min_ms = t.min_ms;
-        en.flops = flops;
+        en.flops = quantizer ? 0 : flops;
         en.bytes = g.bytes;
-        en.tflops = flops / (t.median_ms * 1e9);
-        const double floor_ms = std::max(flops / (bf16_tflops * 1e9), g.bytes / (kHbmTBps * 1e9));
+        en.tflops = en.flops / (t.median_ms * 1e9);
+        const double floor_ms = std::max(en.flops / (peak_tflops * 1e9), g.bytes / (kHbmTBps * 1e9));
         en.roofline_fraction = floor_ms / t.median_ms;
         en.in_geomean = g.in_geomean;
-        if (ref) {
+        if (g.bf16) {
+          en.bf16_ms = time_op(device, stream, warmup, iters, o.min_time_ms, flush, g.bf16).median_ms;
+          en.time_ratio_vs_bf16 = en.ms / en.bf16_ms;
+        }
+        if (ref && g.anchor_key) {
           en.torch_ms = ref->at(fc + "_" + g.anchor_key + "_ms").get<double>();
           en.speedup_vs_torch = en.torch_ms / en.ms;
-          if (std::string(g.name) == "fwd") {
+          if (std::string(g.name) == "fwd" && !fp8) {
             en.loop_ms = ref->at(fc + "_loop_fwd_ms").get<double>();
             en.speedup_vs_loop = en.loop_ms / en.ms;
           }
         }
         progress.clear();
-        std::printf("%-36s %-4s %-10s %9.4f %8.1f %9.3f %9.4f %8.3f\n", w.name.c_str(), fc.c_str(),
+        std::printf("%-36s %-4s %-10s %9.4f %8.1f %9.3f %9.4f %8.3f", w.name.c_str(), fc.c_str(),
                     g.name, en.ms, en.tflops, en.roofline_fraction, en.torch_ms,
                     en.speedup_vs_torch);
+        if (en.bf16_ms > 0) std::printf("   bf16 %.4f ms: fp8/bf16 %.3f", en.bf16_ms, en.time_ratio_vs_bf16);
+        std::printf("\n");
         std::fflush(stdout);
         entries.push_back(en);
         progress.update("GEMMs", long(entries.size()), total, "timed", estimate_s);
@@ -265,6 +325,17 @@ int run_bench_gemm(const BenchOptions& o) {
       ++counted;
     }
   const double geomean = counted ? std::exp(log_sum / counted) : 0;
+  double log_ratio = 0, max_ratio = 0;
+  int ratios = 0;
+  for (const Entry& en : entries)
+    if (en.in_geomean && en.time_ratio_vs_bf16 > 0) {
+      log_ratio += std::log(en.time_ratio_vs_bf16);
+      max_ratio = std::max(max_ratio, en.time_ratio_vs_bf16);
+      ++ratios;
+    }
+  const double geomean_ratio = ratios ? std::exp(log_ratio / ratios) : 0;
+  if (ratios)
+    std::printf("geomean FP8 / bf16 time over %d GEMMs: %.3f (max %.3f)\n", ratios, geomean_ratio, max_ratio);
   if (counted)
     std::printf("geomean speedup vs torch._grouped_mm over %d GEMMs: %.3f (min %.3f)\n", counted,
                 geomean, min_speedup);
@@ -273,12 +344,17 @@ int run_bench_gemm(const BenchOptions& o) {
     nlohmann::json j;
     j["device"] = inventory.gpus[size_t(device.index)].name;
     j["command"] = o.command_line;
-    j["dtype"] = dtype_name(dt);
+    j["dtype"] = fp8 ? "fp8" : dtype_name(dt);
+    if (ratios) {
+      j["geomean_time_ratio_fp8_vs_bf16"] = geomean_ratio;
+      j["max_time_ratio_fp8_vs_bf16"] = max_ratio;
+    }
     j["iters"] = iters;
     j["timing"] = "as triton.testing.do_bench (the anchor's): median over >= min_time_ms of runs, " +
                   (o.l2_flush_mb > 0 ? std::to_string(int(o.l2_flush_mb)) + " MB zeroed before each"
                                      : std::string("no flush between runs"));
     j["ceilings"] = {{"bf16_tflops", bf16_tflops},
+                     {"roofline_tflops", peak_tflops},
                      {"hbm_TBps", kHbmTBps},
                      {"bf16_source", anchor.is_null() ? "default (no anchor given)"
                                                       : "anchor dense_8192_tflops, same run"}};
@@ -302,6 +378,10 @@ int run_bench_gemm(const BenchOptions& o) {
       if (en.torch_ms > 0) {
         e["torch_grouped_mm_ms"] = en.torch_ms;
         e["speedup_vs_torch"] = en.speedup_vs_torch;
+      }
+      if (en.bf16_ms > 0) {
+        e["bf16_ms"] = en.bf16_ms;
+        e["time_ratio_fp8_vs_bf16"] = en.time_ratio_vs_bf16;
       }
       if (en.loop_ms > 0) {
         e["cublas_loop_ms"] = en.loop_ms;

@@ -56,7 +56,8 @@ int main(int argc, char** argv) {
       ->add_option("--device", bench.device,
                    "auto (a GPU when the CUDA backend runs the op, else the CPU), cpu, cuda[:N]")
       ->capture_default_str();
-  bench_cmd->add_option("--dtype", bench.dtype, "bfloat16, float16 or float32")
+  bench_cmd->add_option("--dtype", bench.dtype,
+                        "bfloat16, float16 or float32; gemm also fp8 (block-scaled E4M3 beside bf16)")
       ->capture_default_str();
   bench_cmd->add_option("--glu-layout", bench.glu_layout, "halves, pairs or blocks:S")
       ->capture_default_str();
