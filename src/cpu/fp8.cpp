@@ -65,7 +65,8 @@ void quantize_rows(const TensorView& x, const GroupLayout& groups, const Fp8Rows
         const int64_t n = std::min(kBlock, K - k0);
         const float s = scale(amax_bits(v.data() + k0, n));
         float_at(rows.scales, k0 / kBlock, r) = s;
-        for (int64_t k = k0; k < k0 + n; ++k) q[k] = detail::fp8_quantize(v[size_t(k)], s);
+        const detail::Fp8Divisor d(s);
+        for (int64_t k = k0; k < k0 + n; ++k) q[k] = detail::fp8_quantize(v[size_t(k)], d);
       }
     }
   }
@@ -97,9 +98,10 @@ void quantize_columns(const TensorView& x, const GroupLayout& groups, const Fp8C
       for (int64_t k = 0; k < K; ++k) {
         const float s = scale(amax_bits(panel.data() + k, task.rows, K));
         float_at(columns.scales, task.first_column / kBlock, k) = s;
+        const detail::Fp8Divisor d(s);
         uint8_t* q = byte_at(columns.data, k, task.first_column);
         for (int64_t i = 0; i < kBlock; ++i)
-          q[i] = i < task.rows ? detail::fp8_quantize(panel[size_t(i * K + k)], s) : uint8_t(0);
+          q[i] = i < task.rows ? detail::fp8_quantize(panel[size_t(i * K + k)], d) : uint8_t(0);
       }
     }
   }
@@ -160,11 +162,12 @@ void quantize_fp8_weight(const GroupedParam& weight, const Fp8Weight& out, const
         uint32_t m = 0;
         for (int64_t i = 0; i < rows; ++i) m = std::max(m, amax_bits(panel.data() + i * K + k0, cols));
         const float s = scale(m);
+        const detail::Fp8Divisor d(s);
         if (out.data.defined()) float_at(out.scales.select(g), n0 / kBlock, k0 / kBlock) = s;
         if (out.data_t.defined()) float_at(out.scales_t.select(g), k0 / kBlock, n0 / kBlock) = s;
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t k = k0; k < k0 + cols; ++k) {
-            const uint8_t q = detail::fp8_quantize(panel[size_t(i * K + k)], s);
+            const uint8_t q = detail::fp8_quantize(panel[size_t(i * K + k)], d);
             if (out.data.defined()) *byte_at(out.data.select(g), n0 + i, k) = q;
             if (out.data_t.defined()) *byte_at(out.data_t.select(g), k, n0 + i) = q;
           }

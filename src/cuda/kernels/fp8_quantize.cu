@@ -1,11 +1,13 @@
 // FP8 quantizers on CUDA (moe_engine/fp8.hpp), the math of common/fp8_math.hpp: the same bytes and
-// scale bits as the CPU backend. Every block quantizes one tile of 128 x 128 values, read from
-// global memory once into registers:
+// scale bits as the CPU backend. Values are read from global memory once, into registers, in tiles
+// of 128 x 128:
 //   tokens (activations, gradients): 128 tokens x 128 features. Rows: one scale per token, the row
 //     bytes stored straight from registers. Columns: the tile never mixes experts (tiles restart at
-//     each expert's first token, so tile j is column block j of the columnwise layout); one scale
-//     per feature, the bytes transposed through shared memory so that the global stores run along
-//     the tokens. With both wanted, one kernel writes both from the same registers.
+//     each expert's first token, so token tile j is column block j of the columnwise layout); one
+//     scale per feature, the bytes transposed through shared memory so that the global stores run
+//     along the tokens. With both wanted, one kernel writes both from the same registers. A block
+//     takes one token tile and a run of feature blocks, loading the next feature block while it
+//     quantizes the current one (the kernel is bound by latency otherwise).
 //   weights: one 128 x 128 block, one scale; data stored straight, data_t transposed.
 // Launch shapes come from static sizes only (tiles of the capacity T, or of the columnwise capacity
 // C), the routing is read on the device and blocks without work return at once: graph safe, one
@@ -49,51 +51,67 @@ struct Recipe {
   __device__ float scale(uint32_t amax_bits) const { return detail::fp8_tile_scale(amax_bits, pow2, epsilon); }
 };
 
-// v[j] = p[j], j < 8, as float; 16-byte vector loads where the caller knows them aligned.
-template <class T, bool kVector>
-__device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
-  if constexpr (kVector && sizeof(T) == 2) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const T* h = reinterpret_cast<const T*>(&u);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = to_float(h[j]);
-  } else if constexpr (kVector && sizeof(T) == 4) {
-    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = to_float(p[j]);
-  }
-}
+// The thread's 8 x 8 values of a tile in the input's own type: row i's 8 features in kWords 16-byte
+// words (1 for 16-bit types, 2 for float). Kept raw and converted where used, so that a second tile
+// can be in flight in the registers of the same thread.
+template <class T>
+struct RawTile {
+  static constexpr int kWords = int(sizeof(T)) / 2;
+  uint4 word[8][kWords];
 
-// The thread's 8 x 8 values of the tile (zeros outside it). src(row) is the address of the row's
-// feature k0.
-template <class T, bool kVector, class RowAddress>
-__device__ __forceinline__ void load_tile(const Lane& lane, const TileExtent& tile, RowAddress src,
-                                          float (&v)[8][8]) {
-  const bool features_in = 8 * lane.m < tile.features;  // features come in whole groups of 8 (K % 16 == 0)
+  __device__ __forceinline__ float value(int i, int j) const {
+    return to_float(reinterpret_cast<const T*>(&word[i][0])[j]);
+  }
+  __device__ __forceinline__ void row(int i, float (&v)[8]) const {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = value(i, j);
+  }
+  __device__ __forceinline__ void column(int j, float (&v)[8]) const {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = value(i, j);
+  }
+};
+
+// Loads the thread's rows r < rows of a tile whose first row's first feature is at `tile`, rows
+// `ld` elements apart (zeros for the other rows and where the features are past the end). 16-byte
+// loads where the caller knows them aligned.
+template <class T, bool kVector>
+__device__ __forceinline__ void load_tile(const Lane& lane, int rows, bool features_in, const T* tile, int64_t ld,
+                                          RawTile<T>& raw) {
+  const T* mine = tile + 8 * lane.group * ld + 8 * lane.m;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int r = 8 * lane.group + i;
-    if (features_in && r < tile.rows)
-      load8<T, kVector>(src(tile.row0 + r) + 8 * lane.m, v[i]);
-    else
+    if (features_in && 8 * lane.group + i < rows) {
+      const T* p = mine + i * ld;
+      if constexpr (kVector) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[i][j] = 0.f;
+        for (int w = 0; w < RawTile<T>::kWords; ++w) raw.word[i][w] = reinterpret_cast<const uint4*>(p)[w];
+      } else {
+        T* dst = reinterpret_cast<T*>(&raw.word[i][0]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) dst[j] = p[j];
+      }
+    } else {
+#pragma unroll
+      for (int w = 0; w < RawTile<T>::kWords; ++w) raw.word[i][w] = make_uint4(0, 0, 0, 0);
+    }
   }
 }
 
 __device__ __forceinline__ uint32_t max_bits(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
-// Eight bytes E4M3(v[j] / s) packed little-endian.
-__device__ __forceinline__ uint2 quantize8(const float (&v)[8], float s) {
-  uint32_t lo = 0, hi = 0;
+// Eight bytes E4M3(v[j] / s) packed little-endian; one branch for the eight (multiply or divide).
+__device__ __forceinline__ uint2 quantize8(const float (&v)[8], const detail::Fp8Divisor& d) {
+  float q[8];
+  if (d.exact_inverse) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    lo |= uint32_t(detail::fp8_quantize(v[j], s)) << (8 * j);
-    hi |= uint32_t(detail::fp8_quantize(v[j + 4], s)) << (8 * j);
+    for (int j = 0; j < 8; ++j) q[j] = v[j] * d.inverse;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) q[j] = detail::ieee_div(v[j], d.scale);
   }
-  return make_uint2(lo, hi);
+  const auto pair = [&](int j) { return uint32_t(detail::e4m3x2_from_float(q[j], q[j + 1])); };
+  return make_uint2(pair(0) | pair(2) << 16, pair(4) | pair(6) << 16);
 }
 
 // Byte j of the eight rows q[0..7], packed: column j of an 8 x 8 byte matrix.
@@ -159,9 +177,13 @@ struct TokenShared {
   TransposeTile transposed;
   uint32_t col_amax[kThreads / 32][kTile];
   float col_scale[kTile];
-  float row_scale[kTile];
+  float row_scale[2][kTile];  // by feature block parity: a block's readers and the next one's writers
   int64_t row0, rows;
 };
+
+// Feature blocks per token block: enough to hide the next block's loads behind the current one's
+// work and to spend the routing lookup on several tiles (8 measured no better on an H100).
+constexpr int64_t kFeatureBlocksPerBlock = 4;
 
 // Column block `target`'s tokens: the expert whose column span holds it, found by a block-wide scan
 // of the experts' spans (round_up(rows, 128)) in chunks of kThreads experts. Block (0, 0) also
@@ -195,42 +217,29 @@ __device__ void locate_column_block(const TokenParams& p, int64_t target, TokenS
   __syncthreads();
 }
 
-template <class T, bool kVector, bool kRows, bool kColumns>
-__global__ void __launch_bounds__(kThreads) quantize_tokens_kernel(const TokenParams p) {
-  __shared__ TokenShared shared;
-  const Lane lane;
-  TileExtent tile;
-  tile.k0 = int64_t(blockIdx.y) * kTile;
-  tile.features = int(std::min<int64_t>(kTile, p.K - tile.k0));
-  if constexpr (kColumns) {
-    locate_column_block(p, int64_t(blockIdx.x) * kTile, shared);
-    tile.row0 = shared.row0;
-    tile.rows = int(shared.rows);
-  } else {
-    tile.row0 = int64_t(blockIdx.x) * kTile;
-    tile.rows = int(std::min<int64_t>(kTile, p.offsets[p.num_groups] - tile.row0));
-  }
-  if (tile.rows <= 0 || tile.features <= 0) return;  // block-uniform
-
-  float v[8][8];
-  const T* x = static_cast<const T*>(p.x);
-  load_tile<T, kVector>(lane, tile, [&](int64_t r) { return x + r * p.x_ld + tile.k0; }, v);
+// Rows and / or columns of one 128 x 128 tile whose values the thread holds in `raw` (rows past
+// tile.rows are zeros when columns are wanted). `parity` alternates between feature blocks.
+template <class T, bool kRows, bool kColumns>
+__device__ __forceinline__ void quantize_token_tile(const TokenParams& p, const Lane& lane, const TileExtent& tile,
+                                                    int64_t feature_block, int parity, const RawTile<T>& raw,
+                                                    TokenShared& shared) {
   const bool features_in = 8 * lane.m < tile.features;
-
   if constexpr (kRows) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
+      float v[8];
+      raw.row(i, v);
       uint32_t amax = 0;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) amax = max_bits(amax, detail::fp8_abs_bits(v[i][j]));
+      for (int j = 0; j < 8; ++j) amax = max_bits(amax, detail::fp8_abs_bits(v[j]));
 #pragma unroll
       for (int offset = 1; offset < 16; offset *= 2) amax = max_bits(amax, __shfl_xor_sync(~0u, amax, offset));
       const float s = p.recipe.scale(amax);
       const int r = 8 * lane.group + i;
-      if (lane.m == 0) shared.row_scale[r] = s;
+      if (lane.m == 0) shared.row_scale[parity][r] = s;
       if (features_in && r < tile.rows)
         *reinterpret_cast<uint2*>(p.rows_data + (tile.row0 + r) * p.rows_ld + tile.k0 + 8 * lane.m) =
-            quantize8(v[i], s);
+            quantize8(v, detail::Fp8Divisor(s));
     }
   }
   if constexpr (kColumns) {
@@ -238,7 +247,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tokens_kernel(const TokenPa
     for (int j = 0; j < 8; ++j) {
       uint32_t amax = 0;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) amax = max_bits(amax, detail::fp8_abs_bits(v[i][j]));
+      for (int i = 0; i < 8; ++i) amax = max_bits(amax, detail::fp8_abs_bits(raw.value(i, j)));
       amax = max_bits(amax, __shfl_xor_sync(~0u, amax, 16));
       if (threadIdx.x % 32 < 16) shared.col_amax[threadIdx.x / 32][8 * lane.m + j] = amax;
     }
@@ -246,7 +255,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tokens_kernel(const TokenPa
   __syncthreads();
   if constexpr (kRows) {
     if (int(threadIdx.x) < tile.rows)
-      p.rows_scales[int64_t(blockIdx.y) * p.rows_scales_ld + tile.row0 + threadIdx.x] = shared.row_scale[threadIdx.x];
+      p.rows_scales[feature_block * p.rows_scales_ld + tile.row0 + threadIdx.x] = shared.row_scale[parity][threadIdx.x];
   }
   if constexpr (kColumns) {
     if (threadIdx.x < kTile) {
@@ -259,28 +268,63 @@ __global__ void __launch_bounds__(kThreads) quantize_tokens_kernel(const TokenPa
         p.cols_scales[int64_t(blockIdx.x) * p.cols_scales_ld + tile.k0 + threadIdx.x] = s;
     }
     __syncthreads();
+    // Padding tokens past the expert's end are zero bytes, whatever the scale (a NaN scale would
+    // make them 0x7f).
+    const int valid = tile.rows - 8 * lane.group;
+    const uint64_t keep = valid >= 8 ? ~0ull : valid <= 0 ? 0ull : (~0ull >> (64 - 8 * valid));
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int f = 8 * lane.m + j;
-      const float s = shared.col_scale[f];
       float column[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) column[i] = v[i][j];
-      uint2 q = quantize8(column, s);
-      // Padding tokens past the expert's end are zero bytes, whatever the scale (a NaN scale
-      // would make them 0x7f).
-      const int valid = tile.rows - 8 * lane.group;
-      if (valid < 8) {
-        const uint64_t keep = valid <= 0 ? 0 : (~0ull >> (64 - 8 * valid));
-        const uint64_t bits = (uint64_t(q.y) << 32 | q.x) & keep;
-        q = make_uint2(uint32_t(bits), uint32_t(bits >> 32));
-      }
-      shared.transposed.put(f, lane.group, q);
+      raw.column(j, column);
+      const uint2 q = quantize8(column, detail::Fp8Divisor(shared.col_scale[f]));
+      const uint64_t bits = (uint64_t(q.y) << 32 | q.x) & keep;
+      shared.transposed.put(f, lane.group, make_uint2(uint32_t(bits), uint32_t(bits >> 32)));
     }
     __syncthreads();
     uint8_t* out = p.cols_data + int64_t(blockIdx.x) * kTile;
-    shared.transposed.store(tile.features, kTile / 16,
-                            [&](int f) { return out + (tile.k0 + f) * p.cols_ld; });
+    shared.transposed.store(tile.features, kTile / 16, [&](int f) { return out + (tile.k0 + f) * p.cols_ld; });
+  }
+}
+
+// grid (token tiles, feature block runs): a token tile x kFeatureBlocksPerBlock feature blocks.
+template <class T, bool kVector, bool kRows, bool kColumns>
+__global__ void __launch_bounds__(kThreads, 2) quantize_tokens_kernel(const TokenParams p) {
+  // A second tile in flight in registers: for rows only. Next to the columns' transposition it
+  // spilled, and those kernels ran slower with it than without (H100).
+  constexpr bool kPrefetch = !kColumns;
+  __shared__ TokenShared shared;
+  const Lane lane;
+  TileExtent tile;
+  if constexpr (kColumns) {
+    locate_column_block(p, int64_t(blockIdx.x) * kTile, shared);
+    tile.row0 = shared.row0;
+    tile.rows = int(shared.rows);
+  } else {
+    tile.row0 = int64_t(blockIdx.x) * kTile;
+    tile.rows = int(std::min<int64_t>(kTile, p.offsets[p.num_groups] - tile.row0));
+  }
+  const int64_t first_block = int64_t(blockIdx.y) * kFeatureBlocksPerBlock;
+  const int64_t end_block = std::min<int64_t>(first_block + kFeatureBlocksPerBlock, (p.K + kTile - 1) / kTile);
+  if (tile.rows <= 0 || first_block >= end_block) return;  // block-uniform
+
+  const T* x = static_cast<const T*>(p.x) + tile.row0 * p.x_ld;
+  auto load = [&](int64_t block, RawTile<T>& raw) {
+    load_tile<T, kVector>(lane, tile.rows, 8 * lane.m < p.K - block * kTile, x + block * kTile, p.x_ld, raw);
+  };
+  RawTile<T> current, next;
+  if constexpr (kPrefetch) load(first_block, current);
+#pragma unroll 1
+  for (int64_t block = first_block; block < end_block; ++block) {
+    if constexpr (kPrefetch) {
+      if (block + 1 < end_block) load(block + 1, next);
+    } else {
+      load(block, current);
+    }
+    tile.k0 = block * kTile;
+    tile.features = int(std::min<int64_t>(kTile, p.K - tile.k0));
+    quantize_token_tile<T, kRows, kColumns>(p, lane, tile, block, int(block & 1), current, shared);
+    if constexpr (kPrefetch) current = next;
   }
 }
 
@@ -308,16 +352,16 @@ __global__ void __launch_bounds__(kThreads) quantize_weight_kernel(const WeightP
   tile.k0 = kb * kTile;
   tile.features = int(std::min<int64_t>(kTile, p.K - tile.k0));
 
-  float v[8][8];
+  RawTile<T> raw;
   const ExpertAddress address = p.w;  // a local copy: calling a member on a kernel parameter spills it
-  const T* w = address.at<const T>(g);
-  load_tile<T, kVector>(lane, tile, [&](int64_t r) { return w + r * p.K + tile.k0; }, v);
+  const T* w = address.at<const T>(g) + tile.row0 * p.K + tile.k0;
+  load_tile<T, kVector>(lane, tile.rows, 8 * lane.m < tile.features, w, p.K, raw);
 
   uint32_t amax = 0;
 #pragma unroll
   for (int i = 0; i < 8; ++i)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) amax = max_bits(amax, detail::fp8_abs_bits(v[i][j]));
+    for (int j = 0; j < 8; ++j) amax = max_bits(amax, detail::fp8_abs_bits(raw.value(i, j)));
 #pragma unroll
   for (int offset = 1; offset < 32; offset *= 2) amax = max_bits(amax, __shfl_xor_sync(~0u, amax, offset));
   if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
@@ -328,8 +372,13 @@ __global__ void __launch_bounds__(kThreads) quantize_weight_kernel(const WeightP
 
   // Each value quantized once: the rows' bytes go to data, their 8 x 8 transposes to data_t.
   uint2 q[8];
+  const detail::Fp8Divisor divisor(s);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) q[i] = quantize8(v[i], s);
+  for (int i = 0; i < 8; ++i) {
+    float v[8];
+    raw.row(i, v);
+    q[i] = quantize8(v, divisor);
+  }
   if (threadIdx.x == 0) {
     if (p.scales) p.scales[(g * p.row_blocks + nb) * p.col_blocks + kb] = s;
     if (p.scales_t) p.scales_t[(g * p.col_blocks + kb) * p.row_blocks + nb] = s;
@@ -390,10 +439,11 @@ void quantize_fp8(const TensorView& x, const GroupLayout& groups, const Fp8Rows&
     p.cols_scales_ld = columns.scales.stride(0);
     p.cols_offsets = columns.offsets.data_as<int64_t>();
   }
-  // Columns: one block per column block of the columnwise capacity (the offsets are written even
-  // when K is 0: one row of blocks at least). Rows only: one per 128 tokens of the capacity.
+  // Columns: one token tile per column block of the columnwise capacity (the offsets are written
+  // even when K is 0: one row of blocks at least). Rows only: one per 128 tokens of the capacity.
   const int64_t tiles = want_columns ? fp8_columns_capacity(T, G) / kTile : blocks_of(T);
-  const dim3 grid(unsigned(tiles), unsigned(std::max<int64_t>(blocks_of(K), want_columns ? 1 : 0)));
+  const int64_t runs = (blocks_of(K) + kFeatureBlocksPerBlock - 1) / kFeatureBlocksPerBlock;
+  const dim3 grid(unsigned(tiles), unsigned(std::max<int64_t>(runs, want_columns ? 1 : 0)));
   if (grid.x == 0 || grid.y == 0) return;
   with_cuda_type(x.dtype(), "quantize_fp8", [&](auto type) {
     using T = decltype(type);
