@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <string>
 
 #include "cpu/backend.hpp"
 #include "moe_engine/config.hpp"
@@ -73,15 +74,20 @@ WeightExtent weight_extent(const ops::Validator& v, const char* name, const Tens
   return {t.size(1), t.size(2)};
 }
 
-void check_weight_blocks(const ops::Validator& v, const Fp8Weight& w, bool transposed, int64_t n, int64_t k) {
+// A weight's blocks (`prefix`.data and .scales, or .data_t and .scales_t when transposed) for
+// G x [n, k] values.
+void check_weight_blocks(const ops::Validator& v, const char* prefix, const Fp8Weight& w, bool transposed,
+                         int64_t n, int64_t k) {
   const int64_t G = v.num_groups();
+  const std::string data = std::string(prefix) + (transposed ? ".data_t" : ".data");
+  const std::string scales = std::string(prefix) + (transposed ? ".scales_t" : ".scales");
   if (!transposed) {
-    v.contiguous("weight.data", w.data, {G, n, k}, DType::kFloat8E4M3, "[G, N, K]");
-    v.contiguous("weight.scales", w.scales, {G, blocks_of(n), blocks_of(k)}, DType::kFloat32,
+    v.contiguous(data.c_str(), w.data, {G, n, k}, DType::kFloat8E4M3, "[G, N, K]");
+    v.contiguous(scales.c_str(), w.scales, {G, blocks_of(n), blocks_of(k)}, DType::kFloat32,
                  "[G, ceil(N/128), ceil(K/128)]");
   } else {
-    v.contiguous("weight.data_t", w.data_t, {G, k, n}, DType::kFloat8E4M3, "[G, K, N]");
-    v.contiguous("weight.scales_t", w.scales_t, {G, blocks_of(k), blocks_of(n)}, DType::kFloat32,
+    v.contiguous(data.c_str(), w.data_t, {G, k, n}, DType::kFloat8E4M3, "[G, K, N]");
+    v.contiguous(scales.c_str(), w.scales_t, {G, blocks_of(k), blocks_of(n)}, DType::kFloat32,
                  "[G, ceil(K/128), ceil(N/128)]");
   }
 }
@@ -175,17 +181,8 @@ void quantize_fp8_weight(const GroupedParam& weight, const Fp8Weight& out, const
            "neither out.data nor out.data_t is requested (both undefined): the call would do nothing");
   check_pair(v, "out.data", out.data, "out.scales", out.scales);
   check_pair(v, "out.data_t", out.data_t, "out.scales_t", out.scales_t);
-  const int64_t G = v.num_groups();
-  if (out.data.defined()) {
-    v.contiguous("out.data", out.data, {G, N, K}, DType::kFloat8E4M3, "[G, N, K]");
-    v.contiguous("out.scales", out.scales, {G, blocks_of(N), blocks_of(K)}, DType::kFloat32,
-                 "[G, ceil(N/128), ceil(K/128)]");
-  }
-  if (out.data_t.defined()) {
-    v.contiguous("out.data_t", out.data_t, {G, K, N}, DType::kFloat8E4M3, "[G, K, N]");
-    v.contiguous("out.scales_t", out.scales_t, {G, blocks_of(K), blocks_of(N)}, DType::kFloat32,
-                 "[G, ceil(K/128), ceil(N/128)]");
-  }
+  if (out.data.defined()) check_weight_blocks(v, "out", out, false, N, K);
+  if (out.data_t.defined()) check_weight_blocks(v, "out", out, true, N, K);
   const Output outputs[] = {{"out.data", out.data},
                             {"out.scales", out.scales},
                             {"out.data_t", out.data_t},
@@ -205,7 +202,7 @@ void grouped_linear_forward(const Fp8Rows& x, const Fp8Weight& weight, const Gro
   const auto [N, K] = weight_extent(v, "weight.data", weight.data, "[G, N, K]");
   v.multiple_of_16("N", N, "the weight's rows");
   v.multiple_of_16("K", K, "the weight's columns");
-  check_weight_blocks(v, weight, false, N, K);
+  check_weight_blocks(v, "weight", weight, false, N, K);
   check_rows(v, "x.data", "x.scales", x, K, "[T, K]", "[ceil(K/128), S]");
   check_output(v, "y", y, N, "[T, N]");
   if (bias.bias.defined()) v.param("bias", bias.bias, {N}, "[N]");
@@ -231,7 +228,7 @@ void grouped_linear_dgrad(const Fp8Rows& dy, const Fp8Weight& weight, const Grou
   const auto [K, N] = weight_extent(v, "weight.data_t", weight.data_t, "[G, K, N]");
   v.multiple_of_16("N", N, "the weight's rows");
   v.multiple_of_16("K", K, "the weight's columns");
-  check_weight_blocks(v, weight, true, N, K);
+  check_weight_blocks(v, "weight", weight, true, N, K);
   check_rows(v, "dy.data", "dy.scales", dy, N, "[T, N]", "[ceil(N/128), S]");
   check_output(v, "dx", dx, K, "[T, K]");
   for (const auto& [name, in] : {std::pair<const char*, TensorView>{"dy.data", dy.data},
