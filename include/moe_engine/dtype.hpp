@@ -24,8 +24,8 @@ enum class DType : uint8_t {
   kFloat32,
   kBFloat16,
   kFloat16,
-  kFloat8E4M3,  // reserved for the FP8 GEMMs; no op accepts it yet
-  kFloat8E5M2,  // reserved, as above
+  kFloat8E4M3,  // FP8 operands of the FP8 ops (moe_engine/fp8.hpp)
+  kFloat8E5M2,  // reserved: no op accepts it yet
   kInt64,
   kInt32,
   kUInt8,

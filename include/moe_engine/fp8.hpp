@@ -1,4 +1,4 @@
-// FP8 block scaling (docs/design.md, "FP8"): E4M3 operands with FP32 scales per tile, DeepSeek-V3's
+// FP8 block scaling (docs/design.md section 12): E4M3 operands with FP32 scales per tile, DeepSeek-V3's
 // recipe (TransformerEngine's Float8BlockScaling), and the grouped GEMMs over them.
 //
 // Quantization of one tile of values v (bf16/fp16/fp32 in, as float):

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "moe_engine/bias_epilogue.hpp"
+#include "moe_engine/fp8.hpp"
 #include "moe_engine/glu_spec.hpp"
 #include "moe_engine/grad_mode.hpp"
 #include "moe_engine/group_layout.hpp"
@@ -30,5 +31,18 @@ void glu_forward(const TensorView& h, const TensorView& probs, const GroupLayout
 void glu_backward(const TensorView& h, const TensorView& probs, const TensorView& d_out,
                   const GroupLayout& groups, const GluBackwardOutputs& outputs,
                   const GluSpec& spec);
+
+// FP8 block scaling (moe_engine/fp8.hpp; fp8.cpp): the quantizers give the bytes and scales the
+// CUDA quantizers give (common/fp8_math.hpp); the GEMMs sum each 128-long block of the contraction
+// in float32 and add it, times the two blocks' scales, into a float32 accumulator.
+void quantize_fp8(const TensorView& x, const GroupLayout& groups, const Fp8Rows& rows, const Fp8Columns& columns,
+                  const Fp8Recipe& recipe);
+void quantize_fp8_weight(const GroupedParam& weight, const Fp8Weight& out, const Fp8Recipe& recipe);
+void grouped_linear_forward(const Fp8Rows& x, const Fp8Weight& weight, const GroupLayout& groups,
+                            const TensorView& y, const BiasEpilogue& bias);
+void grouped_linear_dgrad(const Fp8Rows& dy, const Fp8Weight& weight, const GroupLayout& groups,
+                          const TensorView& dx);
+void grouped_linear_wgrad(const Fp8Columns& dy, const Fp8Columns& x, const GroupLayout& groups,
+                          const GroupedParam& dweight, GradMode mode);
 
 }  // namespace moe::cpu

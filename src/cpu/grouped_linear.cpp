@@ -1,6 +1,7 @@
 #include <vector>
 
 #include "cpu/backend.hpp"
+#include "cpu/epilogue.hpp"
 #include "cpu/tiled_gemm.hpp"
 
 namespace moe::cpu {
@@ -13,22 +14,11 @@ int64_t rows_of(const GroupLayout& groups, int64_t g) {
   return off[g + 1] - off[g];
 }
 
-// Writes (or accumulates) n values into a float buffer of any float dtype.
-template <class Acc>
-void emit_grad(const Acc* values, int64_t n, void* dst, DType dtype, GradMode mode, Acc* scratch) {
-  if (mode != GradMode::kAccumulate) return store(values, n, dst, dtype);
-  load(dst, dtype, n, 1, scratch);
-  for (int64_t i = 0; i < n; ++i) scratch[i] += values[i];
-  store(scratch, n, dst, dtype);
-}
-
 template <class Acc>
 void forward(const TensorView& x, const GroupedParam& weight, const GroupLayout& groups,
              const TensorView& y, const BiasEpilogue& epi) {
   const int64_t* off = offsets_of(groups);
   const int64_t K = x.size(1), N = y.size(1);
-  const bool has_bias = epi.bias.defined();
-  const bool scaled = epi.row_scale.defined();
   grouped_gemm_tiles<Acc>(
       groups.num_groups(),
       [&](int64_t g) {
@@ -39,15 +29,7 @@ void forward(const TensorView& x, const GroupedParam& weight, const GroupLayout&
         load_rows(weight.expert(g), j0, nj, 0, K, p);
       },
       [&](int64_t g, int64_t i0, int64_t ni, int64_t j0, int64_t nj, const Acc* c) {
-        Acc bias[kTile], out[kTile];
-        if (has_bias) load(element_ptr_1d(epi.bias.expert(g), j0), epi.bias.dtype(), nj, 1, bias);
-        for (int64_t i = 0; i < ni; ++i) {
-          const int64_t r = off[g] + i0 + i;
-          const Acc s = scaled ? load_at<Acc>(epi.row_scale, r) : Acc(1);
-          for (int64_t j = 0; j < nj; ++j)
-            out[j] = c[i * kTile + j] + (has_bias ? (scaled ? s * bias[j] : bias[j]) : Acc(0));
-          store(out, nj, element_ptr(y, r, j0), y.dtype());
-        }
+        emit_forward_tile(y, epi, g, off[g] + i0, ni, j0, nj, c);
       });
 }
 
@@ -88,12 +70,7 @@ void wgrad(const TensorView& dy, const TensorView& x, const GroupLayout& groups,
         load_columns(x, off[g], rows_of(groups, g), j0, nj, p);
       },
       [&](int64_t g, int64_t i0, int64_t ni, int64_t j0, int64_t nj, const Acc* c) {
-        // An empty expert contributes nothing: accumulate leaves main_grad bit-for-bit untouched.
-        if (mode == GradMode::kAccumulate && rows_of(groups, g) == 0) return;
-        const TensorView dw = dweight.expert(g);
-        Acc scratch[kTile];
-        for (int64_t i = 0; i < ni; ++i)
-          emit_grad(c + i * kTile, nj, element_ptr(dw, i0 + i, j0), dw.dtype(), mode, scratch);
+        emit_wgrad_tile(dweight, mode, g, rows_of(groups, g) == 0, i0, ni, j0, nj, c);
       });
 }
 

@@ -29,10 +29,13 @@ inline Acc dot(const Acc* a, const Acc* b, int64_t n) {
 }
 
 // extent(g) -> GemmExtent; load_a(g, i0, ni, Acc* panel) fills panel[i * l + k] = A_g(i0 + i, k);
-// load_b(g, j0, nj, Acc* panel) likewise for B_g; emit(g, i0, ni, j0, nj, const Acc* c) consumes
-// c[i * kTile + j] = C_g(i0 + i, j0 + j). Tiles run in parallel; each C element has one owner.
-template <class Acc, class Extent, class LoadA, class LoadB, class Emit>
-void grouped_gemm_tiles(int64_t num_groups, Extent extent, LoadA load_a, LoadB load_b, Emit emit) {
+// load_b(g, j0, nj, Acc* panel) likewise for B_g; contract(g, i, j, const Acc* a, const Acc* b, l)
+// returns C_g(i, j) from row i of A_g and row j of B_g; emit(g, i0, ni, j0, nj, const Acc* c)
+// consumes c[i * kTile + j] = C_g(i0 + i, j0 + j). Tiles run in parallel; each C element has one
+// owner.
+template <class Acc, class Extent, class LoadA, class LoadB, class Contract, class Emit>
+void grouped_gemm_tiles(int64_t num_groups, Extent extent, LoadA load_a, LoadB load_b, Contract contract,
+                        Emit emit) {
   struct Task {
     int64_t g, i0, j0;
   };
@@ -58,10 +61,19 @@ void grouped_gemm_tiles(int64_t num_groups, Extent extent, LoadA load_a, LoadB l
       load_b(task.g, task.j0, nj, b.data());
       for (int64_t i = 0; i < ni; ++i)
         for (int64_t j = 0; j < nj; ++j)
-          c[size_t(i * kTile + j)] = dot(a.data() + i * e.l, b.data() + j * e.l, e.l);
+          c[size_t(i * kTile + j)] =
+              contract(task.g, task.i0 + i, task.j0 + j, a.data() + i * e.l, b.data() + j * e.l, e.l);
       emit(task.g, task.i0, ni, task.j0, nj, c.data());
     }
   }
+}
+
+// The plain product: C_g(i, j) = <row i of A_g, row j of B_g>.
+template <class Acc, class Extent, class LoadA, class LoadB, class Emit>
+void grouped_gemm_tiles(int64_t num_groups, Extent extent, LoadA load_a, LoadB load_b, Emit emit) {
+  grouped_gemm_tiles<Acc>(
+      num_groups, extent, load_a, load_b,
+      [](int64_t, int64_t, int64_t, const Acc* a, const Acc* b, int64_t l) { return dot(a, b, l); }, emit);
 }
 
 // panel[i * l + k] = t(row0 + i, col0 + k) for i < nrows, k < l (rows of a 2-D view).

@@ -6,20 +6,29 @@
 
 namespace moe::ops {
 
-Validator::Validator(const char* op, const GroupLayout& groups) : op_(op), groups_(&groups) {
+Validator::Validator(const char* op, const GroupLayout& groups) : op_(op) {
   if (!groups.defined())
     throw_error(ErrorCode::kInvalidArgument, op,
                 ": the group layout is undefined; build it with "
                 "GroupLayout::compute(splits, capacity, offsets, ...)");
   device_ = groups.device();
+  num_groups_ = groups.num_groups();
+  capacity_ = groups.capacity();
 }
+
+Validator::Validator(const char* op, Device device, int64_t num_groups)
+    : op_(op), device_(device), num_groups_(num_groups) {}
 
 void Validator::float_dtype(const char* name, DType dtype) const {
   if (is_floating(dtype)) return;
-  if (dtype == DType::kFloat8E4M3 || dtype == DType::kFloat8E5M2)
-    fail(ErrorCode::kDType, name, ": ", dtype_name(dtype),
-         " is reserved for the FP8 GEMMs and not supported yet; expected float32, bfloat16, "
-         "float16 or float64");
+  if (dtype == DType::kFloat8E4M3)
+    fail(ErrorCode::kDType, name,
+         ": float8_e4m3 operands go to the FP8 ops (moe_engine/fp8.hpp: Fp8Rows, Fp8Columns, "
+         "Fp8Weight); expected float32, bfloat16, float16 or float64");
+  if (dtype == DType::kFloat8E5M2)
+    fail(ErrorCode::kDType, name,
+         ": float8_e5m2 is reserved and not supported yet; expected float32, bfloat16, float16 or "
+         "float64");
   fail(ErrorCode::kDType, name,
        ": expected a float tensor (float32, bfloat16, float16 or float64), got ",
        dtype_name(dtype));
@@ -100,6 +109,13 @@ void Validator::no_overlap(const char* out_name, const TensorView& out, const ch
   if (overlap(out, in))
     fail(ErrorCode::kInvalidArgument, "output ", out_name, " overlaps input ", in_name,
          " in memory; expected separate buffers");
+}
+
+void Validator::distinct_outputs(const char* a_name, const TensorView& a, const char* b_name,
+                                 const TensorView& b) const {
+  if (overlap(a, b))
+    fail(ErrorCode::kInvalidArgument, "outputs ", a_name, " and ", b_name,
+         " overlap in memory; expected separate buffers");
 }
 
 void Validator::no_overlap(const char* out_name, const TensorView& out, const char* in_name,
@@ -187,6 +203,86 @@ void Validator::glu_spec(const GluSpec& spec, int64_t ffn) const {
            "clamped_qgeglu alpha and offset must be finite, got alpha = ", spec.alpha,
            ", offset = ", spec.offset);
   }
+}
+
+void Validator::defined(const char* name, const TensorView& t, const char* dims) const {
+  if (!t.defined()) fail(ErrorCode::kInvalidArgument, name, ": required tensor ", dims, " is undefined");
+}
+
+void Validator::dtype_is(const char* name, const TensorView& t, DType dtype) const {
+  if (t.dtype() != dtype)
+    fail(ErrorCode::kDType, name, ": expected ", dtype_name(dtype), ", got ", dtype_name(t.dtype()));
+}
+
+void Validator::aligned_16(const char* name, const TensorView& t) const {
+  const auto addr = reinterpret_cast<uintptr_t>(t.data());
+  if (addr % 16 != 0)
+    fail(ErrorCode::kAlignment, name, ": data pointer 0x", std::hex, addr, std::dec,
+         " is not 16-byte aligned (FP8 operands are read with TMA)");
+}
+
+void Validator::row_stride(const char* name, const TensorView& t, int64_t multiple_of) const {
+  if (t.size(1) > 1 && t.stride(1) != 1)
+    fail(ErrorCode::kShape, name, ": expected unit column stride (rows may be strided), got ", t.describe());
+  const int64_t bytes = t.stride(0) * int64_t(t.element_size());
+  if (t.size(0) > 1 && (t.stride(0) < t.size(1) || t.stride(0) % multiple_of != 0))
+    fail(ErrorCode::kAlignment, name, ": row stride ", t.stride(0), " elements (", bytes,
+         " bytes) must be >= ", t.size(1), " and a multiple of 16 bytes (FP8 operands are read with TMA)");
+}
+
+void Validator::fp8_matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols,
+                           const char* dims) const {
+  defined(name, t, dims);
+  if (t.dim() != 2 || t.size(0) != rows || t.size(1) != cols)
+    fail(ErrorCode::kShape, name, ": expected ", dims, " = [", rows, ", ", cols, "], got ", t.describe());
+  dtype_is(name, t, DType::kFloat8E4M3);
+  on_device(name, t);
+  row_stride(name, t, 16);
+  aligned_16(name, t);
+}
+
+void Validator::scale_matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols,
+                             const char* dims) const {
+  defined(name, t, dims);
+  if (t.dim() != 2 || t.size(0) != rows || (cols >= 0 && t.size(1) != cols))
+    fail(ErrorCode::kShape, name, ": expected ", dims, " = [", rows, ", ",
+         cols >= 0 ? std::to_string(cols) : "*", "], got ", t.describe());
+  dtype_is(name, t, DType::kFloat32);
+  on_device(name, t);
+  row_stride(name, t, 4);
+  aligned_16(name, t);
+}
+
+void Validator::contiguous(const char* name, const TensorView& t, const Shape& shape, DType dtype,
+                           const char* dims) const {
+  defined(name, t, dims);
+  if (!(t.shape() == shape))
+    fail(ErrorCode::kShape, name, ": expected ", dims, " = ", shape.to_string(), ", got ", t.describe());
+  dtype_is(name, t, dtype);
+  on_device(name, t);
+  if (!t.is_contiguous()) fail(ErrorCode::kShape, name, ": expected a contiguous tensor, got ", t.describe());
+  aligned_16(name, t);
+}
+
+void Validator::int64_vector(const char* name, const TensorView& t, int64_t n, const char* dims) const {
+  defined(name, t, dims);
+  if (t.dim() != 1 || t.size(0) != n)
+    fail(ErrorCode::kShape, name, ": expected a 1-D ", dims, " = [", n, "] tensor, got ", t.describe());
+  dtype_is(name, t, DType::kInt64);
+  on_device(name, t);
+  if (!t.is_contiguous()) fail(ErrorCode::kShape, name, ": expected a contiguous tensor, got ", t.describe());
+  aligned(name, t);
+}
+
+void Validator::quantizable_dtype(const char* name, DType dtype) const {
+  if (dtype != DType::kBFloat16 && dtype != DType::kFloat16 && dtype != DType::kFloat32)
+    fail(ErrorCode::kDType, name, ": expected bfloat16, float16 or float32, got ", dtype_name(dtype));
+}
+
+void Validator::multiple_of_16(const char* what, int64_t value, const char* of) const {
+  if (value % 16 != 0)
+    fail(ErrorCode::kShape, what, " = ", value, " (", of, ") is not a multiple of 16: FP8 rows are read with TMA, "
+         "in 16-byte units");
 }
 
 TensorView WorkspaceCarver::take(Shape shape, DType dtype) {

@@ -29,10 +29,12 @@ class Validator {
  public:
   // All tensors must live on the group layout's device.
   Validator(const char* op, const GroupLayout& groups);
+  // An op without a routing (weight quantization): every tensor on `device`, G experts.
+  Validator(const char* op, Device device, int64_t num_groups);
 
   Device device() const { return device_; }
-  int64_t capacity() const { return groups_->capacity(); }
-  int64_t num_groups() const { return groups_->num_groups(); }
+  int64_t capacity() const { return capacity_; }
+  int64_t num_groups() const { return num_groups_; }
 
   template <class... Parts>
   [[noreturn]] void fail(ErrorCode code, Parts&&... parts) const {
@@ -64,6 +66,8 @@ class Validator {
                   const GroupedParam& in) const;
   void no_overlap(const char* out_name, const GroupedParam& out, const char* in_name,
                   const TensorView& in) const;
+  // Two outputs must not share memory either.
+  void distinct_outputs(const char* a_name, const TensorView& a, const char* b_name, const TensorView& b) const;
   // For element-wise ops whose every element is read before it is written by the same thread:
   // the output may be the input itself (same address, shape, strides and dtype); any other
   // overlap is an error.
@@ -74,14 +78,34 @@ class Validator {
   // The workspace can hold `bytes` on the device.
   void workspace(const Workspace& ws, size_t bytes, const char* size_function) const;
 
+  // FP8 operands (moe_engine/fp8.hpp), read by the kernels with TMA: 16-byte aligned data and rows.
+  // A 2-D [rows, cols] float8_e4m3 matrix, rows strided by a multiple of 16 bytes (>= cols).
+  void fp8_matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols, const char* dims) const;
+  // A 2-D float32 scale matrix [rows, cols] (cols < 0: any), rows strided by a multiple of 4
+  // elements (>= cols).
+  void scale_matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols, const char* dims) const;
+  // A contiguous tensor of `shape` and `dtype`, 16-byte aligned (the FP8 weight's blocks).
+  void contiguous(const char* name, const TensorView& t, const Shape& shape, DType dtype, const char* dims) const;
+  // A contiguous int64 [n] tensor (offsets).
+  void int64_vector(const char* name, const TensorView& t, int64_t n, const char* dims) const;
+  // A float tensor the quantizers read: bfloat16, float16 or float32.
+  void quantizable_dtype(const char* name, DType dtype) const;
+  // An extent the FP8 layouts need as a multiple of 16 (rows of 16 bytes).
+  void multiple_of_16(const char* what, int64_t value, const char* of) const;
+
  private:
   void float_dtype(const char* name, DType dtype) const;
   void on_device(const char* name, const TensorView& t) const;
   void aligned(const char* name, const TensorView& t) const;
+  void defined(const char* name, const TensorView& t, const char* dims) const;
+  void dtype_is(const char* name, const TensorView& t, DType dtype) const;
+  void aligned_16(const char* name, const TensorView& t) const;
+  void row_stride(const char* name, const TensorView& t, int64_t multiple_of) const;
 
   const char* op_;
-  const GroupLayout* groups_;
   Device device_;
+  int64_t num_groups_ = 0;
+  int64_t capacity_ = -1;
 };
 
 // Splits scratch buffers off a workspace; with no data it only adds up their sizes, so an op's

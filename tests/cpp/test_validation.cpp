@@ -65,7 +65,11 @@ TEST_F(Validation, Dtypes) {
   Tensor x8 = Tensor::zeros({10, 8}, DType::kFloat8E4M3);
   EXPECT_MOE_ERROR(grouped_linear_forward(x8, GroupedParam::packed(w), r.layout, y),
                    ErrorCode::kDType,
-                   "float8_e4m3 is reserved for the FP8 GEMMs and not supported yet");
+                   "x: float8_e4m3 operands go to the FP8 ops (moe_engine/fp8.hpp: Fp8Rows, Fp8Columns, "
+                   "Fp8Weight); expected float32, bfloat16, float16 or float64");
+  Tensor x5 = Tensor::zeros({10, 8}, DType::kFloat8E5M2);
+  EXPECT_MOE_ERROR(grouped_linear_forward(x5, GroupedParam::packed(w), r.layout, y),
+                   ErrorCode::kDType, "x: float8_e5m2 is reserved and not supported yet");
   Tensor p16 = uniform_tensor({10}, DType::kBFloat16, rng, 0, 1);
   EXPECT_MOE_ERROR(grouped_linear_forward(x, GroupedParam::packed(w), r.layout, y,
                                           {GroupedParam::packed(b), p16}),

@@ -12,10 +12,11 @@ import re
 import sys
 from pathlib import Path
 
-# The public vocabulary: types every layer may use.
+# The public vocabulary: types every layer may use. fp8 holds the FP8 operand types the backends
+# take (its ops are declared beside them, over the vocabulary only).
 VOCABULARY = {
     "export", "config", "error", "enum_names", "dtype", "device", "tensor", "workspace", "runtime",
-    "grouped_param", "group_layout", "glu_spec", "grad_mode", "bias_epilogue",
+    "grouped_param", "group_layout", "glu_spec", "grad_mode", "bias_epilogue", "fp8",
 }
 OP_HEADERS = {"grouped_linear", "glu", "expert_mlp"}
 TRAINING_HEADERS = {"modules", "offload", "checkpoint", "safetensors"}
