@@ -215,20 +215,20 @@ int run_bench_gemm(const BenchOptions& o) {
       };
       const std::vector<Gemm> gemms = {
           {"fwd", e * (routed * K + weights + routed * N),
-           [&] { grouped_linear_forward(x, W, groups, y, {}, ctx); }, "grouped_mm_fwd", true},
+           [&] { grouped_linear_forward(x, W, groups, y, {}, ctx); }, "grouped_mm_fwd", true, nullptr},
           {"dgrad", e * (routed * N + weights + routed * K),
-           [&] { grouped_linear_dgrad(dy, W, groups, dx, ctx); }, "grouped_mm_dgrad", true},
+           [&] { grouped_linear_dgrad(dy, W, groups, dx, ctx); }, "grouped_mm_dgrad", true, nullptr},
           {"wgrad", e * (routed * N + routed * K + weights),
            [&] {
              grouped_linear_wgrad(dy, x, groups, GroupedParam::packed(dw), GradMode::kWrite, ctx);
            },
-           "grouped_mm_wgrad", true},
+           "grouped_mm_wgrad", true, nullptr},
           {"wgrad_acc", e * (routed * N + routed * K) + 8.0 * weights,
            [&] {
              grouped_linear_wgrad(dy, x, groups, GroupedParam::packed(main_grad),
                                   GradMode::kAccumulate, ctx);
            },
-           "grouped_mm_wgrad", false},
+           "grouped_mm_wgrad", false, nullptr},
       };
       // FP8: the operands quantized once (the quantizers are timed as entries of their own).
       const int64_t C = fp8_columns_capacity(T, G), S = fp8_scales_pitch(T);

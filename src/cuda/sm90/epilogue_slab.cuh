@@ -56,6 +56,7 @@ struct EpilogueSlab {
   using Cfg = typename Pipe::Cfg;
   static constexpr bool kKGrouped = kForm == Form::kWgrad;
   static constexpr int kBN = Cfg::kBlockN;
+  static_assert(kBN <= 256, "the bias staging gives each of a warpgroup's 128 threads at most one pair of columns");
   static constexpr int kChunkCols = 128 / int(sizeof(Out));  // columns per 128-byte row (a multiple of 8)
   static constexpr int kGroupsPerChunk = kChunkCols / 8;     // 8-column accumulator groups per chunk
   static constexpr int kChunks = kBN / kChunkCols;
@@ -90,7 +91,10 @@ struct EpilogueSlab {
     // compiler emits generic 64-bit loads and stores, which made the epilogue issue-bound.
     bias_tile = ptx::smem_address(smem.bias) + math * kBN * 2;
     if constexpr (kForm == Form::kForward) {
-      if (p.bias != nullptr) {
+      // One pair of the tile's kBN bias columns per thread: all 128 threads for the 16-bit tile's
+      // 256 columns, the first 64 for the FP8 tile's 128 (the others would write past this
+      // warpgroup's staging, into the next one's or the barriers).
+      if (p.bias != nullptr && (kBN == 256 || 2 * wg_thread < uint32_t(kBN))) {
         // n is even and n_out a multiple of 8 (TMA alignment): each pair is all in or all out.
         const int32_t n = t.n0 + 2 * int32_t(wg_thread);
         using Bias = InType;
