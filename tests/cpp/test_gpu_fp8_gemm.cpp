@@ -30,6 +30,12 @@ struct HostBytes {
   Tensor t;
   explicit HostBytes(Shape shape) : t(Tensor::zeros(shape, DType::kFloat8E4M3)) {}
   uint8_t& at(int64_t i) { return static_cast<uint8_t*>(t.data())[i]; }
+  // Every byte's value, for the reference's inner loops.
+  std::vector<double> values() {
+    std::vector<double> v(static_cast<size_t>(t.numel()));
+    for (int64_t i = 0; i < t.numel(); ++i) v[size_t(i)] = e4m3_value(at(i));
+    return v;
+  }
 };
 
 Tensor random_scales(Rng& rng, Shape shape) {
@@ -124,6 +130,27 @@ TEST_P(GpuFp8Gemm, RowsTimesWeightMatchFloat64) {
     const Tensor sa = random_scales(rng, {blocks(K), S}), sw = random_scales(rng, {G, blocks(N), blocks(K)});
     DualRouting routing(c.splits, T);
     const Tensor a_d = to_gpu(a.t), w_d = to_gpu(w.t), sa_d = to_gpu(sa), sw_d = to_gpu(sw);
+    // The float64 sum of the block-scaled products (the same for both forms: dgrad is this kernel
+    // over the transposed copy, here the same bytes).
+    const std::vector<double> av = a.values(), wv = w.values();
+    const int64_t rows = routing.cpu.rows();
+    std::vector<double> want(size_t(rows * N));
+    int64_t r0 = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t r = r0; r < r0 + c.splits[size_t(g)]; ++r)
+        for (int64_t n = 0; n < N; ++n) {
+          double sum = 0;
+          for (int64_t b = 0; b < blocks(K); ++b) {
+            double part = 0;
+            const double* ar = av.data() + r * K;
+            const double* wr = wv.data() + (g * N + n) * K;
+            for (int64_t k = 128 * b; k < std::min(K, 128 * b + 128); ++k) part += ar[k] * wr[k];
+            sum += part * sa.data_as<float>()[b * S + r] * sw.data_as<float>()[(g * blocks(N) + n / 128) * blocks(K) + b];
+          }
+          want[size_t(r * N + n)] = sum;
+        }
+      r0 += c.splits[size_t(g)];
+    }
     for (const bool dgrad : {false, true}) {
       SCOPED_TRACE(dgrad ? "dgrad" : "forward");
       Tensor y = poisoned_gpu({T, N}, out_dtype);
@@ -134,23 +161,6 @@ TEST_P(GpuFp8Gemm, RowsTimesWeightMatchFloat64) {
       else grouped_linear_forward(Fp8Rows{a_d, sa_d}, weight, routing.gpu, y);
       routing.flag.check();
       const Tensor got = to_host(y);
-      const int64_t rows = routing.cpu.rows();
-      std::vector<double> want(size_t(rows * N));
-      int64_t r0 = 0;
-      for (int64_t g = 0; g < G; ++g) {
-        for (int64_t r = r0; r < r0 + c.splits[size_t(g)]; ++r)
-          for (int64_t n = 0; n < N; ++n) {
-            double sum = 0;
-            for (int64_t b = 0; b < blocks(K); ++b) {
-              double part = 0;
-              for (int64_t k = 128 * b; k < std::min(K, 128 * b + 128); ++k)
-                part += e4m3_value(a.at(r * K + k)) * e4m3_value(w.at((g * N + n) * K + k));
-              sum += part * sa.data_as<float>()[b * S + r] * sw.data_as<float>()[(g * blocks(N) + n / 128) * blocks(K) + b];
-            }
-            want[size_t(r * N + n)] = sum;
-          }
-        r0 += c.splits[size_t(g)];
-      }
       expect_close(want, as_doubles(got, rows * N), out_dtype, (std::string(c.name) + (dgrad ? " dgrad" : " forward")).c_str());
       EXPECT_TRUE(tail_untouched(got, rows)) << "rows past sum(splits) were written";
     }
@@ -181,6 +191,7 @@ TEST_P(GpuFp8Gemm, ColumnsWgradMatchesFloat64) {
     // The views need owners that outlive them.
     const Tensor dy_d = to_gpu(dy.t), sdy_d = to_gpu(sdy), x_d = to_gpu(x.t), sx_d = to_gpu(sx), offsets_d = to_gpu(offsets);
     const Fp8Columns dy_c{dy_d, sdy_d, offsets_d}, x_c{x_d, sx_d, offsets_d};
+    const std::vector<double> dyv = dy.values(), xv = x.values();
     std::vector<double> want(size_t(G * N * K), 0.0);
     for (int64_t g = 0; g < G; ++g)
       for (int64_t n = 0; n < N; ++n)
@@ -188,7 +199,7 @@ TEST_P(GpuFp8Gemm, ColumnsWgradMatchesFloat64) {
           double sum = 0;
           for (int64_t t0 = col[size_t(g)]; t0 < col[size_t(g + 1)]; t0 += 128) {
             double part = 0;
-            for (int64_t t = t0; t < t0 + 128; ++t) part += e4m3_value(dy.at(n * C + t)) * e4m3_value(x.at(k * C + t));
+            for (int64_t t = t0; t < t0 + 128; ++t) part += dyv[size_t(n * C + t)] * xv[size_t(k * C + t)];
             sum += part * sdy.data_as<float>()[(t0 / 128) * N + n] * sx.data_as<float>()[(t0 / 128) * K + k];
           }
           want[size_t((g * N + n) * K + k)] = sum;

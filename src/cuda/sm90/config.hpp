@@ -46,18 +46,29 @@ struct Config {
   static constexpr uint32_t kOffsetBytes = kOffsetSlots * 4;
 
   static constexpr uint32_t kRaggedRows = 1u << 30;  // extent of the ragged dimension
+  static constexpr uint32_t kScaleBytes = 0;         // per stage: no operand scales
+  static constexpr uint32_t kFullArrivals = 1;       // the producer's, with the TMA bytes
 };
 
 // The FP8 block-scaled tile: 128 x 128 x 128. One k step is one 128-wide scale block of E4M3 (one
 // 128-byte swizzle row), and each math warpgroup holds two 64 x 128 fp32 tiles (the running sum and
 // the tensor core's partial sum of the step, promoted with the scales): 128 registers, where the
-// 16-bit tile's 64 x 256 would need 256.
+// 16-bit tile's 64 x 256 would need 256. A stage also holds its step's scales, which a warp of the
+// producer warpgroup stores (a second arrival on the full barrier).
 struct Fp8Config : Config {
   static constexpr int kBlockN = 128;
   static constexpr int kBlockK = 128;
   static constexpr uint32_t kABytes = kBlockM * kBlockK;  // 16 KiB
   static constexpr uint32_t kBBytes = kBlockN * kBlockK;  // 16 KiB
-  static constexpr uint32_t kStageBytes = kABytes + kBBytes;
+  // A's 128 row scales, then B's 128 column scales (wgrad) or the weight block's scale; 1 KiB keeps
+  // the stages 1024-byte aligned.
+  static constexpr uint32_t kScaleBytes = 1024;
+  static constexpr uint32_t kStageBytes = kABytes + kBBytes + kScaleBytes;
+  static constexpr uint32_t kFullArrivals = 2;
+  // The scale warp holds two steps of scales: the producer warpgroup keeps more registers, which
+  // the math warpgroups (128 accumulators each) can spare.
+  static constexpr int kProducerRegisters = 64;
+  static constexpr int kMathRegisters = 216;
   static constexpr uint32_t kBiasBytes = kMathWarpgroups * kBlockN * 2;
 };
 
@@ -85,11 +96,14 @@ using DeepRing = Pipeline<4, 2>;
 // A 16-bit tile's stores in one batch, with no wait inside the epilogue, at the cost of a stage:
 // faster for wgrads with 16-bit outputs over >= 4 k steps per tile (heuristics.hpp decides).
 using WideEpilogue = Pipeline<3, 4>;
-// FP8: six 32 KiB stages and two epilogue buffers per math warpgroup.
-using Fp8Ring = Pipeline<6, 2, Fp8Config>;
+// FP8: five 33 KiB stages and two epilogue buffers per math warpgroup.
+using Fp8Ring = Pipeline<5, 2, Fp8Config>;
 
 static_assert(Config::kProducerRegisters + Config::kMathWarpgroups * Config::kMathRegisters <=
                   (Config::kMathWarpgroups + 1) * Config::kLaunchRegisters,
               "setmaxnreg: the warpgroups' registers exceed the CTA's pool");
+static_assert(Fp8Config::kProducerRegisters + Fp8Config::kMathWarpgroups * Fp8Config::kMathRegisters <=
+                  (Fp8Config::kMathWarpgroups + 1) * Fp8Config::kLaunchRegisters,
+              "setmaxnreg: the FP8 warpgroups' registers exceed the CTA's pool");
 
 }  // namespace moe::cuda::sm90

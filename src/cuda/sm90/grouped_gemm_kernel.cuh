@@ -110,14 +110,25 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
 
   if (warp < 4) {
     // ---------------- producer warpgroup: one thread loads every tile's k steps ----------------
-    ptx::setmaxnreg_decrease<Config::kProducerRegisters>();
+    ptx::setmaxnreg_decrease<Cfg::kProducerRegisters>();
+    using Producer = typename ProducerFor<In, kForm, Pipe>::type;
     if (warp == 0 && lane == 0) {
-      const typename ProducerFor<In, kForm, Pipe>::type producer{map_a, map_b, p, smem};
+      const Producer producer{map_a, map_b, p, smem};
       auto scheduler = make_scheduler();
       RingState<Pipe::kStages> ring;
       Tile t;
       for (int32_t i = first_pair(); scheduler.get(i, t); i += pair_stride())
         if (!skipped(t)) producer.load(t, ring);
+    }
+    if constexpr (Producer::kScaleWarp) {  // FP8: warp 1 stores every step's scales
+      if (warp == 1) {
+        const Producer producer{map_a, map_b, p, smem};
+        auto scheduler = make_scheduler();
+        RingState<Pipe::kStages> ring;
+        Tile t;
+        for (int32_t i = first_pair(); scheduler.get(i, t); i += pair_stride())
+          if (!skipped(t)) producer.load_scales(t, ring, lane);
+      }
     }
     // Neither block may exit while the other can still multicast into it or arrive on its barriers.
     ptx::cluster_sync();
@@ -125,7 +136,7 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
   }
 
   // ---------------- math warpgroups: mainloop, then epilogue, per tile ----------------
-  ptx::setmaxnreg_increase<Config::kMathRegisters>();
+  ptx::setmaxnreg_increase<Cfg::kMathRegisters>();
   const uint32_t math = warp / 4 - 1;  // which 64 rows of the tile
   // This warp's 16 rows within the 64: 16 * (warp % 4).
   const MathThread th{lane, math, threadIdx.x - 128 * (math + 1), 16 * (warp % 4)};

@@ -6,10 +6,9 @@
 //   M-grouped: scale = sa[row] * sb, sa the row's scale (M-major: the tile's rows are adjacent),
 //              sb the weight's 128 x 128 block scale;
 //   K-grouped: scale = sa[row] * sb[col], the step's row scales of dY^T and column scales of X^T.
-// Each thread reads the scales of its own accumulator rows and columns from global memory (L2;
-// a warpgroup's threads share them through L1), issued before the step's barrier wait so that
-// the wait and the wgmma hide their latency. The other math warpgroup's wgmma runs while this
-// one promotes, so the tensor core stays busy.
+// The producer warpgroup's scale warp has put the step's scales into the stage; each thread reads
+// those of its accumulator rows and columns while its wgmma runs. The other math warpgroup's wgmma
+// runs while this one promotes, so the tensor core stays busy.
 // Same interface as Mainloop16Bit (mainloop_16bit.cuh).
 #pragma once
 
@@ -48,36 +47,22 @@ struct MainloopFp8 {
         a_offset(math * 64 * 128),
         row(64 * math + 16 * ((threadIdx.x / 32) % 4) + lane / 4) {}
 
-  // The scales of step kb of tile t: sa for rows row and row + 8, sc per accumulator column pair
-  // (K-grouped) or sc[0] = the weight's block scale (M-grouped). Rows and columns past the
-  // operands' ends (zeros in the tile) take scale 0.
+  // The scales of the stage's step (stored by the producer's scale warp): sa for rows row and
+  // row + 8, sc per accumulator column pair (K-grouped) or sc[0] = the weight's block scale.
   template <int kCols>
-  __device__ __forceinline__ void load_scales(const Tile& t, int kb, float (&sa)[2], float (&sc)[kCols]) const {
-    if constexpr (kKGrouped) {
-      const int64_t block = (t.row_begin >> 7) + kb;
-      const float* a = p.a_scales + block * p.a_scale_stride;
-      const float* b = p.b_scales + block * p.n_out;
+  __device__ __forceinline__ void read_scales(int stage, float (&sa)[2], float (&sc)[kCols]) const {
+    const uint32_t scales = smem.stage_scales(stage);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int32_t m = t.m0 + int32_t(row) + 8 * h;
-        sa[h] = m < p.m_out ? __ldg(a + m) : 0.f;
-      }
+    for (int h = 0; h < 2; ++h) sa[h] = __uint_as_float(ptx::ld_shared_b32(scales + 4 * (row + 8 * h)));
+    if constexpr (kKGrouped) {
 #pragma unroll
       for (int j = 0; j < kBN / 8; ++j) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int32_t n = t.n0 + 8 * j + 2 * int32_t(lane % 4) + c;
-          sc[2 * j + c] = n < p.n_out ? __ldg(b + n) : 0.f;
-        }
+        const uint32_t col = Cfg::kBlockM + 8 * j + 2 * (lane % 4);
+        sc[2 * j] = __uint_as_float(ptx::ld_shared_b32(scales + 4 * col));
+        sc[2 * j + 1] = __uint_as_float(ptx::ld_shared_b32(scales + 4 * (col + 1)));
       }
     } else {
-      const float* a = p.a_scales + int64_t(kb) * p.a_scale_stride + t.row_begin;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int32_t m = t.m0 + int32_t(row) + 8 * h;
-        sa[h] = m < t.rows ? __ldg(a + m) : 0.f;
-      }
-      sc[0] = __ldg(p.b_scales + (int64_t(t.group) * p.b_scale_rows + t.n0 / kBN) * p.b_scale_cols + kb);
+      sc[0] = __uint_as_float(ptx::ld_shared_b32(scales + 4 * Cfg::kBlockM));
     }
   }
 
@@ -88,8 +73,6 @@ struct MainloopFp8 {
 #pragma unroll
     for (int r = 0; r < kAccRegs; ++r) acc[r] = 0.f;
     for (int kb = 0; kb < t.k_blocks; ++kb) {
-      float sa[2], sc[kKGrouped ? kBN / 4 : 1];
-      load_scales(t, kb, sa, sc);  // in flight during the wait and the wgmma
       ptx::mbarrier_wait(&smem.full[ring.stage], ring.phase);
       probe.full_stage(kb);
       const uint32_t a_base = ptx::smem_address(smem.stage_a(ring.stage)) + a_offset;
@@ -103,6 +86,8 @@ struct MainloopFp8 {
         Wgmma::mma(partial, da, db, kk > 0 ? 1u : 0u);
       }
       ptx::wgmma_commit_group();
+      float sa[2], sc[kKGrouped ? kBN / 4 : 1];
+      read_scales(ring.stage, sa, sc);  // while the tensor core works
       ptx::wgmma_wait_group<0>();
       ptx::fence_accumulators(partial);
       smem.release(ring.stage, lane);

@@ -21,6 +21,7 @@ namespace moe::cuda::sm90 {
 template <Form kForm, class Pipe>
 struct Producer {
   static constexpr int kBM = Config::kBlockM, kBN = Config::kBlockN, kBK = Config::kBlockK;
+  static constexpr bool kScaleWarp = false;  // no operand scales
 
   const CUtensorMap& map_a;
   const CUtensorMap& map_b;

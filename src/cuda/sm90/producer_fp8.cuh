@@ -7,7 +7,10 @@
 //   K-grouped (wgrad): A = dY^T [N, C], B = X^T [K, C], the columns copies in which every group's
 //     tokens start at a multiple of 128 (offsets = the copies' column offsets) and end in zeros, so
 //     plain maps load whole steps.
-// The math threads read the scales themselves (mainloop_fp8.cuh).
+// A second warp of the producer warpgroup (load_scales) stores each step's scales into the stage,
+// from global memory, and arrives on the stage's full barrier as its second arrival: the math
+// threads then read them from shared memory (mainloop_fp8.cuh). Its loads for a step are issued
+// before it waits for the stage to be free, and one step ahead within a tile.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +32,8 @@ struct ProducerFp8 {
   static constexpr bool kKGrouped = kForm == Form::kWgrad;
   // What lands in each block per live step: A and all of B (its half and the peer's, or both).
   static constexpr uint32_t kStepBytes = Cfg::kABytes + Cfg::kBBytes;
+  static constexpr bool kScaleWarp = true;
+  static constexpr int kPerLane = kBM / 32;  // row (and column) scales per lane
 
   const CUtensorMap& map_a;
   const CUtensorMap& map_b;
@@ -40,6 +45,55 @@ struct ProducerFp8 {
       ptx::mbarrier_wait(&smem.empty[ring.stage], ring.phase ^ 1u);
       ptx::mbarrier_arrive_expect_tx(&smem.full[ring.stage], t.live ? kStepBytes : 0u);
       if (t.live) load_step(t, kb, ring.stage);
+      ring.advance();
+    }
+  }
+
+  // One lane's scales of step kb of tile t: rows lane + 32 i of A, and for wgrad columns
+  // lane + 32 i of B, or (M-grouped, lane 0) the weight's block scale in b[0]. Rows and columns
+  // past the operands take scale 0 (their data are zeros).
+  struct StepScales {
+    float a[kPerLane], b[kPerLane];
+  };
+  __device__ __forceinline__ StepScales fetch_scales(const Tile& t, int kb, uint32_t lane) const {
+    StepScales s;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int32_t m = t.m0 + int32_t(lane) + 32 * i, n = t.n0 + int32_t(lane) + 32 * i;
+      if constexpr (kKGrouped) {
+        const int64_t block = (t.row_begin >> 7) + kb;
+        s.a[i] = m < p.m_out ? __ldg(p.a_scales + block * p.a_scale_stride + m) : 0.f;
+        s.b[i] = n < p.n_out ? __ldg(p.b_scales + block * p.n_out + n) : 0.f;
+      } else {
+        s.a[i] = m < t.rows ? __ldg(p.a_scales + int64_t(kb) * p.a_scale_stride + t.row_begin + m) : 0.f;
+        s.b[i] = 0.f;
+      }
+    }
+    if constexpr (!kKGrouped) {
+      if (lane == 0)
+        s.b[0] = __ldg(p.b_scales + (int64_t(t.group) * p.b_scale_rows + t.n0 / kBN) * p.b_scale_cols + kb);
+    }
+    return s;
+  }
+
+  // The scale warp's steps of tile t (the producer's steps, in the same ring).
+  __device__ __forceinline__ void load_scales(const Tile t, RingState<Pipe::kStages>& ring, uint32_t lane) const {
+    StepScales next = t.live && t.k_blocks > 0 ? fetch_scales(t, 0, lane) : StepScales{};
+    for (int kb = 0; kb < t.k_blocks; ++kb) {
+      const StepScales now = next;
+      if (t.live && kb + 1 < t.k_blocks) next = fetch_scales(t, kb + 1, lane);
+      ptx::mbarrier_wait(&smem.empty[ring.stage], ring.phase ^ 1u);
+      if (t.live) {
+        const uint32_t dst = smem.stage_scales(ring.stage);
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+          ptx::st_shared_b32(dst + 4 * (lane + 32 * i), __float_as_uint(now.a[i]));
+          if (kKGrouped || (i == 0 && lane == 0))
+            ptx::st_shared_b32(dst + 4 * (kBM + lane + 32 * i), __float_as_uint(now.b[i]));
+        }
+      }
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&smem.full[ring.stage]);
       ring.advance();
     }
   }

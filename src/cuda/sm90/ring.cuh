@@ -29,7 +29,7 @@ struct RingState {
   }
 };
 
-// A block's dynamic shared memory, in order: the ring's stages (A then B), the epilogue buffers,
+// A block's dynamic shared memory, in order: the ring's stages (A, B, FP8 scales), the epilogue buffers,
 // the bias staging, the full and empty barriers, and the M-grouped scheduler's prefix of pairs.
 template <class Pipe>
 struct SharedStorage {
@@ -54,12 +54,16 @@ struct SharedStorage {
 
   __device__ __forceinline__ uint8_t* stage_a(int s) const { return stages + s * Cfg::kStageBytes; }
   __device__ __forceinline__ uint8_t* stage_b(int s) const { return stages + s * Cfg::kStageBytes + Cfg::kABytes; }
+  // FP8: the step's scales, after A and B (shared address).
+  __device__ __forceinline__ uint32_t stage_scales(int s) const {
+    return ptx::smem_address(stages + s * Cfg::kStageBytes + Cfg::kABytes + Cfg::kBBytes);
+  }
 
 
   // One thread, before the cluster's first barrier.
   __device__ __forceinline__ void init_barriers() const {
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(&full[s], 1);
+      ptx::mbarrier_init(&full[s], Cfg::kFullArrivals);
       // One arrival per math warp of each block of the cluster.
       ptx::mbarrier_init(&empty[s], Config::kClusterSize * Config::kMathWarpgroups * 4);
     }
