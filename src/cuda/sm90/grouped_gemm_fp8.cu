@@ -3,7 +3,6 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime_api.h>
 
-#include <mutex>
 #include <string>
 
 #include "cuda/runtime/check.hpp"
@@ -25,31 +24,11 @@ struct PreparedFp8 {
 };
 
 template <Form kForm, class Out>
-int fp8_persistent_grid(int device) {
-  constexpr int kMaxDevices = 64;
-  static int grid[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  std::call_once(once[device], [device] {
-    auto kernel = grouped_gemm_fp8_kernel<kForm, Out, Pipe>;
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Pipe::kSharedBytes)),
-                   "raising the shared-memory limit of the FP8 grouped GEMM kernel");
-    const int sm_count = device_traits(device).sm_count;
-    cudaLaunchAttribute cluster{};
-    const cudaLaunchConfig_t config = launch_config(sm_count, Pipe::kSharedBytes, nullptr, &cluster);
-    int clusters = 0;
-    MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config),
-                   "querying how many FP8 grouped GEMM clusters fit on the device");
-    MOE_CHECK(clusters > 0, ErrorCode::kCuda, "the FP8 grouped GEMM kernel's clusters do not fit on device ", device);
-    grid[device] = std::min(clusters, sm_count / Config::kClusterSize) * Config::kClusterSize;
-  });
-  return grid[device];
-}
-
-template <Form kForm, class Out>
 void launch_fp8(const GroupedGemmProblem& pr, const PreparedFp8& r, Stream stream) {
   cudaLaunchAttribute cluster{};
   const cudaLaunchConfig_t config =
-      launch_config(fp8_persistent_grid<kForm, Out>(pr.device), Pipe::kSharedBytes, stream, &cluster);
+      launch_config(persistent_grid<grouped_gemm_fp8_kernel<kForm, Out, Pipe>, Pipe>(pr.device), Pipe::kSharedBytes,
+                    stream, &cluster);
   MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, grouped_gemm_fp8_kernel<kForm, Out, Pipe>, r.a, r.b, r.d, r.params),
                  "launching grouped_gemm_fp8_kernel");
 }

@@ -75,30 +75,31 @@ inline cudaLaunchConfig_t launch_config(int grid, uint32_t shared_bytes, Stream 
   return config;
 }
 
-// Blocks of one kernel instance on `device`: as many whole clusters as can be resident at once
-// (a GPC with an odd number of free SMs leaves one idle), found once per instance and device.
-template <Form kForm, class In, class Out, Epilogue kEpi, class Pipe>
+// Blocks of one kernel instance (kKernel, with Pipe's shared memory) on `device`: as many whole
+// clusters as can be resident at once (a GPC with an odd number of free SMs leaves one idle),
+// found once per instance and device.
+template <auto kKernel, class Pipe>
 int persistent_grid(int device) {
   constexpr int kMaxDevices = 64;
   static int grid[kMaxDevices];
   static std::once_flag once[kMaxDevices];
+  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device, " out of range");
   std::call_once(once[device], [device] {
-    auto kernel = grouped_gemm_kernel<kForm, In, Out, kEpi, Pipe>;
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    MOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         int(Pipe::kSharedBytes)),
                    "raising the shared-memory limit of the grouped GEMM kernel");
     const int sm_count = device_traits(device).sm_count;
     cudaLaunchAttribute cluster{};
     const cudaLaunchConfig_t config = launch_config(sm_count, Pipe::kSharedBytes, nullptr, &cluster);
     int clusters = 0;
-    MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config),
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config),
                    "querying how many grouped GEMM clusters fit on the device");
     MOE_CHECK(clusters > 0, ErrorCode::kCuda,
               "the grouped GEMM kernel's clusters do not fit on device ", device);
     grid[device] = std::min(clusters, sm_count / Config::kClusterSize) * Config::kClusterSize;
     if (std::getenv("MOE_ENGINE_VERBOSE"))
-      std::fprintf(stderr, "moe-engine: sm90 grouped GEMM (form %d) on device %d: %d clusters of %d (%d SMs)\n",
-                   int(kForm), device, grid[device] / Config::kClusterSize, Config::kClusterSize, sm_count);
+      std::fprintf(stderr, "moe-engine: sm90 grouped GEMM kernel on device %d: %d clusters of %d (%d SMs)\n",
+                   device, grid[device] / Config::kClusterSize, Config::kClusterSize, sm_count);
   });
   return grid[device];
 }
@@ -110,7 +111,8 @@ void launch(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
             " out of range");
   cudaLaunchAttribute cluster{};
   const cudaLaunchConfig_t config =
-      launch_config(persistent_grid<kForm, In, Out, kEpi, Pipe>(pr.device), Pipe::kSharedBytes, stream, &cluster);
+      launch_config(persistent_grid<grouped_gemm_kernel<kForm, In, Out, kEpi, Pipe>, Pipe>(pr.device),
+                    Pipe::kSharedBytes, stream, &cluster);
   Probe::before_launch();
   MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, r.a, r.b, r.d, r.e, r.params), "launching grouped_gemm_kernel");
   Probe::after_launch(kForm);
