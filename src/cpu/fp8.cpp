@@ -176,42 +176,39 @@ void quantize_fp8_weight(const GroupedParam& weight, const Fp8Weight& out, const
   }
 }
 
-void grouped_linear_forward(const Fp8Rows& x, const Fp8Weight& weight, const GroupLayout& groups,
-                            const TensorView& y, const BiasEpilogue& bias) {
+namespace {
+
+// out[r] = a[r] W_g^T over a packed weight copy [G, N_out, L] with its block scales (+ bias): the
+// forward (W), and the dgrad over the transposed copy (W^T), as on the GPU.
+void rows_times_weight(const Fp8Rows& a, const TensorView& w, const TensorView& w_scales, const GroupLayout& groups,
+                       const TensorView& out, const BiasEpilogue& bias) {
   const int64_t* off = offsets_of(groups);
-  const int64_t K = x.data.size(1), N = y.size(1);
+  const int64_t L = a.data.size(1), N = out.size(1);
   grouped_gemm_tiles<float>(
-      groups.num_groups(), [&](int64_t g) { return GemmExtent{off[g + 1] - off[g], N, K}; },
-      [&](int64_t g, int64_t i0, int64_t ni, float* p) { decode_rows(x.data, off[g] + i0, ni, 0, K, p); },
-      [&](int64_t g, int64_t j0, int64_t nj, float* p) { decode_rows(weight.data.select(g), j0, nj, 0, K, p); },
-      [&](int64_t g, int64_t i, int64_t j, const float* a, const float* b, int64_t l) {
-        const TensorView w_scales = weight.scales.select(g);
-        return block_scaled_dot(a, b, l, [&](int64_t kb) {
-          return float_at(x.scales, kb, off[g] + i) * float_at(w_scales, j / kBlock, kb);
+      groups.num_groups(), [&](int64_t g) { return GemmExtent{off[g + 1] - off[g], N, L}; },
+      [&](int64_t g, int64_t i0, int64_t ni, float* p) { decode_rows(a.data, off[g] + i0, ni, 0, L, p); },
+      [&](int64_t g, int64_t j0, int64_t nj, float* p) { decode_rows(w.select(g), j0, nj, 0, L, p); },
+      [&](int64_t g, int64_t i, int64_t j, const float* x, const float* y, int64_t l) {
+        const TensorView scales_g = w_scales.select(g);
+        return block_scaled_dot(x, y, l, [&](int64_t kb) {
+          return float_at(a.scales, kb, off[g] + i) * float_at(scales_g, j / kBlock, kb);
         });
       },
       [&](int64_t g, int64_t i0, int64_t ni, int64_t j0, int64_t nj, const float* c) {
-        emit_forward_tile(y, bias, g, off[g] + i0, ni, j0, nj, c);
+        emit_forward_tile(out, bias, g, off[g] + i0, ni, j0, nj, c);
       });
+}
+
+}  // namespace
+
+void grouped_linear_forward(const Fp8Rows& x, const Fp8Weight& weight, const GroupLayout& groups,
+                            const TensorView& y, const BiasEpilogue& bias) {
+  rows_times_weight(x, weight.data, weight.scales, groups, y, bias);
 }
 
 void grouped_linear_dgrad(const Fp8Rows& dy, const Fp8Weight& weight, const GroupLayout& groups,
                           const TensorView& dx) {
-  const int64_t* off = offsets_of(groups);
-  const int64_t N = dy.data.size(1), K = dx.size(1);
-  grouped_gemm_tiles<float>(
-      groups.num_groups(), [&](int64_t g) { return GemmExtent{off[g + 1] - off[g], K, N}; },
-      [&](int64_t g, int64_t i0, int64_t ni, float* p) { decode_rows(dy.data, off[g] + i0, ni, 0, N, p); },
-      [&](int64_t g, int64_t j0, int64_t nj, float* p) { decode_rows(weight.data_t.select(g), j0, nj, 0, N, p); },
-      [&](int64_t g, int64_t i, int64_t j, const float* a, const float* b, int64_t l) {
-        const TensorView w_scales = weight.scales_t.select(g);
-        return block_scaled_dot(a, b, l, [&](int64_t nb) {
-          return float_at(dy.scales, nb, off[g] + i) * float_at(w_scales, j / kBlock, nb);
-        });
-      },
-      [&](int64_t g, int64_t i0, int64_t ni, int64_t j0, int64_t nj, const float* c) {
-        for (int64_t i = 0; i < ni; ++i) store(c + i * kTile, nj, element_ptr(dx, off[g] + i0 + i, j0), dx.dtype());
-      });
+  rows_times_weight(dy, weight.data_t, weight.scales_t, groups, dx, {});
 }
 
 void grouped_linear_wgrad(const Fp8Columns& dy, const Fp8Columns& x, const GroupLayout& groups,
