@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Generates wgmma_ops.inc, beside this file: the wgmma.mma_async wrappers (64xNx16, both operands
 in shared memory, f32 accumulators) for N in {64, 128, 256} and bf16/fp16 inputs, and the FP8 ones
-(64xNx32, E4M3 x E4M3, both operands K-major: FP8 wgmma has no transpose) for N in {64, 128}. Each has N/2
+(64xNx32, E4M3 x E4M3, both operands K-major: FP8 wgmma has no transpose) for N in {64, 128, 192}. Each has N/2
 accumulator operands, too many to write by hand. The output goes to stdout; from the repository
 root: python3 src/cuda/ptx/gen_wgmma_ops.py > src/cuda/ptx/wgmma_ops.inc
 """
@@ -56,5 +56,5 @@ print(HEADER)
 for n in (64, 128, 256):
     for dtype in ("bf16", "f16"):
         print(wrapper(n, dtype), end="")
-for n in (64, 128):
+for n in (64, 128, 192):
     print(fp8_wrapper(n), end="")

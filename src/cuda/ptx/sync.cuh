@@ -22,6 +22,11 @@ __device__ __forceinline__ uint32_t ld_shared_b32(uint32_t addr) {
   asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
   return v;
 }
+// Two adjacent floats (8-byte aligned). Volatile, so never moved across the barrier waits that
+// publish them; no memory clobber, so other loads may still be scheduled around it.
+__device__ __forceinline__ void ld_shared_v2_f32(uint32_t addr, float& a, float& b) {
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr));
+}
 
 // ---- mbarrier ----
 
@@ -95,6 +100,10 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 // bar.sync on a named barrier among `threads` threads (a multiple of 32); id 0 is __syncthreads.
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// bar.arrive: counts this thread toward the barrier's `threads` without waiting for it.
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Orders this thread's generic-proxy shared-memory writes before later async-proxy (TMA, wgmma) reads.

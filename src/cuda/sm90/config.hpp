@@ -50,25 +50,29 @@ struct Config {
   static constexpr uint32_t kFullArrivals = 1;       // the producer's, with the TMA bytes
 };
 
-// The FP8 block-scaled tile: 128 x 128 x 128. One k step is one 128-wide scale block of E4M3 (one
-// 128-byte swizzle row), and each math warpgroup holds two 64 x 128 fp32 tiles (the running sum and
-// the tensor core's partial sum of the step, promoted with the scales): 128 registers, where the
-// 16-bit tile's 64 x 256 would need 256. A stage also holds its step's scales, which a warp of the
-// producer warpgroup stores (a second arrival on the full barrier).
+// The FP8 block-scaled tiles: 128 x kN x 128. One k step is one 128-wide scale block of E4M3 (one
+// 128-byte swizzle row); each math warpgroup holds a 64 x kN fp32 running sum and the tensor core's
+// partial sum of the step, promoted with the scales (mainloop_fp8.cuh): 2 x kN / 2 registers. The
+// wider the tile, the fewer bytes per multiply-add reach shared memory from L2 and the wgmma from
+// shared memory; 192 columns is as wide as the two tiles' registers allow. A stage also holds its
+// step's scales, which a warp of the producer warpgroup copies in (one arrival per lane on the
+// full barrier).
+template <int kN>
 struct Fp8Config : Config {
-  static constexpr int kBlockN = 128;
+  static_assert(kN % 64 == 0 && kN <= 256, "FP8 tiles are 64, 128, 192 or 256 columns wide");
+  static constexpr int kBlockN = kN;
   static constexpr int kBlockK = 128;
+  static constexpr int kScaleBlock = 128;  // the operands' scale blocks along K, and the weights' along N
   static constexpr uint32_t kABytes = kBlockM * kBlockK;  // 16 KiB
-  static constexpr uint32_t kBBytes = kBlockN * kBlockK;  // 16 KiB
-  // A's 128 row scales, then B's 128 column scales (wgrad) or the weight block's scale; 1 KiB keeps
-  // the stages 1024-byte aligned.
-  static constexpr uint32_t kScaleBytes = 1024;
+  static constexpr uint32_t kBBytes = kBlockN * kBlockK;
+  // A's 128 row scales, then B's kN column scales (wgrad) or the weight blocks' scales, in whole
+  // KiB so that the stages stay 1024-byte aligned.
+  static constexpr uint32_t kScaleBytes = ((kBlockM + kBlockN) * 4 + 1023) / 1024 * 1024;
   static constexpr uint32_t kStageBytes = kABytes + kBBytes + kScaleBytes;
-  static constexpr uint32_t kFullArrivals = 2;
-  // The scale warp holds two steps of scales: the producer warpgroup keeps more registers, which
-  // the math warpgroups (128 accumulators each) can spare.
-  static constexpr int kProducerRegisters = 64;
-  static constexpr int kMathRegisters = 216;
+  // The TMA thread's, and one per lane of the scale warp (its cp.async copies).
+  static constexpr uint32_t kFullArrivals = 1 + 32;
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kMathRegisters = 232;
   static constexpr uint32_t kBiasBytes = kMathWarpgroups * kBlockN * 2;
 };
 
@@ -96,14 +100,16 @@ using DeepRing = Pipeline<4, 2>;
 // A 16-bit tile's stores in one batch, with no wait inside the epilogue, at the cost of a stage:
 // faster for wgrads with 16-bit outputs over >= 4 k steps per tile (heuristics.hpp decides).
 using WideEpilogue = Pipeline<3, 4>;
-// FP8: five 33 KiB stages and two epilogue buffers per math warpgroup.
-using Fp8Ring = Pipeline<5, 2, Fp8Config>;
+// FP8: 128 x 192 tiles, four 42 KiB stages and three epilogue buffers per math warpgroup (a 16-bit
+// output slab in one batch). Measured against 128 x 128 tiles with five stages (H200, the suite):
+// 0.75x the time over the 90 GEMMs, faster on all but two (docs/performance-log.md).
+using Fp8Ring = Pipeline<4, 3, Fp8Config<192>>;
 
 static_assert(Config::kProducerRegisters + Config::kMathWarpgroups * Config::kMathRegisters <=
                   (Config::kMathWarpgroups + 1) * Config::kLaunchRegisters,
               "setmaxnreg: the warpgroups' registers exceed the CTA's pool");
-static_assert(Fp8Config::kProducerRegisters + Fp8Config::kMathWarpgroups * Fp8Config::kMathRegisters <=
-                  (Fp8Config::kMathWarpgroups + 1) * Fp8Config::kLaunchRegisters,
+static_assert(Fp8Ring::Cfg::kProducerRegisters + Fp8Ring::Cfg::kMathWarpgroups * Fp8Ring::Cfg::kMathRegisters <=
+                  (Fp8Ring::Cfg::kMathWarpgroups + 1) * Fp8Ring::Cfg::kLaunchRegisters,
               "setmaxnreg: the FP8 warpgroups' registers exceed the CTA's pool");
 
 }  // namespace moe::cuda::sm90

@@ -61,6 +61,7 @@ struct EpilogueSlab {
   static constexpr int kGroupsPerChunk = kChunkCols / 8;     // 8-column accumulator groups per chunk
   static constexpr int kChunks = kBN / kChunkCols;
   static constexpr int kBatch = Pipe::kEpilogueBuffers < kChunks ? Pipe::kEpilogueBuffers : kChunks;  // per round trip
+  static_assert(kChunks % kBatch == 0, "the slab's chunks must go out in whole batches");
 
   uint32_t opaque_lane, row_in_16, row_base, lane_bytes, swizzle;
   int32_t tile_row0;  // first row of this warpgroup's slab

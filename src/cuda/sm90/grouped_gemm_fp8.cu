@@ -15,15 +15,13 @@ namespace moe::cuda::sm90 {
 namespace {
 
 using namespace launch_detail;
-using Cfg = Fp8Config;
-using Pipe = Fp8Ring;
 
 struct PreparedFp8 {
   CUtensorMap a, b, d;
   GemmParams params;
 };
 
-template <Form kForm, class Out>
+template <Form kForm, class Out, class Pipe>
 void launch_fp8(const GroupedGemmProblem& pr, const PreparedFp8& r, Stream stream) {
   cudaLaunchAttribute cluster{};
   const cudaLaunchConfig_t config =
@@ -33,13 +31,15 @@ void launch_fp8(const GroupedGemmProblem& pr, const PreparedFp8& r, Stream strea
                  "launching grouped_gemm_fp8_kernel");
 }
 
-template <Form kForm>
+template <Form kForm, class Pipe>
 void launch_fp8_out(const GroupedGemmProblem& pr, const PreparedFp8& r, Stream stream) {
-  if (pr.out_dtype == DType::kFloat32) return launch_fp8<kForm, float>(pr, r, stream);
-  launch_fp8<kForm, __nv_bfloat16>(pr, r, stream);
+  if (pr.out_dtype == DType::kFloat32) return launch_fp8<kForm, float, Pipe>(pr, r, stream);
+  launch_fp8<kForm, __nv_bfloat16, Pipe>(pr, r, stream);
 }
 
+template <class Pipe>
 PreparedFp8 prepare_fp8(const GroupedGemmProblem& pr) {
+  using Cfg = typename Pipe::Cfg;
   constexpr uint32_t kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kBK = Cfg::kBlockK;
   const uint32_t chunk_cols = 128 / uint32_t(dtype_size(pr.out_dtype));
   const int64_t G = pr.num_groups, N = pr.n, K = pr.k;
@@ -66,8 +66,8 @@ PreparedFp8 prepare_fp8(const GroupedGemmProblem& pr) {
     // Y [T, N] = X W_g^T (forward), or dX [T, K] = dY (W_g^T)^T over the transposed copy (dgrad).
     params.n_out = int32_t(N);
     params.k = int32_t(K);
-    params.b_scale_rows = int32_t((N + kBN - 1) / kBN);
-    params.b_scale_cols = int32_t((K + kBK - 1) / kBK);
+    params.b_scale_rows = int32_t((N + Cfg::kScaleBlock - 1) / Cfg::kScaleBlock);
+    params.b_scale_cols = int32_t((K + Cfg::kScaleBlock - 1) / Cfg::kScaleBlock);
     r.a = make_ragged_tensor_map(pr.a, pr.in_dtype, K, pr.a_row_stride, kBK, kBM);
     r.b = make_tensor_map_3d(pr.b.base, pr.in_dtype, G, N, K, pr.b_row_stride, N * K, kBK, kBN / 2);
     r.d = make_ragged_tensor_map(pr.d.base, pr.out_dtype, N, pr.d_row_stride, chunk_cols, 64);
@@ -75,9 +75,17 @@ PreparedFp8 prepare_fp8(const GroupedGemmProblem& pr) {
   return r;
 }
 
+template <class Pipe>
+void run_with(const GroupedGemmProblem& pr, Stream stream) {
+  const PreparedFp8 r = prepare_fp8<Pipe>(pr);
+  if (pr.form == Form::kWgrad) return launch_fp8_out<Form::kWgrad, Pipe>(pr, r, stream);
+  launch_fp8_out<Form::kForward, Pipe>(pr, r, stream);
+}
+
 }  // namespace
 
 bool can_run_fp8(const GroupedGemmProblem& p, std::string* why) {
+  using Cfg = Fp8Ring::Cfg;
   auto no = [&](const std::string& reason) {
     if (why) *why = reason;
     return false;
@@ -114,9 +122,7 @@ void run_fp8(const GroupedGemmProblem& pr, Stream stream) {
   std::string why;
   MOE_CHECK(can_run_fp8(pr, &why), ErrorCode::kInternal, "sm90 FP8 grouped GEMM called for a problem it cannot run: ",
             why);
-  const PreparedFp8 r = prepare_fp8(pr);
-  if (pr.form == Form::kWgrad) return launch_fp8_out<Form::kWgrad>(pr, r, stream);
-  launch_fp8_out<Form::kForward>(pr, r, stream);
+  run_with<Fp8Ring>(pr, stream);
 }
 
 }  // namespace moe::cuda::sm90

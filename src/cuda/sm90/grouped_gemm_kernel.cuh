@@ -148,6 +148,7 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
   Tile t, next;
   int32_t pair = first_pair();
   auto look_up = [&] { return scheduler.get(pair, next); };  // the tile after t
+  mainloop.begin();
   for (bool have = scheduler.get(pair, t); have; t = next) {
     pair += pair_stride();
     if (skipped(t)) {
@@ -175,6 +176,7 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
     if constexpr (Epi::kLookUpAfter) have = look_up();
     probe.end_tile();
   }
+  mainloop.finish();
   if (th.wg_thread == 0) ptx::bulk_wait_group_all();
   ptx::cluster_sync();
 }
@@ -193,7 +195,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 }
 
 // The FP8 kernel: the same body with E4M3 operands (store epilogue).
-template <Form kForm, class Out, class Pipe = Fp8Ring>
+template <Form kForm, class Out, class Pipe>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     grouped_gemm_fp8_kernel(const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_b,

@@ -59,6 +59,10 @@ struct Mainloop16Bit {
                                            uint32_t lane)
       : smem(smem), lane(lane), a_offset(kTransA ? math * Config::kPanelBytes : math * 64 * 128) {}
 
+  // Before the first tile and after the last (the FP8 mainloop's turns; nothing here).
+  __device__ __forceinline__ void begin() const {}
+  __device__ __forceinline__ void finish() const {}
+
   // The k-loop of tile t into acc. after_step(kb) runs after step kb has been issued (and the
   // stage before it released); after_loop() once the last step has retired and its stage been
   // released. A tile with no k step (an empty wgrad group) leaves acc zero.

@@ -1,14 +1,16 @@
 // The mainloop (consumer) of the Hopper FP8 grouped GEMM with block scaling: each math warpgroup
-// multiplies its 64 rows of the 128 x 128 tile, one 128-wide k step (one scale block) per ring
+// multiplies its 64 rows of the 128 x kBN tile, one 128-wide k step (one scale block) per ring
 // stage. The tensor core sums a step into a partial tile (4 wgmma of k32, the first overwriting);
 // the step's scales then promote it into the fp32 running sum, acc += partial * scale: FP8 wgmma
 // keeps only about 14 bits of its sum, so no sum runs longer than 128 elements inside it.
 //   M-grouped: scale = sa[row] * sb, sa the row's scale (M-major: the tile's rows are adjacent),
-//              sb the weight's 128 x 128 block scale;
+//              sb the scale of the weight's 128 x 128 block holding the column;
 //   K-grouped: scale = sa[row] * sb[col], the step's row scales of dY^T and column scales of X^T.
-// The producer warpgroup's scale warp has put the step's scales into the stage; each thread reads
-// those of its accumulator rows and columns while its wgmma runs. The other math warpgroup's wgmma
-// runs while this one promotes, so the tensor core stays busy.
+// The two math warpgroups take turns on the tensor core: each issues its step only after the
+// other has issued its own previous one (two named barriers pass the turn). Their wgmma then run
+// one after the other, and each promotes while the other's runs; issued together, they finished
+// together and both promoted while the tensor core idled.
+// The producer warpgroup's scale warp has put each step's scales into its stage.
 // Same interface as Mainloop16Bit (mainloop_16bit.cuh).
 #pragma once
 
@@ -36,6 +38,7 @@ struct MainloopFp8 {
   const SharedStorage<Pipe>& smem;
   const GemmParams& p;
   const uint32_t lane;
+  const uint32_t math;      // which math warpgroup: 64 rows of the tile, and the turn it waits on
   const uint32_t a_offset;  // this warpgroup's 64 rows of A within a stage
   const uint32_t row;       // this thread's first accumulator row within the tile (and row + 8)
 
@@ -44,66 +47,106 @@ struct MainloopFp8 {
       : smem(smem),
         p(p),
         lane(lane),
+        math(math),
         a_offset(math * 64 * 128),
         row(64 * math + 16 * ((threadIdx.x / 32) % 4) + lane / 4) {}
 
-  // The scales of the stage's step (stored by the producer's scale warp): sa for rows row and
-  // row + 8, sc per accumulator column pair (K-grouped) or sc[0] = the weight's block scale.
-  template <int kCols>
-  __device__ __forceinline__ void read_scales(int stage, float (&sa)[2], float (&sc)[kCols]) const {
-    const uint32_t scales = smem.stage_scales(stage);
+  // Issues step kb's four k32 wgmma of the stage into `partial` (the first one overwrites it).
+  __device__ __forceinline__ void issue(float (&partial)[kAccRegs], int stage) const {
+    const uint32_t a_base = ptx::smem_address(smem.stage_a(stage)) + a_offset;
+    const uint32_t b_base = ptx::smem_address(smem.stage_b(stage));
+    ptx::fence_accumulators(partial);
+    ptx::wgmma_fence();
 #pragma unroll
-    for (int h = 0; h < 2; ++h) sa[h] = __uint_as_float(ptx::ld_shared_b32(scales + 4 * (row + 8 * h)));
-    if constexpr (kKGrouped) {
-#pragma unroll
-      for (int j = 0; j < kBN / 8; ++j) {
-        const uint32_t col = Cfg::kBlockM + 8 * j + 2 * (lane % 4);
-        sc[2 * j] = __uint_as_float(ptx::ld_shared_b32(scales + 4 * col));
-        sc[2 * j + 1] = __uint_as_float(ptx::ld_shared_b32(scales + 4 * (col + 1)));
-      }
-    } else {
-      sc[0] = __uint_as_float(ptx::ld_shared_b32(scales + 4 * Cfg::kBlockM));
+    for (int kk = 0; kk < kK32Steps; ++kk) {
+      const uint64_t da = ptx::smem_descriptor(a_base + kk * 32, 0, 1024);
+      const uint64_t db = ptx::smem_descriptor(b_base + kk * 32, 0, 1024);
+      Wgmma::mma(partial, da, db, kk > 0 ? 1u : 0u);
     }
+    ptx::wgmma_commit_group();
+    ptx::fence_accumulators(partial);
   }
 
-  template <class Probe, class AfterStep, class AfterLoop>
-  __device__ __forceinline__ void run(const Tile& t, Accumulators& acc, RingState<Pipe::kStages>& ring,
-                                      Probe& probe, AfterStep&& after_step, AfterLoop&& after_loop) const {
-    float partial[kAccRegs];
+  // The turns: warpgroup `math` waits on barrier kTurnBarrier + math and passes the turn on the
+  // other's. Warpgroup 1 hands warpgroup 0 its first turn (begin) and warpgroup 0 takes the last
+  // hand-over after its last step (finish), so that every barrier use completes.
+  static constexpr uint32_t kTurnBarrier = 3;  // 0: __syncthreads, 1 and 2: the epilogues
+  __device__ __forceinline__ void pass_turn() const { ptx::named_barrier_arrive(kTurnBarrier + (math ^ 1u), 256); }
+  __device__ __forceinline__ void take_turn() const { ptx::named_barrier_sync(kTurnBarrier + math, 256); }
+  __device__ __forceinline__ void begin() const {
+    if (math == 1) pass_turn();
+  }
+  __device__ __forceinline__ void finish() const {
+    if (math == 0) take_turn();
+  }
+
+  // Waits for step kb's wgmma, promotes it with the stage's scales and releases the stage.
+  // acc[4j + 2h + c] is row (row + 8h), column 8j + 2 (lane % 4) + c. M-grouped: the column groups
+  // j < kFirstGroups take the first weight block's scale, the others the next block's.
+  template <int kFirstGroups>
+  __device__ __forceinline__ void promote(float (&partial)[kAccRegs], Accumulators& acc, int stage) const {
+    const uint32_t scales = smem.stage_scales(stage);
+    float sa[2];
 #pragma unroll
-    for (int r = 0; r < kAccRegs; ++r) acc[r] = 0.f;
-    for (int kb = 0; kb < t.k_blocks; ++kb) {
-      ptx::mbarrier_wait(&smem.full[ring.stage], ring.phase);
-      probe.full_stage(kb);
-      const uint32_t a_base = ptx::smem_address(smem.stage_a(ring.stage)) + a_offset;
-      const uint32_t b_base = ptx::smem_address(smem.stage_b(ring.stage));
-      ptx::fence_accumulators(partial);
-      ptx::wgmma_fence();
+    for (int h = 0; h < 2; ++h) sa[h] = __uint_as_float(ptx::ld_shared_b32(scales + 4 * (row + 8 * h)));
+    float sb[2] = {0.f, 0.f};
+    if constexpr (!kKGrouped) ptx::ld_shared_v2_f32(scales + 4 * Cfg::kBlockM, sb[0], sb[1]);
+    ptx::wgmma_wait_group<0>();
+    ptx::fence_accumulators(partial);
+    if constexpr (kKGrouped) {
+      // Column scales pair by pair (8-byte loads), read as they are used: holding them all would
+      // not fit beside the accumulators.
 #pragma unroll
-      for (int kk = 0; kk < kK32Steps; ++kk) {
-        const uint64_t da = ptx::smem_descriptor(a_base + kk * 32, 0, 1024);
-        const uint64_t db = ptx::smem_descriptor(b_base + kk * 32, 0, 1024);
-        Wgmma::mma(partial, da, db, kk > 0 ? 1u : 0u);
+      for (int j = 0; j < kBN / 8; ++j) {
+        float sc[2];
+        ptx::ld_shared_v2_f32(scales + 4 * (Cfg::kBlockM + 8 * j + 2 * (lane % 4)), sc[0], sc[1]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c)
+            acc[4 * j + 2 * h + c] = __fmaf_rn(partial[4 * j + 2 * h + c], sa[h] * sc[c], acc[4 * j + 2 * h + c]);
+        }
       }
-      ptx::wgmma_commit_group();
-      float sa[2], sc[kKGrouped ? kBN / 4 : 1];
-      read_scales(ring.stage, sa, sc);  // while the tensor core works
-      ptx::wgmma_wait_group<0>();
-      ptx::fence_accumulators(partial);
-      smem.release(ring.stage, lane);
-      ring.advance();
-      // Promotion: acc[4j + 2h + c] is row (row + 8h), column 8j + 2 (lane % 4) + c.
+    } else {
+      const float s0[2] = {sa[0] * sb[0], sa[1] * sb[0]};
+      const float s1[2] = {sa[0] * sb[1], sa[1] * sb[1]};
 #pragma unroll
       for (int j = 0; j < kBN / 8; ++j) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
+          const float s = j < kFirstGroups ? s0[h] : s1[h];
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float s = kKGrouped ? sa[h] * sc[2 * j + c] : sa[h] * sc[0];
+          for (int c = 0; c < 2; ++c)
             acc[4 * j + 2 * h + c] = __fmaf_rn(partial[4 * j + 2 * h + c], s, acc[4 * j + 2 * h + c]);
-          }
         }
       }
+    }
+    smem.release(stage, lane);
+  }
+
+  // The k-loop of tile t into acc. after_step(kb) runs once step kb has been promoted;
+  // after_loop() once the last stage has been released. A tile with no k step (an empty wgrad
+  // group) leaves acc zero.
+  template <class Probe, class AfterStep, class AfterLoop>
+  __device__ __forceinline__ void run(const Tile& t, Accumulators& acc, RingState<Pipe::kStages>& ring,
+                                      Probe& probe, AfterStep&& after_step, AfterLoop&& after_loop) const {
+#pragma unroll
+    for (int r = 0; r < kAccRegs; ++r) acc[r] = 0.f;
+    float partial[kAccRegs];
+    // Where the tile's columns cross into the next 128-row weight block (M-grouped): 64 or 128
+    // columns in, or not within the tile.
+    const int split = Cfg::kScaleBlock - t.n0 % Cfg::kScaleBlock;
+    for (int kb = 0; kb < t.k_blocks; ++kb) {
+      const int stage = ring.stage;
+      ptx::mbarrier_wait(&smem.full[stage], ring.phase);
+      probe.full_stage(kb);
+      take_turn();
+      issue(partial, stage);
+      pass_turn();
+      ring.advance();
+      if (kKGrouped || kBN <= Cfg::kScaleBlock || split >= kBN) promote<kBN / 8>(partial, acc, stage);
+      else if (split == 64) promote<8>(partial, acc, stage);
+      else promote<16>(partial, acc, stage);
       after_step(kb);
     }
     probe.end_mainloop(t);

@@ -7,15 +7,15 @@
 //   K-grouped (wgrad): A = dY^T [N, C], B = X^T [K, C], the columns copies in which every group's
 //     tokens start at a multiple of 128 (offsets = the copies' column offsets) and end in zeros, so
 //     plain maps load whole steps.
-// A second warp of the producer warpgroup (load_scales) stores each step's scales into the stage,
-// from global memory, and arrives on the stage's full barrier as its second arrival: the math
-// threads then read them from shared memory (mainloop_fp8.cuh). Its loads for a step are issued
-// before it waits for the stage to be free, and one step ahead within a tile.
+// A second warp of the producer warpgroup (load_scales) copies each step's scales into the stage
+// with cp.async, each lane's copies one arrival on the stage's full barrier: the math threads then
+// read them from shared memory (mainloop_fp8.cuh).
 #pragma once
 
 #include <cstdint>
 
 #include "cuda/ptx/cluster.cuh"
+#include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/sync.cuh"
 #include "cuda/ptx/tma.cuh"
 #include "cuda/sm90/config.hpp"
@@ -33,7 +33,6 @@ struct ProducerFp8 {
   // What lands in each block per live step: A and all of B (its half and the peer's, or both).
   static constexpr uint32_t kStepBytes = Cfg::kABytes + Cfg::kBBytes;
   static constexpr bool kScaleWarp = true;
-  static constexpr int kPerLane = kBM / 32;  // row (and column) scales per lane
 
   const CUtensorMap& map_a;
   const CUtensorMap& map_b;
@@ -49,51 +48,46 @@ struct ProducerFp8 {
     }
   }
 
-  // One lane's scales of step kb of tile t: rows lane + 32 i of A, and for wgrad columns
-  // lane + 32 i of B, or (M-grouped, lane 0) the weight's block scale in b[0]. Rows and columns
-  // past the operands take scale 0 (their data are zeros).
-  struct StepScales {
-    float a[kPerLane], b[kPerLane];
-  };
-  __device__ __forceinline__ StepScales fetch_scales(const Tile& t, int kb, uint32_t lane) const {
-    StepScales s;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int32_t m = t.m0 + int32_t(lane) + 32 * i, n = t.n0 + int32_t(lane) + 32 * i;
-      if constexpr (kKGrouped) {
-        const int64_t block = (t.row_begin >> 7) + kb;
-        s.a[i] = m < p.m_out ? __ldg(p.a_scales + block * p.a_scale_stride + m) : 0.f;
-        s.b[i] = n < p.n_out ? __ldg(p.b_scales + block * p.n_out + n) : 0.f;
-      } else {
-        s.a[i] = m < t.rows ? __ldg(p.a_scales + int64_t(kb) * p.a_scale_stride + t.row_begin + m) : 0.f;
-        s.b[i] = 0.f;
-      }
-    }
-    if constexpr (!kKGrouped) {
-      if (lane == 0)
-        s.b[0] = __ldg(p.b_scales + (int64_t(t.group) * p.b_scale_rows + t.n0 / kBN) * p.b_scale_cols + kb);
-    }
-    return s;
-  }
-
-  // The scale warp's steps of tile t (the producer's steps, in the same ring).
+  // The scale warp's steps of tile t (the producer's steps, in the same ring): per step the lanes
+  // copy A's kBM row scales and, for wgrad, B's kBN column scales, or (M-grouped) the scales of the
+  // one or two 128-row weight blocks the tile's columns fall in; rows and columns past the operands
+  // get scale 0 (their data are zeros). The copies are cp.async, each lane's completion one
+  // arrival on the full barrier: the warp holds no scales in registers and never waits for a load.
   __device__ __forceinline__ void load_scales(const Tile t, RingState<Pipe::kStages>& ring, uint32_t lane) const {
-    StepScales next = t.live && t.k_blocks > 0 ? fetch_scales(t, 0, lane) : StepScales{};
+    constexpr int kScaleBlock = Cfg::kScaleBlock;
     for (int kb = 0; kb < t.k_blocks; ++kb) {
-      const StepScales now = next;
-      if (t.live && kb + 1 < t.k_blocks) next = fetch_scales(t, kb + 1, lane);
       ptx::mbarrier_wait(&smem.empty[ring.stage], ring.phase ^ 1u);
       if (t.live) {
         const uint32_t dst = smem.stage_scales(ring.stage);
+        const int64_t a_block = kKGrouped ? (t.row_begin / kScaleBlock) + kb : kb;
 #pragma unroll
-        for (int i = 0; i < kPerLane; ++i) {
-          ptx::st_shared_b32(dst + 4 * (lane + 32 * i), __float_as_uint(now.a[i]));
-          if (kKGrouped || (i == 0 && lane == 0))
-            ptx::st_shared_b32(dst + 4 * (kBM + lane + 32 * i), __float_as_uint(now.b[i]));
+        for (int i = 0; i < kBM / 32; ++i) {
+          const int32_t m = t.m0 + int32_t(lane) + 32 * i;
+          const bool ok = m < (kKGrouped ? p.m_out : t.rows);
+          const int64_t row = kKGrouped ? m : t.row_begin + m;
+          ptx::cp_async_4(dst + 4 * (lane + 32 * i), ok ? p.a_scales + a_block * p.a_scale_stride + row : p.a_scales,
+                          ok);
+        }
+        if constexpr (kKGrouped) {
+#pragma unroll
+          for (int i = 0; i < kBN / 32; ++i) {
+            const int32_t n = t.n0 + int32_t(lane) + 32 * i;
+            const bool ok = n < p.n_out;
+            ptx::cp_async_4(dst + 4 * (kBM + lane + 32 * i), ok ? p.b_scales + a_block * p.n_out + n : p.b_scales,
+                            ok);
+          }
+        } else if (lane < 2) {
+          // Blocks n0 / 128 and the next one (a tile of 192 columns may straddle two); a block
+          // past the weight's rows holds only columns past N.
+          const int32_t block = t.n0 / kScaleBlock + int32_t(lane);
+          const bool ok = block < p.b_scale_rows;
+          ptx::cp_async_4(dst + 4 * (kBM + lane),
+                          ok ? p.b_scales + (int64_t(t.group) * p.b_scale_rows + block) * p.b_scale_cols + kb
+                             : p.b_scales,
+                          ok);
         }
       }
-      __syncwarp();
-      if (lane == 0) ptx::mbarrier_arrive(&smem.full[ring.stage]);
+      ptx::cp_async_mbarrier_arrive_noinc(&smem.full[ring.stage]);
       ring.advance();
     }
   }
