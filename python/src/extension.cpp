@@ -3,11 +3,12 @@
 // CUDA work runs on the stream the caller passes (moe_engine.torch passes PyTorch's current one).
 //
 // Routing: every op takes a Routing, the group offsets of one `splits` for a buffer of T rows. Only
-// route() makes one, by running GroupLayout::compute (Python cannot construct a Routing), so the
-// offsets a kernel sees were always computed and checked (CPU) or sanitized (CUDA) by it. A layer
-// computes its routing once in forward and its backward reuses it: the routing is handed to torch
-// as a tensor over the offsets whose storage owns the Routing (offsets_capsule), and find_routing
-// gets the very same Routing back from that tensor.
+// route() (or route_capacity(), given T as a number) makes one, by running GroupLayout::compute
+// (Python cannot construct a Routing), so the offsets a kernel sees were always computed and
+// checked (CPU) or sanitized (CUDA) by it. A layer computes its routing once in forward and its
+// backward reuses it: the routing is handed to torch as a tensor over the offsets whose storage
+// owns the Routing (offsets_capsule), and find_routing gets the very same Routing back from that
+// tensor.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
@@ -761,7 +762,7 @@ void bind_ops(nb::module_& m) {
       arg("t"), "How the ops see a tensor argument: dtype, shape, strides (elements), device, data address.");
   nb::class_<Routing>(m, "Routing",
                       "The group offsets of one splits tensor for a buffer of T rows, as GroupLayout::compute made "
-                      "them (only route() creates one). Holds the splits and offsets buffers alive.")
+                      "them (only route() and route_capacity() create one). Holds the splits and offsets buffers alive.")
       .def_prop_ro("num_groups", [](const Routing& r) { return r.layout().num_groups(); })
       .def_prop_ro("capacity", [](const Routing& r) { return r.layout().capacity(); })
       .def_prop_ro("device", [](const Routing& r) { return to_string(r.layout().device()); })
