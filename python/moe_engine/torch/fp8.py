@@ -253,6 +253,8 @@ def _(dy_data, dy_scales, weight_data_t, weight_scales_t, splits, out_dtype, rou
     return dy_data.new_empty(_extent(dy_data, 0), _extent(weight_data_t, 1), dtype=out_dtype)
 
 
+# `out_mode`, not `mode`: torch.compile functionalizes a mutating op through auto_functionalized,
+# whose own keyword `mode` an argument of that name would collide with.
 @torch.library.custom_op("moe_engine::grouped_linear_fp8_wgrad_", mutates_args=("out",))
 def _grouped_linear_fp8_wgrad_(dy_data: Tensor, dy_scales: Tensor, dy_offsets: Tensor, x_data: Tensor,
                                x_scales: Tensor, x_offsets: Tensor, splits: Tensor, num_tokens: int,
