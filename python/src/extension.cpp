@@ -3,11 +3,12 @@
 // CUDA work runs on the stream the caller passes (moe_engine.torch passes PyTorch's current one).
 //
 // Routing: every op takes a Routing, the group offsets of one `splits` for a buffer of T rows. Only
-// route() makes one, by running GroupLayout::compute (Python cannot construct a Routing), so the
-// offsets a kernel sees were always computed and checked (CPU) or sanitized (CUDA) by it. A layer
-// computes its routing once in forward and its backward reuses it: the routing is handed to torch
-// as a tensor over the offsets whose storage owns the Routing (offsets_capsule), and find_routing
-// gets the very same Routing back from that tensor.
+// route() (or route_capacity(), given T as a number) makes one, by running GroupLayout::compute
+// (Python cannot construct a Routing), so the offsets a kernel sees were always computed and
+// checked (CPU) or sanitized (CUDA) by it. A layer computes its routing once in forward and its
+// backward reuses it: the routing is handed to torch as a tensor over the offsets whose storage
+// owns the Routing (offsets_capsule), and find_routing gets the very same Routing back from that
+// tensor.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
@@ -297,13 +298,12 @@ class Routing {
   GroupLayout layout_;
 };
 
-// Offsets of `splits` into `offsets` (int64 [G+1] on the splits' device) for the rows of `tokens`.
-// Bad splits throw on the CPU; on CUDA they are sanitized and recorded in the device's error flag.
-nb::object route(const TensorArg& splits_arg, const TensorArg& offsets_arg, const TensorArg& tokens_arg,
-                 uintptr_t stream, const std::string& op, const std::string& tokens_name) {
-  const TensorView splits = view_of(op.c_str(), "splits", splits_arg);
-  const TensorView offsets = view_of(op.c_str(), "offsets", offsets_arg);
-  const int64_t capacity = rows_of(op.c_str(), tokens_name.c_str(), view_of(op.c_str(), tokens_name.c_str(), tokens_arg));
+// Offsets of `splits` into `offsets` (int64 [G+1] on the splits' device) for a buffer of `capacity`
+// rows. Bad splits throw on the CPU; on CUDA they are sanitized and recorded in the device's error flag.
+nb::object route_for(const TensorArg& splits_arg, const TensorArg& offsets_arg, int64_t capacity, uintptr_t stream,
+                     const char* op) {
+  const TensorView splits = view_of(op, "splits", splits_arg);
+  const TensorView offsets = view_of(op, "offsets", offsets_arg);
   GroupLayout layout;
   if (splits.device().is_cuda()) {  // a kernel launch: without the GIL
     nb::gil_scoped_release release;
@@ -313,6 +313,20 @@ nb::object route(const TensorArg& splits_arg, const TensorArg& offsets_arg, cons
   }
   ++layout_computations;
   return nb::cast(new Routing(splits_arg.array, offsets_arg.array, layout), nb::rv_policy::take_ownership);
+}
+
+// The routing for the rows of `tokens`, the op's [T, ...] token tensor.
+nb::object route(const TensorArg& splits_arg, const TensorArg& offsets_arg, const TensorArg& tokens_arg,
+                 uintptr_t stream, const std::string& op, const std::string& tokens_name) {
+  const int64_t capacity = rows_of(op.c_str(), tokens_name.c_str(), view_of(op.c_str(), tokens_name.c_str(), tokens_arg));
+  return route_for(splits_arg, offsets_arg, capacity, stream, op.c_str());
+}
+
+// The routing for a buffer of `capacity` rows that no tensor of the op has as its extent: the FP8
+// wgrad reads columns copies [K, C], whose C = fp8_columns_capacity(T, G) does not determine T.
+nb::object route_capacity(const TensorArg& splits_arg, const TensorArg& offsets_arg, int64_t capacity,
+                          uintptr_t stream, const std::string& op) {
+  return route_for(splits_arg, offsets_arg, capacity, stream, op.c_str());
 }
 
 // The live Routing that `offsets` is the offsets tensor of, if it was computed from `splits` (the
@@ -482,6 +496,76 @@ void grouped_linear_dscales_py(const TensorArg& dy_arg, const GroupedArg& bias_a
   const GroupedParam bias = c.param("bias", bias_arg, 1);
   c.run(routing, {dscales}, [&](const GroupLayout& g, const ExecContext& e) {
     grouped_linear_dscales(dy, bias, g, dscales, false, e);
+  });
+}
+
+// ---- FP8 block scaling (moe_engine/fp8.hpp) ----
+
+// The Python layer allocates every FP8 operand; an absent one (rows or columns not requested, a
+// weight without its transposed copy) is None, an undefined view the op then checks for.
+
+void quantize_fp8_py(const TensorArg& x_arg, const Routing& routing, const std::optional<TensorArg>& rows_data,
+                     const std::optional<TensorArg>& rows_scales, const std::optional<TensorArg>& columns_data,
+                     const std::optional<TensorArg>& columns_scales, const std::optional<TensorArg>& columns_offsets,
+                     bool pow2_scales, float amax_epsilon, uintptr_t stream) {
+  const Call c{"quantize_fp8", stream_of(stream)};
+  const TensorView x = c("x", x_arg);
+  const Fp8Rows rows{c("rows.data", rows_data), c("rows.scales", rows_scales)};
+  const Fp8Columns columns{c("columns.data", columns_data), c("columns.scales", columns_scales),
+                           c("columns.offsets", columns_offsets)};
+  const Fp8Recipe recipe{pow2_scales, amax_epsilon};
+  // Rows past offsets[G] stay unwritten: FP8 operands are no gradients, and no GEMM reads them.
+  c.run(routing, {}, [&](const GroupLayout& g, const ExecContext& e) { quantize_fp8(x, g, rows, columns, recipe, e); });
+}
+
+void quantize_fp8_weight_py(const GroupedArg& weight_arg, const std::optional<TensorArg>& data,
+                            const std::optional<TensorArg>& scales, const std::optional<TensorArg>& data_t,
+                            const std::optional<TensorArg>& scales_t, bool pow2_scales, float amax_epsilon,
+                            uintptr_t stream) {
+  const Call c{"quantize_fp8_weight", stream_of(stream)};
+  const GroupedParam weight = c.param("weight", weight_arg, 2);
+  const Fp8Weight out{c("out.data", data), c("out.scales", scales), c("out.data_t", data_t),
+                      c("out.scales_t", scales_t)};
+  const Fp8Recipe recipe{pow2_scales, amax_epsilon};
+  nb::gil_scoped_release release;
+  quantize_fp8_weight(weight, out, recipe, ExecContext{c.stream, {}});
+}
+
+void grouped_linear_fp8_forward_py(const TensorArg& x_data, const TensorArg& x_scales, const TensorArg& w_data,
+                                   const TensorArg& w_scales, const Routing& routing, const TensorArg& y_arg,
+                                   const GroupedArg& bias_arg, const std::optional<TensorArg>& row_scale_arg,
+                                   uintptr_t stream) {
+  const Call c{"grouped_linear_forward", stream_of(stream)};
+  const Fp8Rows x{c("x.data", x_data), c("x.scales", x_scales)};
+  const Fp8Weight weight{c("weight.data", w_data), c("weight.scales", w_scales), {}, {}};
+  const TensorView y = c("y", y_arg), row_scale = c("row_scale", row_scale_arg);
+  const GroupedParam bias = c.param("bias", bias_arg, 1);
+  c.run(routing, {y}, [&](const GroupLayout& g, const ExecContext& e) {
+    grouped_linear_forward(x, weight, g, y, {bias, row_scale}, e);
+  });
+}
+
+void grouped_linear_fp8_dgrad_py(const TensorArg& dy_data, const TensorArg& dy_scales, const TensorArg& w_data_t,
+                                 const TensorArg& w_scales_t, const Routing& routing, const TensorArg& dx_arg,
+                                 uintptr_t stream) {
+  const Call c{"grouped_linear_dgrad", stream_of(stream)};
+  const Fp8Rows dy{c("dy.data", dy_data), c("dy.scales", dy_scales)};
+  const Fp8Weight weight{{}, {}, c("weight.data_t", w_data_t), c("weight.scales_t", w_scales_t)};
+  const TensorView dx = c("dx", dx_arg);
+  c.run(routing, {dx}, [&](const GroupLayout& g, const ExecContext& e) { grouped_linear_dgrad(dy, weight, g, dx, e); });
+}
+
+void grouped_linear_fp8_wgrad_py(const TensorArg& dy_data, const TensorArg& dy_scales, const TensorArg& dy_offsets,
+                                 const TensorArg& x_data, const TensorArg& x_scales, const TensorArg& x_offsets,
+                                 const Routing& routing, const GroupedArg& dweight_arg, const std::string& mode,
+                                 uintptr_t stream) {
+  const Call c{"grouped_linear_wgrad", stream_of(stream)};
+  const Fp8Columns dy{c("dy.data", dy_data), c("dy.scales", dy_scales), c("dy.offsets", dy_offsets)};
+  const Fp8Columns x{c("x.data", x_data), c("x.scales", x_scales), c("x.offsets", x_offsets)};
+  const GroupedParam dweight = c.param("dweight", dweight_arg, 2);
+  const GradMode grad_mode = parse_grad_mode(mode);
+  c.run(routing, {}, [&](const GroupLayout& g, const ExecContext& e) {
+    grouped_linear_wgrad(dy, x, g, dweight, grad_mode, e);
   });
 }
 
@@ -678,7 +762,7 @@ void bind_ops(nb::module_& m) {
       arg("t"), "How the ops see a tensor argument: dtype, shape, strides (elements), device, data address.");
   nb::class_<Routing>(m, "Routing",
                       "The group offsets of one splits tensor for a buffer of T rows, as GroupLayout::compute made "
-                      "them (only route() creates one). Holds the splits and offsets buffers alive.")
+                      "them (only route() and route_capacity() create one). Holds the splits and offsets buffers alive.")
       .def_prop_ro("num_groups", [](const Routing& r) { return r.layout().num_groups(); })
       .def_prop_ro("capacity", [](const Routing& r) { return r.layout().capacity(); })
       .def_prop_ro("device", [](const Routing& r) { return to_string(r.layout().device()); })
@@ -713,6 +797,25 @@ void bind_ops(nb::module_& m) {
         arg("row_scale").none(), arg("stream"));
   m.def("grouped_linear_dscales", &grouped_linear_dscales_py, arg("dy"), arg("bias"), arg("routing"),
         arg("dscales"), arg("stream"));
+  m.def("route_capacity", &route_capacity, arg("splits"), arg("offsets"), arg("capacity"), arg("stream"), arg("op"),
+        "route() for a buffer of `capacity` rows given as a number (the FP8 wgrad's operands do not carry T).");
+  m.def("fp8_columns_capacity", &fp8_columns_capacity, arg("capacity"), arg("num_groups"),
+        "The columns C of an FP8 columnwise copy for T tokens and G experts: round_up(T + 127 G, 128).");
+  m.def("fp8_scales_pitch", &fp8_scales_pitch, arg("capacity"),
+        "The row pitch S of rowwise FP8 scales for T tokens: round_up(T, 4), at least 4.");
+  m.def("quantize_fp8", &quantize_fp8_py, arg("x"), arg("routing"), arg("rows_data").none(),
+        arg("rows_scales").none(), arg("columns_data").none(), arg("columns_scales").none(),
+        arg("columns_offsets").none(), arg("pow2_scales"), arg("amax_epsilon"), arg("stream"));
+  m.def("quantize_fp8_weight", &quantize_fp8_weight_py, arg("weight"), arg("data").none(), arg("scales").none(),
+        arg("data_t").none(), arg("scales_t").none(), arg("pow2_scales"), arg("amax_epsilon"), arg("stream"));
+  m.def("grouped_linear_fp8_forward", &grouped_linear_fp8_forward_py, arg("x_data"), arg("x_scales"),
+        arg("weight_data"), arg("weight_scales"), arg("routing"), arg("y"), arg("bias"), arg("row_scale").none(),
+        arg("stream"));
+  m.def("grouped_linear_fp8_dgrad", &grouped_linear_fp8_dgrad_py, arg("dy_data"), arg("dy_scales"),
+        arg("weight_data_t"), arg("weight_scales_t"), arg("routing"), arg("dx"), arg("stream"));
+  m.def("grouped_linear_fp8_wgrad", &grouped_linear_fp8_wgrad_py, arg("dy_data"), arg("dy_scales"),
+        arg("dy_offsets"), arg("x_data"), arg("x_scales"), arg("x_offsets"), arg("routing"), arg("out"),
+        arg("mode"), arg("stream"));
   m.def("glu_forward", &glu_forward_py, arg("h"), arg("probs").none(), arg("routing"), arg("out"), arg("spec"),
         arg("stream"));
   m.def("glu_backward", &glu_backward_py, arg("h"), arg("probs").none(), arg("d_out"), arg("routing"), arg("dh"),

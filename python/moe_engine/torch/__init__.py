@@ -1,8 +1,22 @@
-"""PyTorch integration: custom ops (``torch.ops.moe_engine.*``), the functional API and the
-``GroupedLinear`` / ``GroupedMLP`` modules. See ``ops`` and ``modules`` for the contracts."""
+"""PyTorch integration: custom ops (``torch.ops.moe_engine.*``), the functional API, the FP8
+operands and ops, and the ``GroupedLinear`` / ``GroupedMLP`` modules. See ``ops``, ``fp8`` and
+``modules`` for the contracts."""
 
 import torch as _torch  # noqa: F401  (fails early with a clear ImportError when PyTorch is missing)
 
+from .fp8 import (
+    Fp8Columns,
+    Fp8Rows,
+    Fp8Tensor,
+    Fp8Weight,
+    fp8_columns_capacity,
+    fp8_scales_pitch,
+    grouped_linear_fp8,
+    grouped_linear_fp8_dgrad,
+    grouped_linear_fp8_wgrad,
+    quantize_fp8,
+    quantize_fp8_weight,
+)
 from .modules import GroupedLinear, GroupedMLP, normalize_grouped_keys
 from .offload import ActivationOffload, mark_not_offload, no_offload
 from .ops import (
@@ -22,6 +36,10 @@ from .ops import (
 
 __all__ = [
     "ActivationOffload",
+    "Fp8Columns",
+    "Fp8Rows",
+    "Fp8Tensor",
+    "Fp8Weight",
     "mark_not_offload",
     "no_offload",
     "GroupedLinear",
@@ -29,6 +47,8 @@ __all__ = [
     "check_errors",
     "expert_mlp",
     "expert_mlp_backward",
+    "fp8_columns_capacity",
+    "fp8_scales_pitch",
     "glu",
     "glu_backward",
     "glu_text",
@@ -36,7 +56,12 @@ __all__ = [
     "grouped_linear_dbias",
     "grouped_linear_dgrad",
     "grouped_linear_dscales",
+    "grouped_linear_fp8",
+    "grouped_linear_fp8_dgrad",
+    "grouped_linear_fp8_wgrad",
     "grouped_linear_wgrad",
     "init_device",
     "normalize_grouped_keys",
+    "quantize_fp8",
+    "quantize_fp8_weight",
 ]

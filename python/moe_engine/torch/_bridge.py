@@ -122,6 +122,19 @@ def routing_of(op: str, tokens_name: str, tokens: torch.Tensor, splits: torch.Te
     return _C.route(splits, offsets, tokens, stream, op, tokens_name)
 
 
+def routing_for_capacity(op: str, capacity: int, splits: torch.Tensor, stream: int,
+                         saved: Optional[torch.Tensor] = None):
+    """``routing_of`` for a buffer of ``capacity`` rows given as a number, for ops none of whose
+    tensors has T as an extent (the FP8 wgrad reads columns copies [K, C])."""
+    if saved is not None:
+        found = _C.find_routing(saved, splits, capacity)
+        if found is not None:
+            return found
+    check_splits(splits)
+    offsets = torch.empty(splits.shape[0] + 1, dtype=torch.int64, device=splits.device)
+    return _C.route_capacity(splits, offsets, capacity, stream, op)
+
+
 def routing_tensor(routing) -> torch.Tensor:
     """The routing as a tensor that crosses torch's dispatcher: int64 [G+1], its offsets, on the
     splits' device. Its storage holds the ``_C.Routing`` (and with it the splits and offsets
