@@ -13,7 +13,8 @@
 # Environment: ROUNDS (3), ANCHOR_ARGS (more arguments for fp8-anchor.py, e.g. "--loop-streams 1"),
 # GEMM_ARGS (more arguments for bench gemm, e.g. "--min-time-ms 50"), MOE_PY (the Python with
 # PyTorch, default python3). Needs PyTorch with torch._scaled_grouped_mm (2.10 or later); builds
-# build-gpu/ if needed. About 3-4 minutes a round on an H200 for the whole suite, plus the build.
+# build-gpu/ if needed. Estimated (not yet measured) 3-4 minutes a round on an H200 for the whole
+# suite, plus the build; ANCHOR_ARGS="--rep-ms 50" GEMM_ARGS="--min-time-ms 50" shorten it.
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 case_filter=${1:-}
@@ -33,6 +34,7 @@ archive() {
 }
 trap archive EXIT
 for i in $(seq 1 "$rounds"); do
+  start=$SECONDS
   # shellcheck disable=SC2086  # ANCHOR_ARGS / GEMM_ARGS are word lists
   if ! PYTHONUNBUFFERED=1 "$py" bench/drivers/fp8-anchor.py --workloads bench/workloads.json \
     ${case_filter:+--cases "$case_filter"} --out "$dir/fp8-anchor-$i.json" ${ANCHOR_ARGS:-} >"$dir/fp8-anchor-$i.log" 2>&1; then
@@ -47,7 +49,7 @@ for i in $(seq 1 "$rounds"); do
     echo "bench-fp8: bench gemm --dtype fp8 failed in round $i (its log: fp8-gemm-$i.log in $OUT/fp8-rounds.tgz)" >&2
     exit 1
   fi
-  echo "round $i:"
+  echo "round $i ($((SECONDS - start)) s):"
   grep -E "^geomean|^compute-bound|^end to end" "$dir/fp8-gemm-$i.log" || true
 done
 python3 bench/report/gemm-report.py "$OUT/$(date +%Y-%m-%d)-fp8-gemm-$(gpu_tag)" "$dir"/fp8-gemm-*.json
