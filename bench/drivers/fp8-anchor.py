@@ -859,7 +859,7 @@ def emulated_run(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", default=os.path.join(HERE, "..", "workloads.json"))
+    ap.add_argument("--workloads", default=os.path.normpath(os.path.join(HERE, "..", "workloads.json")))
     ap.add_argument("--cases", default="", help="only cases whose name contains this")
     ap.add_argument("--out", default="", help="write the JSON here (also the partial results after each case)")
     ap.add_argument("--rep-ms", type=float, default=100.0, help="do_bench's rep: time of runs per measurement")
