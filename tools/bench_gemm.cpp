@@ -2,12 +2,16 @@
 // wgrad) on a GPU, timed with CUDA events, with the roofline fraction and, given the JSON that the
 // anchor script (torch_anchor.py) wrote in the same run, the speedup over torch._grouped_mm.
 // --dtype fp8: the FP8 block-scaled GEMMs (operands quantized once, untimed) with the same GEMM in
-// bf16 timed beside each, and the quantizers' own times.
+// bf16 timed beside each, and the quantizers' own times; given the JSON of the FP8 anchor script
+// (bench/drivers/fp8-anchor.py) from the same run, the speedups over torch._scaled_grouped_mm and
+// over a per-expert loop of cuBLAS block-scaled GEMMs, the fraction of the same-run dense FP8 GEMM,
+// and an end-to-end time (quantization + GEMM).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -96,8 +100,31 @@ struct Entry {
   double ms = 0, min_ms = 0, flops = 0, bytes = 0, tflops = 0, roofline_fraction = 0;
   double torch_ms = 0, speedup_vs_torch = 0, loop_ms = 0, speedup_vs_loop = 0;
   double bf16_ms = 0, time_ratio_vs_bf16 = 0;  // fp8: the same GEMM in bf16, same run
+  // fp8 with the FP8 anchor: torch._scaled_grouped_mm (rowwise), the per-expert loop (loop_ms
+  // above), the dense FP8 GEMM of the same size; what the anchor could not measure, and why
+  double sgmm_ms = 0, speedup_vs_sgmm = 0, dense_fp8_ms = 0, dense_fraction = 0;
+  nlohmann::json anchor_errors = nlohmann::json::object();
+  double e2e_ms = 0, e2e_ratio_vs_bf16 = 0;  // fp8: quantization + GEMM (see kE2eIncludes)
   bool in_geomean = false;
 };
+
+// The FP8 anchor's file (bench/drivers/fp8-anchor.py): its "format" and, per case, FC and GEMM,
+// its paths ({fc}_{path}_{gemm}_ms).
+constexpr const char* kFp8AnchorFormat = "moe-engine fp8 anchor";
+const char* const kFp8AnchorPaths[] = {"scaled_grouped_mm", "loop", "dense_fp8"};
+
+// The cases whose GEMMs are compute-bound (large per-expert GEMMs): the FP8 targets' subset.
+bool compute_bound_case(const std::string& name) {
+  for (const char* prefix : {"mixtral", "deepseek", "gpt-oss"})
+    if (name.rfind(prefix, 0) == 0) return true;
+  return false;
+}
+
+constexpr const char* kE2eIncludes =
+    "e2e_ms = the FP8 GEMM + the quantization that produces its activation operands, each quantizer pass "
+    "counted once per layer: fwd + quant_x (x rowwise and columnwise, one pass), dgrad + quant_dy (dy rowwise "
+    "and columnwise, one pass), wgrad alone (its columnwise x and dy come from those two passes); quant_w "
+    "(both weight copies, once per optimizer step) is not included, reported as its own entry";
 
 // The anchor's JSON must hold what the comparison reads, checked before the long run starts.
 void check_anchor(const nlohmann::json& anchor, const std::string& path) {
@@ -107,6 +134,9 @@ void check_anchor(const nlohmann::json& anchor, const std::string& path) {
   };
   if (!anchor.is_object() || !anchor.contains("cases") || !anchor["cases"].is_array())
     fail("has no \"cases\" array");
+  if (anchor.contains("format") && anchor["format"].is_string() &&
+      anchor["format"].get<std::string>().rfind(kFp8AnchorFormat, 0) == 0)
+    fail("is the FP8 anchor's output (fp8-anchor.py): it goes with --dtype fp8");
   if (anchor.contains("dense_8192_tflops") && !anchor["dense_8192_tflops"].is_number())
     fail("has a dense_8192_tflops that is not a number");
   for (const nlohmann::json& c : anchor["cases"]) {
@@ -116,6 +146,56 @@ void check_anchor(const nlohmann::json& anchor, const std::string& path) {
         if (!c.contains(fc + std::string(key)) || !c[fc + std::string(key)].is_number())
           fail("has no number " + std::string(fc) + key + " for case " + c["case"].get<std::string>());
   }
+}
+
+// The FP8 anchor's JSON: every measurement is a time in ms or {"error": "why it could not run"}.
+void check_fp8_anchor(const nlohmann::json& anchor, const std::string& path) {
+  auto fail = [&](const std::string& what) {
+    throw_error(ErrorCode::kIo, "bench gemm --dtype fp8: the anchor file '", path, "' ", what,
+                " (expected the output of bench/drivers/fp8-anchor.py)");
+  };
+  if (!anchor.is_object()) fail("is not a JSON object");
+  if (!anchor.contains("format") || !anchor["format"].is_string() ||
+      anchor["format"].get<std::string>().rfind(kFp8AnchorFormat, 0) != 0) {
+    const bool bf16 = anchor.contains("cases") && anchor["cases"].is_array() && !anchor["cases"].empty() &&
+                      anchor["cases"][0].is_object() && anchor["cases"][0].contains("fc1_grouped_mm_fwd_ms");
+    fail(std::string("has no \"format\": \"") + kFp8AnchorFormat + " ...\"" +
+         (bf16 ? " (it looks like torch_anchor.py's bf16 anchor, which goes without --dtype fp8)" : ""));
+  }
+  if (!anchor.contains("cases") || !anchor["cases"].is_array()) fail("has no \"cases\" array");
+  if (anchor.contains("partial") && anchor["partial"] == true)
+    fail("is what an interrupted run left (\"partial\": true): its last cases are missing");
+  auto measurement = [](const nlohmann::json& v) {
+    return (v.is_number() && v.get<double>() > 0) ||
+           (v.is_object() && v.contains("error") && v["error"].is_string());
+  };
+  for (const char* key : {"dense_8192_tflops", "dense_fp8_8192_tflops"})
+    if (anchor.contains(key) && !measurement(anchor[key]))
+      fail(std::string("has a ") + key + " that is neither a positive number nor {\"error\": \"...\"} (got " +
+           anchor[key].dump() + ")");
+  for (const nlohmann::json& c : anchor["cases"]) {
+    if (!c.is_object() || !c.contains("case") || !c["case"].is_string()) fail("has a case without a \"case\" name");
+    for (const char* fc : {"fc1", "fc2"})
+      for (const char* path_name : kFp8AnchorPaths)
+        for (const char* gemm : {"fwd", "dgrad", "wgrad"}) {
+          const std::string key = std::string(fc) + "_" + path_name + "_" + gemm + "_ms";
+          if (!c.contains(key))
+            fail("has no " + key + " for case " + c["case"].get<std::string>() +
+                 " (expected a time in ms or {\"error\": \"...\"}; a partial file from an interrupted run?)");
+          if (!measurement(c[key]))
+            fail("has " + key + " for case " + c["case"].get<std::string>() +
+                 " that is neither a positive number nor {\"error\": \"...\"} (got " + c[key].dump() + ")");
+        }
+  }
+}
+
+// An FP8 anchor measurement: its time, or 0 with its error in `errors` (also for a case it lacks).
+double fp8_anchor_ms(const nlohmann::json* ref, const std::string& key, nlohmann::json& errors) {
+  if (!ref) return 0;
+  const nlohmann::json& v = ref->at(key + "_ms");
+  if (v.is_number()) return v.get<double>();
+  errors[key] = v.at("error");
+  return 0;
 }
 
 const nlohmann::json* anchor_case(const nlohmann::json& anchor, const std::string& name) {
@@ -140,11 +220,15 @@ int run_bench_gemm(const BenchOptions& o) {
     MOE_CHECK(known, ErrorCode::kInvalidArgument, "bench gemm: --gemm ", o.gemm_filter,
               ": expected fc1 or fc2, a slash, and fwd, dgrad, wgrad or wgrad_acc (e.g. fc2/wgrad)");
   }
+  const bool fp8 = o.dtype == "fp8" || o.dtype == "float8_e4m3";
   // Files first: a bad path fails now, not after the run.
   nlohmann::json anchor;
   if (!o.anchor.empty()) {
     anchor = read_json_file(o.anchor, "the anchor results");
-    check_anchor(anchor, o.anchor);
+    if (fp8)
+      check_fp8_anchor(anchor, o.anchor);
+    else
+      check_anchor(anchor, o.anchor);
   }
   if (!o.json_out.empty()) check_json_output_path(o.json_out, "--json-out");
   const GpuInventory inventory = query_gpus();
@@ -155,14 +239,18 @@ int run_bench_gemm(const BenchOptions& o) {
             "bench gemm times the CUDA kernels: use a CUDA device");
   MOE_CHECK(size_t(device.index) < inventory.gpus.size(), ErrorCode::kDevice, "bench gemm: --device ", o.device,
             ": this process sees ", inventory.gpus.size(), " GPU(s)");
-  const bool fp8 = o.dtype == "fp8" || o.dtype == "float8_e4m3";
   // FP8: the bf16 tensors are quantized; the bf16 GEMMs run beside the FP8 ones.
   const DType dt = fp8 ? DType::kBFloat16 : dtype_from_name(o.dtype);
 
-  const double bf16_tflops = anchor.contains("dense_8192_tflops")
-                                 ? anchor["dense_8192_tflops"].get<double>()
-                                 : kDefaultBf16Tflops;
-  const double peak_tflops = fp8 ? kDefaultFp8Tflops : bf16_tflops;
+  // The ceilings: the anchor's dense GEMMs of the same run where it has them (the FP8 anchor may
+  // hold {"error": ...} instead of a number).
+  auto anchor_tflops = [&](const char* key, double fallback) {
+    return anchor.contains(key) && anchor[key].is_number() ? anchor[key].get<double>() : fallback;
+  };
+  const double bf16_tflops = anchor_tflops("dense_8192_tflops", kDefaultBf16Tflops);
+  const double fp8_tflops = anchor_tflops("dense_fp8_8192_tflops", kDefaultFp8Tflops);
+  const double peak_tflops = fp8 ? fp8_tflops : bf16_tflops;
+  const bool fp8_anchor = fp8 && !anchor.is_null();
   const Stream stream = nullptr;
   settle(device, stream, o.settle_ms);
   const Tensor flush = o.l2_flush_mb > 0
@@ -179,8 +267,9 @@ int run_bench_gemm(const BenchOptions& o) {
   std::printf("bench gemm: %ld GEMMs of %zu case(s) on %s (%s), each timed for >= %g ms: about %s\n", total,
               cases.size(), to_string(device).c_str(), inventory.gpus[size_t(device.index)].name.c_str(),
               o.min_time_ms, format_duration(estimate_s).c_str());
+  // fp8: the torch columns are torch._scaled_grouped_mm's (rowwise FP8)
   std::printf("%-36s %-4s %-10s %9s %8s %9s %9s %8s\n", "case", "fc", "gemm", "ms", "TFLOP/s",
-              "roofline", "torch ms", "speedup");
+              "roofline", fp8 ? "sgmm ms" : "torch ms", "speedup");
   std::fflush(stdout);
   ProgressLine progress(!o.json);
   progress.update("GEMMs", 0, total, "timed", estimate_s);
@@ -274,6 +363,7 @@ int run_bench_gemm(const BenchOptions& o) {
             {"quant_w", weights * (2.0 + 2.0), quantize_w, nullptr, false, nullptr},
         };
       }
+      const size_t fc_first = entries.size();
       for (const Gemm& g : run_list) {
         if (!o.gemm_filter.empty() && o.gemm_filter != fc + "/" + g.name) continue;
         const bool quantizer = std::string(g.name).rfind("quant", 0) == 0;
@@ -302,15 +392,51 @@ int run_bench_gemm(const BenchOptions& o) {
             en.speedup_vs_loop = en.loop_ms / en.ms;
           }
         }
+        if (fp8_anchor && g.in_geomean) {  // fwd, dgrad, wgrad: the FP8 anchor's paths
+          if (!ref) en.anchor_errors["case"] = "the anchor file has no case " + w.name;
+          const std::string key = "_" + std::string(g.name);
+          en.sgmm_ms = fp8_anchor_ms(ref, fc + "_scaled_grouped_mm" + key, en.anchor_errors);
+          en.loop_ms = fp8_anchor_ms(ref, fc + "_loop" + key, en.anchor_errors);
+          en.dense_fp8_ms = fp8_anchor_ms(ref, fc + "_dense_fp8" + key, en.anchor_errors);
+          if (en.sgmm_ms > 0) en.speedup_vs_sgmm = en.sgmm_ms / en.ms;
+          if (en.loop_ms > 0) en.speedup_vs_loop = en.loop_ms / en.ms;
+          if (en.dense_fp8_ms > 0) en.dense_fraction = en.dense_fp8_ms / en.ms;  // our TFLOP/s over its
+        }
         progress.clear();
         std::printf("%-36s %-4s %-10s %9.4f %8.1f %9.3f %9.4f %8.3f", w.name.c_str(), fc.c_str(),
-                    g.name, en.ms, en.tflops, en.roofline_fraction, en.torch_ms,
-                    en.speedup_vs_torch);
+                    g.name, en.ms, en.tflops, en.roofline_fraction, fp8 ? en.sgmm_ms : en.torch_ms,
+                    fp8 ? en.speedup_vs_sgmm : en.speedup_vs_torch);
         if (en.bf16_ms > 0) std::printf("   bf16 %.4f ms: fp8/bf16 %.3f", en.bf16_ms, en.time_ratio_vs_bf16);
+        if (fp8_anchor && g.in_geomean)
+          std::printf("  vs loop %.3f  of dense %.3f%s", en.speedup_vs_loop, en.dense_fraction,
+                      en.anchor_errors.empty() ? "" : "  (anchor errors: see the JSON)");
         std::printf("\n");
         std::fflush(stdout);
         entries.push_back(en);
         progress.update("GEMMs", long(entries.size()), total, "timed", estimate_s);
+      }
+      if (fp8) {
+        // End to end (kE2eIncludes): each GEMM with the quantizer pass that makes its operands.
+        std::map<std::string, double> quant_ms;
+        for (size_t i = fc_first; i < entries.size(); ++i)
+          if (entries[i].gemm.rfind("quant", 0) == 0) quant_ms[entries[i].gemm] = entries[i].ms;
+        const std::map<std::string, std::string> quantizer = {{"fwd", "quant_x"}, {"dgrad", "quant_dy"}, {"wgrad", ""}};
+        std::string line;
+        for (size_t i = fc_first; i < entries.size(); ++i) {
+          Entry& en = entries[i];
+          const auto q = quantizer.find(en.gemm);
+          if (q == quantizer.end() || en.bf16_ms <= 0) continue;
+          if (!q->second.empty() && !quant_ms.count(q->second)) continue;  // --gemm: the quantizer did not run
+          en.e2e_ms = en.ms + (q->second.empty() ? 0.0 : quant_ms[q->second]);
+          en.e2e_ratio_vs_bf16 = en.e2e_ms / en.bf16_ms;
+          char part[96];
+          std::snprintf(part, sizeof part, "  %s %.4f ms (%.3f)", en.gemm.c_str(), en.e2e_ms, en.e2e_ratio_vs_bf16);
+          line += part;
+        }
+        if (!line.empty()) {
+          progress.clear();
+          std::printf("%-36s %-4s e2e, quantization + GEMM (/ bf16):%s\n", w.name.c_str(), fc.c_str(), line.c_str());
+        }
       }
       routing.check(stream);
     }
@@ -340,6 +466,47 @@ int run_bench_gemm(const BenchOptions& o) {
     std::printf("geomean speedup vs torch._grouped_mm over %d GEMMs: %.3f (min %.3f)\n", counted,
                 geomean, min_speedup);
 
+  // FP8: the figures, over the GEMMs of the geomean (fc1/fc2 x fwd/dgrad/wgrad) that have them.
+  struct Stat {
+    double log_sum = 0, min = 1e300, max = 0;
+    int n = 0;
+    void add(double v) {
+      log_sum += std::log(v);
+      min = std::min(min, v);
+      max = std::max(max, v);
+      ++n;
+    }
+    nlohmann::json geomean() const { return n ? nlohmann::json(std::exp(log_sum / n)) : nlohmann::json(nullptr); }
+    nlohmann::json lowest() const { return n ? nlohmann::json(min) : nlohmann::json(nullptr); }
+    nlohmann::json highest() const { return n ? nlohmann::json(max) : nlohmann::json(nullptr); }
+  };
+  Stat vs_sgmm, vs_loop, tflops_cb, tflops_wgrad_cb, dense_cb, e2e, e2e_cb;
+  for (const Entry& en : entries) {
+    if (!fp8 || !en.in_geomean) continue;
+    const bool cb = compute_bound_case(en.case_name), fwd_dgrad = en.gemm == "fwd" || en.gemm == "dgrad";
+    if (en.speedup_vs_sgmm > 0) vs_sgmm.add(en.speedup_vs_sgmm);
+    if (en.speedup_vs_loop > 0) vs_loop.add(en.speedup_vs_loop);
+    if (cb && fwd_dgrad) tflops_cb.add(en.tflops);
+    if (cb && en.gemm == "wgrad") tflops_wgrad_cb.add(en.tflops);
+    if (cb && fwd_dgrad && en.dense_fraction > 0) dense_cb.add(en.dense_fraction);
+    if (en.e2e_ratio_vs_bf16 > 0) e2e.add(en.e2e_ratio_vs_bf16);
+    if (cb && en.e2e_ratio_vs_bf16 > 0) e2e_cb.add(en.e2e_ratio_vs_bf16);
+  }
+  if (tflops_cb.n)
+    std::printf("compute-bound cases (mixtral, deepseek, gpt-oss): min FP8 TFLOP/s forward/dgrad %.1f, wgrad %.1f\n",
+                tflops_cb.min, tflops_wgrad_cb.n ? tflops_wgrad_cb.min : 0.0);
+  if (vs_sgmm.n)
+    std::printf("geomean speedup vs torch._scaled_grouped_mm (rowwise) over %d GEMMs: %.3f (min %.3f)\n", vs_sgmm.n,
+                std::exp(vs_sgmm.log_sum / vs_sgmm.n), vs_sgmm.min);
+  if (vs_loop.n)
+    std::printf("geomean speedup vs the per-expert block-scaled cuBLAS loop over %d GEMMs: %.3f (min %.3f)\n",
+                vs_loop.n, std::exp(vs_loop.log_sum / vs_loop.n), vs_loop.min);
+  if (dense_cb.n)
+    std::printf("compute-bound forward/dgrad: min fraction of the same-run dense FP8 GEMM %.3f\n", dense_cb.min);
+  if (e2e.n)
+    std::printf("end to end (quantization + GEMM) / bf16: geomean %.3f, max on compute-bound cases %.3f\n",
+                std::exp(e2e.log_sum / e2e.n), e2e_cb.n ? e2e_cb.max : 0.0);
+
   if (!o.json_out.empty()) {
     nlohmann::json j;
     j["device"] = inventory.gpus[size_t(device.index)].name;
@@ -349,16 +516,48 @@ int run_bench_gemm(const BenchOptions& o) {
       j["geomean_time_ratio_fp8_vs_bf16"] = geomean_ratio;
       j["max_time_ratio_fp8_vs_bf16"] = max_ratio;
     }
+    if (fp8) {
+      // null where this run has no such figure (no anchor given, or none of its entries measured)
+      j["min_fp8_tflops_compute_bound"] = tflops_cb.lowest();
+      j["min_fp8_tflops_wgrad_compute_bound"] = tflops_wgrad_cb.lowest();
+      j["min_fraction_of_dense_fp8_compute_bound"] = dense_cb.lowest();
+      j["geomean_speedup_vs_torch_scaled_grouped_mm"] = vs_sgmm.geomean();
+      j["min_speedup_vs_torch_scaled_grouped_mm"] = vs_sgmm.lowest();
+      j["geomean_speedup_vs_per_expert_loop"] = vs_loop.geomean();
+      j["min_speedup_vs_per_expert_loop"] = vs_loop.lowest();
+      j["geomean_time_ratio_e2e_vs_bf16"] = e2e.geomean();
+      j["max_time_ratio_e2e_vs_bf16_compute_bound"] = e2e_cb.highest();
+      j["compute_bound_cases"] = "names starting with mixtral, deepseek or gpt-oss; TFLOP/s and dense fractions "
+                                 "over their forward and dgrad GEMMs (wgrad: its own key)";
+      j["e2e_includes"] = kE2eIncludes;
+    }
     j["iters"] = iters;
     j["timing"] = "as triton.testing.do_bench (the anchor's): median over >= min_time_ms of runs, " +
                   (o.l2_flush_mb > 0 ? std::to_string(int(o.l2_flush_mb)) + " MB zeroed before each"
                                      : std::string("no flush between runs"));
+    auto source = [&](const char* key) {
+      if (anchor.is_null()) return std::string("default (no anchor given)");
+      if (anchor.contains(key) && anchor[key].is_number()) return "anchor " + std::string(key) + ", same run";
+      return "default (the anchor has no " + std::string(key) + ")";
+    };
     j["ceilings"] = {{"bf16_tflops", bf16_tflops},
                      {"roofline_tflops", peak_tflops},
                      {"hbm_TBps", kHbmTBps},
-                     {"bf16_source", anchor.is_null() ? "default (no anchor given)"
-                                                      : "anchor dense_8192_tflops, same run"}};
-    if (!anchor.is_null()) j["anchor"] = {{"file", o.anchor}, {"torch", anchor.value("torch", "")}};
+                     {"bf16_source", source("dense_8192_tflops")}};
+    if (fp8) {
+      j["ceilings"]["fp8_tflops"] = fp8_tflops;
+      j["ceilings"]["fp8_source"] = source("dense_fp8_8192_tflops");
+    }
+    auto text = [&](const char* key) {
+      return anchor.contains(key) && anchor[key].is_string() ? anchor[key].get<std::string>() : std::string();
+    };
+    if (!anchor.is_null()) j["anchor"] = {{"file", o.anchor}, {"torch", text("torch")}};
+    if (fp8_anchor) {
+      j["anchor"]["device"] = text("device");
+      j["anchor"]["timing"] = text("timing");
+      if (anchor.contains("paths")) j["anchor"]["paths"] = anchor["paths"];
+      if (anchor.contains("fast_accum")) j["anchor"]["fast_accum"] = anchor["fast_accum"];
+    }
     j["geomean_speedup_vs_torch"] = counted ? nlohmann::json(geomean) : nlohmann::json(nullptr);
     j["min_speedup_vs_torch"] = counted ? nlohmann::json(min_speedup) : nlohmann::json(nullptr);
     j["geomean_over"] =
@@ -383,10 +582,28 @@ int run_bench_gemm(const BenchOptions& o) {
         e["bf16_ms"] = en.bf16_ms;
         e["time_ratio_fp8_vs_bf16"] = en.time_ratio_vs_bf16;
       }
-      if (en.loop_ms > 0) {
+      if (en.loop_ms > 0 && !fp8) {
         e["cublas_loop_ms"] = en.loop_ms;
         e["speedup_vs_cublas_loop"] = en.speedup_vs_loop;
       }
+      if (en.sgmm_ms > 0) {
+        e["torch_scaled_grouped_mm_ms"] = en.sgmm_ms;
+        e["speedup_vs_torch_scaled_grouped_mm"] = en.speedup_vs_sgmm;
+      }
+      if (en.loop_ms > 0 && fp8) {
+        e["per_expert_loop_ms"] = en.loop_ms;
+        e["speedup_vs_per_expert_loop"] = en.speedup_vs_loop;
+      }
+      if (en.dense_fp8_ms > 0) {
+        e["dense_fp8_ms"] = en.dense_fp8_ms;
+        e["dense_fp8_tflops"] = en.flops / (en.dense_fp8_ms * 1e9);
+        e["fraction_of_dense_fp8"] = en.dense_fraction;
+      }
+      if (en.e2e_ms > 0) {
+        e["e2e_ms"] = en.e2e_ms;
+        e["time_ratio_e2e_vs_bf16"] = en.e2e_ratio_vs_bf16;
+      }
+      if (!en.anchor_errors.empty()) e["anchor_errors"] = en.anchor_errors;
       j["entries"].push_back(e);
     }
     write_json_file(o.json_out, j, "--json-out");

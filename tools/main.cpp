@@ -81,7 +81,8 @@ int main(int argc, char** argv) {
   bench_cmd->add_flag("--vs-unfused", bench.vs_unfused,
                       "mlp: also time the unfused path (grouped GEMMs + GLU kernels), run by run alternating");
   bench_cmd->add_option("--anchor", bench.anchor,
-                        "gemm: JSON of the anchor script (torch_anchor.py) from the same run");
+                        "gemm: JSON of the anchor script from the same run (torch_anchor.py; with "
+                        "--dtype fp8, bench/drivers/fp8-anchor.py)");
   bench_cmd->add_option("--gemm", bench.gemm_filter,
                         "gemm: only this GEMM of each case: fc1|fc2 / fwd|dgrad|wgrad|wgrad_acc, e.g. fc2/wgrad");
   bench_cmd->add_option("--min-time-ms", bench.min_time_ms,

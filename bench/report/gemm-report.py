@@ -1,12 +1,20 @@
 #!/usr/bin/env python3
-"""Combines rounds of `moe-engine bench gemm` (each run right after its own torch_anchor.py run)
-into one result: per GEMM the median time over rounds, for us and for torch, then the ratios.
+"""Combines rounds of `moe-engine bench gemm` (each run right after its own anchor run) into one
+result: per GEMM the median time over rounds, for us and for the anchors, then the ratios.
+bf16 rounds (`bench gemm --anchor`, torch_anchor.py): vs torch._grouped_mm (scripts/gpu bench).
+FP8 rounds (`bench gemm --dtype fp8 --anchor`, bench/drivers/fp8-anchor.py): vs our bf16 GEMMs,
+torch._scaled_grouped_mm, the per-expert block-scaled cuBLAS loop and the dense FP8 GEMM, and end
+to end with quantization (scripts/gpu bench-fp8).
 Writes OUT_PREFIX.json (the combined result, rounds included), OUT_PREFIX.md and OUT_PREFIX.png.
-Run by scripts/gpu bench. Usage: bench/report/gemm-report.py OUT_PREFIX ROUND1.json [ROUND2.json ...]"""
+Usage: bench/report/gemm-report.py OUT_PREFIX ROUND1.json [ROUND2.json ...]"""
+import importlib
 import json
 import math
+import os
 import statistics
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gemm_report_fp8.py beside this file
 
 
 def combine(rounds):
@@ -88,8 +96,27 @@ def write_plot(r, path):
 
 
 def main():
+    if len(sys.argv) < 3:
+        sys.exit("usage: gemm-report.py OUT_PREFIX ROUND1.json [ROUND2.json ...]")
     prefix, files = sys.argv[1], sys.argv[2:]
-    combined = combine([json.load(open(f)) for f in files])
+    rounds = []
+    for f in files:
+        try:
+            rounds.append(json.load(open(f)))
+        except (OSError, ValueError) as e:
+            sys.exit(f"gemm-report.py: cannot read the round '{f}': {e}")
+    dtypes = {r.get("dtype") for r in rounds}
+    if len(dtypes) != 1:
+        sys.exit(f"gemm-report.py: the rounds mix dtypes {sorted(map(str, dtypes))}: combine FP8 and bf16 rounds apart")
+    if dtypes == {"fp8"}:
+        fp8 = importlib.import_module("gemm_report_fp8")
+        combined = fp8.combine(rounds, files)
+        json.dump(combined, open(prefix + ".json", "w"), indent=1)
+        fp8.write_markdown(combined, prefix + ".md")
+        fp8.write_plot(combined, prefix + ".png")
+        fp8.print_summary(combined)
+        return
+    combined = combine(rounds)
     json.dump(combined, open(prefix + ".json", "w"), indent=1)
     write_markdown(combined, prefix + ".md")
     write_plot(combined, prefix + ".png")
