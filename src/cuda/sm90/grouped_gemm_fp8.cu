@@ -27,8 +27,10 @@ void launch_fp8(const GroupedGemmProblem& pr, const PreparedFp8& r, Stream strea
   const cudaLaunchConfig_t config =
       launch_config(persistent_grid<grouped_gemm_fp8_kernel<kForm, Out, Pipe>, Pipe>(pr.device), Pipe::kSharedBytes,
                     stream, &cluster);
+  Probe::before_launch();
   MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, grouped_gemm_fp8_kernel<kForm, Out, Pipe>, r.a, r.b, r.d, r.params),
                  "launching grouped_gemm_fp8_kernel");
+  Probe::after_launch(kForm);
 }
 
 template <Form kForm, class Pipe>
