@@ -288,20 +288,27 @@ def deq_blocks(data, scales):
     return q * s[:, : q.shape[1], : q.shape[2]]
 
 
-def check_gemm(got, want, contraction, out_dtype, device, what):
-    """max |got - want| / rms(want) within the float32 rounding of block sums (CPU: the exact
-    products summed in float32), or the tensor core's block precision (GPU: 2e-3 sqrt(blocks),
-    the C++ GPU suite's bound); bfloat16 outputs add half an ulp of the largest value."""
+def check_gemm(got, want, out_dtype, device, what):
+    """got vs the float64 product of the dequantized operands. CPU: max |got - want| / rms(want)
+    within the float32 rounding of the block sums (the exact products summed in float32). GPU: the
+    C++ GPU suite's bounds (tests/cpp/test_gpu_fp8_gemm.cpp): the tensor core keeps about 14 bits
+    while it sums a 128-long block, so the error norm / the output's norm <= 1e-3 (float32 outputs;
+    4e-3 bfloat16) and the worst element <= 3% of the output's rms. bfloat16 outputs add half an
+    ulp of each value."""
     got, want = got.detach().cpu().double(), want.detach().cpu().double()
     if want.numel() == 0:
         return
     assert not got.isnan().any(), f"{what}: NaN"
     rms = want.square().mean().sqrt().clamp_min(1e-30)
-    bound = 1e-5 if device.type == "cpu" else 2e-3 * math.sqrt(max(1, math.ceil(contraction / 128)))
-    if out_dtype == torch.bfloat16:
-        bound += 2.0**-8 * (want.abs().max() / rms).item() * 1.01
-    err = ((got - want).abs().max() / rms).item()
-    assert err <= bound, f"{what}: max error / rms {err:.3g} > {bound:.3g}"
+    rounding = 2.0**-8 * want.abs() if out_dtype == torch.bfloat16 else torch.zeros_like(want)
+    worst = (((got - want).abs() - rounding).max() / rms).item()
+    if device.type == "cpu":
+        assert worst <= 1e-5, f"{what}: max error / rms {worst:.3g} > 1e-05"
+        return
+    norm = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    norm_bound = 1e-3 if out_dtype == torch.float32 else 4e-3
+    assert norm <= norm_bound, f"{what}: error norm / norm {norm:.3g} > {norm_bound:.3g}"
+    assert worst <= 3e-2, f"{what}: max error / rms {worst:.3g} > 0.03"
 
 
 def similarity_diff(a, b):
@@ -351,7 +358,7 @@ def test_forward_matches_float64_of_the_dequantized_operands(device, case, bias_
     for out_dtype in (torch.float32, torch.bfloat16):
         y = me.grouped_linear_fp8(x8, w8, splits, bias=b, row_scale=p, out_dtype=out_dtype)
         assert y.shape == (T, N) and y.dtype == out_dtype and y.device.type == device.type
-        check_gemm(y[:rows], want, K, out_dtype, device, f"y {out_dtype}")
+        check_gemm(y[:rows], want, out_dtype, device, f"y {out_dtype}")
         assert similarity_diff(y[:rows], plain) < 1e-3
         assert torch.all(y[rows:] == 0), "rows past sum(splits) of a fresh output are zeros"
         assert torch.equal(y, me.grouped_linear_fp8(x8, w8, splits, bias=b, row_scale=p, out_dtype=out_dtype))
@@ -388,7 +395,7 @@ def test_dgrad_matches_float64_of_the_dequantized_operands(device, case):
     for out_dtype in (torch.float32, torch.bfloat16):
         dx = me.grouped_linear_fp8_dgrad(dy8, w8, splits, out_dtype=out_dtype)
         assert dx.shape == (T, K) and dx.dtype == out_dtype
-        check_gemm(dx[:rows], want, N, out_dtype, device, f"dx {out_dtype}")
+        check_gemm(dx[:rows], want, out_dtype, device, f"dx {out_dtype}")
         assert similarity_diff(dx[:rows], plain) < 1e-3
         assert torch.all(dx[rows:] == 0)
 
@@ -411,23 +418,22 @@ def test_wgrad_write_accumulate_overwrite(device, case):
     want = wgrad_reference(dy8, x8, splits_list)
     plain = torch.stack([dy[off[e] : off[e + 1]].cpu().double().T @ x[off[e] : off[e + 1]].cpu().double()
                          for e in range(G)])
-    blocks = max([1] + [math.ceil(n / 128) for n in splits_list]) * 128
     empty = [e for e, n in enumerate(splits_list) if n == 0]
     for out_dtype in (torch.float32, torch.bfloat16):
         dw = me.grouped_linear_fp8_wgrad(dy8, x8, splits, out_dtype=out_dtype)
         assert dw.shape == (G, N, K) and dw.dtype == out_dtype
-        check_gemm(dw, want, blocks, out_dtype, device, f"dW {out_dtype}")
+        check_gemm(dw, want, out_dtype, device, f"dW {out_dtype}")
         assert similarity_diff(dw, plain) < 1e-3
         assert all(torch.all(dw[e] == 0) for e in empty), "an empty expert's gradient is zeros"
     g = torch.Generator().manual_seed(2)
     start = torch.randn(G, N, K, generator=g).to(device)
     main = start.clone()
     assert me.grouped_linear_fp8_wgrad(dy8, x8, splits, out=main, mode="accumulate") is main
-    check_gemm(main.double() - start.double(), want, blocks, torch.float32, device, "accumulate")
+    check_gemm(main.double() - start.double(), want, torch.float32, device, "accumulate")
     assert all(torch.equal(main[e], start[e]) for e in empty), "accumulate leaves an empty expert untouched"
     over = start.clone()
     me.grouped_linear_fp8_wgrad(dy8, x8, splits, out=over, mode="overwrite")
-    check_gemm(over, want, blocks, torch.float32, device, "overwrite")
+    check_gemm(over, want, torch.float32, device, "overwrite")
     assert all(torch.all(over[e] == 0) for e in empty), "overwrite zeroes an empty expert"
 
 
