@@ -1,5 +1,5 @@
-// Thin PTX wrappers: per-thread asynchronous copies from global to shared memory (cp.async), whose
-// completion an mbarrier tracks.
+// Thin PTX wrappers: per-thread asynchronous copies from global to shared memory (cp.async) in
+// commit groups.
 #pragma once
 
 #include <cstdint>
@@ -13,12 +13,15 @@ __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool v
                : "memory");
 }
 
-// The mbarrier receives one arrival from this thread once all its earlier cp.async copies have
-// landed (noinc: the barrier's expected count includes this arrival).
-__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(
-                   static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
-               : "memory");
+// Closes this thread's copies issued since the last commit into one group.
+__device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most kPending of this thread's committed groups are still in flight; the copies
+// of the others are then visible to this thread (and, after a release such as mbarrier.arrive,
+// to the threads that acquire it).
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
 }  // namespace moe::cuda::ptx
