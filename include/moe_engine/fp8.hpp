@@ -1,14 +1,16 @@
 // FP8 block scaling (docs/design.md section 12): E4M3 operands with FP32 scales per tile, DeepSeek-V3's
 // recipe (TransformerEngine's Float8BlockScaling), and the grouped GEMMs over them.
 //
-// Quantization of one tile of values v (bf16/fp16/fp32 in, as float):
+// Quantization of one tile of values v (bf16/fp16/fp32 in, as float), TransformerEngine's and
+// DeepGEMM's rule: one multiplication per value.
 //   amax = max |v| over the tile (its elements inside the tensor), then amax = max(amax, epsilon);
-//   s    = amax / 448 (fp32, round to nearest), or with pow2_scales the smallest power of two >= it;
-//          s is at least 2^-126 (the smallest normal float: a tile of tiny values does not get a
-//          denormal scale); an all-zero tile (amax 0, epsilon 0) has s = 1;
-//   q    = E4M3(v / s), IEEE division, round to nearest even, saturated to +-448.
-//   A tile holding an infinity or a NaN gets s = NaN and every q = E4M3 NaN (0x7f): its values
-//   dequantize (q * s) to NaN, and every GEMM output that reads the tile is NaN.
+//   m    = 448 / amax (fp32, round to nearest), at most 2^126 (so that s is never a denormal:
+//          448 / amax overflows for tiny amaxes); with pow2_scales rounded down to a power of two;
+//   s    = 1 / m (fp32, round to nearest): the stored scale, what the GEMMs multiply by;
+//   q    = E4M3(v * m), round to nearest even, saturated to +-448.
+//   An all-zero tile (amax 0, epsilon 0) has m = s = 1. A tile holding an infinity or a NaN gets
+//   s = NaN and every q = E4M3 NaN (0x7f): its values dequantize (q * s) to NaN, and every GEMM
+//   output that reads the tile is NaN.
 // The CPU and CUDA quantizers give bit-identical data and scales.
 //
 // Layouts (T = the routing's capacity, G experts, K the quantized axis' length):
@@ -42,7 +44,8 @@ constexpr int64_t kFp8Block = 128;       // tile length along the quantized axis
 constexpr float kFp8E4M3Max = 448.f;     // largest finite E4M3 value
 
 struct Fp8Recipe {
-  bool pow2_scales = false;  // scales rounded up to powers of two (TransformerEngine's power_2_scale)
+  bool pow2_scales = false;  // multipliers rounded down to powers of two, scales exact powers of two
+                             // (TransformerEngine's power_2_scale)
   float amax_epsilon = 0.f;  // lower bound of every tile's amax (>= 0)
 };
 

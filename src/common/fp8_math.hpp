@@ -1,7 +1,8 @@
-// The FP8 quantization rule of moe_engine/fp8.hpp (E4M3 conversion, the tile scale, q = E4M3(v / s)),
-// shared by the CPU and CUDA quantizers so that both produce the same bytes and scale bits by
-// construction: integer bit operations and IEEE division only. No fast-math and no hardware
-// conversion instruction, whose rounding would have to be proven equal on every input.
+// The FP8 quantization rule of moe_engine/fp8.hpp (E4M3 conversion, the tile multiplier m and
+// scale s, q = E4M3(v * m)), shared by the CPU and CUDA quantizers so that both produce the same
+// bytes and scale bits by construction: integer bit operations, IEEE division and multiplication
+// only. No fast-math; the hardware conversion instruction is used only where a GPU test proves it
+// equal to the software conversion on every float.
 #pragma once
 
 #include <cstdint>
@@ -14,7 +15,7 @@ namespace moe::detail {
 inline constexpr uint8_t kE4M3Nan = 0x7f;           // E4M3 has no infinity; 0x7f / 0xff are NaN
 inline constexpr uint32_t kFloatInfBits = 0x7f800000u;
 inline constexpr uint32_t kFloatQuietNanBits = 0x7fc00000u;
-inline constexpr uint32_t kFloatMinNormalBits = 0x00800000u;  // 2^-126
+inline constexpr uint32_t kFp8MaxMultiplierBits = 0x7e800000u;  // 2^126: 1 / m is never a denormal
 
 // a / b rounded to nearest even, on the host and on the device (nvcc's `/` is IEEE too unless
 // -prec-div=false; the intrinsic makes it independent of the flags).
@@ -76,40 +77,36 @@ MOE_HOST_DEVICE inline float e4m3_to_float(uint8_t q) {
 // amax bits are >= kFloatInfBits.
 MOE_HOST_DEVICE inline uint32_t fp8_abs_bits(float v) { return float_bits(v) & 0x7fffffffu; }
 
-// The scale of a tile from its amax bits (fp8.hpp): amax = max(amax, epsilon); s = amax / 448, at
-// least 2^-126 (never a denormal), with pow2 the smallest power of two >= that (the exponent
-// field bumped when any mantissa bit is set); an all-zero tile gets 1, a non-finite one NaN.
-MOE_HOST_DEVICE inline float fp8_tile_scale(uint32_t amax_bits, bool pow2, float epsilon) {
-  if (amax_bits >= kFloatInfBits) return bits_float(kFloatQuietNanBits);
-  float amax = bits_float(amax_bits);
-  if (amax < epsilon) amax = epsilon;
-  if (amax == 0.f) return 1.f;
-  uint32_t s = float_bits(ieee_div(amax, kFp8E4M3Max));
-  if (s < kFloatMinNormalBits) s = kFloatMinNormalBits;
-  if (pow2 && (s & 0x7fffffu) != 0) s = (s & 0xff800000u) + 0x800000u;
-  return bits_float(s);
-}
-
-// Division by one tile's scale s. A power of two (every scale of a pow2 recipe, and 1) has an exact
-// reciprocal in float for every scale the rule produces (2^-126 .. 2^126), and v * (1 / s) is then
-// the same real number as v / s, rounded once: the same float, for a multiplication instead of a
-// division. Other scales divide (IEEE, round to nearest even).
-struct Fp8Divisor {
+// What a tile quantizes with: q = E4M3(v * multiplier), dequantized as q * scale.
+struct Fp8TileScale {
+  float multiplier;
   float scale;
-  float inverse;        // 1 / scale where exact
-  bool exact_inverse;
-
-  MOE_HOST_DEVICE explicit Fp8Divisor(float s) : scale(s) {
-    const uint32_t b = float_bits(s);
-    exact_inverse = (b & 0x807fffffu) == 0 && b >= kFloatMinNormalBits && b <= 0x7e800000u;  // 2^-126 .. 2^126
-    inverse = bits_float((254u << 23) - b);  // 2^(127 - e) for s = 2^(e - 127)
-  }
-  MOE_HOST_DEVICE float quotient(float v) const { return exact_inverse ? v * inverse : ieee_div(v, scale); }
 };
 
-// One element: E4M3(v / s). A NaN scale (non-finite tile) gives NaN quotients, hence 0x7f.
-MOE_HOST_DEVICE inline uint8_t fp8_quantize(float v, const Fp8Divisor& s) { return e4m3_from_float(s.quotient(v)); }
-MOE_HOST_DEVICE inline uint8_t fp8_quantize(float v, float s) { return fp8_quantize(v, Fp8Divisor(s)); }
+// The multiplier and scale of a tile from its amax bits (fp8.hpp; TransformerEngine's
+// Float8BlockScaling): amax = max(amax, epsilon); m = 448 / amax, at most 2^126 (so that s is never
+// a denormal; 448 / amax overflows to infinity below amax ~ 1.3e-36), with pow2 rounded down to a
+// power of two (the mantissa bits cleared: m is a normal float, at least 448 / FLT_MAX);
+// s = 1 / m. Two IEEE divisions per tile, and per value a multiplication. An all-zero tile gets
+// m = s = 1, a non-finite one NaN (every q NaN).
+MOE_HOST_DEVICE inline Fp8TileScale fp8_tile_scale(uint32_t amax_bits, bool pow2, float epsilon) {
+  if (amax_bits >= kFloatInfBits) {
+    const float nan = bits_float(kFloatQuietNanBits);
+    return {nan, nan};
+  }
+  float amax = bits_float(amax_bits);
+  if (amax < epsilon) amax = epsilon;
+  if (amax == 0.f) return {1.f, 1.f};
+  uint32_t m = float_bits(ieee_div(kFp8E4M3Max, amax));
+  if (m > kFp8MaxMultiplierBits) m = kFp8MaxMultiplierBits;
+  if (pow2) m &= 0xff800000u;
+  const float multiplier = bits_float(m);
+  return {multiplier, ieee_div(1.f, multiplier)};
+}
+
+// One element: E4M3(v * m). A NaN multiplier (non-finite tile) gives NaN products, hence 0x7f. The
+// product of two floats, rounded once: the same on the host and the device (nothing to fuse with).
+MOE_HOST_DEVICE inline uint8_t fp8_quantize(float v, float multiplier) { return e4m3_from_float(v * multiplier); }
 
 // Columns an expert of `rows` tokens occupies in the columnwise layout: whole 128-token blocks.
 MOE_HOST_DEVICE inline int64_t fp8_column_span(int64_t rows) {

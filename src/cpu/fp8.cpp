@@ -41,7 +41,7 @@ struct ScaleRule {
   bool pow2;
   float epsilon;
   explicit ScaleRule(const Fp8Recipe& r) : pow2(r.pow2_scales), epsilon(r.amax_epsilon) {}
-  float operator()(uint32_t amax_bits) const { return detail::fp8_tile_scale(amax_bits, pow2, epsilon); }
+  detail::Fp8TileScale operator()(uint32_t amax_bits) const { return detail::fp8_tile_scale(amax_bits, pow2, epsilon); }
 };
 
 // amax bits of v[i * stride], i < n.
@@ -63,10 +63,9 @@ void quantize_rows(const TensorView& x, const GroupLayout& groups, const Fp8Rows
       uint8_t* q = byte_at(rows.data, r, 0);
       for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
         const int64_t n = std::min(kBlock, K - k0);
-        const float s = scale(amax_bits(v.data() + k0, n));
-        float_at(rows.scales, k0 / kBlock, r) = s;
-        const detail::Fp8Divisor d(s);
-        for (int64_t k = k0; k < k0 + n; ++k) q[k] = detail::fp8_quantize(v[size_t(k)], d);
+        const detail::Fp8TileScale s = scale(amax_bits(v.data() + k0, n));
+        float_at(rows.scales, k0 / kBlock, r) = s.scale;
+        for (int64_t k = k0; k < k0 + n; ++k) q[k] = detail::fp8_quantize(v[size_t(k)], s.multiplier);
       }
     }
   }
@@ -96,12 +95,11 @@ void quantize_columns(const TensorView& x, const GroupLayout& groups, const Fp8C
       for (int64_t i = 0; i < task.rows; ++i)
         load(element_ptr(x, task.first_row + i, 0), x.dtype(), K, 1, panel.data() + i * K);
       for (int64_t k = 0; k < K; ++k) {
-        const float s = scale(amax_bits(panel.data() + k, task.rows, K));
-        float_at(columns.scales, task.first_column / kBlock, k) = s;
-        const detail::Fp8Divisor d(s);
+        const detail::Fp8TileScale s = scale(amax_bits(panel.data() + k, task.rows, K));
+        float_at(columns.scales, task.first_column / kBlock, k) = s.scale;
         uint8_t* q = byte_at(columns.data, k, task.first_column);
         for (int64_t i = 0; i < kBlock; ++i)
-          q[i] = i < task.rows ? detail::fp8_quantize(panel[size_t(i * K + k)], d) : uint8_t(0);
+          q[i] = i < task.rows ? detail::fp8_quantize(panel[size_t(i * K + k)], s.multiplier) : uint8_t(0);
       }
     }
   }
@@ -161,13 +159,12 @@ void quantize_fp8_weight(const GroupedParam& weight, const Fp8Weight& out, const
         const int64_t cols = std::min(kBlock, K - k0);
         uint32_t m = 0;
         for (int64_t i = 0; i < rows; ++i) m = std::max(m, amax_bits(panel.data() + i * K + k0, cols));
-        const float s = scale(m);
-        const detail::Fp8Divisor d(s);
-        if (out.data.defined()) float_at(out.scales.select(g), n0 / kBlock, k0 / kBlock) = s;
-        if (out.data_t.defined()) float_at(out.scales_t.select(g), k0 / kBlock, n0 / kBlock) = s;
+        const detail::Fp8TileScale s = scale(m);
+        if (out.data.defined()) float_at(out.scales.select(g), n0 / kBlock, k0 / kBlock) = s.scale;
+        if (out.data_t.defined()) float_at(out.scales_t.select(g), k0 / kBlock, n0 / kBlock) = s.scale;
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t k = k0; k < k0 + cols; ++k) {
-            const uint8_t q = detail::fp8_quantize(panel[size_t(i * K + k)], d);
+            const uint8_t q = detail::fp8_quantize(panel[size_t(i * K + k)], s.multiplier);
             if (out.data.defined()) *byte_at(out.data.select(g), n0 + i, k) = q;
             if (out.data_t.defined()) *byte_at(out.data_t.select(g), k, n0 + i) = q;
           }

@@ -93,30 +93,100 @@ TEST(Fp8Math, EncodeEveryFloatAsTheNearestEven) {
   EXPECT_EQ(wrong, 0) << "first wrong float: bits 0x" << std::hex << first_wrong << " = " << float_of(first_wrong);
 }
 
+// ---- the tile's multiplier and scale ----
+
+TEST(Fp8Math, TileMultiplierAndScaleSpecialAmaxes) {
+  const auto tile = [](float amax, bool pow2 = false, float eps = 0.f) {
+    return detail::fp8_tile_scale(bits_of(amax), pow2, eps);
+  };
+  const float big = std::numeric_limits<float>::max(), tiny = std::numeric_limits<float>::denorm_min();
+  for (bool pow2 : {false, true}) {
+    SCOPED_TRACE(pow2 ? "pow2" : "plain");
+    EXPECT_EQ(tile(0.f, pow2).multiplier, 1.f);
+    EXPECT_EQ(tile(0.f, pow2).scale, 1.f);
+    EXPECT_EQ(tile(448.f, pow2).multiplier, 1.f);
+    EXPECT_EQ(tile(448.f, pow2).scale, 1.f);
+    for (float bad : {kInf, kNan}) {
+      EXPECT_TRUE(std::isnan(tile(bad, pow2).multiplier) && std::isnan(tile(bad, pow2).scale)) << bad;
+      EXPECT_TRUE(std::isnan(tile(bad, pow2, 1.f).scale)) << "epsilon does not hide " << bad;
+    }
+    // 448 / amax overflows (or exceeds 2^126) for tiny amaxes: the multiplier stops at 2^126.
+    for (float a : {tiny, 1e-40f, std::numeric_limits<float>::min(), 1e-37f}) {
+      EXPECT_EQ(tile(a, pow2).multiplier, std::ldexp(1.f, 126)) << a;
+      EXPECT_EQ(tile(a, pow2).scale, std::ldexp(1.f, -126)) << a;
+    }
+    // The largest amax: the smallest multiplier, still normal; its scale finite.
+    EXPECT_TRUE(std::isnormal(tile(big, pow2).multiplier));
+    EXPECT_TRUE(std::isfinite(tile(big, pow2).scale));
+  }
+  EXPECT_EQ(tile(big).multiplier, 448.f / big);
+  EXPECT_EQ(tile(big, true).multiplier, std::ldexp(1.f, -120));  // 448 / FLT_MAX = 1.3e-36: 2^-120 below
+  EXPECT_EQ(tile(big, true).scale, std::ldexp(1.f, 120));
+  EXPECT_EQ(tile(3.f).multiplier, 448.f / 3.f);
+  EXPECT_EQ(tile(3.f).scale, 1.f / (448.f / 3.f));
+  EXPECT_EQ(tile(3.f, true).multiplier, 128.f);  // 149.3 rounded down
+  EXPECT_EQ(tile(3.f, true).scale, 0.0078125f);
+  EXPECT_EQ(tile(0.f, false, 2.f).multiplier, 224.f);  // epsilon raises the amax
+  EXPECT_EQ(tile(1.f, false, 2.f).multiplier, 224.f);
+  EXPECT_EQ(tile(5.f, false, 2.f).multiplier, 448.f / 5.f);
+}
+
+// Over amaxes of every exponent (normals and denormals, a few mantissas each): the multiplier is
+// the float 448 / amax clamped to 2^126, the pow2 one the power of two at or below it, and the
+// scale its IEEE reciprocal: normal, never above 2^126 in the multiplier's place.
+TEST(Fp8Math, TileMultiplierAndScaleOverEveryExponent) {
+  int64_t checked = 0;
+  for (uint32_t e = 0; e < 255; ++e)
+    for (uint32_t mantissa : {0u, 1u, 0x2aaaabu, 0x400000u, 0x7fffffu}) {
+      const uint32_t bits = e << 23 | mantissa;
+      if (bits == 0) continue;
+      const float amax = float_of(bits);
+      const detail::Fp8TileScale plain = detail::fp8_tile_scale(bits, false, 0.f);
+      const detail::Fp8TileScale pow2 = detail::fp8_tile_scale(bits, true, 0.f);
+      const float want = std::min(448.f / amax, std::ldexp(1.f, 126));
+      ASSERT_EQ(bits_of(plain.multiplier), bits_of(want)) << "amax " << amax;
+      ASSERT_EQ(bits_of(plain.scale), bits_of(1.f / want)) << "amax " << amax;
+      ASSERT_TRUE(std::isnormal(plain.scale) && std::isnormal(plain.multiplier)) << "amax " << amax;
+      ASSERT_EQ(bits_of(pow2.multiplier) & 0x7fffffu, 0u) << "amax " << amax;
+      ASSERT_TRUE(pow2.multiplier <= want && 2 * pow2.multiplier > want) << "amax " << amax;
+      ASSERT_EQ(pow2.scale * pow2.multiplier, 1.f) << "amax " << amax;  // an exact power of two
+      ++checked;
+    }
+  EXPECT_EQ(checked, 255 * 5 - 1);
+}
+
 // ---- the quantization rule, written again from fp8.hpp's text ----
 
 struct Rule {
   Fp8Recipe recipe;
 
-  float scale(const std::vector<float>& tile) const {
+  // What a tile quantizes with: q = E4M3(v * multiplier), dequantized as q * scale.
+  struct Tile {
+    float multiplier, scale;
+  };
+
+  Tile of(const std::vector<float>& tile) const {
     double amax = 0;
     for (float v : tile) {
-      if (!std::isfinite(v)) return kNan;
+      if (!std::isfinite(v)) return {kNan, kNan};
       amax = std::max(amax, std::fabs(double(v)));
     }
     amax = std::max(amax, double(recipe.amax_epsilon));
-    if (amax == 0) return 1.f;
-    // The float quotient: a division rounded to double, then to float, equals the float division.
-    double s = float(amax / 448.0);
-    s = std::max(s, double(std::numeric_limits<float>::min()));
+    if (amax == 0) return {1.f, 1.f};
+    // A float quotient: the division rounded to double, then to float, equals the float division.
+    // Clamped to 2^126 before the rounding (the same float: rounding is monotone, 2^126 exact).
+    double m = float(std::min(448.0 / amax, std::ldexp(1.0, 126)));
     if (recipe.pow2_scales) {
       int e = 0;
-      if (std::frexp(s, &e) != 0.5) s = std::ldexp(1.0, e);
+      std::frexp(m, &e);  // m = f 2^e, f in [0.5, 1)
+      m = std::ldexp(1.0, e - 1);
     }
-    return float(s);
+    return {float(m), float(1.0 / m)};
   }
-  static uint8_t quantize(float v, float s) {
-    return std::isnan(s) ? uint8_t(0x7f) : oracle::e4m3_nearest(double(float(double(v) / double(s))));
+  // The float product (exact in double, rounded once), then the nearest E4M3.
+  static uint8_t quantize(float v, float multiplier) {
+    return std::isnan(multiplier) ? uint8_t(0x7f)
+                                  : oracle::e4m3_nearest(double(float(double(v) * double(multiplier))));
   }
 };
 
@@ -171,12 +241,12 @@ void expect_rows_follow_rule(const TensorView& x, const Routing& r, const OwnedR
         continue;
       }
       const std::vector<float> tile(v.begin() + t * K + k0, v.begin() + t * K + k0 + n);
-      const float s = rule.scale(tile);
-      if (!same_scale(got_s, s)) m.add("row ", t, " block ", b, ": scale ", got_s, ", expected ", s);
+      const Rule::Tile s = rule.of(tile);
+      if (!same_scale(got_s, s.scale)) m.add("row ", t, " block ", b, ": scale ", got_s, ", expected ", s.scale);
       for (int64_t k = k0; k < k0 + n; ++k)
-        if (byte_at(rows.data, t * K + k) != Rule::quantize(v[size_t(t * K + k)], s))
+        if (byte_at(rows.data, t * K + k) != Rule::quantize(v[size_t(t * K + k)], s.multiplier))
           m.add("row ", t, " feature ", k, ": byte ", int(byte_at(rows.data, t * K + k)), ", expected ",
-                int(Rule::quantize(v[size_t(t * K + k)], s)));
+                int(Rule::quantize(v[size_t(t * K + k)], s.multiplier)));
     }
   for (int64_t b = 0; b < blocks_of(K); ++b)
     for (int64_t t = T; t < pitch; ++t)
@@ -201,10 +271,12 @@ void expect_columns_follow_rule(const TensorView& x, const Routing& r, const Own
       for (int64_t k = 0; k < K; ++k) {
         std::vector<float> tile;
         for (int64_t i = 0; i < n; ++i) tile.push_back(v[size_t((row + j + i) * K + k)]);
-        const float s = rule.scale(tile), got_s = float_at(cols.scales, c0 / 128 * K + k);
-        if (!same_scale(got_s, s)) m.add("expert ", g, " block ", j / 128, " feature ", k, ": scale ", got_s, ", expected ", s);
+        const Rule::Tile s = rule.of(tile);
+        const float got_s = float_at(cols.scales, c0 / 128 * K + k);
+        if (!same_scale(got_s, s.scale))
+          m.add("expert ", g, " block ", j / 128, " feature ", k, ": scale ", got_s, ", expected ", s.scale);
         for (int64_t i = 0; i < 128; ++i) {
-          const uint8_t want = i < n ? Rule::quantize(tile[size_t(i)], s) : uint8_t(0);
+          const uint8_t want = i < n ? Rule::quantize(tile[size_t(i)], s.multiplier) : uint8_t(0);
           if (byte_at(cols.data, k * C + c0 + i) != want)
             m.add("expert ", g, " token ", j + i, " feature ", k, ": byte ", int(byte_at(cols.data, k * C + c0 + i)),
                   ", expected ", int(want), i < n ? "" : " (padding)");
@@ -322,18 +394,24 @@ TEST(QuantizeFp8Rule, ZeroDenormalNonFiniteSaturatingPow2AndEpsilonTiles) {
     const int64_t pitch = rows.scales.size(1);
     auto row_scale = [&](int64_t t, int64_t b) { return float_at(rows.scales, b * pitch + t); };
     const bool eps = recipe.amax_epsilon > 0;
-    EXPECT_EQ(row_scale(0, 0), eps ? 1e-3f / 448.f : 1.f) << "zero tile";
+    // The scale of amax a: 1 / (448 / a), two float divisions (448 / a is 448000-ish for epsilon).
+    const auto scale_of = [](float a) { return 1.f / (448.f / a); };
+    const float eps_scale = scale_of(1e-3f);
+    EXPECT_EQ(row_scale(0, 0), eps ? eps_scale : 1.f) << "zero tile";
     for (int k = 0; k < 128; ++k) EXPECT_EQ(byte_at(rows.data, 0 * K + k) & 0x7f, 0) << "zero tile";
-    EXPECT_EQ(row_scale(1, 0), eps ? 1e-3f / 448.f : std::numeric_limits<float>::min()) << "denormal tile";
-    EXPECT_EQ(byte_at(rows.data, 1 * K + 2), eps ? 0 : 0x04) << "1e-40 / 2^-126 = 0.0085 ~ 4 x 2^-9";
-    EXPECT_EQ(row_scale(2, 0), eps ? 1e-3f / 448.f : std::numeric_limits<float>::min()) << "scale floor";
+    // 448 / 1e-40 overflows: the multiplier stops at 2^126, the scale at 2^-126.
+    EXPECT_EQ(row_scale(1, 0), eps ? eps_scale : std::numeric_limits<float>::min()) << "denormal tile";
+    EXPECT_EQ(byte_at(rows.data, 1 * K + 2), eps ? 0 : 0x04) << "1e-40 x 2^126 = 0.0085 ~ 4 x 2^-9";
+    EXPECT_EQ(row_scale(2, 0), eps ? eps_scale : std::numeric_limits<float>::min()) << "multiplier ceiling";
     EXPECT_TRUE(std::isnan(row_scale(3, 1)) && std::isnan(row_scale(4, 1))) << "non-finite tiles";
     EXPECT_FALSE(std::isnan(row_scale(3, 0)) || std::isnan(row_scale(4, 0))) << "their neighbours";
     for (int64_t t : {3, 4})
       for (int k = 128; k < 256; ++k) EXPECT_EQ(byte_at(rows.data, t * K + k), 0x7f) << "row " << t;
-    EXPECT_EQ(row_scale(6, 0), recipe.pow2_scales ? 0.0078125f : 3.f / 448.f) << "pow2 of 3 / 448";
+    // pow2: 448 / 3 = 149.3 rounded down to 128, the scale 2^-7 exact.
+    EXPECT_EQ(row_scale(6, 0), recipe.pow2_scales ? 0.0078125f : scale_of(3.f)) << "amax 3";
+    if (recipe.pow2_scales) EXPECT_EQ(byte_at(rows.data, 6 * K + 127), 0x7c) << "3 x 128 = 384: code 0x7c";
     if (!recipe.pow2_scales) {
-      EXPECT_EQ(row_scale(7, 0), eps ? 1e-3f / 448.f : 127.f * 1e-8f / 448.f) << "epsilon";
+      EXPECT_EQ(row_scale(7, 0), eps ? eps_scale : scale_of(127.f * 1e-8f)) << "epsilon";
       EXPECT_EQ(byte_at(rows.data, 8 * K + 9), 0xfe) << "the amax saturates to -448";
     }
     // The NaN column block: NaN scale, 0x7f for both tokens, zero padding.
@@ -378,13 +456,14 @@ TEST(QuantizeFp8Weight, BlocksAndTransposeFollowTheRule) {
               std::vector<float> tile;
               for (int64_t n = n0; n < std::min(N, n0 + 128); ++n)
                 for (int64_t k = k0; k < std::min(K, k0 + 128); ++k) tile.push_back(v[size_t((g * N + n) * K + k)]);
-              const float s = rule.scale(tile);
+              const Rule::Tile s = rule.of(tile);
               const float got = float_at(out.scales, (g * blocks_of(N) + n0 / 128) * blocks_of(K) + k0 / 128);
               const float got_t = float_at(out.scales_t, (g * blocks_of(K) + k0 / 128) * blocks_of(N) + n0 / 128);
-              if (!same_scale(got, s) || !same_scale(got_t, s)) m.add("expert ", g, " block ", n0, ",", k0, ": scale");
+              if (!same_scale(got, s.scale) || !same_scale(got_t, s.scale))
+                m.add("expert ", g, " block ", n0, ",", k0, ": scale");
               for (int64_t n = n0; n < std::min(N, n0 + 128); ++n)
                 for (int64_t k = k0; k < std::min(K, k0 + 128); ++k) {
-                  const uint8_t want = Rule::quantize(v[size_t((g * N + n) * K + k)], s);
+                  const uint8_t want = Rule::quantize(v[size_t((g * N + n) * K + k)], s.multiplier);
                   if (byte_at(out.data, (g * N + n) * K + k) != want) m.add("data ", g, ",", n, ",", k);
                   if (byte_at(out.data_t, (g * K + k) * N + n) != want) m.add("data_t ", g, ",", k, ",", n);
                 }

@@ -6,6 +6,7 @@
 // captured quantize + forward + dgrad + wgrad step replayed with new routings. Skips without a GPU.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -219,53 +220,148 @@ TEST_F(GpuFp8, QuantizeBadSplitsAreContainedAndReported) {
   }
 }
 
-// The quantizers' bandwidth on a large problem (bytes read + written per second), printed for the
+// Problems with several tiles for every block of the quantizers' grid (a few per SM): each stage
+// of the ring is filled and refilled, and a block's share of column blocks crosses experts. Bit for
+// bit the CPU's, for both forms at once and each alone.
+TEST_F(GpuFp8, QuantizeLargeProblemsBitIdenticalToCpu) {
+  Rng rng;
+  std::vector<int64_t> eight(8), many = random_splits(rng, 256, 60);
+  for (auto& v : eight) v = rng.integer(300, 1500);
+  const auto sum = [](const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t(0)); };
+  const Fp8Case cases[] = {{"8 experts", eight, sum(eight) + 100, 0, 2048}, {"256 experts", many, sum(many) + 3, 0, 1024}};
+  for (const Fp8Case& c : cases)
+    for (const Fp8Recipe& recipe : {Fp8Recipe{}, Fp8Recipe{true, 0.f}}) {
+      SCOPED_TRACE(std::string(c.name) + (recipe.pow2_scales ? ", pow2" : ""));
+      DualRouting r(c.splits, c.capacity);
+      const int64_t T = c.capacity, G = r.cpu.num_groups(), K = c.k;
+      const Tensor x = mixed_tensor(T, K, DType::kBFloat16, rng);
+      OwnedRows rows(T, K);
+      OwnedColumns cols(T, G, K);
+      quantize_fp8(x, r.cpu.layout, rows.view(), cols.view(), recipe);
+      const Tensor xd = to_gpu(x);
+      OwnedRows rows_d(T, K, kGpu), rows_only(T, K, kGpu);
+      OwnedColumns cols_d(T, G, K, kGpu), cols_only(T, G, K, kGpu);
+      quantize_fp8(xd, r.gpu, rows_d.view(), cols_d.view(), recipe);
+      quantize_fp8(xd, r.gpu, rows_only.view(), {}, recipe);
+      quantize_fp8(xd, r.gpu, {}, cols_only.view(), recipe);
+      expect_same_bytes(rows_d.data, rows.data, "rows.data");
+      expect_same_bytes(rows_d.scales, rows.scales, "rows.scales");
+      expect_same_bytes(cols_d.data, cols.data, "columns.data");
+      expect_same_bytes(cols_d.scales, cols.scales, "columns.scales");
+      expect_same_bytes(cols_d.offsets, cols.offsets, "columns.offsets");
+      expect_same_bytes(rows_only.data, rows.data, "rows.data (rows only)");
+      expect_same_bytes(rows_only.scales, rows.scales, "rows.scales (rows only)");
+      expect_same_bytes(cols_only.data, cols.data, "columns.data (columns only)");
+      expect_same_bytes(cols_only.scales, cols.scales, "columns.scales (columns only)");
+      EXPECT_NO_THROW(r.flag.check());
+    }
+}
+
+TEST_F(GpuFp8, QuantizeLargeWeightBitIdenticalToCpu) {
+  Rng rng;
+  const int64_t G = 8, N = 1040, K = 2048;  // 8 x 9 x 16 blocks, the last row of blocks partial
+  const Tensor flat = mixed_tensor(G * N, K, DType::kBFloat16, rng);
+  Tensor w = Tensor::empty({G, N, K}, DType::kBFloat16);
+  std::memcpy(w.data(), flat.data(), flat.nbytes());
+  OwnedWeight cpu(G, N, K), gpu(G, N, K, kGpu);
+  quantize_fp8_weight(GroupedParam::packed(w), cpu.view());
+  quantize_fp8_weight(GroupedParam::packed(to_gpu(w)), gpu.view());
+  expect_same_bytes(gpu.data, cpu.data, "data");
+  expect_same_bytes(gpu.scales, cpu.scales, "scales");
+  expect_same_bytes(gpu.data_t, cpu.data_t, "data_t");
+  expect_same_bytes(gpu.scales_t, cpu.scales_t, "scales_t");
+}
+
+// The quantizers' bandwidth on the suite's shapes (bytes read + written per second: x once, each
+// FP8 copy once with the columns' zero padding, scales not counted), next to a device-to-device
+// copy of the same number of bytes timed in the same run (cudaMemcpyAsync of half of them: read +
+// written). Medians of 5 rounds alternating copy and quantizer, 10 launches each. Printed for the
 // performance log; no bound is asserted (timings vary with the machine and its load).
 TEST_F(GpuFp8, QuantizerBandwidthIsReported) {
-  Rng rng;
-  const int64_t G = 32, T = 16384, K = 7168, N = 4096;
-  std::vector<int64_t> s(size_t(G), T / G);
-  DualRouting r(s, T);
-  Tensor x = Tensor::empty({T, K}, DType::kBFloat16, kGpu);
-  fill_uniform(x, 1, -2.f, 2.f);
-  Tensor w = Tensor::empty({G, N, K / 4}, DType::kBFloat16, kGpu);
-  fill_uniform(w, 2, -1.f, 1.f);
-  OwnedRows rows(T, K, kGpu);
-  OwnedColumns cols(T, G, K, kGpu);
-  OwnedWeight weight(G, N, K / 4, kGpu);
-  auto time_ms = [&](auto&& run) {
-    run();
-    StreamTimer timer(kGpu, nullptr);
-    const int iters = 20;
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const ExecContext ctx{stream, {}};
+  StreamTimer timer(kGpu, stream);
+  const auto time_ms = [&](const std::function<void()>& run) {
     timer.start();
-    for (int i = 0; i < iters; ++i) run();
+    for (int i = 0; i < 10; ++i) run();
     timer.stop();
-    return timer.elapsed_ms() / iters;
+    return timer.elapsed_ms() / 10;
   };
-  const double x_bytes = double(T * K * 2), q_bytes = double(T * K), w_bytes = double(G * N * (K / 4));
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  // The weight moves 3.8 GB: two copy buffers of half that.
+  const int64_t copy_capacity = int64_t(1) << 31;
+  const Tensor copy_src = Tensor::empty({copy_capacity}, DType::kUInt8, kGpu),
+               copy_dst = Tensor::empty({copy_capacity}, DType::kUInt8, kGpu);
+  const auto report = [&](const std::string& what, double bytes, const std::function<void()>& run) {
+    const auto copy = [&] {
+      CUDA_OK(cudaMemcpyAsync(copy_dst.data(), copy_src.data(), size_t(bytes / 2), cudaMemcpyDeviceToDevice, stream));
+    };
+    ASSERT_LE(bytes / 2, double(copy_capacity));
+    run();
+    copy();
+    std::vector<double> kernel, reference;
+    for (int round = 0; round < 5; ++round) {
+      reference.push_back(time_ms(copy));
+      kernel.push_back(time_ms(run));
+    }
+    const double ms = median(kernel), copy_ms = median(reference);
+    std::printf("[ measure  ] quantize %s: %.3f ms, %.0f GB/s (read + written); copy of the same bytes %.3f ms, "
+                "%.0f GB/s: %.2f of the copy\n",
+                what.c_str(), ms, bytes / ms * 1e-6, copy_ms, bytes / copy_ms * 1e-6, copy_ms / ms);
+  };
+
+  struct TokenShape {
+    const char* name;
+    int64_t K;
+    std::vector<int64_t> splits;
+  };
+  // Mixtral's mild routing (8 experts, 16384 tokens) and 256 experts of 32 .. 224 tokens (32640).
+  const std::vector<int64_t> mixtral{1790, 1767, 1423, 1398, 1881, 1748, 2553, 3824};
+  std::vector<int64_t> experts256(256);
+  for (size_t g = 0; g < experts256.size(); ++g) experts256[g] = 32 + int64_t(g * 37 % 193);
+  const TokenShape shapes[] = {{"8 experts", 4096, mixtral}, {"8 experts", 28672, mixtral}, {"256 experts", 7168, experts256}};
   const Fp8Recipe pow2{true, 0.f};
-  const struct {
-    const char* what;
-    double bytes;
-    std::function<void()> run;
-  } cases[] = {
-      {"rows", x_bytes + q_bytes, [&] { quantize_fp8(x, r.gpu, rows.view(), {}); }},
-      {"columns", x_bytes + q_bytes, [&] { quantize_fp8(x, r.gpu, {}, cols.view()); }},
-      {"rows + columns", x_bytes + 2 * q_bytes, [&] { quantize_fp8(x, r.gpu, rows.view(), cols.view()); }},
-      {"rows, pow2", x_bytes + q_bytes, [&] { quantize_fp8(x, r.gpu, rows.view(), {}, pow2); }},
-      {"columns, pow2", x_bytes + q_bytes, [&] { quantize_fp8(x, r.gpu, {}, cols.view(), pow2); }},
-      {"rows + columns, pow2", x_bytes + 2 * q_bytes, [&] { quantize_fp8(x, r.gpu, rows.view(), cols.view(), pow2); }},
-      {"weight data + data_t", 4 * w_bytes, [&] { quantize_fp8_weight(GroupedParam::packed(w), weight.view()); }},
-      {"weight data + data_t, pow2", 4 * w_bytes,
-       [&] { quantize_fp8_weight(GroupedParam::packed(w), weight.view(), pow2); }},
-  };
-  for (const auto& c : cases) {
-    const double ms = time_ms(c.run);
-    std::printf("[ measure  ] quantize %s, bf16 x [%lld, %lld] (weights G x [%lld, %lld]): %.3f ms, %.0f GB/s "
-                "(read + written)\n",
-                c.what, (long long)T, (long long)K, (long long)N, (long long)(K / 4), ms, c.bytes / ms * 1e-6);
+  for (const TokenShape& shape : shapes) {
+    const int64_t T = std::accumulate(shape.splits.begin(), shape.splits.end(), int64_t(0)), K = shape.K;
+    const int64_t G = int64_t(shape.splits.size());
+    DualRouting r(shape.splits, T);
+    int64_t columns = 0;
+    for (int64_t s : shape.splits) columns += (s + 127) / 128 * 128;
+    Tensor x = Tensor::empty({T, K}, DType::kBFloat16, kGpu);
+    fill_uniform(x, 1, -2.f, 2.f);
+    OwnedRows rows(T, K, kGpu);
+    OwnedColumns cols(T, G, K, kGpu);
+    const double x_bytes = 2.0 * double(T * K), rows_bytes = double(T * K), cols_bytes = double(columns * K);
+    char name[160];
+    std::snprintf(name, sizeof(name), "bf16 x [%lld, %lld], %s", (long long)T, (long long)K, shape.name);
+    report(std::string("rows, ") + name, x_bytes + rows_bytes,
+           [&] { quantize_fp8(x, r.gpu, rows.view(), {}, {}, ctx); });
+    report(std::string("columns, ") + name, x_bytes + cols_bytes,
+           [&] { quantize_fp8(x, r.gpu, {}, cols.view(), {}, ctx); });
+    report(std::string("rows + columns, ") + name, x_bytes + rows_bytes + cols_bytes,
+           [&] { quantize_fp8(x, r.gpu, rows.view(), cols.view(), {}, ctx); });
+    if (K == 4096)
+      report(std::string("rows + columns, pow2, ") + name, x_bytes + rows_bytes + cols_bytes,
+             [&] { quantize_fp8(x, r.gpu, rows.view(), cols.view(), pow2, ctx); });
+    EXPECT_NO_THROW(r.flag.check());
   }
-  EXPECT_NO_THROW(r.flag.check());
+  {
+    const int64_t G = 8, N = 28672, K = 4096;
+    Tensor w = Tensor::empty({G, N, K}, DType::kBFloat16, kGpu);
+    fill_uniform(w, 2, -1.f, 1.f);
+    OwnedWeight weight(G, N, K, kGpu);
+    const double values = double(G * N * K);
+    report("weight data + data_t, bf16 8 x [28672, 4096]", 4 * values,
+           [&] { quantize_fp8_weight(GroupedParam::packed(w), weight.view(), {}, ctx); });
+    report("weight data, bf16 8 x [28672, 4096]", 3 * values,
+           [&] { quantize_fp8_weight(GroupedParam::packed(w), {weight.data, weight.scales, {}, {}}, {}, ctx); });
+  }
+  CUDA_OK(cudaStreamSynchronize(stream));
+  cudaStreamDestroy(stream);
 }
 
 // ---- CUDA graphs ----

@@ -1,9 +1,10 @@
 """FP8 block scaling through moe_engine.torch, on the CPU backend and (where a GPU is visible) on CUDA.
 
 - The quantizers bit for bit against the rule of docs/design.md section 12, written here again in
-  plain PyTorch (tile amax, epsilon, the 2^-126 floor, pow2 scales, all-zero and non-finite tiles,
-  E4M3 with ties to even and saturation), for rows, per-expert columns (restarting at each expert's
-  first token, zero padding, offsets) and 128 x 128 weight blocks with their transpose.
+  plain PyTorch (tile amax, epsilon, the multiplier m = 448 / amax capped at 2^126, pow2 multipliers,
+  the scale s = 1 / m, all-zero and non-finite tiles, E4M3(v * m) with ties to even and saturation),
+  for rows, per-expert columns (restarting at each expert's first token, zero padding, offsets) and
+  128 x 128 weight blocks with their transpose.
 - The three GEMMs against float64 matmuls of the dequantized operands (and, loosely, of the
   unquantized inputs), every bias mode and output dtype, wgrad's write / accumulate / overwrite.
 - Errors, fake implementations (opcheck, FakeTensorMode), torch.compile(fullgraph=True), routing
@@ -51,21 +52,22 @@ def needs_fp8_gemm(device):
 
 
 def tile_scales(amax, finite, pow2, eps):
-    """The scale of each tile from its amax (float32) and whether all its values are finite."""
+    """(multiplier, scale) of each tile from its amax (float32) and whether all its values are finite:
+    m = 448 / amax (at most 2^126; pow2: rounded down to a power of two), s = 1 / m."""
     a = torch.maximum(amax, torch.tensor(eps, dtype=torch.float32))
-    s = a / torch.full_like(a, 448.0)  # a tensor divisor: an IEEE division, never a reciprocal multiply
-    s = torch.clamp_min(s, 2.0**-126)
+    m = torch.full_like(a, 448.0) / a  # tensor operands: IEEE divisions, never a reciprocal multiply
+    m = torch.clamp_max(m, 2.0**126)  # 448 / tiny amaxes overflow to inf
     if pow2:
-        m, e = torch.frexp(s)
-        up = ((e + 127).to(torch.int32) << 23).view(torch.float32)  # 2^e, from its bits
-        s = torch.where(m == 0.5, s, up)
-    s = torch.where(a == 0, torch.ones_like(s), s)
-    return torch.where(finite, s, torch.full_like(s, float("nan")))
+        m = (m.view(torch.int32) & -0x800000).view(torch.float32)  # the mantissa cleared: rounded down
+    m = torch.where(a == 0, torch.ones_like(m), m)
+    s = torch.ones_like(m) / m
+    nan = torch.full_like(m, float("nan"))
+    return torch.where(finite, m, nan), torch.where(finite, s, nan)
 
 
-def quantize_values(v, s, finite):
-    """E4M3 bytes of v / s (float32; s broadcast to v), saturated at 448, NaN (0x7f) in non-finite tiles."""
-    q = (v / s.expand_as(v)).clamp(-448.0, 448.0).to(E4M3).view(torch.uint8)
+def quantize_values(v, m, finite):
+    """E4M3 bytes of v * m (float32; m broadcast to v), saturated at 448, NaN (0x7f) in non-finite tiles."""
+    q = (v * m.expand_as(v)).clamp(-448.0, 448.0).to(E4M3).view(torch.uint8)
     return torch.where(finite.expand_as(v), q, torch.full_like(q, 0x7F))
 
 
@@ -82,8 +84,8 @@ def ref_rows(x, rows, pow2, eps):
     v = tiles_along_last(x[:rows].float())
     finite = torch.isfinite(v).all(-1)
     amax = torch.where(finite, v.abs().amax(-1), torch.zeros_like(finite, dtype=torch.float32))
-    s = tile_scales(amax, finite, pow2, eps)
-    q = quantize_values(v, s[..., None], finite[..., None])
+    m, s = tile_scales(amax, finite, pow2, eps)
+    q = quantize_values(v, m[..., None], finite[..., None])
     return q.reshape(rows, v.shape[1] * 128)[:, :K], s
 
 
@@ -100,8 +102,8 @@ def ref_columns(x, splits, pow2, eps):
         for j in range(0, n, 128):
             tile = x[row + j : row + min(n, j + 128)].float()  # [m, K], the tokens of one tile
             finite = torch.isfinite(tile).all(0)
-            s = tile_scales(torch.where(finite, tile.abs().amax(0), torch.zeros(K)), finite, pow2, eps)
-            q = quantize_values(tile, s[None, :], finite[None, :])
+            m, s = tile_scales(torch.where(finite, tile.abs().amax(0), torch.zeros(K)), finite, pow2, eps)
+            q = quantize_values(tile, m[None, :], finite[None, :])
             data[:, col + j : col + j + tile.shape[0]] = q.T
             scales[(col + j) // 128] = s
         row += n
@@ -117,8 +119,8 @@ def ref_weight(w, pow2, eps):
     v = v.reshape(G, v.shape[1] // 128, 128, v.shape[2] // 128, 128)
     finite = torch.isfinite(v).all(4).all(2)
     amax = torch.where(finite, v.abs().amax((2, 4)), torch.zeros_like(finite, dtype=torch.float32))
-    s = tile_scales(amax, finite, pow2, eps)
-    q = quantize_values(v, s[:, :, None, :, None], finite[:, :, None, :, None])
+    m, s = tile_scales(amax, finite, pow2, eps)
+    q = quantize_values(v, m[:, :, None, :, None], finite[:, :, None, :, None])
     return q.reshape(G, v.shape[1] * 128, v.shape[3] * 128)[:, :N, :K], s
 
 
@@ -160,7 +162,7 @@ def activation(T, K, dtype, device, seed, special=True):
         x[2, :] = torch.randn(K, generator=g) * (1e-38 if dtype != torch.float16 else 1e-6)  # tiny tiles
         ties = torch.tensor([448.0, 1.0625, 1.1875, 432.0, 2.0**-10, 1.5 * 2.0**-9, -1.1875, -424.0])
         x[3, :] = 1.0
-        x[3, : min(K, 8)] = ties[: min(K, 8)]  # amax 448: scale 1, so v / s are these exact ties
+        x[3, : min(K, 8)] = ties[: min(K, 8)]  # amax 448: multiplier 1, so v * m are these exact ties
         x[4, K // 2] = float("inf")
         x[5, K - 1] = float("nan")
         x[6, :] *= 1e30 if dtype != torch.float16 else 1e3  # large tiles

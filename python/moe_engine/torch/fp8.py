@@ -287,10 +287,11 @@ def quantize_fp8(x: Tensor, splits: Tensor, rowwise: bool = True, columnwise: bo
     """x ``[T, K]`` (bfloat16, float16 or float32; K a multiple of 16) in FP8, in one pass over x:
     ``rowwise`` for the forward / dgrad GEMMs, ``columnwise`` for wgrad (both at once: one read).
 
-    Each tile: ``amax = max(max |v|, amax_epsilon)``, ``scale = amax / 448`` (at least 2^-126; with
-    ``pow2_scales`` the smallest power of two >= it), ``q = E4M3(v / scale)`` rounded to nearest even; an
-    all-zero tile has scale 1, a tile with an inf or NaN has scale NaN and NaN codes. ``splits``
-    ``[G]`` on x's device, as for the other ops."""
+    Each tile (TransformerEngine's and DeepGEMM's rule): ``amax = max(max |v|, amax_epsilon)``, the
+    multiplier ``m = 448 / amax`` (at most 2^126; with ``pow2_scales`` rounded down to a power of two),
+    ``q = E4M3(v * m)`` rounded to nearest even, the stored scale ``1 / m`` (never below 2^-126); an all-zero
+    tile has scale 1, a tile with an inf or NaN has scale NaN and NaN codes. ``splits`` ``[G]`` on x's
+    device, as for the other ops."""
     # Quantization has no gradient here: detached, a parameter or an activation that requires grad
     # gives operands that do not (no autograd node that could only fail in backward).
     _expect("quantize_fp8", "x", x, Tensor, "a [T, K] tensor")
