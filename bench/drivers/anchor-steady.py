@@ -9,20 +9,13 @@ case) would see different clocks from the rest and from our benchmark, which set
 (`moe-engine bench gemm --settle-ms`). Usage: anchor-steady.py ANCHOR.py [anchor arguments...]
 Environment: ANCHOR_SETTLE_S (default 2).
 """
-import os, runpy, sys, time
+import os, runpy, sys
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # settle.py beside this file
+from settle import settle
 
 anchor, args = sys.argv[1], sys.argv[2:]
 seconds = float(os.environ.get("ANCHOR_SETTLE_S", "2"))
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-b = torch.randn_like(a)
-end = time.time() + seconds
-while time.time() < end:
-    for _ in range(10):
-        a @ b
-    torch.cuda.synchronize()
-del a, b
-torch.cuda.empty_cache()
+settle(seconds)
 sys.argv = [anchor] + args
 runpy.run_path(anchor, run_name="__main__")

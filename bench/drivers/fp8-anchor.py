@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import sys
-import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -573,18 +572,12 @@ class Run:
         torch.cuda.empty_cache()
 
     def settle(self, seconds):
-        """The GPU's steady power state before timing (see anchor-steady.py: clocks settle over ~1 s)."""
-        if seconds <= 0:
-            return
-        a = torch.randn(8192, 8192, device=self.device, dtype=torch.bfloat16)
-        b = torch.randn_like(a)
-        end = time.time() + seconds
-        while time.time() < end:
-            for _ in range(10):
-                a @ b
-            torch.cuda.synchronize()
-        del a, b
-        torch.cuda.empty_cache()
+        """The GPU's steady power state before timing (settle.py beside this file; imported here,
+        like torch, so that --help and --dry-run need no GPU)."""
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from settle import settle
+
+        settle(seconds, self.device)
 
     def main(self, cases, resume):
         a = self.args

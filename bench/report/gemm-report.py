@@ -66,15 +66,11 @@ def write_markdown(r, path):
 
 
 def write_plot(r, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    fp8 = importlib.import_module("gemm_report_fp8")  # the plotting helpers both reports share
+    plt = fp8.pyplot()
+    if plt is None:
         return
-    ents = [e for e in r["entries"] if e["in_geomean"]]
-    labels = [f"{e['case'].replace('/', ' ')} {e['fc']} {e['gemm']}" for e in ents]
+    ents, labels = fp8.plotted(r)
     ours = [e["tflops"] for e in ents]
     torch = [e["flops"] / (e["torch_grouped_mm_ms"] * 1e9) if "torch_grouped_mm_ms" in e else 0 for e in ents]
     # The anchor times the per-expert cuBLAS loop for the forward GEMMs only.

@@ -180,16 +180,29 @@ def write_markdown(r, path):
     open(path, "w").write("\n".join(lines) + "\n")
 
 
-def write_plot(r, path):
+def pyplot():
+    """matplotlib's pyplot on the file backend, or None (saying so) where matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib missing: no plot")
-        return
+        return None
+    return plt
+
+
+def plotted(r):
+    """The geomean's entries and their bar labels."""
     ents = [e for e in r["entries"] if e.get("in_geomean")]
-    labels = [f"{e['case'].replace('/', ' ')} {e['fc']} {e['gemm']}" for e in ents]
+    return ents, [f"{e['case'].replace('/', ' ')} {e['fc']} {e['gemm']}" for e in ents]
+
+
+def write_plot(r, path):
+    plt = pyplot()
+    if plt is None:
+        return
+    ents, labels = plotted(r)
 
     def tflops(e, key):
         return e["flops"] / (e[key] * 1e9) if e.get(key) else 0
