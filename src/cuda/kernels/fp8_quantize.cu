@@ -29,6 +29,7 @@
 #include "common/fp8_math.hpp"
 #include "cuda/backend.hpp"
 #include "cuda/gemm/expert_address.hpp"
+#include "cuda/ptx/cp_async.cuh"
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/dtype_dispatch.cuh"
 
@@ -40,34 +41,10 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kTile = 128;  // == kFp8Block
 static_assert(kTile == kFp8Block);
 constexpr int kMaxStages = 4;
-
-// ---- cp.async (sm_80+) ----
+static_assert(kMaxStages - 2 <= 2, "the ring waits with cp_async_wait_group_at_most_2");
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return uint32_t(__cvta_generic_to_shared(p));
-}
-// 16 bytes global -> shared; zeros where !valid (nothing is read then; src must still be mapped).
-__device__ __forceinline__ void copy16_async(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most `pending` (0 .. kMaxStages - 2) of this thread's newest copy groups are
-// still in flight.
-__device__ __forceinline__ void wait_copies(int pending) {
-  switch (pending) {
-    case 0:
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      break;
-    case 1:
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-      break;
-    default:
-      asm volatile("cp.async.wait_group 2;\n" ::: "memory");
-      break;
-  }
-  static_assert(kMaxStages - 2 <= 2);
 }
 
 // ---- one input type's words ----
@@ -190,7 +167,7 @@ struct Stage {
       const bool valid = feature_in && r < rows;
       uint8_t* dst = stage + r * kRowBytes + 16 * chunk(r, q);
       if constexpr (kVector) {
-        copy16_async(dst, valid ? from : src, valid);
+        ptx::cp_async_16(shared_address(dst), valid ? from : src, valid);
       } else {
         uint4 v = make_uint4(0, 0, 0, 0);
         if (valid) {
@@ -366,7 +343,7 @@ template <class Issue, class Process>
 __device__ __forceinline__ void run_stages(int64_t begin, int64_t end, int stages, Issue&& issue, Process&& process) {
   for (int p = 0; p < stages - 1; ++p) {
     if (begin + p < end) issue(p);
-    commit_copies();
+    ptx::cp_async_commit_group();
   }
   int stage = 0;
 #pragma unroll 1
@@ -374,13 +351,13 @@ __device__ __forceinline__ void run_stages(int64_t begin, int64_t end, int stage
     if (stages == 1) {
       __syncthreads();
       issue(0);
-      commit_copies();
+      ptx::cp_async_commit_group();
     }
-    wait_copies(std::max(stages - 2, 0));
+    ptx::cp_async_wait_group_at_most_2(std::max(stages - 2, 0));
     __syncthreads();
     if (stages > 1) {
       if (i + stages - 1 < end) issue(stage == 0 ? stages - 1 : stage - 1);
-      commit_copies();
+      ptx::cp_async_commit_group();
     }
     process(stage);
     stage = stage + 1 == stages ? 0 : stage + 1;

@@ -13,6 +13,13 @@ __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool v
                : "memory");
 }
 
+// Copies 16 bytes from src to the shared address dst, bypassing L1 (.cg); with `valid` false,
+// writes zeros and reads nothing (src must still be a mapped address).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16u : 0u)
+               : "memory");
+}
+
 // Closes this thread's copies issued since the last commit into one group.
 __device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
@@ -22,6 +29,21 @@ __device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait_group() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+// The same with the count known at run time only, 0, 1 or (anything larger) 2: the instruction
+// takes an immediate.
+__device__ __forceinline__ void cp_async_wait_group_at_most_2(int pending) {
+  switch (pending) {
+    case 0:
+      cp_async_wait_group<0>();
+      break;
+    case 1:
+      cp_async_wait_group<1>();
+      break;
+    default:
+      cp_async_wait_group<2>();
+      break;
+  }
 }
 
 }  // namespace moe::cuda::ptx
