@@ -68,7 +68,7 @@ bool expert_mlp_fc2_dgrad_glu(const TensorView& dy, const GroupedParam& fc2_weig
                               const TensorView& dprobs, const TensorView& scratch, Stream stream);
 
 // FP8 block scaling (moe_engine/fp8.hpp). Quantizers: one launch each, fixed shapes, only rows
-// < offsets[G] read and written (kernels/fp8_quantize.cu).
+// < offsets[G] read and written (kernels/fp8_quantize_tokens.cu).
 void quantize_fp8(const TensorView& x, const GroupLayout& groups, const Fp8Rows& rows, const Fp8Columns& columns,
                   const Fp8Recipe& recipe, Stream stream);
 void quantize_fp8_weight(const GroupedParam& weight, const Fp8Weight& out, const Fp8Recipe& recipe, Stream stream);

@@ -1,0 +1,305 @@
+// The FP8 token quantizers (moe_engine/fp8.hpp): activations and gradients in tiles of 128 tokens
+// x 128 features, on the tile stream of fp8_tile_stream.cuh. Rows: one scale per token. Columns:
+// the tile never mixes experts (tiles restart at each expert's first token, so token tile j is
+// column block j of the columnwise layout); one scale per feature, the bytes stored transposed
+// (tokens contiguous). With both wanted, one kernel writes both from one read of x.
+#include <cub/block/block_scan.cuh>
+
+#include <type_traits>
+
+#include "cuda/backend.hpp"
+#include "cuda/kernels/fp8_tile_stream.cuh"
+#include "cuda/runtime/check.hpp"
+#include "cuda/runtime/dtype_dispatch.cuh"
+
+namespace moe::cuda {
+namespace {
+
+using namespace fp8_tiles;
+
+// ---- tokens: rows and / or columns ----
+
+struct TokenParams {
+  const void* x;
+  int64_t x_ld, K, k_blocks;
+  const int64_t* offsets;  // the routing's [G + 1]
+  int64_t num_groups;
+  uint8_t* rows_data;
+  int64_t rows_ld;
+  float* rows_scales;
+  int64_t rows_scales_ld;
+  uint8_t* cols_data;
+  int64_t cols_ld;
+  float* cols_scales;
+  int64_t cols_scales_ld;
+  int64_t* cols_offsets;  // written by block 0
+  int stages;
+  Recipe recipe;
+};
+
+template <class T>
+struct TokenShared {
+  Slot slot[kMaxStages];
+  alignas(16) uint32_t col_partial[kWarps][kTile * sizeof(T) / 4];  // rows + columns: packed column magnitudes
+  alignas(16) float col_multiplier[kTile];
+  cub::BlockScan<int64_t, kThreads>::TempStorage scan;
+  int64_t found_row0, found_rows;
+};
+
+// Scans the experts' column spans (round_up(rows, 128)) in chunks of kThreads experts; returns the
+// columns of all experts (or, once `target` is found, of those scanned so far). With target >= 0,
+// sets found_row0 / found_rows to column block `target`'s tokens (rows 0: none). With `write`,
+// stores every expert's first column to cols_offsets. Block-uniform.
+template <class T>
+__device__ int64_t scan_column_spans(const TokenParams& p, int64_t target, bool write, TokenShared<T>& shared) {
+  using Scan = cub::BlockScan<int64_t, kThreads>;
+  __syncthreads();  // earlier readers of found_* and the scan storage are done
+  if (threadIdx.x == 0) shared.found_rows = 0;
+  __syncthreads();
+  int64_t carry = 0;  // columns of the experts before this chunk (the same in every thread)
+  for (int64_t base = 0; base < p.num_groups; base += kThreads) {
+    const int64_t g = base + threadIdx.x;
+    const int64_t rows = g < p.num_groups ? p.offsets[g + 1] - p.offsets[g] : 0;
+    const int64_t span = detail::fp8_column_span(rows);
+    int64_t before = 0, total = 0;
+    Scan(shared.scan).ExclusiveSum(span, before, total);
+    const int64_t first = carry + before;
+    if (g < p.num_groups) {
+      if (write) p.cols_offsets[g] = first;
+      if (first <= target && target < first + span) {
+        shared.found_row0 = p.offsets[g] + (target - first);
+        shared.found_rows = std::min<int64_t>(kTile, rows - (target - first));
+      }
+    }
+    carry += total;
+    __syncthreads();  // the scan's storage is reused
+    if (!write && target >= 0 && carry > target) break;  // block-uniform: carry is
+  }
+  if (write && threadIdx.x == 0) p.cols_offsets[p.num_groups] = carry;
+  return carry;
+}
+
+// Rows (row layout), and with kColumns the columns too, from the same registers: each thread's
+// column amaxes over its 8 rows, combined over the 8 warps through shared memory; the bytes
+// transposed through the consumed stage so that the global stores run along the tokens.
+template <class T, bool kColumns>
+__device__ __forceinline__ void quantize_rows_tile(const TokenParams& p, const Slot& tile, uint8_t* stage,
+                                                   TokenShared<T>& shared) {
+  using V = Words<T>;
+  constexpr int kWords = RowLayout<T>::kWords;
+  const RowLayout<T> at;
+  uint32_t words[8][kWords];
+  Stage<T, false>::read(stage, at, words);
+  const detail::Fp8TileScale s = p.recipe.scale(row_amax<T>(words, at.m));  // row m / 2 of the group
+  const int own_row = 8 * at.group + at.m / 2;
+  if (at.m % 2 == 0 && own_row < tile.rows)
+    p.rows_scales[tile.k0 / kTile * p.rows_scales_ld + tile.row0 + own_row] = s.scale;
+  const bool features_in = 8 * at.m < tile.features;
+  uint8_t* out = p.rows_data + (tile.row0 + 8 * at.group) * p.rows_ld + tile.k0 + 8 * at.m;
+#pragma unroll
+  for (int i = 0; i < 8; ++i, out += p.rows_ld) {
+    const float multiplier = __shfl_sync(~0u, s.multiplier, (threadIdx.x & 16) | (2 * i));
+    uint32_t q[2];
+    quantize_run<T, 8>(words[i], multiplier, q);
+    if (features_in && 8 * at.group + i < tile.rows) *reinterpret_cast<uint2*>(out) = make_uint2(q[0], q[1]);
+  }
+  if constexpr (kColumns) {
+    uint32_t c[kWords];
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) {
+      c[w] = V::magnitude(words[0][w]);
+#pragma unroll
+      for (int i = 1; i < 8; ++i) c[w] = V::max(c[w], V::magnitude(words[i][w]));
+      c[w] = V::max(c[w], __shfl_xor_sync(~0u, c[w], 16));
+    }
+    const int warp = int(threadIdx.x) / 32;
+    if ((threadIdx.x & 16) == 0) {
+#pragma unroll
+      for (int w = 0; w < kWords / 4; ++w)
+        reinterpret_cast<uint4*>(&shared.col_partial[warp][at.m * kWords])[w] =
+            make_uint4(c[4 * w], c[4 * w + 1], c[4 * w + 2], c[4 * w + 3]);
+    }
+    __syncthreads();  // partials complete; every thread has read its values out of the stage
+    if (threadIdx.x < kTile) {
+      const int f = int(threadIdx.x), word = f / V::kPerWord;
+      uint32_t amax = shared.col_partial[0][word];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) amax = V::max(amax, shared.col_partial[w][word]);
+      const detail::Fp8TileScale cs = p.recipe.scale(V::value_bits(amax, f % V::kPerWord));
+      shared.col_multiplier[f] = cs.multiplier;
+      if (f < tile.features) p.cols_scales[tile.block * p.cols_scales_ld + tile.k0 + f] = cs.scale;
+    }
+    __syncthreads();
+    float m[8];
+    {
+      const float4 lo = reinterpret_cast<const float4*>(shared.col_multiplier)[2 * at.m];
+      const float4 hi = reinterpret_cast<const float4*>(shared.col_multiplier)[2 * at.m + 1];
+      m[0] = lo.x, m[1] = lo.y, m[2] = lo.z, m[3] = lo.w, m[4] = hi.x, m[5] = hi.y, m[6] = hi.z, m[7] = hi.w;
+    }
+    // Padding tokens past the expert's end are zero bytes, whatever the multiplier (a NaN one
+    // would make them 0x7f).
+    const int valid = tile.rows - 8 * at.group;
+    const uint64_t keep = valid >= 8 ? ~0ull : valid <= 0 ? 0ull : (~0ull >> (64 - 8 * valid));
+    const TransposeTile transposed{stage};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      uint32_t q[2];
+      quantize_column<T>(words, j, m[j], q);
+      const uint64_t bits = (uint64_t(q[1]) << 32 | q[0]) & keep;
+      transposed.put(8 * at.m + j, at.group, make_uint2(uint32_t(bits), uint32_t(bits >> 32)));
+    }
+    __syncthreads();
+    transposed.store(tile.features, kTile / 16, p.cols_data + tile.k0 * p.cols_ld + tile.block * kTile, p.cols_ld);
+  }
+}
+
+// Columns alone (strip layout): no barrier, each warp's columns are its own.
+template <class T>
+__device__ __forceinline__ void quantize_strip_tile(const TokenParams& p, const Slot& tile, const uint8_t* stage) {
+  using V = Words<T>;
+  constexpr int kWords = StripLayout<T>::kWords;
+  const StripLayout<T> at;
+  uint32_t words[4][kWords];
+  Stage<T, true>::read(stage, at, words);
+  const bool features_in = 16 * at.warp < tile.features;  // K is a multiple of 16: the whole strip
+  // Lane l's word of column amaxes holds columns kPerWord * (l / (32 / kWords)) + h of the strip.
+  constexpr int kLanesPerWord = 32 / kWords;
+  const uint32_t amax = strip_column_amax<T>(words, at.lane);
+  const int first = V::kPerWord * (at.lane / kLanesPerWord);
+  detail::Fp8TileScale s[V::kPerWord];
+#pragma unroll
+  for (int h = 0; h < V::kPerWord; ++h) s[h] = p.recipe.scale(V::value_bits(amax, h));
+  if (at.lane % kLanesPerWord == 0 && features_in) {
+    float* scales = p.cols_scales + tile.block * p.cols_scales_ld + tile.k0 + 16 * at.warp + first;
+    if constexpr (V::kPacked)
+      *reinterpret_cast<float2*>(scales) = make_float2(s[0].scale, s[V::kPerWord - 1].scale);
+    else
+      *scales = s[0].scale;
+  }
+  // Padding tokens past the expert's end are zero bytes, whatever the multiplier.
+  const int valid = tile.rows - 4 * at.lane;
+  const uint32_t keep = valid >= 4 ? ~0u : valid <= 0 ? 0u : (~0u >> (32 - 8 * valid));
+  uint8_t* out = p.cols_data + (tile.k0 + 16 * at.warp) * p.cols_ld + tile.block * kTile + 4 * at.lane;
+#pragma unroll
+  for (int j = 0; j < 16; ++j, out += p.cols_ld) {
+    const float m = __shfl_sync(~0u, s[j % V::kPerWord].multiplier, j / V::kPerWord * kLanesPerWord);
+    uint32_t q[1];
+    quantize_column<T>(words, j, m, q);
+    if (features_in) *reinterpret_cast<uint32_t*>(out) = q[0] & keep;
+  }
+}
+
+// Items: (token tile, feature block), feature blocks fastest. Rows only: the token tiles of the
+// routed rows. With columns: the column blocks of the experts' segments (block 0 writes the offsets
+// on the way), each holding one expert's tokens. Two blocks per SM (128 registers a thread): 3 or 4
+// (80 or 64 registers, no spills) measured the same on an H200.
+template <class T, bool kVector, bool kRows, bool kColumns>
+__global__ void __launch_bounds__(kThreads, 2) quantize_tokens_kernel(const TokenParams p) {
+  constexpr bool kStrips = kColumns && !kRows;
+  using Staged = Stage<T, kStrips>;
+  extern __shared__ __align__(16) uint8_t stages[];
+  __shared__ TokenShared<T> shared;
+  int64_t tiles;
+  if constexpr (kColumns) {
+    tiles = scan_column_spans(p, -1, blockIdx.x == 0, shared) / kTile;
+  } else {
+    tiles = (p.offsets[p.num_groups] + kTile - 1) / kTile;
+  }
+  int64_t begin, end;
+  share_of(tiles * p.k_blocks, begin, end);
+  if (begin >= end) return;  // block-uniform
+
+  const T* x = static_cast<const T*>(p.x);
+  int64_t next_tile = begin / p.k_blocks, next_kb = begin % p.k_blocks;  // the item issue() takes next
+  int64_t current = -1, row0 = 0;  // the token tile whose rows are known, block-uniform
+  int rows = 0;
+  auto issue = [&](int stage) {
+    const int64_t tile = next_tile, k0 = next_kb * kTile;
+    if (++next_kb == p.k_blocks) next_kb = 0, ++next_tile;
+    if (tile != current) {
+      current = tile;
+      if constexpr (kColumns) {
+        scan_column_spans(p, tile * kTile, false, shared);
+        __syncthreads();
+        row0 = shared.found_row0;
+        rows = int(shared.found_rows);
+      } else {
+        row0 = tile * kTile;
+        rows = int(std::min<int64_t>(kTile, p.offsets[p.num_groups] - row0));
+      }
+    }
+    const int features = int(std::min<int64_t>(kTile, p.K - k0));
+    if (threadIdx.x == 0) shared.slot[stage] = Slot{row0, tile, k0, rows, features};
+    Staged::template load<kVector>(stages + stage * Staged::kBytes, x + row0 * p.x_ld + k0, p.x_ld, rows, features);
+  };
+  auto process = [&](int stage) {
+    const Slot tile = shared.slot[stage];
+    uint8_t* staged = stages + stage * Staged::kBytes;
+    if constexpr (kStrips)
+      quantize_strip_tile<T>(p, tile, staged);
+    else
+      quantize_rows_tile<T, kColumns>(p, tile, staged, shared);
+  };
+  run_stages(begin, end, p.stages, issue, process);
+}
+
+template <bool kRows, bool kColumns, class T, bool kVector>
+void launch_tokens(TokenParams params, int device, Stream stream) {
+  constexpr auto kernel = quantize_tokens_kernel<T, kVector, kRows, kColumns>;
+  const LaunchPlan& plan = launch_plan<kernel>(device, Stage<T, false>::kBytes, "quantize_tokens_kernel");
+  params.stages = plan.stages;
+  kernel<<<plan.grid, kThreads, plan.shared_bytes, stream>>>(params);
+  MOE_CUDA_CHECK_LAUNCH("quantize_tokens_kernel");
+}
+
+}  // namespace
+
+void quantize_fp8(const TensorView& x, const GroupLayout& groups, const Fp8Rows& rows, const Fp8Columns& columns,
+                  const Fp8Recipe& recipe, Stream stream) {
+  const bool want_rows = rows.data.defined(), want_columns = columns.data.defined();
+  const int64_t T = groups.capacity(), K = x.size(1), G = groups.num_groups();
+  // Rows only: nothing to do without rows or features. Columns: the offsets are written whatever
+  // the sizes.
+  if (!want_columns && (T == 0 || K == 0)) return;
+  TokenParams p{};
+  p.x = x.data();
+  p.x_ld = x.stride(0);
+  p.K = K;
+  p.k_blocks = blocks_of(K);
+  p.offsets = groups.offsets().data_as<int64_t>();
+  p.num_groups = G;
+  p.recipe = {recipe.pow2_scales, recipe.amax_epsilon};
+  if (want_rows) {
+    p.rows_data = rows.data.data_as<uint8_t>();
+    p.rows_ld = rows.data.stride(0);
+    p.rows_scales = rows.scales.data_as<float>();
+    p.rows_scales_ld = rows.scales.stride(0);
+  }
+  if (want_columns) {
+    p.cols_data = columns.data.data_as<uint8_t>();
+    p.cols_ld = columns.data.stride(0);
+    p.cols_scales = columns.scales.data_as<float>();
+    p.cols_scales_ld = columns.scales.stride(0);
+    p.cols_offsets = columns.offsets.data_as<int64_t>();
+  }
+  const int device = x.device().index;
+  with_cuda_type(x.dtype(), "quantize_fp8", [&](auto type) {
+    using T = decltype(type);
+    const bool vector = vector_aligned(x.data(), x.stride(0), sizeof(T));
+    auto launch = [&](auto vec) {
+      constexpr bool kVector = decltype(vec)::value;
+      if (want_rows && want_columns)
+        launch_tokens<true, true, T, kVector>(p, device, stream);
+      else if (want_rows)
+        launch_tokens<true, false, T, kVector>(p, device, stream);
+      else
+        launch_tokens<false, true, T, kVector>(p, device, stream);
+    };
+    if (vector)
+      launch(std::true_type{});
+    else
+      launch(std::false_type{});
+  });
+}
+
+}  // namespace moe::cuda
