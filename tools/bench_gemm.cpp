@@ -442,31 +442,7 @@ int run_bench_gemm(const BenchOptions& o) {
     }
   }
   progress.clear();
-  double log_sum = 0, min_speedup = 1e30;
-  int counted = 0;
-  for (const Entry& en : entries)
-    if (en.in_geomean && en.speedup_vs_torch > 0) {
-      log_sum += std::log(en.speedup_vs_torch);
-      min_speedup = std::min(min_speedup, en.speedup_vs_torch);
-      ++counted;
-    }
-  const double geomean = counted ? std::exp(log_sum / counted) : 0;
-  double log_ratio = 0, max_ratio = 0;
-  int ratios = 0;
-  for (const Entry& en : entries)
-    if (en.in_geomean && en.time_ratio_vs_bf16 > 0) {
-      log_ratio += std::log(en.time_ratio_vs_bf16);
-      max_ratio = std::max(max_ratio, en.time_ratio_vs_bf16);
-      ++ratios;
-    }
-  const double geomean_ratio = ratios ? std::exp(log_ratio / ratios) : 0;
-  if (ratios)
-    std::printf("geomean FP8 / bf16 time over %d GEMMs: %.3f (max %.3f)\n", ratios, geomean_ratio, max_ratio);
-  if (counted)
-    std::printf("geomean speedup vs torch._grouped_mm over %d GEMMs: %.3f (min %.3f)\n", counted,
-                geomean, min_speedup);
-
-  // FP8: the figures, over the GEMMs of the geomean (fc1/fc2 x fwd/dgrad/wgrad) that have them.
+  // Geomean, min and max of the entries' figures (null in the JSON where no entry has one).
   struct Stat {
     double log_sum = 0, min = 1e300, max = 0;
     int n = 0;
@@ -476,10 +452,24 @@ int run_bench_gemm(const BenchOptions& o) {
       max = std::max(max, v);
       ++n;
     }
-    nlohmann::json geomean() const { return n ? nlohmann::json(std::exp(log_sum / n)) : nlohmann::json(nullptr); }
+    double mean() const { return n ? std::exp(log_sum / n) : 0.0; }
+    nlohmann::json geomean() const { return n ? nlohmann::json(mean()) : nlohmann::json(nullptr); }
     nlohmann::json lowest() const { return n ? nlohmann::json(min) : nlohmann::json(nullptr); }
     nlohmann::json highest() const { return n ? nlohmann::json(max) : nlohmann::json(nullptr); }
   };
+  Stat vs_torch, vs_bf16;
+  for (const Entry& en : entries) {
+    if (!en.in_geomean) continue;
+    if (en.speedup_vs_torch > 0) vs_torch.add(en.speedup_vs_torch);
+    if (en.time_ratio_vs_bf16 > 0) vs_bf16.add(en.time_ratio_vs_bf16);
+  }
+  if (vs_bf16.n)
+    std::printf("geomean FP8 / bf16 time over %d GEMMs: %.3f (max %.3f)\n", vs_bf16.n, vs_bf16.mean(), vs_bf16.max);
+  if (vs_torch.n)
+    std::printf("geomean speedup vs torch._grouped_mm over %d GEMMs: %.3f (min %.3f)\n", vs_torch.n, vs_torch.mean(),
+                vs_torch.min);
+
+  // FP8: the figures, over the GEMMs of the geomean (fc1/fc2 x fwd/dgrad/wgrad) that have them.
   Stat vs_sgmm, vs_loop, tflops_cb, tflops_wgrad_cb, dense_cb, e2e, e2e_cb;
   for (const Entry& en : entries) {
     if (!fp8 || !en.in_geomean) continue;
@@ -497,24 +487,24 @@ int run_bench_gemm(const BenchOptions& o) {
                 tflops_cb.min, tflops_wgrad_cb.n ? tflops_wgrad_cb.min : 0.0);
   if (vs_sgmm.n)
     std::printf("geomean speedup vs torch._scaled_grouped_mm (rowwise) over %d GEMMs: %.3f (min %.3f)\n", vs_sgmm.n,
-                std::exp(vs_sgmm.log_sum / vs_sgmm.n), vs_sgmm.min);
+                vs_sgmm.mean(), vs_sgmm.min);
   if (vs_loop.n)
     std::printf("geomean speedup vs the per-expert block-scaled cuBLAS loop over %d GEMMs: %.3f (min %.3f)\n",
-                vs_loop.n, std::exp(vs_loop.log_sum / vs_loop.n), vs_loop.min);
+                vs_loop.n, vs_loop.mean(), vs_loop.min);
   if (dense_cb.n)
     std::printf("compute-bound forward/dgrad: min fraction of the same-run dense FP8 GEMM %.3f\n", dense_cb.min);
   if (e2e.n)
     std::printf("end to end (quantization + GEMM) / bf16: geomean %.3f, max on compute-bound cases %.3f\n",
-                std::exp(e2e.log_sum / e2e.n), e2e_cb.n ? e2e_cb.max : 0.0);
+                e2e.mean(), e2e_cb.n ? e2e_cb.max : 0.0);
 
   if (!o.json_out.empty()) {
     nlohmann::json j;
     j["device"] = inventory.gpus[size_t(device.index)].name;
     j["command"] = o.command_line;
     j["dtype"] = fp8 ? "fp8" : dtype_name(dt);
-    if (ratios) {
-      j["geomean_time_ratio_fp8_vs_bf16"] = geomean_ratio;
-      j["max_time_ratio_fp8_vs_bf16"] = max_ratio;
+    if (vs_bf16.n) {
+      j["geomean_time_ratio_fp8_vs_bf16"] = vs_bf16.mean();
+      j["max_time_ratio_fp8_vs_bf16"] = vs_bf16.max;
     }
     if (fp8) {
       // null where this run has no such figure (no anchor given, or none of its entries measured)
@@ -558,8 +548,8 @@ int run_bench_gemm(const BenchOptions& o) {
       if (anchor.contains("paths")) j["anchor"]["paths"] = anchor["paths"];
       if (anchor.contains("fast_accum")) j["anchor"]["fast_accum"] = anchor["fast_accum"];
     }
-    j["geomean_speedup_vs_torch"] = counted ? nlohmann::json(geomean) : nlohmann::json(nullptr);
-    j["min_speedup_vs_torch"] = counted ? nlohmann::json(min_speedup) : nlohmann::json(nullptr);
+    j["geomean_speedup_vs_torch"] = vs_torch.geomean();
+    j["min_speedup_vs_torch"] = vs_torch.lowest();
     j["geomean_over"] =
         "fc1/fc2 x fwd/dgrad/wgrad (wgrad: write mode, bf16 output, as torch); wgrad_acc reported "
         "beside";
