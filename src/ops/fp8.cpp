@@ -114,6 +114,38 @@ void check_outputs(const ops::Validator& v, const Output (&outputs)[N], std::ini
   }
 }
 
+// Forward (y = x W^T, over weight.data) and dgrad (dx = dy W, over weight.data_t) multiply FP8 rows
+// by one of the weight's copies. The weight sets the widths, so an activation of the wrong width is
+// named as the culprit. Returns the output's width.
+struct RowsTimesWeight {
+  const char* rows_data;  // the argument names, as the messages give them
+  const char* rows_scales;
+  const char* rows_dims;
+  const char* rows_scale_dims;
+  const char* out;
+  const char* out_dims;
+  bool transposed;  // dgrad: weight.data_t
+};
+
+int64_t check_rows_times_weight(const ops::Validator& v, const RowsTimesWeight& g, const Fp8Rows& rows,
+                                const Fp8Weight& weight, const TensorView& out) {
+  const TensorView& data = g.transposed ? weight.data_t : weight.data;
+  const TensorView& scales = g.transposed ? weight.scales_t : weight.scales;
+  const char* data_name = g.transposed ? "weight.data_t" : "weight.data";
+  const char* scales_name = g.transposed ? "weight.scales_t" : "weight.scales";
+  const auto [out_cols, in_cols] = weight_extent(v, data_name, data, g.transposed ? "[G, K, N]" : "[G, N, K]");
+  const int64_t N = g.transposed ? in_cols : out_cols, K = g.transposed ? out_cols : in_cols;
+  v.multiple_of_16("N", N, "the weight's rows");
+  v.multiple_of_16("K", K, "the weight's columns");
+  check_weight_blocks(v, "weight", weight, g.transposed, N, K);
+  check_rows(v, g.rows_data, g.rows_scales, rows, in_cols, g.rows_dims, g.rows_scale_dims);
+  check_output(v, g.out, out, out_cols, g.out_dims);
+  for (const Output& in : {Output{g.rows_data, rows.data}, Output{g.rows_scales, rows.scales},
+                           Output{data_name, data}, Output{scales_name, scales}})
+    v.no_overlap(g.out, out, in.name, in.t);
+  return out_cols;
+}
+
 }  // namespace
 
 int64_t fp8_columns_capacity(int64_t capacity, int64_t num_groups) {
@@ -198,24 +230,14 @@ void quantize_fp8_weight(const GroupedParam& weight, const Fp8Weight& out, const
 void grouped_linear_forward(const Fp8Rows& x, const Fp8Weight& weight, const GroupLayout& groups,
                             const TensorView& y, const BiasEpilogue& bias, [[maybe_unused]] const ExecContext& ctx) {
   const ops::Validator v("grouped_linear_forward", groups);
-  // The weight sets N and K: an activation of the wrong width is named as the culprit.
-  const auto [N, K] = weight_extent(v, "weight.data", weight.data, "[G, N, K]");
-  v.multiple_of_16("N", N, "the weight's rows");
-  v.multiple_of_16("K", K, "the weight's columns");
-  check_weight_blocks(v, "weight", weight, false, N, K);
-  check_rows(v, "x.data", "x.scales", x, K, "[T, K]", "[ceil(K/128), S]");
-  check_output(v, "y", y, N, "[T, N]");
+  const int64_t N = check_rows_times_weight(
+      v, {"x.data", "x.scales", "[T, K]", "[ceil(K/128), S]", "y", "[T, N]", false}, x, weight, y);
   if (bias.bias.defined()) v.param("bias", bias.bias, {N}, "[N]");
   if (bias.row_scale.defined()) {
     if (!bias.bias.defined())
       v.fail(ErrorCode::kInvalidArgument, "row_scale (scale_bias) is given but there is no bias to scale");
     v.row_scale("row_scale", bias.row_scale);
   }
-  for (const auto& [name, in] : {std::pair<const char*, TensorView>{"x.data", x.data},
-                                 {"x.scales", x.scales},
-                                 {"weight.data", weight.data},
-                                 {"weight.scales", weight.scales}})
-    v.no_overlap("y", y, name, in);
   if (bias.bias.defined()) v.no_overlap("y", y, "bias", bias.bias);
   ops::dispatch(
       v, [&] { cpu::grouped_linear_forward(x, weight, groups, y, bias); },
@@ -225,17 +247,8 @@ void grouped_linear_forward(const Fp8Rows& x, const Fp8Weight& weight, const Gro
 void grouped_linear_dgrad(const Fp8Rows& dy, const Fp8Weight& weight, const GroupLayout& groups,
                           const TensorView& dx, [[maybe_unused]] const ExecContext& ctx) {
   const ops::Validator v("grouped_linear_dgrad", groups);
-  const auto [K, N] = weight_extent(v, "weight.data_t", weight.data_t, "[G, K, N]");
-  v.multiple_of_16("N", N, "the weight's rows");
-  v.multiple_of_16("K", K, "the weight's columns");
-  check_weight_blocks(v, "weight", weight, true, N, K);
-  check_rows(v, "dy.data", "dy.scales", dy, N, "[T, N]", "[ceil(N/128), S]");
-  check_output(v, "dx", dx, K, "[T, K]");
-  for (const auto& [name, in] : {std::pair<const char*, TensorView>{"dy.data", dy.data},
-                                 {"dy.scales", dy.scales},
-                                 {"weight.data_t", weight.data_t},
-                                 {"weight.scales_t", weight.scales_t}})
-    v.no_overlap("dx", dx, name, in);
+  check_rows_times_weight(v, {"dy.data", "dy.scales", "[T, N]", "[ceil(N/128), S]", "dx", "[T, K]", true}, dy, weight,
+                          dx);
   ops::dispatch(
       v, [&] { cpu::grouped_linear_dgrad(dy, weight, groups, dx); },
       [&] { MOE_CUDA_ONLY(cuda::grouped_linear_dgrad(dy, weight, groups, dx, ctx.stream)); });
