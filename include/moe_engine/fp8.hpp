@@ -80,6 +80,14 @@ MOE_API int64_t fp8_scales_pitch(int64_t capacity);
 MOE_API void quantize_fp8(const TensorView& x, const GroupLayout& groups, const Fp8Rows& rows,
                           const Fp8Columns& columns, const Fp8Recipe& recipe = {}, const ExecContext& ctx = {});
 
+// rows (E4M3 data [T, K] + 1 x 128 scales, as quantize_fp8 writes them) -> out [T, K] (bf16, fp16
+// or fp32): out[r][k] = float(q[r][k]) * scales[k / 128][r], rounded to out's dtype (round to
+// nearest even). Only rows < offsets[G] of the routing are read and written (rows past them
+// untouched). A NaN is written as the canonical NaN (0x7fff, 0x7fffffff): the CPU and CUDA bytes
+// are the same.
+MOE_API void dequantize_fp8(const Fp8Rows& rows, const GroupLayout& groups, const TensorView& out,
+                            const ExecContext& ctx = {});
+
 // weight G x [N, K] (bf16, fp16 or fp32; packed or per expert) -> out.data/scales and/or
 // out.data_t/scales_t (each pair written where its data is defined).
 MOE_API void quantize_fp8_weight(const GroupedParam& weight, const Fp8Weight& out, const Fp8Recipe& recipe = {},

@@ -71,6 +71,38 @@ MOE_HOST_DEVICE inline float e4m3_to_float(uint8_t q) {
   return bits_float(sign | float_bits(float(m) * 0.001953125f));  // m * 2^-9
 }
 
+// Two values (`first` in the low byte), exact. On sm_89+ one hardware conversion to two fp16s
+// (every E4M3 value is one), then two exact widenings; elsewhere e4m3_to_float. A NaN code gives
+// NaNs of other bits on the two ways: fp8_dequantize makes every NaN result one bit pattern.
+MOE_HOST_DEVICE inline void e4m3x2_to_float(uint16_t pair, float& first, float& second) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(MOE_FP8_SOFTWARE_CONVERSION)
+  uint32_t halves;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(pair));
+  asm("{\n\t.reg .b16 lo, hi;\n\t"
+      "mov.b32 {lo, hi}, %2;\n\t"
+      "cvt.f32.f16 %0, lo;\n\t"
+      "cvt.f32.f16 %1, hi;\n\t}"
+      : "=f"(first), "=f"(second)
+      : "r"(halves));
+#else
+  first = e4m3_to_float(uint8_t(pair & 0xffu));
+  second = e4m3_to_float(uint8_t(pair >> 8));
+#endif
+}
+
+// The GPU's NaN: every payload bit set.
+inline constexpr uint32_t kFloatCanonicalNanBits = 0x7fffffffu;
+
+// One value dequantized, q * s: the IEEE product, rounded once (nothing to fuse with). A NaN result
+// is the canonical NaN 0x7fffffff, whose bf16 and fp16 roundings are 0x7fff on the host
+// (dtype.hpp) and on the device (cvt): which NaN an operation returns is the hardware's choice
+// (the host keeps an operand's payload, the GPU returns its canonical NaN), so the CPU and CUDA
+// outputs are the same bits only if every NaN is made one.
+MOE_HOST_DEVICE inline float fp8_dequantize(float q, float scale) {
+  const float v = q * scale;
+  return v != v ? bits_float(kFloatCanonicalNanBits) : v;
+}
+
 // |v| as the bits of a non-negative float. Their unsigned order is the order of magnitudes, with
 // infinity above every finite value and NaN above infinity: a tile's amax is an integer max (exact
 // and the same in any reduction order), and the tile holds a NaN or an infinity exactly when its

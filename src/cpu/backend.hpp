@@ -32,12 +32,14 @@ void glu_backward(const TensorView& h, const TensorView& probs, const TensorView
                   const GroupLayout& groups, const GluBackwardOutputs& outputs,
                   const GluSpec& spec);
 
-// FP8 block scaling (moe_engine/fp8.hpp; fp8.cpp): the quantizers give the bytes and scales the
-// CUDA quantizers give (common/fp8_math.hpp); the GEMMs sum each 128-long block of the contraction
-// in float32 and add it, times the two blocks' scales, into a float32 accumulator.
+// FP8 block scaling (moe_engine/fp8.hpp; fp8.cpp): the quantizers and the dequantizer give the
+// bytes and scales the CUDA kernels give (common/fp8_math.hpp); the GEMMs sum each 128-long block
+// of the contraction in float32 and add it, times the two blocks' scales, into a float32
+// accumulator.
 void quantize_fp8(const TensorView& x, const GroupLayout& groups, const Fp8Rows& rows, const Fp8Columns& columns,
                   const Fp8Recipe& recipe);
 void quantize_fp8_weight(const GroupedParam& weight, const Fp8Weight& out, const Fp8Recipe& recipe);
+void dequantize_fp8(const Fp8Rows& rows, const GroupLayout& groups, const TensorView& out);
 void grouped_linear_forward(const Fp8Rows& x, const Fp8Weight& weight, const GroupLayout& groups,
                             const TensorView& y, const BiasEpilogue& bias);
 void grouped_linear_dgrad(const Fp8Rows& dy, const Fp8Weight& weight, const GroupLayout& groups,

@@ -1,7 +1,7 @@
-// FP8 block scaling on the CPU (moe_engine/fp8.hpp): the quantizers, whose bytes and scales the
-// CUDA quantizers reproduce (both use common/fp8_math.hpp), and the three GEMMs in the GPU kernel's
-// order of operations: each 128-long block of the contraction summed in float32, times the product
-// of its two scales, added into a float32 accumulator.
+// FP8 block scaling on the CPU (moe_engine/fp8.hpp): the quantizers and the rows' dequantizer,
+// whose bytes the CUDA kernels reproduce (both use common/fp8_math.hpp), and the three GEMMs in the
+// GPU kernel's order of operations: each 128-long block of the contraction summed in float32, times
+// the product of its two scales, added into a float32 accumulator.
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -141,6 +141,24 @@ void quantize_fp8(const TensorView& x, const GroupLayout& groups, const Fp8Rows&
                   const Fp8Recipe& recipe) {
   if (rows.data.defined()) quantize_rows(x, groups, rows, ScaleRule(recipe));
   if (columns.data.defined()) quantize_columns(x, groups, columns, ScaleRule(recipe));
+}
+
+// Rows [0, offsets[G]): out[r][k] = q[r][k] * scales[k / 128][r], rounded once to float and once
+// to out's dtype.
+void dequantize_fp8(const Fp8Rows& rows, const GroupLayout& groups, const TensorView& out) {
+  const int64_t routed = offsets_of(groups)[groups.num_groups()], K = rows.data.size(1);
+  const std::array<float, 256>& table = e4m3_table();
+#pragma omp parallel
+  {
+    std::vector<float> v(static_cast<size_t>(K));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < routed; ++r) {
+      const uint8_t* q = byte_at(rows.data, r, 0);
+      for (int64_t k = 0; k < K; ++k)
+        v[size_t(k)] = detail::fp8_dequantize(table[q[k]], float_at(rows.scales, k / kBlock, r));
+      store(v.data(), K, element_ptr(out, r, 0), out.dtype());
+    }
+  }
 }
 
 void quantize_fp8_weight(const GroupedParam& weight, const Fp8Weight& out, const Fp8Recipe& recipe) {

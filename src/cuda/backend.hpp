@@ -72,6 +72,10 @@ bool expert_mlp_fc2_dgrad_glu(const TensorView& dy, const GroupedParam& fc2_weig
 void quantize_fp8(const TensorView& x, const GroupLayout& groups, const Fp8Rows& rows, const Fp8Columns& columns,
                   const Fp8Recipe& recipe, Stream stream);
 void quantize_fp8_weight(const GroupedParam& weight, const Fp8Weight& out, const Fp8Recipe& recipe, Stream stream);
+// Rows -> out for rows < offsets[G]: one launch, grid from T, K and the device's occupancy
+// (kernels/fp8_dequantize.cu).
+void dequantize_fp8(const Fp8Rows& rows, const GroupLayout& groups, const TensorView& out,
+                    Stream stream);
 // The FP8 grouped GEMMs (Hopper kernel, sm90/; dispatch/fp8_linear.cpp): kNotImplemented, saying
 // why, where the kernel cannot run the problem (there is no other CUDA FP8 path).
 void grouped_linear_forward(const Fp8Rows& x, const Fp8Weight& weight, const GroupLayout& groups,

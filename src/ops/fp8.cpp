@@ -99,6 +99,14 @@ void check_output(const ops::Validator& v, const char* name, const TensorView& t
     v.fail(ErrorCode::kDType, name, ": expected bfloat16 or float32, got ", dtype_name(t.dtype()));
 }
 
+// A dequantized output: [T, cols], bfloat16, float16 or float32. The dtype is checked first, so
+// that an FP8 tensor given as the output is named as the wrong dtype.
+void check_dequantized(const ops::Validator& v, const char* name, const TensorView& t, int64_t cols,
+                       const char* dims) {
+  if (t.defined()) v.quantizable_dtype(name, t.dtype());
+  v.matrix(name, t, v.capacity(), cols, dims);
+}
+
 // Outputs of a quantizer: none overlaps an input or another output.
 struct Output {
   const char* name;
@@ -193,6 +201,21 @@ void quantize_fp8(const TensorView& x, const GroupLayout& groups, const Fp8Rows&
   ops::dispatch(
       v, [&] { cpu::quantize_fp8(x, groups, rows, columns, recipe); },
       [&] { MOE_CUDA_ONLY(cuda::quantize_fp8(x, groups, rows, columns, recipe, ctx.stream)); });
+}
+
+void dequantize_fp8(const Fp8Rows& rows, const GroupLayout& groups, const TensorView& out,
+                    [[maybe_unused]] const ExecContext& ctx) {
+  const ops::Validator v("dequantize_fp8", groups);
+  v.fp8_matrix("rows.data", rows.data, v.capacity(), -1, "[T, K]");  // sets K
+  const int64_t K = rows.data.size(1);
+  check_rows(v, "rows.data", "rows.scales", rows, K, "[T, K]", "[ceil(K/128), S]");
+  check_dequantized(v, "out", out, K, "[T, K]");
+  for (const Output& in : {Output{"rows.data", rows.data}, Output{"rows.scales", rows.scales},
+                           Output{"the routing's offsets", groups.offsets()}})
+    v.no_overlap("out", out, in.name, in.t);
+  ops::dispatch(
+      v, [&] { cpu::dequantize_fp8(rows, groups, out); },
+      [&] { MOE_CUDA_ONLY(cuda::dequantize_fp8(rows, groups, out, ctx.stream)); });
 }
 
 void quantize_fp8_weight(const GroupedParam& weight, const Fp8Weight& out, const Fp8Recipe& recipe,

@@ -233,8 +233,9 @@ void Validator::row_stride(const char* name, const TensorView& t, int64_t multip
 void Validator::fp8_matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols,
                            const char* dims) const {
   defined(name, t, dims);
-  if (t.dim() != 2 || t.size(0) != rows || t.size(1) != cols)
-    fail(ErrorCode::kShape, name, ": expected ", dims, " = [", rows, ", ", cols, "], got ", t.describe());
+  if (t.dim() != 2 || t.size(0) != rows || (cols >= 0 && t.size(1) != cols))
+    fail(ErrorCode::kShape, name, ": expected ", dims, " = [", rows, ", ",
+         cols >= 0 ? std::to_string(cols) : "*", "], got ", t.describe());
   dtype_is(name, t, DType::kFloat8E4M3);
   on_device(name, t);
   row_stride(name, t, 16);

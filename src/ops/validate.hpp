@@ -79,7 +79,8 @@ class Validator {
   void workspace(const Workspace& ws, size_t bytes, const char* size_function) const;
 
   // FP8 operands (moe_engine/fp8.hpp), read by the kernels with TMA: 16-byte aligned data and rows.
-  // A 2-D [rows, cols] float8_e4m3 matrix, rows strided by a multiple of 16 bytes (>= cols).
+  // A 2-D [rows, cols] float8_e4m3 matrix (cols < 0: any), rows strided by a multiple of 16 bytes
+  // (>= cols).
   void fp8_matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols, const char* dims) const;
   // A 2-D float32 scale matrix [rows, cols] (cols < 0: any), rows strided by a multiple of 4
   // elements (>= cols).

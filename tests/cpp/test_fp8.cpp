@@ -2,8 +2,10 @@
 // built from the format's definition; the quantizers against the rule of fp8.hpp, written here
 // again in float64 (zero, denormal-scale, pow2, epsilon, non-finite and saturating tiles, K off a
 // multiple of 128); the layouts (column offsets, zero padding, nothing written past the routed rows
-// and columns); the GEMMs against the float64 oracle of the dequantized operands and against the
-// 16-bit GEMM of the original inputs; and every validation error.
+// and columns); the dequantizer against q * s (round trips, every code and kind of scale, NaN
+// tiles, strided and ragged rows, poison past the routed rows); the GEMMs against the float64
+// oracle of the dequantized operands and against the 16-bit GEMM of the original inputs; and every
+// validation error.
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -480,6 +482,190 @@ TEST(QuantizeFp8Weight, BlocksAndTransposeFollowTheRule) {
       }
 }
 
+// ---- the dequantizer ----
+
+// What dequantize_fp8 writes for one code and scale, as the bits of out's dtype: the float product
+// of the E4M3 value and the scale (exact in double, 4 x 24 significant bits, then rounded once to
+// float), rounded to the dtype; a NaN as the canonical NaN (0x7fffffff, 0x7fff in 16 bits).
+uint32_t dequantized_bits(uint8_t code, float scale, DType dtype) {
+  const double exact = oracle::e4m3_value(code) * double(scale);
+  if (std::isnan(exact)) return dtype == DType::kFloat32 ? 0x7fffffffu : 0x7fffu;
+  const float product = float(exact);
+  switch (dtype) {
+    case DType::kBFloat16:
+      return BFloat16(product).bits;
+    case DType::kFloat16:
+      return Float16(product).bits;
+    default:
+      return bits_of(product);
+  }
+}
+
+uint32_t bits_at(const uint8_t* p, size_t bytes) {
+  if (bytes == 4) return bits_of(*reinterpret_cast<const float*>(p));
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return h;
+}
+
+// out [T, K] (any row stride) against the rule for rows < routed; rows from `routed` on, and the
+// bytes between a row's end and the next row, still poison.
+void expect_dequantized(const Fp8Rows& rows, int64_t routed, const TensorView& out) {
+  const int64_t T = out.size(0), K = out.size(1), ld = out.stride(0);
+  const size_t bytes = out.element_size();
+  const auto* o = static_cast<const uint8_t*>(out.data());
+  const auto* q = static_cast<const uint8_t*>(rows.data.data());
+  const auto* s = static_cast<const float*>(rows.scales.data());
+  Mismatches m;
+  for (int64_t r = 0; r < T; ++r)
+    for (int64_t k = 0; k < (r + 1 < T ? ld : K); ++k) {
+      const uint8_t* e = o + size_t(r * ld + k) * bytes;
+      if (r >= routed || k >= K) {
+        for (size_t b = 0; b < bytes; ++b)
+          if (e[b] != kPoison) {
+            m.add(k >= K ? "the gap after row " : "unrouted row ", r, " written at ", k);
+            break;
+          }
+        continue;
+      }
+      const uint8_t code = q[r * rows.data.stride(0) + k];
+      const float scale = s[k / 128 * rows.scales.stride(0) + r];
+      const uint32_t want = dequantized_bits(code, scale, out.dtype()), got = bits_at(e, bytes);
+      if (got != want)
+        m.add("row ", r, " feature ", k, ": code 0x", std::hex, int(code), " x scale ",
+              std::defaultfloat, scale, " gave bits 0x", std::hex, got, ", expected 0x", want,
+              std::dec);
+    }
+  EXPECT_NO_MISMATCH(m);
+}
+
+const DType kOutDtypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
+
+class DequantizeFp8 : public ::testing::TestWithParam<DType> {};
+
+// quantize_fp8 then dequantize_fp8: q * s exactly, rounded to out's dtype, on the routings of the
+// quantizer's tests (G = 1, empty and 1-row experts, K off a multiple of 128, capacity past the
+// routed rows, G = 256); within E4M3's precision of x (half a step of 3 mantissa bits, or of the
+// subnormal step 2^-9 / m).
+TEST_P(DequantizeFp8, RoundTripIsQTimesScaleOnOddRoutings) {
+  const DType out_dtype = GetParam();
+  Rng rng;
+  int index = 0;
+  for (const QuantCase& c : quant_cases()) {
+    const DType x_dtype = kOutDtypes[index++ % 3];
+    SCOPED_TRACE(std::string(c.name) + ", x " + dtype_name(x_dtype));
+    Routing r(c.splits, c.capacity);
+    const int64_t T = c.capacity, K = c.k;
+    const Tensor x = spread_tensor(T, K, x_dtype, rng);
+    OwnedRows rows(T, K);
+    quantize_fp8(x, r.layout, rows.view(), {});
+    Tensor out = poisoned({T, K}, out_dtype);
+    dequantize_fp8(rows.view(), r.layout, out);
+    expect_dequantized(rows.view(), r.rows(), out);
+    if (out_dtype != DType::kFloat32) continue;
+    const std::vector<float> v = values_of(x);
+    const int64_t pitch = rows.scales.size(1);
+    Mismatches far;
+    for (int64_t t = 0; t < r.rows(); ++t)
+      for (int64_t k = 0; k < K; ++k) {
+        const double want = v[size_t(t * K + k)], got = out.data_as<float>()[t * K + k];
+        const double scale = float_at(rows.scales, k / 128 * pitch + t);
+        if (std::fabs(got - want) >
+            (std::ldexp(std::fabs(want), -4) + std::ldexp(scale, -10)) * 1.001)
+          far.add("row ", t, " feature ", k, ": ", got, " for ", want);
+      }
+    EXPECT_NO_MISMATCH(far);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, DequantizeFp8, ::testing::ValuesIn(kOutDtypes),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+// Rows made by hand: every code, scales of every kind (zero, denormal, the extremes, infinity, NaN,
+// negative), K = 200 (not a multiple of 16: data rows 208 bytes apart), a scale pitch past
+// fp8_scales_pitch(T), out rows strided past K.
+TEST(DequantizeFp8Rule, EveryCodeAndScaleWithRaggedKAndStridedRows) {
+  const int64_t T = 40, K = 200, data_ld = 208, pitch = 44, out_ld = K + 5;
+  Routing r({7, 0, 20, 1}, T);
+  Tensor data_buffer = poisoned({T * data_ld}, DType::kFloat8E4M3);
+  Tensor scales = poisoned({2, pitch}, DType::kFloat32);
+  auto* q = data_buffer.data_as<uint8_t>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k)
+      q[t * data_ld + k] = uint8_t((t * K + k) * 37 % 256);  // every code
+  const float specials[] = {0.f,
+                            -0.f,
+                            1.f,
+                            std::numeric_limits<float>::denorm_min(),
+                            std::numeric_limits<float>::min(),
+                            1e-30f,
+                            3.5e35f,
+                            std::numeric_limits<float>::max(),
+                            kInf,
+                            kNan,
+                            -1.5f,
+                            -kInf};
+  Rng rng;
+  for (int64_t i = 0; i < 2 * pitch; ++i)
+    scales.data_as<float>()[i] =
+        i % 3 == 0 ? specials[size_t(i / 3) % std::size(specials)] : float(rng.uniform(-4, 4));
+  const Fp8Rows rows{
+      TensorView(data_buffer.data(), {T, K}, {data_ld, 1}, DType::kFloat8E4M3, Device::cpu()),
+      scales};
+  for (DType dt : kOutDtypes) {
+    SCOPED_TRACE(dtype_name(dt));
+    Tensor buffer = poisoned({T * out_ld}, dt);
+    const TensorView out(buffer.data(), {T, K}, {out_ld, 1}, dt, Device::cpu());
+    dequantize_fp8(rows, r.layout, out);
+    expect_dequantized(rows, r.rows(), out);
+    EXPECT_TRUE(tail_untouched(buffer, (T - 1) * out_ld + K)) << "past the last row";
+  }
+}
+
+// A tile holding an infinity or a NaN quantizes to NaN codes with a NaN scale: it dequantizes to
+// NaN (the canonical one), and only it.
+TEST(DequantizeFp8Rule, NonFiniteTilesDequantizeToNanAndOnlyThey) {
+  const int64_t T = 64, K = 256;
+  Routing r({20, 30}, T);
+  Rng rng;
+  Tensor x = random_tensor({T, K}, DType::kFloat32, rng);
+  x.data_as<float>()[3 * K + 10] = kInf;    // row 3, block 0
+  x.data_as<float>()[25 * K + 200] = kNan;  // row 25, block 1
+  OwnedRows rows(T, K);
+  quantize_fp8(x, r.layout, rows.view(), {});
+  for (DType dt : kOutDtypes) {
+    SCOPED_TRACE(dtype_name(dt));
+    Tensor out = poisoned({T, K}, dt);
+    dequantize_fp8(rows.view(), r.layout, out);
+    expect_dequantized(rows.view(), r.rows(), out);
+    const oracle::Matrix m = oracle::to_matrix(out);
+    for (int64_t t = 0; t < r.rows(); ++t)
+      for (int64_t k = 0; k < K; ++k) {
+        const bool nan_tile = (t == 3 && k < 128) || (t == 25 && k >= 128);
+        ASSERT_EQ(std::isnan(m(t, k)), nan_tile) << "row " << t << " feature " << k;
+      }
+    EXPECT_TRUE(tail_untouched(out, r.rows()));
+  }
+}
+
+// Nothing routed, no features, no rows: nothing written, no error (as the quantizers).
+TEST(DequantizeFp8Rule, EmptyRoutingAndEmptyShapesWriteNothing) {
+  Routing none({0, 0, 0}, 20);
+  OwnedRows rows(20, 48);
+  std::memset(rows.data.data(), 0x38, rows.data.nbytes());  // 1.0
+  Tensor out = poisoned({20, 48}, DType::kBFloat16);
+  dequantize_fp8(rows.view(), none.layout, out);
+  EXPECT_TRUE(tail_untouched(out, 0));
+  Routing some({3, 4}, 20);
+  OwnedRows no_features(20, 0);
+  Tensor empty_out = poisoned({20, 0}, DType::kFloat32);
+  EXPECT_NO_THROW(dequantize_fp8(no_features.view(), some.layout, empty_out));
+  Routing no_rows({0, 0}, 0);
+  OwnedRows zero_rows(0, 48);
+  Tensor zero_out = poisoned({0, 48}, DType::kFloat32);
+  EXPECT_NO_THROW(dequantize_fp8(zero_rows.view(), no_rows.layout, zero_out));
+}
+
 TEST(Fp8Sizes, ColumnsCapacityAndScalesPitch) {
   EXPECT_EQ(fp8_columns_capacity(0, 1), 128);
   EXPECT_EQ(fp8_columns_capacity(0, 0), 0);
@@ -785,6 +971,99 @@ TEST_F(Fp8Validation, QuantizeFp8) {
                    "recipe.amax_epsilon: expected a finite value >= 0, got nan");
   EXPECT_MOE_ERROR(quantize_fp8(x, GroupLayout{}, rows.view(), {}), ErrorCode::kInvalidArgument,
                    "quantize_fp8: the group layout is undefined");
+}
+
+TEST_F(Fp8Validation, DequantizeFp8) {
+  Tensor out = Tensor::empty({T, K}, DType::kBFloat16);
+  const Fp8Rows rv = rows.view();
+  EXPECT_MOE_ERROR(dequantize_fp8(rv, GroupLayout{}, out), ErrorCode::kInvalidArgument,
+                   "dequantize_fp8: the group layout is undefined");
+  // rows
+  EXPECT_MOE_ERROR(dequantize_fp8({{}, rows.scales}, r.layout, out), ErrorCode::kInvalidArgument,
+                   "dequantize_fp8: rows.data: required tensor [T, K] is undefined");
+  EXPECT_MOE_ERROR(
+      dequantize_fp8({Tensor::zeros({T, K}, DType::kBFloat16), rows.scales}, r.layout, out),
+      ErrorCode::kDType, "dequantize_fp8: rows.data: expected float8_e4m3, got bfloat16");
+  EXPECT_MOE_ERROR(
+      dequantize_fp8({Tensor::zeros({T, K}, DType::kFloat8E5M2), rows.scales}, r.layout, out),
+      ErrorCode::kDType, "dequantize_fp8: rows.data: expected float8_e4m3, got float8_e5m2");
+  EXPECT_MOE_ERROR(dequantize_fp8({f8({T + 1, K}), rows.scales}, r.layout, out), ErrorCode::kShape,
+                   "dequantize_fp8: rows.data: expected [T, K] = [10, *], got float8_e4m3[11, 48]");
+  EXPECT_MOE_ERROR(
+      dequantize_fp8({f8({T, K, 1}), rows.scales}, r.layout, out), ErrorCode::kShape,
+      "dequantize_fp8: rows.data: expected [T, K] = [10, *], got float8_e4m3[10, 48, 1]");
+  EXPECT_MOE_ERROR(dequantize_fp8({rows.data, {}}, r.layout, out), ErrorCode::kInvalidArgument,
+                   "dequantize_fp8: rows.scales: required tensor [ceil(K/128), S] is undefined");
+  EXPECT_MOE_ERROR(
+      dequantize_fp8({rows.data, Tensor::zeros({1, 12}, DType::kBFloat16)}, r.layout, out),
+      ErrorCode::kDType, "dequantize_fp8: rows.scales: expected float32, got bfloat16");
+  EXPECT_MOE_ERROR(
+      dequantize_fp8({rows.data, f32({2, 12})}, r.layout, out), ErrorCode::kShape,
+      "dequantize_fp8: rows.scales: expected [ceil(K/128), S] = [1, *], got float32[2, 12]");
+  EXPECT_MOE_ERROR(dequantize_fp8({rows.data, f32({1, 8})}, r.layout, out), ErrorCode::kShape,
+                   "dequantize_fp8: rows.scales: expected a pitch S >= T = 10 and a multiple of 4 "
+                   "(fp8_scales_pitch(T) = 12), got float32[1, 8]");
+  Tensor buffer = f8({T * 64 + 16});
+  const TensorView strided(buffer.data(), {T, K}, {56, 1}, DType::kFloat8E4M3, Device::cpu());
+  EXPECT_MOE_ERROR(dequantize_fp8({strided, rows.scales}, r.layout, out), ErrorCode::kAlignment,
+                   "dequantize_fp8: rows.data: row stride 56 elements (56 bytes) must be >= 48 and "
+                   "a multiple of 16");
+  const TensorView shifted(static_cast<char*>(buffer.data()) + 1, {T, K}, DType::kFloat8E4M3,
+                           Device::cpu());
+  EXPECT_MOE_ERROR(dequantize_fp8({shifted, rows.scales}, r.layout, out), ErrorCode::kAlignment,
+                   "dequantize_fp8: rows.data: data pointer");
+  // out
+  EXPECT_MOE_ERROR(dequantize_fp8(rv, r.layout, TensorView{}), ErrorCode::kInvalidArgument,
+                   "dequantize_fp8: out: required tensor [T, K] is undefined");
+  for (DType bad : {DType::kFloat64, DType::kFloat8E4M3, DType::kInt64})
+    EXPECT_MOE_ERROR(
+        dequantize_fp8(rv, r.layout, Tensor::zeros({T, K}, bad)), ErrorCode::kDType,
+        std::string("dequantize_fp8: out: expected bfloat16, float16 or float32, got ") +
+            dtype_name(bad));
+  EXPECT_MOE_ERROR(dequantize_fp8(rv, r.layout, Tensor::empty({T, 32}, DType::kFloat16)),
+                   ErrorCode::kShape,
+                   "dequantize_fp8: out: expected [T, K] = [10, 48], got float16[10, 32]");
+  EXPECT_MOE_ERROR(dequantize_fp8(rv, r.layout, Tensor::empty({T + 1, K}, DType::kFloat32)),
+                   ErrorCode::kShape,
+                   "dequantize_fp8: out: expected [T, K] = [10, 48], got float32[11, 48]");
+  Tensor wide = Tensor::empty({T, 2 * K}, DType::kBFloat16);
+  const TensorView every_other(wide.data(), {T, K}, {2 * K, 2}, DType::kBFloat16, Device::cpu());
+  EXPECT_MOE_ERROR(dequantize_fp8(rv, r.layout, every_other), ErrorCode::kShape,
+                   "dequantize_fp8: out: expected unit column stride");
+  // devices, overlaps
+  const TensorView out_on_gpu(reinterpret_cast<void*>(0x10000), {T, K}, DType::kBFloat16,
+                              Device::cuda(0));
+  EXPECT_MOE_ERROR(dequantize_fp8(rv, r.layout, out_on_gpu), ErrorCode::kDevice,
+                   "dequantize_fp8: out is on cuda:0; expected the group layout's device cpu");
+  const TensorView data_on_gpu(reinterpret_cast<void*>(0x10000), {T, K}, DType::kFloat8E4M3,
+                               Device::cuda(0));
+  EXPECT_MOE_ERROR(
+      dequantize_fp8({data_on_gpu, rows.scales}, r.layout, out), ErrorCode::kDevice,
+      "dequantize_fp8: rows.data is on cuda:0; expected the group layout's device cpu");
+  Tensor big = f8({T * K * 4});
+  const Fp8Rows rows_in_big{TensorView(big.data(), {T, K}, DType::kFloat8E4M3, Device::cpu()),
+                            rows.scales};
+  EXPECT_MOE_ERROR(
+      dequantize_fp8(rows_in_big, r.layout,
+                     TensorView(big.data(), {T, K}, DType::kBFloat16, Device::cpu())),
+      ErrorCode::kInvalidArgument,
+      "dequantize_fp8: output out overlaps input rows.data in memory; expected separate buffers");
+  Tensor scales_room = f32({T * K});
+  const Fp8Rows scales_in_out{
+      rows.data, TensorView(scales_room.data(), {1, 12}, DType::kFloat32, Device::cpu())};
+  EXPECT_MOE_ERROR(
+      dequantize_fp8(scales_in_out, r.layout,
+                     TensorView(scales_room.data(), {T, K}, DType::kFloat32, Device::cpu())),
+      ErrorCode::kInvalidArgument, "dequantize_fp8: output out overlaps input rows.scales");
+  Tensor offsets_room = Tensor::zeros({T * K}, DType::kInt64);
+  Tensor splits = splits_tensor_for({3, 0, 5});
+  const TensorView offsets_view(offsets_room.data(), {G + 1}, DType::kInt64, Device::cpu());
+  const GroupLayout in_out = GroupLayout::compute(splits, T, offsets_view);
+  EXPECT_MOE_ERROR(
+      dequantize_fp8(rv, in_out,
+                     TensorView(offsets_room.data(), {T, K}, DType::kFloat32, Device::cpu())),
+      ErrorCode::kInvalidArgument,
+      "dequantize_fp8: output out overlaps input the routing's offsets");
 }
 
 TEST_F(Fp8Validation, QuantizeFp8Weight) {

@@ -1,6 +1,8 @@
 // GPU FP8 block scaling (label "gpu"): the CUDA quantizers bit for bit against the CPU quantizer
 // (data bytes, scale bits, column offsets, and the poison they must leave) over odd routings with
-// inf/NaN inputs and every recipe; bad splits contained; graph replay of the quantizers; the three
+// inf/NaN inputs and every recipe; bad splits contained; graph replay of the quantizers; the
+// dequantizer bit for bit against the CPU's (every code and kind of scale, ragged K, strided and
+// misaligned outputs, bad splits, graph replay with new routings) and its bandwidth; the three
 // FP8 GEMMs against the float64 oracle of the dequantized operands (the measured error is printed)
 // and against the bf16 GEMM, wgrad modes, bias epilogues, poison past the routed rows, and a
 // captured quantize + forward + dgrad + wgrad step replayed with new routings. Skips without a GPU.
@@ -11,6 +13,8 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <iterator>
+#include <limits>
 #include <numeric>
 
 #include "fp8_support.hpp"
@@ -364,6 +368,194 @@ TEST_F(GpuFp8, QuantizerBandwidthIsReported) {
   cudaStreamDestroy(stream);
 }
 
+// ---- the dequantizer: bit for bit the CPU's ----
+
+// Hand-made rows: random bytes (NaN codes among them) and scales of every kind in a [T, K]
+// view whose rows are `data_ld` bytes apart.
+struct HandRows {
+  Tensor data, scales;
+  Fp8Rows view;
+  HandRows(int64_t T, int64_t K, int64_t data_ld, Rng& rng, Device device = Device::cpu()) {
+    Tensor d = poisoned({std::max<int64_t>(1, T * data_ld)}, DType::kFloat8E4M3);
+    Tensor s = poisoned({blocks_of(K), fp8_scales_pitch(T) + 4}, DType::kFloat32);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k)
+        d.data_as<uint8_t>()[t * data_ld + k] = uint8_t(rng.integer(0, 255));
+    const float specials[] = {0.f,
+                              std::numeric_limits<float>::denorm_min(),
+                              std::numeric_limits<float>::min(),
+                              std::numeric_limits<float>::max(),
+                              std::numeric_limits<float>::infinity(),
+                              std::numeric_limits<float>::quiet_NaN(),
+                              -2.5f,
+                              1e-30f,
+                              3e35f};
+    for (int64_t i = 0; i < s.numel(); ++i)
+      s.data_as<float>()[i] =
+          i % 5 == 0 ? specials[size_t(i / 5) % std::size(specials)]
+                     : float(std::ldexp(rng.uniform(-1, 1), int(rng.integer(-20, 20))));
+    data = d.to(device);
+    scales = s.to(device);
+    view = {TensorView(data.data(), {T, K}, {data_ld, 1}, DType::kFloat8E4M3, device), scales};
+  }
+};
+
+// Rows quantized on the CPU from x with non-finite tiles, on the suite's routings: the GPU's output
+// is the CPU's, bytes past the routed rows (poison) included.
+TEST_P(GpuFp8Dtypes, DequantizeBitIdenticalToCpu) {
+  const DType dt = GetParam();
+  Rng rng;
+  for (const Fp8Case& c : gpu_fp8_cases()) {
+    SCOPED_TRACE(c.name);
+    DualRouting r(c.splits, c.capacity);
+    const int64_t T = c.capacity, K = c.k;
+    OwnedRows rows(T, K);
+    quantize_fp8(mixed_tensor(T, K, DType::kBFloat16, rng), r.cpu.layout, rows.view(), {});
+    Tensor want = poisoned({T, K}, dt);
+    dequantize_fp8(rows.view(), r.cpu.layout, want);
+    const OwnedRows rows_d = rows.to(kGpu);
+    Tensor out = poisoned_gpu({T, K}, dt);
+    dequantize_fp8(rows_d.view(), r.gpu, out);
+    const Tensor got = to_host(out);
+    EXPECT_TRUE(bitwise_equal(got, want)) << "differs from the CPU dequantizer";
+    EXPECT_TRUE(tail_untouched(got, r.cpu.rows())) << "rows past sum(splits) were written";
+    EXPECT_NO_THROW(r.flag.check());
+  }
+}
+
+// Every code and kind of scale; K off a multiple of 16 (a ragged last chunk) and below 16; out rows
+// strided off 16 bytes or shifted by one element (element stores); one row; more chunks than the
+// grid has threads. The whole output buffer (gaps between rows, guard after the last) equals the
+// CPU's, for every output dtype.
+TEST_F(GpuFp8, DequantizeOddShapesAndStridesBitIdenticalToCpu) {
+  Rng rng;
+  std::vector<int64_t> eight(8);
+  for (auto& v : eight) v = rng.integer(1500, 3000);
+  const int64_t eight_rows = std::accumulate(eight.begin(), eight.end(), int64_t(0));
+  struct Case {
+    const char* name;
+    std::vector<int64_t> splits;
+    int64_t T, K, data_ld, out_ld, out_shift;
+  };
+  const Case cases[] = {
+      {"K 200, ragged last chunk", {7, 0, 20, 1}, 40, 200, 208, 200, 0},
+      {"K 8, one ragged chunk", {3, 2}, 8, 8, 16, 8, 0},
+      {"out rows strided off 16 bytes", {50, 0, 13}, 70, 256, 256, 261, 0},
+      {"out shifted by one element", {5, 5}, 16, 144, 144, 144, 1},
+      {"one row", {1}, 1, 16, 16, 16, 0},
+      {"many chunks per thread", eight, eight_rows + 9, 2048, 2048, 2048, 0},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    DualRouting r(c.splits, c.T);
+    const HandRows rows(c.T, c.K, c.data_ld, rng);
+    const HandRows rows_d = [&] {
+      HandRows copy = rows;
+      copy.data = rows.data.to(kGpu);
+      copy.scales = rows.scales.to(kGpu);
+      copy.view = {
+          TensorView(copy.data.data(), {c.T, c.K}, {c.data_ld, 1}, DType::kFloat8E4M3, kGpu),
+          copy.scales};
+      return copy;
+    }();
+    for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      SCOPED_TRACE(dtype_name(dt));
+      const int64_t elements =
+          c.out_shift + (c.T - 1) * c.out_ld + c.K + 64;  // 64 elements of guard
+      Tensor want = poisoned({elements}, dt);
+      const auto at = [&](const Tensor& buffer, Device device) {
+        return TensorView(static_cast<char*>(buffer.data()) + c.out_shift * int64_t(dtype_size(dt)),
+                          {c.T, c.K}, {c.out_ld, 1}, dt, device);
+      };
+      dequantize_fp8(rows.view, r.cpu.layout, at(want, Device::cpu()));
+      Tensor out = poisoned_gpu({elements}, dt);
+      dequantize_fp8(rows_d.view, r.gpu, at(out, kGpu));
+      EXPECT_TRUE(bitwise_equal(to_host(out), want)) << "differs from the CPU dequantizer";
+    }
+    EXPECT_NO_THROW(r.flag.check());
+  }
+}
+
+// Bad splits: the offsets are clamped on the device; nothing is written past the capacity.
+TEST_F(GpuFp8, DequantizeBadSplitsWriteNothingPastTheCapacity) {
+  Rng rng;
+  const int64_t G = 4, T = 300, K = 160;
+  const HandRows rows(T, K, K, rng, kGpu);
+  for (const std::vector<int64_t>& s :
+       {std::vector<int64_t>{100, -50, 150, 10}, std::vector<int64_t>{200, 200, 0, 1}}) {
+    Tensor splits = to_gpu(splits_tensor_for(s));
+    Tensor offsets = Tensor::empty({G + 1}, DType::kInt64, kGpu);
+    DeviceErrorFlag flag(kGpu);
+    const GroupLayout groups = GroupLayout::compute(splits, T, offsets, &flag);
+    Tensor out = poisoned_gpu({T + 32, K}, DType::kBFloat16);
+    dequantize_fp8(rows.view, groups, out.view().slice(0, T));
+    const int64_t end = to_host(offsets).data_as<int64_t>()[G];
+    EXPECT_LE(end, T);
+    EXPECT_TRUE(tail_untouched(to_host(out), end)) << "rows past the clamped end were written";
+    EXPECT_MOE_ERROR(flag.check(), ErrorCode::kDeviceReported, "splits");
+  }
+}
+
+// The dequantizer's bandwidth (E4M3 read + output written, scales not counted) next to a
+// device-to-device copy of the same number of bytes in the same run, as the quantizers' report.
+// Printed for the performance log; no bound is asserted.
+TEST_F(GpuFp8, DequantizeBandwidthIsReported) {
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const ExecContext ctx{stream, {}};
+  StreamTimer timer(kGpu, stream);
+  const auto time_ms = [&](const std::function<void()>& run) {
+    timer.start();
+    for (int i = 0; i < 10; ++i) run();
+    timer.stop();
+    return timer.elapsed_ms() / 10;
+  };
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const std::vector<int64_t> mixtral{1790, 1767, 1423, 1398,
+                                     1881, 1748, 2553, 3824};  // 16384 tokens
+  const int64_t T = std::accumulate(mixtral.begin(), mixtral.end(), int64_t(0));
+  DualRouting r(mixtral, T);
+  const int64_t copy_capacity = int64_t(1) << 30;
+  const Tensor copy_src = Tensor::empty({copy_capacity}, DType::kUInt8, kGpu),
+               copy_dst = Tensor::empty({copy_capacity}, DType::kUInt8, kGpu);
+  const std::pair<int64_t, DType> shapes[] = {
+      {4096, DType::kBFloat16}, {28672, DType::kBFloat16}, {4096, DType::kFloat32}};
+  for (const auto& [K, dt] : shapes) {
+    Tensor x = Tensor::empty({T, K}, DType::kBFloat16, kGpu);
+    fill_uniform(x, 3, -2.f, 2.f);
+    OwnedRows rows(T, K, kGpu);
+    quantize_fp8(x, r.gpu, rows.view(), {});
+    Tensor out = Tensor::empty({T, K}, dt, kGpu);
+    const double bytes = double(T * K) * (1.0 + double(dtype_size(dt)));
+    ASSERT_LE(bytes / 2, double(copy_capacity));
+    const auto run = [&] { dequantize_fp8(rows.view(), r.gpu, out, ctx); };
+    const auto copy = [&] {
+      CUDA_OK(cudaMemcpyAsync(copy_dst.data(), copy_src.data(), size_t(bytes / 2),
+                              cudaMemcpyDeviceToDevice, stream));
+    };
+    run();
+    copy();
+    std::vector<double> kernel, reference;
+    for (int round = 0; round < 5; ++round) {
+      reference.push_back(time_ms(copy));
+      kernel.push_back(time_ms(run));
+    }
+    const double ms = median(kernel), copy_ms = median(reference);
+    std::printf(
+        "[ measure  ] dequantize [%lld, %lld] to %s: %.3f ms, %.0f GB/s (read + written); copy of "
+        "the same "
+        "bytes %.3f ms, %.0f GB/s: %.2f of the copy\n",
+        (long long)T, (long long)K, dtype_name(dt), ms, bytes / ms * 1e-6, copy_ms,
+        bytes / copy_ms * 1e-6, copy_ms / ms);
+  }
+  EXPECT_NO_THROW(r.flag.check());
+  CUDA_OK(cudaStreamSynchronize(stream));
+  cudaStreamDestroy(stream);
+}
+
 // ---- CUDA graphs ----
 
 class GpuFp8Graph : public GpuFp8 {};
@@ -419,6 +611,55 @@ TEST_F(GpuFp8Graph, QuantizersReplayedWithNewRoutingsEqualEagerAndCpu) {
     EXPECT_TRUE(bitwise_equal(cd, cols_cpu.data) && bitwise_equal(cs, cols_cpu.scales) &&
                 bitwise_equal(co, cols_cpu.offsets))
         << "columns vs the CPU";
+    EXPECT_NO_THROW(flag.check(stream));
+  }
+  cudaStreamDestroy(stream);
+}
+
+// The dequantizer captured once (with the offsets' computation) and replayed with new routings,
+// one taking nearly every row and an empty one included: every replay equals an eager run and the
+// CPU, bit for bit, rows past the routed ones untouched.
+TEST_F(GpuFp8Graph, DequantizeReplayedWithNewRoutingsEqualsEagerAndCpu) {
+  Rng rng;
+  const int64_t G = 16, T = 2048, K = 400;
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Routing every_row({T}, T);
+  OwnedRows rows(T, K);
+  quantize_fp8(mixed_tensor(T, K, DType::kBFloat16, rng), every_row.layout, rows.view(), {});
+  const OwnedRows rows_d = rows.to(kGpu);
+  Tensor splits = Tensor::empty({G}, DType::kInt64, kGpu),
+         offsets = Tensor::empty({G + 1}, DType::kInt64, kGpu);
+  Tensor out = poisoned_gpu({T, K}, DType::kBFloat16);
+  DeviceErrorFlag flag(kGpu);
+  const ExecContext ctx{stream, {}};
+  auto step = [&] {
+    const GroupLayout groups = GroupLayout::compute(splits, T, offsets, &flag, stream);
+    dequantize_fp8(rows_d.view(), groups, out, ctx);
+  };
+  copy_tensor(splits, splits_tensor_for(random_splits(rng, G, 2 * T / G)), stream);
+  step();  // eager first: one-time setup outside the capture
+  CUDA_OK(cudaStreamSynchronize(stream));
+  CapturedGraph graph(stream, step);
+  for (int replay = 0; replay < 4; ++replay) {
+    SCOPED_TRACE("routing " + std::to_string(replay));
+    std::vector<int64_t> s = random_splits(rng, G, 2 * T / G);
+    if (replay == 2) s.assign(size_t(G), 0), s[5] = T - 3;
+    if (replay == 3) s.assign(size_t(G), 0);
+    copy_tensor(splits, splits_tensor_for(s), stream);
+    fill_bytes(out, kPoison, stream);
+    graph.launch();
+    const Tensor replayed = to_host(out);
+    fill_bytes(out, kPoison, stream);
+    step();
+    CUDA_OK(cudaStreamSynchronize(stream));
+    EXPECT_TRUE(bitwise_equal(to_host(out), replayed)) << "replay vs eager";
+    Routing cpu_routing(s, T);
+    Tensor want = poisoned({T, K}, DType::kBFloat16);
+    dequantize_fp8(rows.view(), cpu_routing.layout, want);
+    EXPECT_TRUE(bitwise_equal(replayed, want)) << "replay vs the CPU";
+    EXPECT_TRUE(tail_untouched(replayed, cpu_routing.rows()))
+        << "rows past sum(splits) were written";
     EXPECT_NO_THROW(flag.check(stream));
   }
   cudaStreamDestroy(stream);
