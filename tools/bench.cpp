@@ -109,10 +109,20 @@ int run_bench(const BenchOptions& o) {
     return 0;
   }
   const Workload w = find_workload(o.case_name, o.workloads);
-  const DType dtype = dtype_from_name(o.dtype);
+  // fp8: the FP8 expert MLP, whose activations (x, y and the gradients) are bf16.
+  const bool fp8 = o.dtype == "fp8";
+  const DType dtype = fp8 ? DType::kBFloat16 : dtype_from_name(o.dtype);
   MOE_CHECK(dtype == DType::kBFloat16 || dtype == DType::kFloat16 || dtype == DType::kFloat32,
-            ErrorCode::kDType, "bench: --dtype must be bfloat16, float16 or float32, got ",
+            ErrorCode::kDType, "bench: --dtype must be bfloat16, float16, float32 or fp8, got ",
             o.dtype);
+  MOE_CHECK(!o.vs_bf16 || fp8, ErrorCode::kInvalidArgument, "bench: --vs-bf16 compares --dtype fp8 with bf16");
+  MOE_CHECK(!(o.vs_bf16 && o.vs_unfused), ErrorCode::kInvalidArgument,
+            "bench: --vs-bf16 and --vs-unfused each time one other path; pick one");
+  MOE_CHECK(!(fp8 && o.recompute), ErrorCode::kInvalidArgument,
+            "bench: --recompute: the FP8 MLP keeps its pre-activation in FP8 and has no recompute mode");
+  // The path timed against the measured one, run by run alternating (--vs-unfused, --vs-bf16).
+  const bool vs_other = o.vs_unfused || o.vs_bf16;
+  const char* other_name = o.vs_bf16 ? "bf16" : "unfused";
   const GluLayout layout = GluLayout::parse(o.glu_layout);
   const MlpFusion fusion = parse_fusion(o.fusion);
   const double flops = w.mlp_flops();
@@ -139,7 +149,7 @@ int run_bench(const BenchOptions& o) {
 
   std::optional<MlpProblem> problem;
   auto make_problem = [&] {
-    problem.emplace(w, layout, dtype, device, o.seed);
+    problem.emplace(w, layout, dtype, device, o.seed, fp8);
     problem->set_fusion(fusion);
     problem->set_recompute(o.recompute);
   };
@@ -156,10 +166,11 @@ int run_bench(const BenchOptions& o) {
     }
   }
   const int iters = o.iters > 0 ? o.iters : (device.is_cpu() ? 5 : 50);
-  const int runs = (o.warmup + iters) * (o.vs_unfused ? 2 : 1);
+  const int runs = (o.warmup + iters) * (vs_other ? 2 : 1);
   std::optional<CpuEstimate> estimate;
   if (device.is_cpu()) {
     estimate = estimate_cpu_run(w, dtype, runs, checked);
+    estimate->bytes = double(MlpProblem::bytes_needed(w, dtype, fp8));
     MOE_CHECK(o.force || estimate->seconds <= kAskBeforeSeconds, ErrorCode::kInvalidArgument, "bench: ",
               w.name, " on the CPU backend would take about ", format_duration(estimate->seconds), " (",
               runs, " runs of ", flop_count(flops), " at the ", std::lround(estimate->gflops),
@@ -175,7 +186,7 @@ int run_bench(const BenchOptions& o) {
         "%s\n",
         w.name.c_str(), (long long)w.experts, (long long)w.hidden, (long long)w.ffn,
         (long long)w.routed_tokens(), (long long)w.capacity, describe(problem->spec().glu).c_str(),
-        w.bias ? ", biases" : "", dtype_name(dtype));
+        w.bias ? ", biases" : "", fp8 ? "fp8 (block-scaled E4M3 GEMMs, bf16 activations)" : dtype_name(dtype));
     std::printf("device: %s (%s)%s%s\n", to_string(device).c_str(), device_name(device).c_str(),
                 device_note.empty() ? "" : "; ", device_note.c_str());
     if (estimate)
@@ -208,20 +219,24 @@ int run_bench(const BenchOptions& o) {
     const double per_run =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - warmup_start).count() / o.warmup;
     std::printf("estimate: about %s for %d timed runs (from the warm-up)\n",
-                format_duration(per_run * iters * (o.vs_unfused ? 2 : 1)).c_str(), iters * (o.vs_unfused ? 2 : 1));
+                format_duration(per_run * iters * (vs_other ? 2 : 1)).c_str(), iters * (vs_other ? 2 : 1));
     std::fflush(stdout);
   }
-  // With --vs-unfused the unfused path is warmed up too, then each timed run of the fused path is
-  // followed by one of the unfused path (same inputs, same clocks on average).
-  if (o.vs_unfused) {
-    problem->set_fusion(MlpFusion::kNone);
+  // With --vs-unfused / --vs-bf16 the other path is warmed up too, then each timed run of the
+  // measured path is followed by one of the other (same inputs, same clocks on average).
+  const auto use_other = [&](bool other) {
+    if (o.vs_unfused) problem->set_fusion(other ? MlpFusion::kNone : fusion);
+    if (o.vs_bf16) problem->use_fp8(!other);
+  };
+  if (vs_other) {
+    use_other(true);
     for (int i = 0; i < o.warmup; ++i) {
       problem->forward(stream);
       problem->backward(stream);
       ran("warm-up");
     }
     wait();
-    problem->set_fusion(fusion);
+    use_other(false);
   }
   // Timed as the anchor's do_bench times the PyTorch-eager MLP: runs are recorded back to back
   // with events and no host synchronization between them (so host-side launch work stays out of
@@ -248,10 +263,10 @@ int run_bench(const BenchOptions& o) {
   if (device.is_cuda()) progress.update("timing (enqueued back to back)", 0, iters, "runs");
   for (int i = 0; i < iters; ++i) {
     record(fused_runs);
-    if (o.vs_unfused) {
-      problem->set_fusion(MlpFusion::kNone);
+    if (vs_other) {
+      use_other(true);
       record(unfused_runs);
-      problem->set_fusion(fusion);
+      use_other(false);
     }
   }
   std::vector<double> fwd, bwd, total, ufwd, ubwd, utotal;
@@ -280,6 +295,11 @@ int run_bench(const BenchOptions& o) {
       std::fprintf(stderr, "checking against the fp64 oracle...");
       std::fflush(stderr);
     }
+    if (vs_other) {  // the last run was the other path's: run the measured one again
+      problem->forward(stream);
+      problem->backward(stream);
+      wait();
+    }
     check = problem->check_against_oracle();
     if (progress.enabled()) std::fprintf(stderr, "\r\033[K");
   }
@@ -293,7 +313,8 @@ int run_bench(const BenchOptions& o) {
     j["device_name"] = device_name(device);
     if (!device_note.empty()) j["device_note"] = device_note;
     j["kind"] = o.kind;
-    j["dtype"] = dtype_name(dtype);
+    j["dtype"] = fp8 ? "fp8" : dtype_name(dtype);
+    if (fp8) j["activation_dtype"] = dtype_name(dtype);
     j["glu"] = describe(problem->spec().glu);
     j["fusion"] = problem->fusion_ran();  // what ran (the CPU backend never fuses)
     j["fusion_requested"] = fusion_name(fusion);
@@ -318,16 +339,25 @@ int run_bench(const BenchOptions& o) {
                     {"total", {{"median", t.median}, {"min", t.min}}}};
     j["tflops"] = tflops;
     j["saved_bytes_per_token"] = problem->saved_bytes_per_token();
-    if (o.vs_unfused) {
+    if (vs_other) {
       const Stats uf = stats_of(ufwd), ub = stats_of(ubwd), ut = stats_of(utotal);
-      j["unfused_time_ms"] = {{"forward", {{"median", uf.median}, {"min", uf.min}}},
-                              {"backward", {{"median", ub.median}, {"min", ub.min}}},
-                              {"total", {{"median", ut.median}, {"min", ut.min}}}};
-      j["speedup_vs_unfused"] = ut.median / t.median;
+      j[std::string(other_name) + "_time_ms"] = {{"forward", {{"median", uf.median}, {"min", uf.min}}},
+                                                 {"backward", {{"median", ub.median}, {"min", ub.min}}},
+                                                 {"total", {{"median", ut.median}, {"min", ut.min}}}};
+      if (o.vs_bf16) j["time_ratio_fp8_vs_bf16"] = t.median / ut.median;
+      else j["speedup_vs_unfused"] = ut.median / t.median;
+    }
+    if (fp8) {
+      problem->use_fp8(false);
+      j["bf16_saved_bytes_per_token"] = problem->saved_bytes_per_token();
+      problem->use_fp8(true);
+      j["saved_bytes_ratio_fp8_vs_bf16"] =
+          double(problem->saved_bytes_per_token()) / double(j["bf16_saved_bytes_per_token"].get<int64_t>());
     }
     j["roofline_fraction"] = nullptr;  // measured against the H200 ceilings on CUDA only
     if (check)
       j["check"] = {{"oracle", "float64"},
+                    {"metric", check->metric},
                     {"rel_error", check->rel_error},
                     {"max_rel_error", check->max_rel_error},
                     {"tolerance", check->tolerance},
@@ -348,18 +378,19 @@ int run_bench(const BenchOptions& o) {
     std::printf("%-10s %12.3f %12.3f %12.4f\n", "backward", b.median, b.min,
                 flops * 2 / 3 / (b.median * 1e9));
     std::printf("%-10s %12.3f %12.3f %12.4f\n", "total", t.median, t.min, tflops);
-    if (o.vs_unfused) {
+    if (vs_other) {
       const Stats uf = stats_of(ufwd), ub = stats_of(ubwd), ut = stats_of(utotal);
-      std::printf("%-10s %12.3f %12.3f %12.4f   unfused: fwd %.3f bwd %.3f; fused is %.3fx faster\n",
-                  "unfused", ut.median, ut.min, flops / (ut.median * 1e9), uf.median, ub.median,
-                  ut.median / t.median);
+      std::printf("%-10s %12.3f %12.3f %12.4f   %s: fwd %.3f bwd %.3f; %s is %.3fx faster\n", other_name,
+                  ut.median, ut.min, flops / (ut.median * 1e9), other_name, uf.median, ub.median,
+                  o.vs_bf16 ? "fp8" : "fused", ut.median / t.median);
     }
     std::printf("saved for backward: %lld bytes per token\n", (long long)problem->saved_bytes_per_token());
     std::printf("(median of %d runs after %d warm-up%s)\n", iters, o.warmup,
                 device.is_cuda() ? "; events, no host waits between runs, L2 flushed before each" : "");
     if (check) {
-      std::printf("check against the fp64 oracle: max rel. error %.3g (tolerance %.3g): %s\n",
-                  check->max_rel_error, check->tolerance, check->passed ? "PASS" : "FAIL");
+      std::printf("check against the fp64 oracle: max %s %.3g (tolerance %.3g): %s\n",
+                  check->metric == "rel_error" ? "rel. error" : check->metric.c_str(), check->max_rel_error,
+                  check->tolerance, check->passed ? "PASS" : "FAIL");
       std::printf("  ");
       for (const auto& [name, err] : check->rel_error) std::printf(" %s %.2e", name.c_str(), err);
       std::printf("\n");

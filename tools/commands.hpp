@@ -35,6 +35,7 @@ struct BenchOptions {
   std::string fusion = "forward";  // mlp: none | forward | all (ExpertMlpSpec::fusion)
   bool recompute = false;    // mlp: keep only x; backward recomputes FC1
   bool vs_unfused = false;   // mlp: also time the unfused path, alternating with the fused one
+  bool vs_bf16 = false;      // mlp --dtype fp8: also time the bf16 MLP (--fusion), alternating
   std::string anchor;        // gemm: torch_anchor.py's JSON from the same device run
   std::string json_out;      // gemm: write the results as JSON to this file
   std::string gemm_filter;   // gemm: only this GEMM ("fc2/wgrad"); empty: all

@@ -57,7 +57,8 @@ int main(int argc, char** argv) {
                    "auto (a GPU when the CUDA backend runs the op, else the CPU), cpu, cuda[:N]")
       ->capture_default_str();
   bench_cmd->add_option("--dtype", bench.dtype,
-                        "bfloat16, float16 or float32; gemm also fp8 (block-scaled E4M3 beside bf16)")
+                        "bfloat16, float16 or float32; also fp8: block-scaled E4M3 GEMMs (gemm: beside bf16; mlp: the FP8 "
+                        "expert MLP, bf16 activations)")
       ->capture_default_str();
   bench_cmd->add_option("--glu-layout", bench.glu_layout, "halves, pairs or blocks:S")
       ->capture_default_str();
@@ -80,6 +81,9 @@ int main(int argc, char** argv) {
   bench_cmd->add_flag("--recompute", bench.recompute, "mlp: keep only x for backward (recompute FC1)");
   bench_cmd->add_flag("--vs-unfused", bench.vs_unfused,
                       "mlp: also time the unfused path (grouped GEMMs + GLU kernels), run by run alternating");
+  bench_cmd->add_flag("--vs-bf16", bench.vs_bf16,
+                      "mlp --dtype fp8: also time the bf16 MLP (with --fusion) on the same inputs, run by run "
+                      "alternating");
   bench_cmd->add_option("--anchor", bench.anchor,
                         "gemm: JSON of the anchor script from the same run (torch_anchor.py; with "
                         "--dtype fp8, bench/drivers/fp8-anchor.py)");

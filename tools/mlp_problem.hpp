@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 
 #include "moe_engine/moe_engine.hpp"
@@ -13,7 +14,8 @@
 namespace moe::tools {
 
 struct OracleCheck {
-  std::map<std::string, double> rel_error;  // per output
+  std::string metric = "rel_error";          // or "similarity_diff" (FP8)
+  std::map<std::string, double> rel_error;  // per output, in `metric`
   double max_rel_error = 0;
   double tolerance = 0;
   bool passed = false;
@@ -21,16 +23,23 @@ struct OracleCheck {
 
 class MlpProblem {
  public:
+  // fp8: also hold the FP8 MLP's state (moe_engine/expert_mlp_fp8.hpp: the weights quantized once
+  // here, what its forward keeps, its scratch), run instead of the 16-bit MLP while use_fp8(true).
   MlpProblem(const Workload& workload, const GluLayout& layout, DType dtype, Device device,
-             uint64_t seed);
+             uint64_t seed, bool fp8 = false);
   // The bytes a problem of this workload allocates (inputs, weights, outputs, gradients, workspaces),
   // known before it is built (bench's estimate); it lists the constructor's tensors, so keep the two
   // in step.
-  static int64_t bytes_needed(const Workload& workload, DType dtype);
+  static int64_t bytes_needed(const Workload& workload, DType dtype, bool fp8 = false);
 
   void forward(Stream stream = nullptr);   // y and the saved pre-activation
   void backward(Stream stream = nullptr);  // dx, dprobs and the four parameter gradients (write)
-  // Runs nothing: compares the last forward + backward with the float64 oracle.
+  // Quantizes both weights (both copies), as a module does once per optimizer step (FP8 only).
+  void quantize_weights(Stream stream = nullptr);
+  void use_fp8(bool on);
+  bool fp8_active() const { return fp8_active_; }
+  // Runs nothing: compares the last forward + backward with the float64 oracle (FP8: DeepGEMM's
+  // similarity difference per output, the bound of the FP8 MLP tests).
   OracleCheck check_against_oracle() const;
 
   const Workload& workload() const { return workload_; }
@@ -43,9 +52,8 @@ class MlpProblem {
   void set_recompute(bool recompute) { recompute_ = recompute; }
   // Bytes per token kept from forward for backward: x, the pre-activation (not with recompute) and
   // the prob (GroupedMLP's MlpContext::saved_bytes() for the same mode, per row).
-  int64_t saved_bytes_per_token() const {
-    return (workload_.hidden + (recompute_ ? 0 : 2 * workload_.ffn)) * int64_t(dtype_size(dtype_)) + 4;
-  }
+  // FP8: x's columns and the pre-activation's rows with their scales (per row of the capacity).
+  int64_t saved_bytes_per_token() const;
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
 
@@ -60,6 +68,16 @@ class MlpProblem {
   // Outputs.
   Tensor y_, fc1_out_, dx_, dprobs_, dw1_, db1_, dw2_, db2_;
   Tensor forward_ws_, backward_ws_;
+  // FP8 state (fp8 problems only).
+  struct Fp8State {
+    Tensor w1, w1_scales, w1_t, w1_scales_t, w2, w2_scales, w2_t, w2_scales_t;
+    Tensor x_columns, x_column_scales, x_offsets, h_rows, h_scales;
+    Tensor forward_ws, backward_ws;
+  };
+  std::optional<Fp8State> fp8_;
+  bool fp8_active_ = false;
+  ExpertMlpFp8Weights fp8_weights() const;
+  ExpertMlpFp8Saved fp8_saved() const;
   bool recompute_ = false;
   bool forward_fused_ = false, backward_fused_ = false;
 };

@@ -7,6 +7,7 @@
 #include "moe_engine/dtype.hpp"
 #include "moe_engine/error.hpp"
 #include "moe_engine/expert_mlp.hpp"
+#include "moe_engine/expert_mlp_fp8.hpp"
 #include "moe_engine/fp8.hpp"
 #include "moe_engine/glu.hpp"
 #include "moe_engine/group_layout.hpp"

@@ -197,6 +197,46 @@ struct ErrorSum {
 };
 }  // namespace
 
+namespace {
+struct SimilaritySum {
+  double xy = 0, xx = 0, yy = 0;
+  bool bad = false;
+  void add(double x, double y) {
+    if (!std::isfinite(x)) bad = true;
+    xy += x * y, xx += x * x, yy += y * y;
+  }
+  double value() const {
+    if (bad) return std::numeric_limits<double>::infinity();
+    return xx + yy > 0 ? 1.0 - 2.0 * xy / (xx + yy) : 0.0;
+  }
+};
+}  // namespace
+
+double similarity_diff(const Matrix& out, const Matrix& ref) {
+  if (out.cols != ref.cols || out.rows < ref.rows) return std::numeric_limits<double>::infinity();
+  SimilaritySum s;
+  for (int64_t r = 0; r < ref.rows; ++r)
+    for (int64_t c = 0; c < ref.cols; ++c) s.add(out(r, c), ref(r, c));
+  return s.value();
+}
+
+double similarity_diff(const Vector& out, const Vector& ref) {
+  if (out.size() < ref.size()) return std::numeric_limits<double>::infinity();
+  SimilaritySum s;
+  for (size_t i = 0; i < ref.size(); ++i) s.add(out[i], ref[i]);
+  return s.value();
+}
+
+double similarity_diff(const std::vector<Matrix>& out, const std::vector<Matrix>& ref) {
+  if (out.size() != ref.size()) return std::numeric_limits<double>::infinity();
+  SimilaritySum s;
+  for (size_t g = 0; g < ref.size(); ++g) {
+    if (out[g].rows != ref[g].rows || out[g].cols != ref[g].cols) return std::numeric_limits<double>::infinity();
+    for (size_t i = 0; i < ref[g].data.size(); ++i) s.add(out[g].data[i], ref[g].data[i]);
+  }
+  return s.value();
+}
+
 double rel_error(const Matrix& out, const Matrix& ref) {
   if (out.cols != ref.cols || out.rows < ref.rows) return std::numeric_limits<double>::infinity();
   ErrorSum e;

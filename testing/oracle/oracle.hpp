@@ -48,6 +48,12 @@ double rel_error(const Matrix& out, const Matrix& ref);
 double rel_error(const Vector& out, const Vector& ref);
 double rel_error(const std::vector<Matrix>& out, const std::vector<Matrix>& ref);
 
+// DeepGEMM's similarity difference 1 - 2 <out, ref> / (<out, out> + <ref, ref>) over ref's rows: 0
+// when equal, about rel_error^2 / 2 for small errors; the FP8 results' metric (inf as rel_error's).
+double similarity_diff(const Matrix& out, const Matrix& ref);
+double similarity_diff(const Vector& out, const Vector& ref);
+double similarity_diff(const std::vector<Matrix>& out, const std::vector<Matrix>& ref);
+
 // ---- grouped linear (section 2); bias is [G, N] (row g = b_g), empty = none ----
 Matrix linear_forward(const Matrix& x, const std::vector<Matrix>& w, const Splits& splits,
                               const Matrix& bias, const Vector& row_scale);

@@ -69,17 +69,7 @@ struct OwnedWeight {
   }
 };
 
-// DeepGEMM's similarity metric of two results: 1 - 2 <x, y> / (<x, x> + <y, y>), 0 when equal.
-inline double similarity_diff(const oracle::Matrix& x, const oracle::Matrix& y) {
-  double xy = 0, xx = 0, yy = 0;
-  for (int64_t r = 0; r < y.rows; ++r)
-    for (int64_t c = 0; c < y.cols; ++c) {
-      xy += x(r, c) * y(r, c);
-      xx += x(r, c) * x(r, c);
-      yy += y(r, c) * y(r, c);
-    }
-  return xx + yy > 0 ? 1.0 - 2.0 * xy / (xx + yy) : 0.0;
-}
+// DeepGEMM's similarity difference of two results: oracle::similarity_diff (found by argument type).
 
 // max |out - ref| / rms(ref) over ref's rows: an error relative to the output's scale.
 inline double max_error_vs_rms(const oracle::Matrix& out, const oracle::Matrix& ref) {

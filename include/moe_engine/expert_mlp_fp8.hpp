@@ -1,0 +1,73 @@
+// The expert MLP with FP8 block-scaled GEMMs (docs/design.md, "FP8 expert MLP"): the same math and
+// training contract as expert_mlp.hpp, y[r] = FC2(act(FC1(x[r]) + b1_g) * p[r]) + p[r] * b2_g, with
+// all six GEMMs of a forward + backward in FP8 (moe_engine/fp8.hpp):
+//   forward   x -> rows (FC1) and columns (kept for FC1's wgrad), one pass; FC1 -> h (x's dtype);
+//             h -> FP8 rows (kept for backward); act = GLU(h) * p; act -> rows; FC2 -> y.
+//   backward  dy -> rows (FC2 dgrad) and columns (FC2 wgrad); FC2 dgrad -> d_act; the kept h
+//             dequantized; GLU backward -> d_fc1 (+ dprobs, and act recomputed for FC2's wgrad,
+//             quantized by columns); d_fc1 -> rows (FC1 dgrad) and columns (FC1 wgrad).
+// The weights arrive quantized (quantize_fp8_weight, both copies: forward reads data, dgrad
+// data_t), so that a caller quantizes them once per optimizer step; the biases stay unquantized.
+// What forward keeps is FP8: x's columns (H + H/32 bytes per row) and h's rows (2F + F/16), against
+// the 16-bit path's x and h (2H + 4F). Activations are bfloat16 or float32 (the FP8 GEMMs write
+// those). The forward GLU reads h before it is quantized, the backward's the dequantized h
+// (DeepSeek-V3's recipe: the SwiGLU input cached in FP8).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "moe_engine/expert_mlp.hpp"
+#include "moe_engine/export.hpp"
+#include "moe_engine/fp8.hpp"
+#include "moe_engine/group_layout.hpp"
+#include "moe_engine/grouped_param.hpp"
+#include "moe_engine/tensor.hpp"
+#include "moe_engine/workspace.hpp"
+
+namespace moe {
+
+struct ExpertMlpFp8Weights {
+  Fp8Weight fc1;              // G x [2F, H] (rows in the GLU layout) and its transpose
+  Fp8Weight fc2;              // G x [H, F] and its transpose
+  GroupedParam fc1_bias;      // optional, G x [2F], unquantized
+  GroupedParam fc2_bias;      // optional, G x [H]; added as p[r] * b2_g
+};
+
+// What forward keeps for backward, in caller-owned memory (sizes: expert_mlp_fp8_saved_shapes).
+struct ExpertMlpFp8Saved {
+  Fp8Columns x;     // x's columns [H, C]: needed for the FC1 weight gradient, else may be undefined
+  Fp8Rows fc1_out;  // the pre-activation x W1^T + b1, rows [T, 2F]: always needed by backward
+};
+
+// The shapes of ExpertMlpFp8Saved's tensors for capacity T, G experts (all from static shapes).
+struct ExpertMlpFp8SavedShapes {
+  Shape x_data, x_scales, x_offsets;   // [H, C] e4m3, [C/128, H] float32, [G + 1] int64
+  Shape fc1_out_data, fc1_out_scales;  // [T, 2F] e4m3, [ceil(2F/128), fp8_scales_pitch(T)] float32
+};
+MOE_API ExpertMlpFp8SavedShapes expert_mlp_fp8_saved_shapes(int64_t capacity, int64_t num_groups, int64_t hidden,
+                                                            int64_t ffn);
+
+// Scratch of the forward: x's rows, h, act and act's rows.
+MOE_API size_t expert_mlp_fp8_forward_workspace_size(int64_t capacity, int64_t hidden, int64_t ffn, DType dtype);
+
+// x [T, H], y [T, H] (bfloat16 or float32, alike); probs [T] float32 or undefined (p = 1).
+// saved.fc1_out is written when defined (leave it undefined for a forward without backward), and
+// saved.x when its data is defined. spec.fusion does not apply (the FP8 steps run unfused).
+MOE_API void expert_mlp_forward(const TensorView& x, const TensorView& probs, const ExpertMlpFp8Weights& weights,
+                                const GroupLayout& groups, const TensorView& y, const ExpertMlpFp8Saved& saved,
+                                const ExpertMlpSpec& spec, const Fp8Recipe& recipe = {},
+                                const ExecContext& ctx = {});
+
+// Scratch of the backward (G: the routing's expert count; the columnwise copies are sized by it).
+MOE_API size_t expert_mlp_fp8_backward_workspace_size(int64_t capacity, int64_t num_groups, int64_t hidden,
+                                                      int64_t ffn, DType dtype);
+
+// dy [T, H] in x's dtype; saved: forward's (saved.x required when the FC1 weight gradient is asked
+// for). Gradients as in expert_mlp_backward (ParamGrad modes, dprobs including <b2_g, dy[r]>).
+MOE_API void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, const TensorView& probs,
+                                 const ExpertMlpFp8Weights& weights, const GroupLayout& groups,
+                                 const ExpertMlpGrads& grads, const ExpertMlpSpec& spec,
+                                 const Fp8Recipe& recipe = {}, const ExecContext& ctx = {});
+
+}  // namespace moe

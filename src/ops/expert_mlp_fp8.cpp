@@ -1,0 +1,243 @@
+// The FP8 expert MLP (moe_engine/expert_mlp_fp8.hpp), composed from the FP8 quantizers and GEMMs
+// and the GLU ops: every step is an op of its own, so the composition runs on every device.
+// Everything the op reads is checked before the first step runs, so that bad input fails before
+// any output or kept tensor is written.
+#include "moe_engine/expert_mlp_fp8.hpp"
+
+#include <string>
+#include <utility>
+
+#include "moe_engine/glu.hpp"
+#include "moe_engine/grouped_linear.hpp"
+#include "ops/validate.hpp"
+
+namespace moe {
+namespace {
+
+int64_t blocks_of(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
+
+// Scratch rows / columns of a [T, K] tensor.
+Fp8Rows take_rows(ops::WorkspaceCarver& c, int64_t T, int64_t K) {
+  return {c.take({T, K}, DType::kFloat8E4M3), c.take({blocks_of(K), fp8_scales_pitch(T)}, DType::kFloat32)};
+}
+Fp8Columns take_columns(ops::WorkspaceCarver& c, int64_t T, int64_t G, int64_t K) {
+  const int64_t C = fp8_columns_capacity(T, G);
+  return {c.take({K, C}, DType::kFloat8E4M3), c.take({C / kFp8Block, K}, DType::kFloat32),
+          c.take({G + 1}, DType::kInt64)};
+}
+
+struct ForwardBuffers {
+  Fp8Rows x_rows;    // FC1's operand
+  TensorView h;      // the pre-activation, in x's dtype
+  TensorView act;    // GLU(h) * p
+  Fp8Rows act_rows;  // FC2's operand
+};
+
+ForwardBuffers forward_buffers(ops::WorkspaceCarver& c, int64_t T, int64_t H, int64_t F, DType dtype) {
+  ForwardBuffers b;
+  b.x_rows = take_rows(c, T, H);
+  b.h = c.take({T, 2 * F}, dtype);
+  b.act = c.take({T, F}, dtype);
+  b.act_rows = take_rows(c, T, F);
+  return b;
+}
+
+// The GLU backward runs in place: d_fc1 over the dequantized h, the recomputed act over d_act.
+struct BackwardBuffers {
+  Fp8Rows dy_rows;        // FC2 dgrad's operand
+  Fp8Columns dy_columns;  // FC2 wgrad's
+  TensorView d_act;       // dL/d(act), then act recomputed (FC2 wgrad's other operand)
+  TensorView h;           // the kept pre-activation dequantized, then dL/d(h)
+  Fp8Columns act_columns;
+  Fp8Rows d_fc1_rows;        // FC1 dgrad's operand
+  Fp8Columns d_fc1_columns;  // FC1 wgrad's
+};
+
+BackwardBuffers backward_buffers(ops::WorkspaceCarver& c, int64_t T, int64_t G, int64_t H, int64_t F, DType dtype) {
+  BackwardBuffers b;
+  b.dy_rows = take_rows(c, T, H);
+  b.dy_columns = take_columns(c, T, G, H);
+  b.d_act = c.take({T, F}, dtype);
+  b.h = c.take({T, 2 * F}, dtype);
+  b.act_columns = take_columns(c, T, G, F);
+  b.d_fc1_rows = take_rows(c, T, 2 * F);
+  b.d_fc1_columns = take_columns(c, T, G, 2 * F);
+  return b;
+}
+
+// A quantized weight G x [n, k]: both copies when `transposed_too` (backward reads data_t).
+void check_weight(const ops::Validator& v, const char* name, const Fp8Weight& w, int64_t n, int64_t k,
+                  const char* dims, const char* dims_t, bool transposed_too) {
+  const int64_t G = v.num_groups();
+  const std::string p(name);
+  v.contiguous((p + ".data").c_str(), w.data, {G, n, k}, DType::kFloat8E4M3, dims);
+  v.contiguous((p + ".scales").c_str(), w.scales, {G, blocks_of(n), blocks_of(k)}, DType::kFloat32,
+               "[G, ceil(N/128), ceil(K/128)]");
+  if (!transposed_too) return;
+  v.contiguous((p + ".data_t").c_str(), w.data_t, {G, k, n}, DType::kFloat8E4M3, dims_t);
+  v.contiguous((p + ".scales_t").c_str(), w.scales_t, {G, blocks_of(k), blocks_of(n)}, DType::kFloat32,
+               "[G, ceil(K/128), ceil(N/128)]");
+}
+
+// Weights, biases and the GLU spec; returns {H, F}. The FC2 weight sets the sizes.
+std::pair<int64_t, int64_t> check_weights(const ops::Validator& v, const ExpertMlpFp8Weights& w,
+                                          const ExpertMlpSpec& spec, bool backward) {
+  const TensorView& fc2 = w.fc2.data;
+  if (!fc2.defined()) v.fail(ErrorCode::kInvalidArgument, "fc2.data: required tensor [G, H, F] is undefined");
+  if (fc2.dim() != 3) v.fail(ErrorCode::kShape, "fc2.data: expected a 3-D [G, H, F] tensor, got ", fc2.describe());
+  const int64_t H = fc2.size(1), F = fc2.size(2);
+  v.multiple_of_16("H", H, "fc2.data's rows");
+  v.multiple_of_16("F", F, "fc2.data's columns");
+  check_weight(v, "fc2", w.fc2, H, F, "[G, H, F]", "[G, F, H]", backward);
+  check_weight(v, "fc1", w.fc1, 2 * F, H, "[G, 2F, H]", "[G, H, 2F]", backward);
+  if (w.fc1_bias.defined()) v.param("fc1_bias", w.fc1_bias, {2 * F}, "[2F]");
+  if (w.fc2_bias.defined()) v.param("fc2_bias", w.fc2_bias, {H}, "[H]");
+  v.glu_spec(spec.glu, F);
+  return {H, F};
+}
+
+// An activation [T, K] of the MLP's dtype: bfloat16 or float32 (what the FP8 GEMMs write).
+void check_activation(const ops::Validator& v, const char* name, const TensorView& t, int64_t K, const char* dims) {
+  v.matrix(name, t, v.capacity(), K, dims);
+  if (t.dtype() != DType::kBFloat16 && t.dtype() != DType::kFloat32)
+    v.fail(ErrorCode::kDType, name, ": expected bfloat16 or float32, got ", dtype_name(t.dtype()));
+}
+
+void check_saved_rows(const ops::Validator& v, const Fp8Rows& rows, int64_t F) {
+  v.fp8_matrix("saved.fc1_out.data", rows.data, v.capacity(), 2 * F, "[T, 2F]");
+  v.scale_matrix("saved.fc1_out.scales", rows.scales, blocks_of(2 * F), -1, "[ceil(2F/128), S]");
+  if (rows.scales.size(1) < v.capacity())
+    v.fail(ErrorCode::kShape, "saved.fc1_out.scales: expected a pitch S >= T = ", v.capacity(), ", got ",
+           rows.scales.describe());
+}
+
+void check_saved_columns(const ops::Validator& v, const Fp8Columns& columns, int64_t H) {
+  const int64_t C = fp8_columns_capacity(v.capacity(), v.num_groups());
+  v.fp8_matrix("saved.x.data", columns.data, H, C, "[H, C]");
+  v.scale_matrix("saved.x.scales", columns.scales, C / kFp8Block, H, "[C/128, H]");
+  v.int64_vector("saved.x.offsets", columns.offsets, v.num_groups() + 1, "[G + 1]");
+}
+
+void check_param_grad(const ops::Validator& v, const char* name, const ParamGrad& pg, const Shape& shape,
+                      const char* dims, bool has_param) {
+  if (!pg.grad.defined()) return;
+  if (!has_param)
+    v.fail(ErrorCode::kInvalidArgument, name, ": a gradient is requested but the MLP has no ", name);
+  v.param(name, pg.grad, shape, dims);
+  v.grad_target(name, pg.grad, pg.mode);
+}
+
+}  // namespace
+
+ExpertMlpFp8SavedShapes expert_mlp_fp8_saved_shapes(int64_t capacity, int64_t num_groups, int64_t hidden,
+                                                    int64_t ffn) {
+  MOE_CHECK(hidden >= 0 && ffn >= 0, ErrorCode::kInvalidArgument,
+            "expert_mlp_fp8_saved_shapes: expected H >= 0 and F >= 0, got H = ", hidden, ", F = ", ffn);
+  const int64_t C = fp8_columns_capacity(capacity, num_groups);
+  return {{hidden, C},
+          {C / kFp8Block, hidden},
+          {num_groups + 1},
+          {capacity, 2 * ffn},
+          {blocks_of(2 * ffn), fp8_scales_pitch(capacity)}};
+}
+
+size_t expert_mlp_fp8_forward_workspace_size(int64_t capacity, int64_t hidden, int64_t ffn, DType dtype) {
+  ops::WorkspaceCarver c;
+  forward_buffers(c, capacity, hidden, ffn, dtype);
+  return c.used();
+}
+
+size_t expert_mlp_fp8_backward_workspace_size(int64_t capacity, int64_t num_groups, int64_t hidden, int64_t ffn,
+                                              DType dtype) {
+  ops::WorkspaceCarver c;
+  backward_buffers(c, capacity, num_groups, hidden, ffn, dtype);
+  return c.used();
+}
+
+void expert_mlp_forward(const TensorView& x, const TensorView& probs, const ExpertMlpFp8Weights& weights,
+                        const GroupLayout& groups, const TensorView& y, const ExpertMlpFp8Saved& saved,
+                        const ExpertMlpSpec& spec, const Fp8Recipe& recipe, const ExecContext& ctx) {
+  const ops::Validator v("expert_mlp_forward (fp8)", groups);
+  const auto [H, F] = check_weights(v, weights, spec, /*backward=*/false);
+  const int64_t T = v.capacity();
+  check_activation(v, "x", x, H, "[T, H]");
+  check_activation(v, "y", y, H, "[T, H]");
+  v.same_dtype("y", y.dtype(), "x", x.dtype());
+  v.no_overlap("y", y, "x", x);
+  if (probs.defined()) v.row_scale("probs", probs);
+  if (saved.fc1_out.data.defined() || saved.fc1_out.scales.defined()) check_saved_rows(v, saved.fc1_out, F);
+  if (saved.x.data.defined()) check_saved_columns(v, saved.x, H);
+  v.workspace(ctx.workspace, expert_mlp_fp8_forward_workspace_size(T, H, F, x.dtype()),
+              "expert_mlp_fp8_forward_workspace_size");
+
+  ops::WorkspaceCarver carver(ctx.workspace);
+  const ForwardBuffers b = forward_buffers(carver, T, H, F, x.dtype());
+  quantize_fp8(x, groups, b.x_rows, saved.x.data.defined() ? saved.x : Fp8Columns{}, recipe, ctx);
+  grouped_linear_forward(b.x_rows, weights.fc1, groups, b.h, {weights.fc1_bias, {}}, ctx);
+  if (saved.fc1_out.data.defined()) quantize_fp8(b.h, groups, saved.fc1_out, {}, recipe, ctx);
+  glu_forward(b.h, probs, groups, b.act, spec.glu, ctx);
+  quantize_fp8(b.act, groups, b.act_rows, {}, recipe, ctx);
+  const TensorView fc2_scale = weights.fc2_bias.defined() ? probs : TensorView{};
+  grouped_linear_forward(b.act_rows, weights.fc2, groups, y, {weights.fc2_bias, fc2_scale}, ctx);
+}
+
+void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, const TensorView& probs,
+                         const ExpertMlpFp8Weights& weights, const GroupLayout& groups, const ExpertMlpGrads& grads,
+                         const ExpertMlpSpec& spec, const Fp8Recipe& recipe, const ExecContext& ctx) {
+  const ops::Validator v("expert_mlp_backward (fp8)", groups);
+  const auto [H, F] = check_weights(v, weights, spec, /*backward=*/true);
+  const int64_t T = v.capacity(), G = v.num_groups();
+  check_activation(v, "dy", dy, H, "[T, H]");
+  check_saved_rows(v, saved.fc1_out, F);
+  const bool fc1_wgrad = grads.fc1_weight.grad.defined(), fc2_wgrad = grads.fc2_weight.grad.defined();
+  if (fc1_wgrad) {
+    if (!saved.x.data.defined())
+      v.fail(ErrorCode::kInvalidArgument,
+             "saved.x: the FC1 weight gradient is requested but forward kept no columns of x");
+    check_saved_columns(v, saved.x, H);
+  }
+  if (probs.defined()) v.row_scale("probs", probs);
+  if (grads.dx.defined()) {
+    check_activation(v, "dx", grads.dx, H, "[T, H]");
+    v.same_dtype("dx", grads.dx.dtype(), "dy", dy.dtype());
+    v.no_overlap("dx", grads.dx, "dy", dy);
+  }
+  if (grads.dprobs.defined()) {
+    if (!probs.defined()) v.fail(ErrorCode::kInvalidArgument, "dprobs is requested but no probs were given");
+    v.row_scale("dprobs", grads.dprobs);
+  }
+  check_param_grad(v, "fc1_weight", grads.fc1_weight, {2 * F, H}, "[2F, H]", true);
+  check_param_grad(v, "fc2_weight", grads.fc2_weight, {H, F}, "[H, F]", true);
+  check_param_grad(v, "fc1_bias", grads.fc1_bias, {2 * F}, "[2F]", weights.fc1_bias.defined());
+  check_param_grad(v, "fc2_bias", grads.fc2_bias, {H}, "[H]", weights.fc2_bias.defined());
+  v.workspace(ctx.workspace, expert_mlp_fp8_backward_workspace_size(T, G, H, F, dy.dtype()),
+              "expert_mlp_fp8_backward_workspace_size");
+
+  ops::WorkspaceCarver carver(ctx.workspace);
+  const BackwardBuffers b = backward_buffers(carver, T, G, H, F, dy.dtype());
+  quantize_fp8(dy, groups, b.dy_rows, fc2_wgrad ? b.dy_columns : Fp8Columns{}, recipe, ctx);
+  grouped_linear_dgrad(b.dy_rows, weights.fc2, groups, b.d_act, ctx);
+  dequantize_fp8(saved.fc1_out, groups, b.h, ctx);
+  const TensorView act = fc2_wgrad ? b.d_act : TensorView{};
+  glu_backward(b.h, probs, b.d_act, groups, {b.h, grads.dprobs, act}, spec.glu, ctx);
+  const TensorView& d_fc1 = b.h;
+  // y holds + p * b2, so dprobs also gets <b2_g, dy[r]>.
+  if (grads.dprobs.defined() && weights.fc2_bias.defined())
+    grouped_linear_dscales(dy, weights.fc2_bias, groups, grads.dprobs, /*accumulate=*/true, ctx);
+  if (fc2_wgrad) {
+    quantize_fp8(act, groups, {}, b.act_columns, recipe, ctx);
+    grouped_linear_wgrad(b.dy_columns, b.act_columns, groups, grads.fc2_weight.grad, grads.fc2_weight.mode, ctx);
+  }
+  if (grads.fc2_bias.grad.defined())
+    grouped_linear_dbias(dy, groups, grads.fc2_bias.grad, grads.fc2_bias.mode, probs, ctx);
+  if (grads.fc1_bias.grad.defined())
+    grouped_linear_dbias(d_fc1, groups, grads.fc1_bias.grad, grads.fc1_bias.mode, {}, ctx);
+  if (!grads.dx.defined() && !fc1_wgrad) return;
+  quantize_fp8(d_fc1, groups, grads.dx.defined() ? b.d_fc1_rows : Fp8Rows{},
+               fc1_wgrad ? b.d_fc1_columns : Fp8Columns{}, recipe, ctx);
+  if (fc1_wgrad)
+    grouped_linear_wgrad(b.d_fc1_columns, saved.x, groups, grads.fc1_weight.grad, grads.fc1_weight.mode, ctx);
+  if (grads.dx.defined()) grouped_linear_dgrad(b.d_fc1_rows, weights.fc1, groups, grads.dx, ctx);
+}
+
+}  // namespace moe
