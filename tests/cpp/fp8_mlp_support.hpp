@@ -57,8 +57,7 @@ struct Fp8MlpWeights {
   }
 };
 
-// Buffers of one forward + backward on a device: outputs poisoned, gradients float32 in `mode`
-// (kAccumulate starts from the given main_grad contents).
+// Buffers of one forward + backward on a device: outputs poisoned, gradients float32.
 struct Fp8MlpBuffers {
   Fp8MlpRun out;
   Tensor x, p, dy, fws, bws;
@@ -77,14 +76,15 @@ struct Fp8MlpBuffers {
     bws = Tensor::empty({int64_t(expert_mlp_fp8_backward_workspace_size(c.T, c.G, c.H, c.F, c.dt))}, DType::kUInt8,
                         device);
   }
+  // `mode` for the weight gradients; the bias gradients are written.
   ExpertMlpGrads grads(GradMode mode = GradMode::kWrite) const {
     ExpertMlpGrads g;
     g.dx = out.dx;
     g.dprobs = out.dprobs;
     g.fc1_weight = {GroupedParam::packed(out.dw1), mode};
     g.fc2_weight = {GroupedParam::packed(out.dw2), mode};
-    if (out.db1.defined()) g.fc1_bias = {GroupedParam::packed(out.db1), mode};
-    if (out.db2.defined()) g.fc2_bias = {GroupedParam::packed(out.db2), mode};
+    if (out.db1.defined()) g.fc1_bias = {GroupedParam::packed(out.db1), GradMode::kWrite};
+    if (out.db2.defined()) g.fc2_bias = {GroupedParam::packed(out.db2), GradMode::kWrite};
     return g;
   }
   // Forward then backward on `stream`.
