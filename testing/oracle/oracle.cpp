@@ -181,7 +181,9 @@ double mlp_tolerance(DType dtype) {
 }
 
 namespace {
-// Accumulates squared norms; NaN/inf in `out` poison the result.
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// ||out - ref|| / ||ref||; NaN/inf in `out` poison the result.
 struct ErrorSum {
   double diff = 0, ref = 0;
   bool bad = false;
@@ -191,13 +193,12 @@ struct ErrorSum {
     ref += r * r;
   }
   double value() const {
-    if (bad) return std::numeric_limits<double>::infinity();
+    if (bad) return kInf;
     return ref > 0 ? std::sqrt(diff / ref) : std::sqrt(diff);
   }
 };
-}  // namespace
 
-namespace {
+// 1 - 2 <out, ref> / (<out, out> + <ref, ref>); NaN/inf in `out` poison the result.
 struct SimilaritySum {
   double xy = 0, xx = 0, yy = 0;
   bool bad = false;
@@ -206,61 +207,50 @@ struct SimilaritySum {
     xy += x * y, xx += x * x, yy += y * y;
   }
   double value() const {
-    if (bad) return std::numeric_limits<double>::infinity();
+    if (bad) return kInf;
     return xx + yy > 0 ? 1.0 - 2.0 * xy / (xx + yy) : 0.0;
   }
 };
-}  // namespace
 
-double similarity_diff(const Matrix& out, const Matrix& ref) {
-  if (out.cols != ref.cols || out.rows < ref.rows) return std::numeric_limits<double>::infinity();
-  SimilaritySum s;
+// Feeds every (out, ref) pair over ref's extent into a Sum; inf when the shapes do not match.
+template <class Sum>
+double compare(const Matrix& out, const Matrix& ref) {
+  if (out.cols != ref.cols || out.rows < ref.rows) return kInf;
+  Sum s;
   for (int64_t r = 0; r < ref.rows; ++r)
     for (int64_t c = 0; c < ref.cols; ++c) s.add(out(r, c), ref(r, c));
   return s.value();
 }
 
-double similarity_diff(const Vector& out, const Vector& ref) {
-  if (out.size() < ref.size()) return std::numeric_limits<double>::infinity();
-  SimilaritySum s;
+template <class Sum>
+double compare(const Vector& out, const Vector& ref) {
+  if (out.size() < ref.size()) return kInf;
+  Sum s;
   for (size_t i = 0; i < ref.size(); ++i) s.add(out[i], ref[i]);
   return s.value();
 }
 
-double similarity_diff(const std::vector<Matrix>& out, const std::vector<Matrix>& ref) {
-  if (out.size() != ref.size()) return std::numeric_limits<double>::infinity();
-  SimilaritySum s;
+template <class Sum>
+double compare(const std::vector<Matrix>& out, const std::vector<Matrix>& ref) {
+  if (out.size() != ref.size()) return kInf;
+  Sum s;
   for (size_t g = 0; g < ref.size(); ++g) {
-    if (out[g].rows != ref[g].rows || out[g].cols != ref[g].cols) return std::numeric_limits<double>::infinity();
+    if (out[g].rows != ref[g].rows || out[g].cols != ref[g].cols) return kInf;
     for (size_t i = 0; i < ref[g].data.size(); ++i) s.add(out[g].data[i], ref[g].data[i]);
   }
   return s.value();
 }
+}  // namespace
 
-double rel_error(const Matrix& out, const Matrix& ref) {
-  if (out.cols != ref.cols || out.rows < ref.rows) return std::numeric_limits<double>::infinity();
-  ErrorSum e;
-  for (int64_t r = 0; r < ref.rows; ++r)
-    for (int64_t c = 0; c < ref.cols; ++c) e.add(out(r, c), ref(r, c));
-  return e.value();
-}
-
-double rel_error(const Vector& out, const Vector& ref) {
-  if (out.size() < ref.size()) return std::numeric_limits<double>::infinity();
-  ErrorSum e;
-  for (size_t i = 0; i < ref.size(); ++i) e.add(out[i], ref[i]);
-  return e.value();
-}
-
+double rel_error(const Matrix& out, const Matrix& ref) { return compare<ErrorSum>(out, ref); }
+double rel_error(const Vector& out, const Vector& ref) { return compare<ErrorSum>(out, ref); }
 double rel_error(const std::vector<Matrix>& out, const std::vector<Matrix>& ref) {
-  if (out.size() != ref.size()) return std::numeric_limits<double>::infinity();
-  ErrorSum e;
-  for (size_t g = 0; g < ref.size(); ++g) {
-    if (out[g].rows != ref[g].rows || out[g].cols != ref[g].cols)
-      return std::numeric_limits<double>::infinity();
-    for (size_t i = 0; i < ref[g].data.size(); ++i) e.add(out[g].data[i], ref[g].data[i]);
-  }
-  return e.value();
+  return compare<ErrorSum>(out, ref);
+}
+double similarity_diff(const Matrix& out, const Matrix& ref) { return compare<SimilaritySum>(out, ref); }
+double similarity_diff(const Vector& out, const Vector& ref) { return compare<SimilaritySum>(out, ref); }
+double similarity_diff(const std::vector<Matrix>& out, const std::vector<Matrix>& ref) {
+  return compare<SimilaritySum>(out, ref);
 }
 
 Matrix linear_forward(const Matrix& x, const std::vector<Matrix>& w, const Splits& splits,
