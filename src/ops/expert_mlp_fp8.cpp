@@ -7,8 +7,12 @@
 #include <string>
 #include <utility>
 
+#include "moe_engine/config.hpp"
 #include "moe_engine/glu.hpp"
 #include "moe_engine/grouped_linear.hpp"
+#if MOE_ENGINE_WITH_CUDA
+#include "cuda/backend.hpp"
+#endif
 #include "ops/validate.hpp"
 
 namespace moe {
@@ -51,6 +55,7 @@ struct BackwardBuffers {
   Fp8Columns act_columns;
   Fp8Rows d_fc1_rows;        // FC1 dgrad's operand
   Fp8Columns d_fc1_columns;  // FC1 wgrad's
+  TensorView dprobs_shares;  // the fused step's dprobs per 128 features [T, ceil(F/128)]
 };
 
 BackwardBuffers backward_buffers(ops::WorkspaceCarver& c, int64_t T, int64_t G, int64_t H, int64_t F, DType dtype) {
@@ -62,6 +67,7 @@ BackwardBuffers backward_buffers(ops::WorkspaceCarver& c, int64_t T, int64_t G, 
   b.act_columns = take_columns(c, T, G, F);
   b.d_fc1_rows = take_rows(c, T, 2 * F);
   b.d_fc1_columns = take_columns(c, T, G, 2 * F);
+  b.dprobs_shares = c.take({T, blocks_of(F)}, DType::kFloat32);
   return b;
 }
 
@@ -174,9 +180,19 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs, const Expe
   const ForwardBuffers b = forward_buffers(carver, T, H, F, x.dtype());
   quantize_fp8(x, groups, b.x_rows, saved.x.data.defined() ? saved.x : Fp8Columns{}, recipe, ctx);
   grouped_linear_forward(b.x_rows, weights.fc1, groups, b.h, {weights.fc1_bias, {}}, ctx);
-  if (saved.fc1_out.data.defined()) quantize_fp8(b.h, groups, saved.fc1_out, {}, recipe, ctx);
-  glu_forward(b.h, probs, groups, b.act, spec.glu, ctx);
-  quantize_fp8(b.act, groups, b.act_rows, {}, recipe, ctx);
+  bool fused = false;  // h quantized, GLU and act quantized in one pass (CUDA, where it takes the layout)
+  ops::dispatch(
+      v, [] {},
+      [&] {
+        if (spec.fusion != MlpFusion::kNone)
+          MOE_CUDA_ONLY(fused = cuda::fp8_glu_quantize(b.h, probs, groups, saved.fc1_out, b.act_rows, spec.glu, recipe,
+                                                       ctx.stream));
+      });
+  if (!fused) {
+    if (saved.fc1_out.data.defined()) quantize_fp8(b.h, groups, saved.fc1_out, {}, recipe, ctx);
+    glu_forward(b.h, probs, groups, b.act, spec.glu, ctx);
+    quantize_fp8(b.act, groups, b.act_rows, {}, recipe, ctx);
+  }
   const TensorView fc2_scale = weights.fc2_bias.defined() ? probs : TensorView{};
   grouped_linear_forward(b.act_rows, weights.fc2, groups, y, {weights.fc2_bias, fc2_scale}, ctx);
 }
@@ -217,24 +233,39 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
   const BackwardBuffers b = backward_buffers(carver, T, G, H, F, dy.dtype());
   quantize_fp8(dy, groups, b.dy_rows, fc2_wgrad ? b.dy_columns : Fp8Columns{}, recipe, ctx);
   grouped_linear_dgrad(b.dy_rows, weights.fc2, groups, b.d_act, ctx);
-  dequantize_fp8(saved.fc1_out, groups, b.h, ctx);
-  const TensorView act = fc2_wgrad ? b.d_act : TensorView{};
-  glu_backward(b.h, probs, b.d_act, groups, {b.h, grads.dprobs, act}, spec.glu, ctx);
+  // The step between FC2's dgrad and the weight gradients in one pass (CUDA): both weight
+  // gradients asked for (it writes both columnwise copies, on dy's column offsets), no FC1 bias
+  // gradient (that reads dL/dh unquantized).
+  bool fused = false;
+  if (spec.fusion != MlpFusion::kNone && fc1_wgrad && fc2_wgrad && !grads.fc1_bias.grad.defined())
+    ops::dispatch(
+        v, [] {},
+        [&] {
+          MOE_CUDA_ONLY(fused = cuda::fp8_glu_backward_quantize(
+                            saved.fc1_out, b.d_act, probs, groups, b.dy_columns.offsets,
+                            grads.dx.defined() ? b.d_fc1_rows : Fp8Rows{}, b.d_fc1_columns, b.act_columns,
+                            grads.dprobs, b.dprobs_shares, spec.glu, recipe, ctx.stream));
+        });
+  if (!fused) {
+    dequantize_fp8(saved.fc1_out, groups, b.h, ctx);
+    const TensorView act = fc2_wgrad ? b.d_act : TensorView{};
+    glu_backward(b.h, probs, b.d_act, groups, {b.h, grads.dprobs, act}, spec.glu, ctx);
+    if (fc2_wgrad) quantize_fp8(act, groups, {}, b.act_columns, recipe, ctx);
+  }
   const TensorView& d_fc1 = b.h;
   // y holds + p * b2, so dprobs also gets <b2_g, dy[r]>.
   if (grads.dprobs.defined() && weights.fc2_bias.defined())
     grouped_linear_dscales(dy, weights.fc2_bias, groups, grads.dprobs, /*accumulate=*/true, ctx);
-  if (fc2_wgrad) {
-    quantize_fp8(act, groups, {}, b.act_columns, recipe, ctx);
+  if (fc2_wgrad)
     grouped_linear_wgrad(b.dy_columns, b.act_columns, groups, grads.fc2_weight.grad, grads.fc2_weight.mode, ctx);
-  }
   if (grads.fc2_bias.grad.defined())
     grouped_linear_dbias(dy, groups, grads.fc2_bias.grad, grads.fc2_bias.mode, probs, ctx);
   if (grads.fc1_bias.grad.defined())
     grouped_linear_dbias(d_fc1, groups, grads.fc1_bias.grad, grads.fc1_bias.mode, {}, ctx);
   if (!grads.dx.defined() && !fc1_wgrad) return;
-  quantize_fp8(d_fc1, groups, grads.dx.defined() ? b.d_fc1_rows : Fp8Rows{},
-               fc1_wgrad ? b.d_fc1_columns : Fp8Columns{}, recipe, ctx);
+  if (!fused)
+    quantize_fp8(d_fc1, groups, grads.dx.defined() ? b.d_fc1_rows : Fp8Rows{},
+                 fc1_wgrad ? b.d_fc1_columns : Fp8Columns{}, recipe, ctx);
   if (fc1_wgrad)
     grouped_linear_wgrad(b.d_fc1_columns, saved.x, groups, grads.fc1_weight.grad, grads.fc1_weight.mode, ctx);
   if (grads.dx.defined()) grouped_linear_dgrad(b.d_fc1_rows, weights.fc1, groups, grads.dx, ctx);

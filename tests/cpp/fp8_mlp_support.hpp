@@ -89,13 +89,14 @@ struct Fp8MlpBuffers {
   }
   // Forward then backward on `stream`.
   void step(const Fp8MlpCase& c, const Fp8MlpWeights& w, const GroupLayout& groups, Stream stream = nullptr,
-            GradMode mode = GradMode::kWrite) const {
+            GradMode mode = GradMode::kWrite, MlpFusion fusion = MlpFusion::kForward,
+            const Fp8Recipe& recipe = {}) const {
     const Device device = fws.device();
     const ExpertMlpFp8Saved saved{out.saved_x.view(), out.saved_h.view()};
-    const ExpertMlpSpec spec{c.glu};
-    expert_mlp_forward(x, p, w.view(), groups, out.y, saved, spec, {},
+    const ExpertMlpSpec spec{c.glu, fusion};
+    expert_mlp_forward(x, p, w.view(), groups, out.y, saved, spec, recipe,
                        {stream, {fws.data(), fws.nbytes(), device}});
-    expert_mlp_backward(dy, saved, p, w.view(), groups, grads(mode), spec, {},
+    expert_mlp_backward(dy, saved, p, w.view(), groups, grads(mode), spec, recipe,
                         {stream, {bws.data(), bws.nbytes(), device}});
   }
 };

@@ -91,6 +91,49 @@ TEST_F(GpuFp8Mlp, RunsAreBitIdentical) {
   for (size_t i = 0; i < x.size(); ++i) EXPECT_TRUE(bitwise_equal(test::to_host(*x[i]), test::to_host(*y[i]))) << i;
 }
 
+// The fused steps around the GLU (forward: h and act quantized in the GLU's pass; backward: h
+// dequantized, the GLU backward, dL/dh by rows and columns and act by columns in one pass) against
+// the unfused ops: the same bytes everywhere but dprobs (summed in another order), over the layouts
+// they take (half-warp and run blocks), ones they leave to the unfused steps, both activation
+// dtypes and power-of-two scales.
+TEST_F(GpuFp8Mlp, FusedStepsEqualTheUnfusedOps) {
+  Rng rng;
+  struct Case {
+    const char* layout;
+    int64_t F;
+    DType dt;
+    bool pow2;
+  };
+  const Case cases[] = {{"pairs", 208, DType::kBFloat16, false},     {"blocks:32", 192, DType::kBFloat16, true},
+                        {"blocks:64", 320, DType::kFloat32, false},   {"blocks:128", 256, DType::kBFloat16, false},
+                        {"halves", 384, DType::kBFloat16, false},     {"halves", 144, DType::kFloat32, false},
+                        {"blocks:8", 112, DType::kBFloat16, true},    {"blocks:2", 96, DType::kBFloat16, false}};
+  for (const Case& k : cases) {
+    SCOPED_TRACE(std::string(k.layout) + " F=" + std::to_string(k.F) + " " + dtype_name(k.dt) +
+                 (k.pow2 ? " pow2" : ""));
+    DualRouting r({150, 0, 1, 300, 129}, 640);
+    const Fp8MlpCase c(rng, 640, 5, 160, k.F, k.dt, spec_of(GluActivation::kSwiGLU, GluLayout::parse(k.layout)), false,
+                       true);
+    const Fp8MlpWeights w(c, Device::cuda(0));
+    const Fp8MlpBuffers fused(c, Device::cuda(0)), unfused(c, Device::cuda(0));
+    const Fp8Recipe recipe{k.pow2, 0.f};
+    fused.step(c, w, r.gpu, nullptr, GradMode::kWrite, MlpFusion::kForward, recipe);
+    unfused.step(c, w, r.gpu, nullptr, GradMode::kWrite, MlpFusion::kNone, recipe);
+    synchronize(nullptr);
+    const auto a = outputs_of(fused.out), b = outputs_of(unfused.out);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i)
+      if (a[i] != &fused.out.dprobs)
+        EXPECT_TRUE(bitwise_equal(test::to_host(*a[i]), test::to_host(*b[i]))) << "output " << i;
+    const int64_t rows = r.cpu.rows();
+    EXPECT_LE(oracle::similarity_diff(head_of(test::to_host(fused.out.dprobs), rows),
+                                      head_of(test::to_host(unfused.out.dprobs), rows)),
+              1e-9)
+        << "dprobs";
+    expect_fp8_mlp_matches_oracle(c, r.cpu, to_host(fused.out));
+  }
+}
+
 // Offsets + quantization + the six FP8 GEMMs + GLU, with main_grad accumulation, captured once;
 // replayed with new routings (one expert taking almost all rows among them), equal bit for bit
 // to eager runs and right against the oracle.

@@ -225,6 +225,13 @@ TEST_P(GpuFp8Gemm, ColumnsWgradMatchesFloat64) {
       if (c.splits[size_t(g)] == 0)
         EXPECT_EQ(0, std::memcmp(acc.data_as<float>() + g * N * K, base.data_as<float>() + g * N * K, size_t(N * K) * 4))
             << "empty expert " << g << " changed under accumulate";
+    // Per-expert main_grad tensors (one map per expert): bit-identical to the packed result.
+    PerExpertCopy per_expert(to_gpu(base));
+    grouped_linear_wgrad(dy_c, x_c, routing.gpu, per_expert.param, GradMode::kAccumulate);
+    for (int64_t g = 0; g < G; ++g)
+      EXPECT_EQ(0, std::memcmp(to_host(per_expert.experts[size_t(g)]).data(), acc.data_as<float>() + g * N * K,
+                               size_t(N * K) * 4))
+          << c.name << ": per-expert main_grad of expert " << g << " differs from the packed one";
   }
 }
 

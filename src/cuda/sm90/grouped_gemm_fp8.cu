@@ -40,7 +40,7 @@ void launch_fp8_out(const GroupedGemmProblem& pr, const PreparedFp8& r, Stream s
 }
 
 template <class Pipe>
-PreparedFp8 prepare_fp8(const GroupedGemmProblem& pr) {
+PreparedFp8 prepare_fp8(const GroupedGemmProblem& pr, Stream stream) {
   using Cfg = typename Pipe::Cfg;
   constexpr uint32_t kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kBK = Cfg::kBlockK;
   const uint32_t chunk_cols = 128 / uint32_t(dtype_size(pr.out_dtype));
@@ -63,7 +63,12 @@ PreparedFp8 prepare_fp8(const GroupedGemmProblem& pr) {
     r.a = make_tensor_map_3d(pr.a, pr.in_dtype, 1, N, pr.capacity, pr.a_row_stride, N * pr.a_row_stride, kBK, kBM);
     r.b = make_tensor_map_3d(pr.b.base, pr.in_dtype, 1, K, pr.capacity, pr.b_row_stride, K * pr.b_row_stride, kBK,
                              kBN / 2);
-    r.d = make_tensor_map_3d(pr.d.base, pr.out_dtype, G, N, K, pr.d_row_stride, N * K, chunk_cols, 64);
+    // A per-expert dW: one map per expert (the store epilogue picks it by group); expert 0's map
+    // stands in for the packed one.
+    const void* d_base = pr.d.table ? pr.d.experts->expert(0).data() : pr.d.base;
+    r.d = make_tensor_map_3d(d_base, pr.out_dtype, pr.d.table ? 1 : G, N, K, pr.d_row_stride, N * K, chunk_cols, 64);
+    if (pr.d.table)
+      params.d_maps = expert_tensor_maps(pr.device, stream, *pr.d.experts, pr.out_dtype, N, K, chunk_cols, 64);
   } else {
     // Y [T, N] = X W_g^T (forward), or dX [T, K] = dY (W_g^T)^T over the transposed copy (dgrad).
     params.n_out = int32_t(N);
@@ -79,7 +84,7 @@ PreparedFp8 prepare_fp8(const GroupedGemmProblem& pr) {
 
 template <class Pipe>
 void run_with(const GroupedGemmProblem& pr, Stream stream) {
-  const PreparedFp8 r = prepare_fp8<Pipe>(pr);
+  const PreparedFp8 r = prepare_fp8<Pipe>(pr, stream);
   if (pr.form == Form::kWgrad) return launch_fp8_out<Form::kWgrad, Pipe>(pr, r, stream);
   launch_fp8_out<Form::kForward, Pipe>(pr, r, stream);
 }
@@ -100,8 +105,15 @@ bool can_run_fp8(const GroupedGemmProblem& p, std::string* why) {
   if (p.bias.defined() && (p.form != Form::kForward || p.bias_dtype != DType::kBFloat16 || p.bias.table))
     return no("the FP8 forward's bias must be one packed bfloat16 tensor");
   if (p.accumulate && p.out_dtype != DType::kFloat32) return no("accumulation needs a float32 output");
-  if (p.b.table || p.d.table) return no("the FP8 kernels take packed weights and gradients");
-  if (!is_aligned(p.a, 16) || !is_aligned(p.b.base, 16) || !is_aligned(p.d.base, 16) || !is_aligned(p.a_scales, 4) ||
+  if (p.b.table) return no("the FP8 kernels take packed (quantized) weights");
+  if (p.d.table && p.form != Form::kWgrad) return no("internal: a per-expert output of an M-grouped FP8 GEMM");
+  if (p.d.table) {  // per-expert dW: one TMA map per expert, each 16-byte aligned
+    if (!p.d.experts) return no("per-expert gradients without their host-side views");
+    for (int64_t g = 0; g < p.d.experts->num_groups(); ++g)
+      if (!is_aligned(p.d.experts->expert(g).data(), 16)) return no("TMA needs every per-expert gradient 16-byte aligned");
+  }
+  if (!is_aligned(p.a, 16) || !is_aligned(p.b.base, 16) || (!p.d.table && !is_aligned(p.d.base, 16)) ||
+      !is_aligned(p.a_scales, 4) ||
       !is_aligned(p.b_scales, 4))
     return no("TMA needs 16-byte aligned data pointers (scales: 4-byte aligned)");
   const size_t out = dtype_size(p.out_dtype);
