@@ -233,11 +233,12 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
   const BackwardBuffers b = backward_buffers(carver, T, G, H, F, dy.dtype());
   quantize_fp8(dy, groups, b.dy_rows, fc2_wgrad ? b.dy_columns : Fp8Columns{}, recipe, ctx);
   grouped_linear_dgrad(b.dy_rows, weights.fc2, groups, b.d_act, ctx);
-  // The step between FC2's dgrad and the weight gradients in one pass (CUDA): both weight
-  // gradients asked for (it writes both columnwise copies, on dy's column offsets), no FC1 bias
-  // gradient (that reads dL/dh unquantized).
+  // The step between FC2's dgrad and the weight gradients in one pass (CUDA, fusion
+  // kForwardBackward: it measured no faster than the separate steps, docs/performance-log.md): both
+  // weight gradients asked for (it writes both columnwise copies, on dy's column offsets), no FC1
+  // bias gradient (that reads dL/dh unquantized).
   bool fused = false;
-  if (spec.fusion != MlpFusion::kNone && fc1_wgrad && fc2_wgrad && !grads.fc1_bias.grad.defined())
+  if (spec.fusion == MlpFusion::kForwardBackward && fc1_wgrad && fc2_wgrad && !grads.fc1_bias.grad.defined())
     ops::dispatch(
         v, [] {},
         [&] {

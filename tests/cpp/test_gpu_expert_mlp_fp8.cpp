@@ -117,7 +117,7 @@ TEST_F(GpuFp8Mlp, FusedStepsEqualTheUnfusedOps) {
     const Fp8MlpWeights w(c, Device::cuda(0));
     const Fp8MlpBuffers fused(c, Device::cuda(0)), unfused(c, Device::cuda(0));
     const Fp8Recipe recipe{k.pow2, 0.f};
-    fused.step(c, w, r.gpu, nullptr, GradMode::kWrite, MlpFusion::kForward, recipe);
+    fused.step(c, w, r.gpu, nullptr, GradMode::kWrite, MlpFusion::kForwardBackward, recipe);
     unfused.step(c, w, r.gpu, nullptr, GradMode::kWrite, MlpFusion::kNone, recipe);
     synchronize(nullptr);
     const auto a = outputs_of(fused.out), b = outputs_of(unfused.out);

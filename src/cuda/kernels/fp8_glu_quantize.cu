@@ -223,6 +223,7 @@ template <class T>
 struct TileShared {
   T dh[kFp8Block][2 * kFeatures];  // dL/dh of the tile's features, gate run then linear run (or as h's columns)
   T act[kFp8Block][kFeatures];
+  uint32_t act_amax[2][kFeatures];  // act's column amaxes over each half of the tile's tokens
 };
 
 // The dequantized values of 4 E4M3 bytes, rounded as dequantize_fp8 stores them in T.
@@ -245,26 +246,41 @@ __device__ __forceinline__ T from(float v) {
   else return __float2bfloat16_rn(v);
 }
 
+// The amax bits of rows [first, first + kRows) of column c of a tile in shared memory.
+template <int kRows, class T, int kWidth>
+__device__ __forceinline__ uint32_t column_amax(const T (*tile)[kWidth], int c, int first) {
+  uint32_t amax = 0;
+#pragma unroll 8
+  for (int r = 0; r < kRows; ++r) amax = max(amax, detail::fp8_abs_bits(as_float(tile[first + r][c])));
+  return amax;
+}
+
+// Rows [first, first + kRows) of column c quantized with scale s into kRows bytes at `out`.
+template <int kRows, class T, int kWidth>
+__device__ __forceinline__ void quantize_column_rows(const T (*tile)[kWidth], int c, int first,
+                                                     const detail::Fp8TileScale& s, uint8_t* out) {
+#pragma unroll
+  for (int r0 = 0; r0 < kRows; r0 += 16) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = first + r0 + 4 * i;
+      const float v[4] = {as_float(tile[r][c]), as_float(tile[r + 1][c]), as_float(tile[r + 2][c]),
+                          as_float(tile[r + 3][c])};
+      w[i] = quantize4(v, s.multiplier);
+    }
+    *reinterpret_cast<uint4*>(out + r0) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 // Quantizes one column of `rows` x `width` values in shared memory (column `c`) into 128 bytes at
 // `out`, returning the scale.
 template <class T, int kWidth>
 __device__ __forceinline__ float quantize_column(const T (*tile)[kWidth], int c, uint8_t* out, bool pow2,
                                                  float epsilon) {
-  uint32_t amax = 0;
-#pragma unroll 8
-  for (int r = 0; r < kFp8Block; ++r) amax = max(amax, detail::fp8_abs_bits(as_float(tile[r][c])));
-  const detail::Fp8TileScale s = detail::fp8_tile_scale(amax, pow2, epsilon);
-#pragma unroll
-  for (int r0 = 0; r0 < kFp8Block; r0 += 16) {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float v[4] = {as_float(tile[r0 + 4 * i][c]), as_float(tile[r0 + 4 * i + 1][c]),
-                          as_float(tile[r0 + 4 * i + 2][c]), as_float(tile[r0 + 4 * i + 3][c])};
-      w[i] = quantize4(v, s.multiplier);
-    }
-    *reinterpret_cast<uint4*>(out + r0) = make_uint4(w[0], w[1], w[2], w[3]);
-  }
+  const detail::Fp8TileScale s =
+      detail::fp8_tile_scale(column_amax<kFp8Block>(tile, c, 0), pow2, epsilon);
+  quantize_column_rows<kFp8Block>(tile, c, 0, s, out);
   return s.scale;
 }
 
@@ -308,101 +324,128 @@ __global__ void __launch_bounds__(kThreads) fp8_glu_backward_quantize_kernel(con
     const int32_t gate_at = kHBlocks == HBlocks::kRuns ? col - gate0 : col - 2 * f0;
     const int32_t linear_at = kHBlocks == HBlocks::kRuns ? kFeatures + gate_at : gate_at + p.block;
 
-    // ---- rows: one warp per token ----
-    for (int32_t rr = int32_t(warp); rr < kFp8Block; rr += kWarps) {
-      if (rr >= tokens) {  // past the expert's last token: zeros for the column quantizers
-        if (live) {
+    // ---- rows: one warp per token, kBatch tokens' loads in flight at once ----
+    constexpr int kBatch = 4;
+    auto zero_row = [&](int32_t rr) {  // past the expert's last token: zeros for the column quantizers
+      if (!live) return;
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            tile.act[rr][4 * lane + i] = from<T>(0.f);
-            if constexpr (kPairs) {
-              tile.dh[rr][gate_at + 2 * i] = from<T>(0.f);
-              tile.dh[rr][gate_at + 2 * i + 1] = from<T>(0.f);
-            } else {
-              tile.dh[rr][gate_at + i] = from<T>(0.f);
-              tile.dh[rr][linear_at + i] = from<T>(0.f);
-            }
-          }
+      for (int i = 0; i < 4; ++i) {
+        tile.act[rr][4 * lane + i] = from<T>(0.f);
+        if constexpr (kPairs) {
+          tile.dh[rr][gate_at + 2 * i] = from<T>(0.f);
+          tile.dh[rr][gate_at + 2 * i + 1] = from<T>(0.f);
+        } else {
+          tile.dh[rr][gate_at + i] = from<T>(0.f);
+          tile.dh[rr][linear_at + i] = from<T>(0.f);
         }
-        continue;
       }
-      const int64_t r = token0 + rr;
-      float gate[4] = {}, linear[4] = {}, d[4] = {};
-      if (live) {
+    };
+    for (int32_t first = int32_t(warp); first < kFp8Block; first += kBatch * kWarps) {
+      // The batch's tokens first + 8 q: the kept h's words and scales and d_act, all loads issued.
+      uint32_t h_word[kBatch][2] = {};
+      float h_scale[kBatch][2] = {}, d_in[kBatch][4] = {}, prob_in[kBatch];
+#pragma unroll
+      for (int q = 0; q < kBatch; ++q) {
+        const int32_t rr = first + kWarps * q;
+        const int64_t r = token0 + rr;
+        prob_in[q] = 1.f;
+        if (rr >= tokens) continue;
+        if (p.probs != nullptr) prob_in[q] = __ldg(p.probs + r);
+        if (!live) continue;
         const uint8_t* hr = p.h_data + r * p.h_data_ld;
         if constexpr (kPairs) {
           const uint2 w = *reinterpret_cast<const uint2*>(hr + col);
-          const float scale = p.h_scales[(col / kFp8Block) * p.h_scales_ld + r];
-          float a[4], b[4];
-          dequantize4<T>(w.x, scale, a);
-          dequantize4<T>(w.y, scale, b);
-          gate[0] = a[0], linear[0] = a[1], gate[1] = a[2], linear[1] = a[3];
-          gate[2] = b[0], linear[2] = b[1], gate[3] = b[2], linear[3] = b[3];
+          h_word[q][0] = w.x, h_word[q][1] = w.y;
+          h_scale[q][0] = h_scale[q][1] = p.h_scales[(col / kFp8Block) * p.h_scales_ld + r];
         } else {
-          dequantize4<T>(*reinterpret_cast<const uint32_t*>(hr + col),
-                         p.h_scales[(col / kFp8Block) * p.h_scales_ld + r], gate);
-          dequantize4<T>(*reinterpret_cast<const uint32_t*>(hr + col + p.block),
-                         p.h_scales[((col + p.block) / kFp8Block) * p.h_scales_ld + r], linear);
+          h_word[q][0] = *reinterpret_cast<const uint32_t*>(hr + col);
+          h_word[q][1] = *reinterpret_cast<const uint32_t*>(hr + col + p.block);
+          h_scale[q][0] = p.h_scales[(col / kFp8Block) * p.h_scales_ld + r];
+          h_scale[q][1] = p.h_scales[((col + p.block) / kFp8Block) * p.h_scales_ld + r];
         }
-        load4(static_cast<const T*>(p.d_act) + r * p.d_act_ld + f, d);
+        load4(static_cast<const T*>(p.d_act) + r * p.d_act_ld + f, d_in[q]);
       }
-      const float prob = p.probs != nullptr ? __ldg(p.probs + r) : 1.f;
-      float dgate[4], dlinear[4], act[4], dp = 0.f;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float a, dg, dl;
-        p.math.backward(gate[i], linear[i], d[i] * prob, a, dg, dl);
-        dgate[i] = live ? stored<T>(dg) : 0.f;
-        dlinear[i] = live ? stored<T>(dl) : 0.f;
-        act[i] = live ? stored<T>(a * prob) : 0.f;
-        dp += live ? a * d[i] : 0.f;
-      }
-      if (p.dprobs_partial != nullptr) {  // uniform
-        dp = lanes_sum(dp);
-        if (lane == 0) p.dprobs_partial[r * p.partial_ld + fb] = dp;
-      }
-      if (p.dh_rows != nullptr) {  // uniform
-        uint32_t gate_amax = amax_bits4(dgate), linear_amax = amax_bits4(dlinear);
-        int64_t gate_block, linear_block;
-        if constexpr (kHBlocks == HBlocks::kHalfWarps) {
-          gate_amax = linear_amax = lanes_max<16>(max(gate_amax, linear_amax));
-          gate_block = linear_block = 2 * int64_t(fb) + lane / 16;
-        } else {
-          gate_amax = lanes_max<32>(gate_amax);
-          linear_amax = lanes_max<32>(linear_amax);
-          gate_block = gate0 / kFp8Block;
-          linear_block = (gate0 + p.block) / kFp8Block;
+      for (int q = 0; q < kBatch; ++q) {
+        const int32_t rr = first + kWarps * q;
+        if (rr >= tokens) {
+          zero_row(rr);
+          continue;
         }
-        const detail::Fp8TileScale gs = detail::fp8_tile_scale(gate_amax, p.pow2, p.epsilon);
-        const detail::Fp8TileScale ls = detail::fp8_tile_scale(linear_amax, p.pow2, p.epsilon);
-        uint8_t* out = p.dh_rows + r * p.dh_rows_ld;
+        const int64_t r = token0 + rr;
+        const float prob = prob_in[q];
+        float gate[4] = {}, linear[4] = {};
+        const float(&d)[4] = d_in[q];
         if (live) {
           if constexpr (kPairs) {
-            const float a[4] = {dgate[0], dlinear[0], dgate[1], dlinear[1]};
-            const float b[4] = {dgate[2], dlinear[2], dgate[3], dlinear[3]};
-            *reinterpret_cast<uint2*>(out + col) = make_uint2(quantize4(a, gs.multiplier), quantize4(b, gs.multiplier));
+            float a[4], b[4];
+            dequantize4<T>(h_word[q][0], h_scale[q][0], a);
+            dequantize4<T>(h_word[q][1], h_scale[q][1], b);
+            gate[0] = a[0], linear[0] = a[1], gate[1] = a[2], linear[1] = a[3];
+            gate[2] = b[0], linear[2] = b[1], gate[3] = b[2], linear[3] = b[3];
           } else {
-            *reinterpret_cast<uint32_t*>(out + col) = quantize4(dgate, gs.multiplier);
-            *reinterpret_cast<uint32_t*>(out + col + p.block) = quantize4(dlinear, ls.multiplier);
+            dequantize4<T>(h_word[q][0], h_scale[q][0], gate);
+            dequantize4<T>(h_word[q][1], h_scale[q][1], linear);
           }
         }
-        if constexpr (kHBlocks == HBlocks::kHalfWarps) {
-          if (lane % 16 == 0 && live) p.dh_row_scales[gate_block * p.dh_row_scales_ld + r] = gs.scale;
-        } else if (lane == 0) {
-          p.dh_row_scales[gate_block * p.dh_row_scales_ld + r] = gs.scale;
-          p.dh_row_scales[linear_block * p.dh_row_scales_ld + r] = ls.scale;
-        }
-      }
-      if (live) {
+        float dgate[4], dlinear[4], act[4], dp = 0.f;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          tile.act[rr][4 * lane + i] = from<T>(act[i]);
-          if constexpr (kPairs) {
-            tile.dh[rr][gate_at + 2 * i] = from<T>(dgate[i]);
-            tile.dh[rr][gate_at + 2 * i + 1] = from<T>(dlinear[i]);
+          float a, dg, dl;
+          p.math.backward(gate[i], linear[i], d[i] * prob, a, dg, dl);
+          dgate[i] = live ? stored<T>(dg) : 0.f;
+          dlinear[i] = live ? stored<T>(dl) : 0.f;
+          act[i] = live ? stored<T>(a * prob) : 0.f;
+          dp += live ? a * d[i] : 0.f;
+        }
+        if (p.dprobs_partial != nullptr) {  // uniform
+          dp = lanes_sum(dp);
+          if (lane == 0) p.dprobs_partial[r * p.partial_ld + fb] = dp;
+        }
+        if (p.dh_rows != nullptr) {  // uniform
+          uint32_t gate_amax = amax_bits4(dgate), linear_amax = amax_bits4(dlinear);
+          int64_t gate_block, linear_block;
+          if constexpr (kHBlocks == HBlocks::kHalfWarps) {
+            gate_amax = linear_amax = lanes_max<16>(max(gate_amax, linear_amax));
+            gate_block = linear_block = 2 * int64_t(fb) + lane / 16;
           } else {
-            tile.dh[rr][gate_at + i] = from<T>(dgate[i]);
-            tile.dh[rr][linear_at + i] = from<T>(dlinear[i]);
+            gate_amax = lanes_max<32>(gate_amax);
+            linear_amax = lanes_max<32>(linear_amax);
+            gate_block = gate0 / kFp8Block;
+            linear_block = (gate0 + p.block) / kFp8Block;
+          }
+          const detail::Fp8TileScale gs = detail::fp8_tile_scale(gate_amax, p.pow2, p.epsilon);
+          const detail::Fp8TileScale ls = detail::fp8_tile_scale(linear_amax, p.pow2, p.epsilon);
+          uint8_t* out = p.dh_rows + r * p.dh_rows_ld;
+          if (live) {
+            if constexpr (kPairs) {
+              const float a[4] = {dgate[0], dlinear[0], dgate[1], dlinear[1]};
+              const float b[4] = {dgate[2], dlinear[2], dgate[3], dlinear[3]};
+              *reinterpret_cast<uint2*>(out + col) =
+                  make_uint2(quantize4(a, gs.multiplier), quantize4(b, gs.multiplier));
+            } else {
+              *reinterpret_cast<uint32_t*>(out + col) = quantize4(dgate, gs.multiplier);
+              *reinterpret_cast<uint32_t*>(out + col + p.block) = quantize4(dlinear, ls.multiplier);
+            }
+          }
+          if constexpr (kHBlocks == HBlocks::kHalfWarps) {
+            if (lane % 16 == 0 && live) p.dh_row_scales[gate_block * p.dh_row_scales_ld + r] = gs.scale;
+          } else if (lane == 0) {
+            p.dh_row_scales[gate_block * p.dh_row_scales_ld + r] = gs.scale;
+            p.dh_row_scales[linear_block * p.dh_row_scales_ld + r] = ls.scale;
+          }
+        }
+        if (live) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            tile.act[rr][4 * lane + i] = from<T>(act[i]);
+            if constexpr (kPairs) {
+              tile.dh[rr][gate_at + 2 * i] = from<T>(dgate[i]);
+              tile.dh[rr][gate_at + 2 * i + 1] = from<T>(dlinear[i]);
+            } else {
+              tile.dh[rr][gate_at + i] = from<T>(dgate[i]);
+              tile.dh[rr][linear_at + i] = from<T>(dlinear[i]);
+            }
           }
         }
       }
@@ -416,15 +459,21 @@ __global__ void __launch_bounds__(kThreads) fp8_glu_backward_quantize_kernel(con
                                                        : 2 * int64_t(f0) + c;
       const bool valid = kHBlocks == HBlocks::kRuns ? f0 + (c % kFeatures) < p.ffn : h_col < 2 * int64_t(p.ffn);
       if (valid) {
-        const float scale = quantize_column<T, 2 * kFeatures>(tile.dh, c, p.dh_columns + h_col * p.dh_columns_ld + j * kFp8Block,
-                                                              p.pow2, p.epsilon);
+        uint8_t* out = p.dh_columns + h_col * p.dh_columns_ld + j * kFp8Block;
+        const float scale = quantize_column<T, 2 * kFeatures>(tile.dh, c, out, p.pow2, p.epsilon);
         p.dh_column_scales[j * 2 * int64_t(p.ffn) + h_col] = scale;
       }
-      if (c < kFeatures && f0 + c < p.ffn) {
-        const int64_t feature = f0 + c;
-        const float scale = quantize_column<T, kFeatures>(tile.act, c, p.act_columns + feature * p.act_columns_ld + j * kFp8Block,
-                                                          p.pow2, p.epsilon);
-        p.act_column_scales[j * int64_t(p.ffn) + feature] = scale;
+      // act: two threads per column, each over half of the tokens.
+      const int32_t ac = c % kFeatures, half = c / kFeatures;
+      const int64_t feature = f0 + ac;
+      if (feature < p.ffn) tile.act_amax[half][ac] = column_amax<kFp8Block / 2>(tile.act, ac, 64 * half);
+      __syncthreads();
+      if (feature < p.ffn) {
+        const detail::Fp8TileScale s =
+            detail::fp8_tile_scale(max(tile.act_amax[0][ac], tile.act_amax[1][ac]), p.pow2, p.epsilon);
+        quantize_column_rows<kFp8Block / 2>(tile.act, ac, 64 * half, s,
+                                            p.act_columns + feature * p.act_columns_ld + j * kFp8Block + 64 * half);
+        if (half == 0) p.act_column_scales[j * int64_t(p.ffn) + feature] = s.scale;
       }
     }
     __syncthreads();  // the tile's shared memory is reused by the next item
