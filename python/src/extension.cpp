@@ -635,6 +635,88 @@ void expert_mlp_backward_py(const TensorArg& dy_arg, const std::optional<TensorA
   });
 }
 
+// ---- the FP8 expert MLP (moe_engine/expert_mlp_fp8.hpp) ----
+
+// A quantized weight from its tensors; the transposed copy is None where the op does not read it
+// (forward reads data and scales only).
+Fp8Weight fp8_weight_of(const Call& c, const char* data_name, const TensorArg& data, const char* scales_name,
+                        const TensorArg& scales, const char* data_t_name, const std::optional<TensorArg>& data_t,
+                        const char* scales_t_name, const std::optional<TensorArg>& scales_t) {
+  return {c(data_name, data), c(scales_name, scales), c(data_t_name, data_t), c(scales_t_name, scales_t)};
+}
+
+// What forward keeps: x's columns (None: not kept, no FC1 weight gradient) and h's rows (None: a
+// forward without backward).
+ExpertMlpFp8Saved fp8_saved_of(const Call& c, const std::optional<TensorArg>& x_data,
+                               const std::optional<TensorArg>& x_scales, const std::optional<TensorArg>& x_offsets,
+                               const std::optional<TensorArg>& h_data, const std::optional<TensorArg>& h_scales) {
+  return {{c("saved.x.data", x_data), c("saved.x.scales", x_scales), c("saved.x.offsets", x_offsets)},
+          {c("saved.fc1_out.data", h_data), c("saved.fc1_out.scales", h_scales)}};
+}
+
+void expert_mlp_fp8_forward_py(const TensorArg& x_arg, const std::optional<TensorArg>& probs_arg,
+                               const TensorArg& w1_data, const TensorArg& w1_scales, const TensorArg& w2_data,
+                               const TensorArg& w2_scales, const GroupedArg& b1, const GroupedArg& b2,
+                               const Routing& routing, const TensorArg& y_arg,
+                               const std::optional<TensorArg>& saved_x_data,
+                               const std::optional<TensorArg>& saved_x_scales,
+                               const std::optional<TensorArg>& saved_x_offsets,
+                               const std::optional<TensorArg>& saved_h_data,
+                               const std::optional<TensorArg>& saved_h_scales, const GluSpec& glu,
+                               const std::string& fusion, bool pow2_scales, float amax_epsilon,
+                               const std::optional<TensorArg>& workspace_arg, uintptr_t stream) {
+  const Call c{"expert_mlp_fp8_forward", stream_of(stream)};
+  const TensorView x = c("x", x_arg), probs = c("probs", probs_arg), y = c("y", y_arg),
+                   workspace = c("workspace", workspace_arg);
+  const ExpertMlpFp8Weights weights{
+      fp8_weight_of(c, "fc1.data", w1_data, "fc1.scales", w1_scales, "fc1.data_t", {}, "fc1.scales_t", {}),
+      fp8_weight_of(c, "fc2.data", w2_data, "fc2.scales", w2_scales, "fc2.data_t", {}, "fc2.scales_t", {}),
+      c.param("fc1_bias", b1, 1), c.param("fc2_bias", b2, 1)};
+  const ExpertMlpFp8Saved saved =
+      fp8_saved_of(c, saved_x_data, saved_x_scales, saved_x_offsets, saved_h_data, saved_h_scales);
+  const ExpertMlpSpec spec{glu, parse_fusion(fusion)};
+  const Fp8Recipe recipe{pow2_scales, amax_epsilon};
+  c.run(routing, {y}, [&](const GroupLayout& g, const ExecContext& e) {
+    expert_mlp_forward(x, probs, weights, g, y, saved, spec, recipe, with_workspace(e, workspace));
+  });
+}
+
+// The weight gradients go into the given buffers with their modes; the bias gradients are written.
+void expert_mlp_fp8_backward_py(
+    const TensorArg& dy_arg, const std::optional<TensorArg>& saved_x_data,
+    const std::optional<TensorArg>& saved_x_scales, const std::optional<TensorArg>& saved_x_offsets,
+    const TensorArg& saved_h_data, const TensorArg& saved_h_scales, const std::optional<TensorArg>& probs_arg,
+    const TensorArg& w1_data, const TensorArg& w1_scales, const TensorArg& w1_data_t, const TensorArg& w1_scales_t,
+    const TensorArg& w2_data, const TensorArg& w2_scales, const TensorArg& w2_data_t, const TensorArg& w2_scales_t,
+    const GroupedArg& b1, const GroupedArg& b2, const Routing& routing, const std::optional<TensorArg>& dx_arg,
+    const std::optional<TensorArg>& dprobs_arg, const GroupedArg& fc1_weight_grad, const std::string& fc1_weight_mode,
+    const GroupedArg& fc1_bias_grad, const GroupedArg& fc2_weight_grad, const std::string& fc2_weight_mode,
+    const GroupedArg& fc2_bias_grad, const GluSpec& glu, const std::string& fusion, bool pow2_scales,
+    float amax_epsilon, const std::optional<TensorArg>& workspace_arg, uintptr_t stream) {
+  const Call c{"expert_mlp_fp8_backward", stream_of(stream)};
+  const TensorView dy = c("dy", dy_arg), probs = c("probs", probs_arg), workspace = c("workspace", workspace_arg);
+  const ExpertMlpFp8Weights weights{
+      fp8_weight_of(c, "fc1.data", w1_data, "fc1.scales", w1_scales, "fc1.data_t", w1_data_t, "fc1.scales_t",
+                    w1_scales_t),
+      fp8_weight_of(c, "fc2.data", w2_data, "fc2.scales", w2_scales, "fc2.data_t", w2_data_t, "fc2.scales_t",
+                    w2_scales_t),
+      c.param("fc1_bias", b1, 1), c.param("fc2_bias", b2, 1)};
+  const ExpertMlpFp8Saved saved =
+      fp8_saved_of(c, saved_x_data, saved_x_scales, saved_x_offsets, saved_h_data, saved_h_scales);
+  ExpertMlpGrads grads;
+  grads.dx = c("dx", dx_arg);
+  grads.dprobs = c("dprobs", dprobs_arg);
+  grads.fc1_weight = {c.param("fc1_weight_grad", fc1_weight_grad, 2), parse_grad_mode(fc1_weight_mode)};
+  grads.fc1_bias = {c.param("fc1_bias_grad", fc1_bias_grad, 1), GradMode::kWrite};
+  grads.fc2_weight = {c.param("fc2_weight_grad", fc2_weight_grad, 2), parse_grad_mode(fc2_weight_mode)};
+  grads.fc2_bias = {c.param("fc2_bias_grad", fc2_bias_grad, 1), GradMode::kWrite};
+  const ExpertMlpSpec spec{glu, parse_fusion(fusion)};
+  const Fp8Recipe recipe{pow2_scales, amax_epsilon};
+  c.run(routing, {grads.dx, grads.dprobs}, [&](const GroupLayout& g, const ExecContext& e) {
+    expert_mlp_backward(dy, saved, probs, weights, g, grads, spec, recipe, with_workspace(e, workspace));
+  });
+}
+
 // ---- the GLU spec as one value ----
 
 // Its one-line form, "activation=clamped_qgeglu,layout=blocks:32,limit=7,alpha=1.702,offset=1":
@@ -828,6 +910,49 @@ void bind_ops(nb::module_& m) {
         arg("fc1_out").none(), arg("dx").none(), arg("dprobs").none(), arg("fc1_weight_grad"),
         arg("fc1_weight_mode"), arg("fc1_bias_grad"), arg("fc2_weight_grad"), arg("fc2_weight_mode"),
         arg("fc2_bias_grad"), arg("spec"), arg("fusion"), arg("workspace").none(), arg("stream"));
+  m.def("expert_mlp_fp8_forward", &expert_mlp_fp8_forward_py, arg("x"), arg("probs").none(), arg("fc1_data"),
+        arg("fc1_scales"), arg("fc2_data"), arg("fc2_scales"), arg("fc1_bias"), arg("fc2_bias"), arg("routing"),
+        arg("y"), arg("saved_x_data").none(), arg("saved_x_scales").none(), arg("saved_x_offsets").none(),
+        arg("saved_h_data").none(), arg("saved_h_scales").none(), arg("spec"), arg("fusion"), arg("pow2_scales"),
+        arg("amax_epsilon"), arg("workspace").none(), arg("stream"),
+        "The expert MLP with its six GEMMs in FP8 (forward): y, and what backward needs kept in FP8 (x's columns "
+        "when given, for the FC1 weight gradient; h's rows when given). The weights arrive quantized. fusion: none "
+        "runs every step as its own op; otherwise, on CUDA, the steps around the GLU run fused (the same bytes).");
+  m.def("expert_mlp_fp8_backward", &expert_mlp_fp8_backward_py, arg("dy"), arg("saved_x_data").none(),
+        arg("saved_x_scales").none(), arg("saved_x_offsets").none(), arg("saved_h_data"), arg("saved_h_scales"),
+        arg("probs").none(), arg("fc1_data"), arg("fc1_scales"), arg("fc1_data_t"), arg("fc1_scales_t"),
+        arg("fc2_data"), arg("fc2_scales"), arg("fc2_data_t"), arg("fc2_scales_t"), arg("fc1_bias"),
+        arg("fc2_bias"), arg("routing"), arg("dx").none(), arg("dprobs").none(), arg("fc1_weight_grad"),
+        arg("fc1_weight_mode"), arg("fc1_bias_grad"), arg("fc2_weight_grad"), arg("fc2_weight_mode"),
+        arg("fc2_bias_grad"), arg("spec"), arg("fusion"), arg("pow2_scales"), arg("amax_epsilon"),
+        arg("workspace").none(), arg("stream"));
+  m.def(
+      "expert_mlp_fp8_saved_shapes",
+      [](int64_t T, int64_t G, int64_t H, int64_t F) {
+        const ExpertMlpFp8SavedShapes s = expert_mlp_fp8_saved_shapes(T, G, H, F);
+        auto list = [](const Shape& shape) { return std::vector<int64_t>(shape.begin(), shape.end()); };
+        nb::dict d;
+        d["x_data"] = list(s.x_data);
+        d["x_scales"] = list(s.x_scales);
+        d["x_offsets"] = list(s.x_offsets);
+        d["fc1_out_data"] = list(s.fc1_out_data);
+        d["fc1_out_scales"] = list(s.fc1_out_scales);
+        return d;
+      },
+      arg("capacity"), arg("num_groups"), arg("hidden"), arg("ffn"),
+      "The shapes of what the FP8 expert MLP's forward keeps, for T tokens and G experts.");
+  m.def(
+      "expert_mlp_fp8_forward_workspace_size",
+      [](int64_t T, int64_t H, int64_t F, const std::string& dtype) {
+        return expert_mlp_fp8_forward_workspace_size(T, H, F, dtype_from_name(dtype));
+      },
+      arg("capacity"), arg("hidden"), arg("ffn"), arg("dtype"));
+  m.def(
+      "expert_mlp_fp8_backward_workspace_size",
+      [](int64_t T, int64_t G, int64_t H, int64_t F, const std::string& dtype) {
+        return expert_mlp_fp8_backward_workspace_size(T, G, H, F, dtype_from_name(dtype));
+      },
+      arg("capacity"), arg("num_groups"), arg("hidden"), arg("ffn"), arg("dtype"));
   m.def("check_errors", &check_errors_py, arg("device"), arg("stream") = 0);
   m.def("init_device", &init_device_py, arg("device"));
 

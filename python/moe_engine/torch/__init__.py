@@ -6,9 +6,11 @@ import torch as _torch  # noqa: F401  (fails early with a clear ImportError when
 
 from .fp8 import (
     Fp8Columns,
+    Fp8Recipe,
     Fp8Rows,
     Fp8Tensor,
     Fp8Weight,
+    expert_mlp_fp8,
     fp8_columns_capacity,
     fp8_scales_pitch,
     grouped_linear_fp8,
@@ -18,7 +20,7 @@ from .fp8 import (
     quantize_fp8_weight,
 )
 from .modules import GroupedLinear, GroupedMLP, normalize_grouped_keys
-from .offload import ActivationOffload, mark_not_offload, no_offload
+from .offload import ActivationOffload, mark_as_weight, mark_not_offload, no_offload
 from .ops import (
     check_errors,
     expert_mlp,
@@ -37,9 +39,11 @@ from .ops import (
 __all__ = [
     "ActivationOffload",
     "Fp8Columns",
+    "Fp8Recipe",
     "Fp8Rows",
     "Fp8Tensor",
     "Fp8Weight",
+    "mark_as_weight",
     "mark_not_offload",
     "no_offload",
     "GroupedLinear",
@@ -47,6 +51,7 @@ __all__ = [
     "check_errors",
     "expert_mlp",
     "expert_mlp_backward",
+    "expert_mlp_fp8",
     "fp8_columns_capacity",
     "fp8_scales_pitch",
     "glu",

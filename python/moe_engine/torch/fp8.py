@@ -13,8 +13,10 @@ The C++ library's operand types become frozen dataclasses that callers pass arou
 Torch's dispatcher carries tensors only, so the custom ops take and return the dataclasses' tensors
 one by one; the functional functions flatten and rebuild them. Every op has a fake implementation
 (shapes only), so it traces under ``torch.compile``; none reads ``splits`` on the host, so all are
-CUDA-graph safe. The FP8 ops have no autograd formulas: they are the pieces a caller's own
-backward (or an FP8 module) is built from.
+CUDA-graph safe. The quantizers and GEMMs have no autograd formulas: they are the pieces a
+caller's own backward (or an FP8 module) is built from. ``expert_mlp_fp8`` (the C++ FP8 expert MLP)
+is differentiable; ``Fp8Recipe`` says how to quantize, and ``Fp8WeightCache`` keeps a module's
+quantized weights until they change.
 
 Parts of an FP8 operand that no expert owns are not written and hold whatever the allocator gave:
 rows past ``sum(splits)`` (data and scales), columns past the last expert's segment. No GEMM reads
@@ -23,15 +25,18 @@ them. The GEMMs' outputs are ordinary fresh outputs: their rows past ``sum(split
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from .. import _C
-from ._bridge import grouped, is_packed, routing_for_capacity, routing_like, routing_of, routing_tensor, stream_of
-from .ops import Experts, _as_list
+from ._bridge import (dtype_name, grouped, is_packed, routing_for_capacity, routing_like, routing_of, routing_tensor,
+                      stream_of)
+from .offload import mark_as_weight
+from .ops import Experts, _as_list, _glu_spec, _rows_cols, _workspace, glu_text, new_expert_grads, split_like
 
 FP8_BLOCK = 128  # the tile length along the quantized axis
 FP8_DTYPE = torch.float8_e4m3fn  # E4M3: the library's float8_e4m3 (largest finite 448, NaN 0x7f)
@@ -138,6 +143,55 @@ class Fp8Weight:
         return _repr(self, ("data", "scales", "data_t", "scales_t"))
 
 
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How the FP8 modules and ``expert_mlp_fp8`` quantize (C++ ``moe::Fp8Recipe``, plus
+    TransformerEngine's ``override_linear_precision``).
+
+    - ``pow2_scales``: every tile's multiplier rounded down to a power of two, so its scale is an
+      exact power of two (TransformerEngine's ``power_2_scale``).
+    - ``amax_epsilon``: the lower bound of every tile's amax (finite, >= 0).
+    - ``override_linear_precision``: (fprop, dgrad, wgrad); a GEMM whose flag is True runs in the
+      module's dtype on the unquantized operands. ``GroupedLinear`` honours it; the expert MLP runs
+      all six GEMMs in FP8 and refuses any override.
+    """
+
+    pow2_scales: bool = False
+    amax_epsilon: float = 0.0
+    override_linear_precision: Tuple[bool, bool, bool] = (False, False, False)
+
+    def __post_init__(self):
+        if not isinstance(self.pow2_scales, bool):
+            raise TypeError(f"Fp8Recipe: pow2_scales: expected a bool, got {type(self.pow2_scales).__name__}")
+        eps = self.amax_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            raise TypeError(f"Fp8Recipe: amax_epsilon: expected a float, got {type(eps).__name__}")
+        if not (math.isfinite(eps) and eps >= 0):
+            raise ValueError(f"Fp8Recipe: amax_epsilon: expected a finite value >= 0, got {eps}")
+        override = self.override_linear_precision
+        if (not isinstance(override, (tuple, list)) or len(override) != 3
+                or not all(isinstance(v, bool) for v in override)):
+            raise TypeError("Fp8Recipe: override_linear_precision: expected three bools (fprop, dgrad, wgrad), "
+                            f"got {override!r}")
+        object.__setattr__(self, "amax_epsilon", float(eps))
+        object.__setattr__(self, "override_linear_precision", tuple(override))
+
+
+def check_recipe(who: str, recipe, all_fp8: bool, name: str = "fp8_recipe") -> Fp8Recipe:
+    """``recipe`` (the argument ``name`` of ``who``) as an Fp8Recipe (None: the default one);
+    ``all_fp8``: the caller runs every GEMM in FP8, so no override may be set."""
+    if recipe is None:
+        return Fp8Recipe()
+    if not isinstance(recipe, Fp8Recipe):
+        raise TypeError(f"{who}: {name}: expected a moe_engine.torch.Fp8Recipe or None, got "
+                        f"{type(recipe).__name__}")
+    if all_fp8 and any(recipe.override_linear_precision):
+        raise ValueError(f"{who}: {name}: the expert MLP runs all six GEMMs in FP8; "
+                         f"override_linear_precision must be (False, False, False), got "
+                         f"{recipe.override_linear_precision} (GroupedLinear honours overrides)")
+    return recipe
+
+
 # ---- allocation (shared by the real and the fake implementations) ----
 
 
@@ -189,19 +243,22 @@ def _weight_outputs(weight: Sequence[Tensor], rowwise: bool, columnwise: bool):
 
 @torch.library.custom_op("moe_engine::quantize_fp8", mutates_args=())
 def _quantize_fp8(x: Tensor, splits: Tensor, rowwise: bool, columnwise: bool, pow2_scales: bool,
-                  amax_epsilon: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  amax_epsilon: float, routing: Optional[Tensor] = None
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(rows data, rows scales, columns data, columns scales, columns offsets, routing); the parts
-    not requested are empty ``[0]`` tensors."""
+    not requested are empty ``[0]`` tensors. ``routing``: a routing tensor of the same splits and
+    rows to reuse (a module's backward passes its forward's); the returned routing tensor is a new
+    tensor over the offsets used."""
     outs = _quantize_outputs(x, splits, rowwise, columnwise)
     stream = stream_of(x)
-    r = routing_of("quantize_fp8", "x", x, splits, stream)
+    r = routing_of("quantize_fp8", "x", x, splits, stream, routing)
     rd, rs, cd, cs, co = (t if want else None for t, want in zip(outs, (rowwise,) * 2 + (columnwise,) * 3))
     _C.quantize_fp8(x, r, rd, rs, cd, cs, co, pow2_scales, amax_epsilon, stream)
     return outs + (routing_tensor(r),)
 
 
 @_quantize_fp8.register_fake
-def _(x, splits, rowwise, columnwise, pow2_scales, amax_epsilon):
+def _(x, splits, rowwise, columnwise, pow2_scales, amax_epsilon, routing=None):
     return _quantize_outputs(x, splits, rowwise, columnwise) + (routing_like(splits),)
 
 
@@ -219,6 +276,22 @@ def _quantize_fp8_weight(weight: List[Tensor], rowwise: bool, columnwise: bool, 
 @_quantize_fp8_weight.register_fake
 def _(weight, rowwise, columnwise, pow2_scales, amax_epsilon):
     return _weight_outputs(weight, rowwise, columnwise)
+
+
+# Into existing buffers: a module's weight cache keeps its addresses (a captured CUDA graph reads
+# them) when it quantizes a changed weight again.
+@torch.library.custom_op("moe_engine::quantize_fp8_weight_", mutates_args=("data", "scales", "data_t", "scales_t"))
+def _quantize_fp8_weight_(weight: List[Tensor], data: Optional[Tensor], scales: Optional[Tensor],
+                          data_t: Optional[Tensor], scales_t: Optional[Tensor], pow2_scales: bool,
+                          amax_epsilon: float) -> None:
+    """quantize_fp8_weight into the given tensors; a pair left None is not written."""
+    stream = stream_of(weight[0]) if len(weight) else 0
+    _C.quantize_fp8_weight(grouped(weight, 2), data, scales, data_t, scales_t, pow2_scales, amax_epsilon, stream)
+
+
+@_quantize_fp8_weight_.register_fake
+def _(weight, data, scales, data_t, scales_t, pow2_scales, amax_epsilon):
+    return None
 
 
 @torch.library.custom_op("moe_engine::grouped_linear_fp8", mutates_args=())
@@ -302,17 +375,31 @@ def quantize_fp8(x: Tensor, splits: Tensor, rowwise: bool = True, columnwise: bo
 
 
 def quantize_fp8_weight(weight: Experts, rowwise: bool = True, columnwise: bool = True, pow2_scales: bool = False,
-                        amax_epsilon: float = 0.0) -> Fp8Weight:
+                        amax_epsilon: float = 0.0, out: Optional[Fp8Weight] = None) -> Fp8Weight:
     """A weight packed ``[G, N, K]`` or G tensors ``[N, K]`` (N, K multiples of 16) in 128 x 128
     blocks: ``rowwise`` the forward's ``data``/``scales``, ``columnwise`` the transposed copy
-    ``data_t``/``scales_t`` that dgrad reads (same bytes and scales per block). Always packed."""
+    ``data_t``/``scales_t`` that dgrad reads (same bytes and scales per block). Always packed.
+    ``out``: an Fp8Weight of this weight's shapes to write the requested pairs into (its tensors
+    keep their addresses; returned), instead of new tensors."""
+    op = "quantize_fp8_weight"
     experts = _as_list(weight)
     for t in experts:
-        _expect("quantize_fp8_weight", "weight", t, Tensor, "a [G, N, K] tensor or G tensors [N, K]")
-    d, s, dt, st = _quantize_fp8_weight([t.detach() for t in experts], bool(rowwise), bool(columnwise),
-                                        bool(pow2_scales), float(amax_epsilon))
-    return Fp8Weight(d if rowwise else None, s if rowwise else None, dt if columnwise else None,
-                     st if columnwise else None)
+        _expect(op, "weight", t, Tensor, "a [G, N, K] tensor or G tensors [N, K]")
+    detached = [t.detach() for t in experts]
+    if out is None:
+        d, s, dt, st = _quantize_fp8_weight(detached, bool(rowwise), bool(columnwise), bool(pow2_scales),
+                                            float(amax_epsilon))
+        return Fp8Weight(d if rowwise else None, s if rowwise else None, dt if columnwise else None,
+                         st if columnwise else None)
+    _expect(op, "out", out, Fp8Weight, _FROM_QUANTIZE_WEIGHT)
+    if rowwise and (out.data is None or out.scales is None):
+        raise ValueError(f"{op}: out: rowwise=True writes out.data and out.scales, but out has no such pair")
+    if columnwise and (out.data_t is None or out.scales_t is None):
+        raise ValueError(f"{op}: out: columnwise=True writes out.data_t and out.scales_t, but out has no such pair")
+    _quantize_fp8_weight_(detached, out.data if rowwise else None, out.scales if rowwise else None,
+                          out.data_t if columnwise else None, out.scales_t if columnwise else None,
+                          bool(pow2_scales), float(amax_epsilon))
+    return out
 
 
 def grouped_linear_fp8(x: Fp8Tensor, weight: Fp8Weight, splits: Tensor, bias: Optional[Experts] = None,
@@ -373,3 +460,270 @@ def grouped_linear_fp8_wgrad(dy: Fp8Tensor, x: Fp8Tensor, splits: Tensor, out: O
                                x.columns.scales, x.columns.offsets, splits, dy.num_tokens, _as_list(out), mode,
                                routing)
     return out
+
+
+# ---- the FP8 expert MLP (moe_engine/expert_mlp_fp8.hpp) ----
+
+
+def _mlp_saved_outputs(x: Tensor, splits: Tensor, fc1_rows, save_x_columns: bool, save_fc1_out: bool):
+    """What the FP8 MLP's forward keeps (C++ ``expert_mlp_fp8_saved_shapes``): x's columns (data
+    ``[H, C]``, scales ``[C/128, H]``, offsets ``[G+1]``) and h's rows (data ``[T, 2F]``, scales
+    ``[ceil(2F/128), S]``); those not kept are empty ``[0]`` tensors."""
+    T, H, G = _extent(x, 0), _extent(x, -1), _extent(splits, 0)
+    dev = x.device
+
+    def new(kept, shape, dtype):
+        return torch.empty(shape if kept else (0,), dtype=dtype, device=dev)
+
+    C = fp8_columns_capacity(T, G)
+    return (new(save_x_columns, (H, C), FP8_DTYPE), new(save_x_columns, (C // FP8_BLOCK, H), torch.float32),
+            new(save_x_columns, (G + 1,), torch.int64), new(save_fc1_out, (T, fc1_rows), FP8_DTYPE),
+            new(save_fc1_out, (_blocks(fc1_rows), fp8_scales_pitch(T)), torch.float32))
+
+
+@torch.library.custom_op("moe_engine::expert_mlp_fp8", mutates_args=())
+def _expert_mlp_fp8(x: Tensor, probs: Optional[Tensor], w1_data: Tensor, w1_scales: Tensor, w2_data: Tensor,
+                    w2_scales: Tensor, b1: List[Tensor], b2: List[Tensor], splits: Tensor, glu: str, fusion: str,
+                    save_x_columns: bool, save_fc1_out: bool, pow2_scales: bool, amax_epsilon: float
+                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(y [T, H], x's columns data / scales / offsets, h's rows data / scales, routing): the expert
+    MLP with its six GEMMs in FP8 over quantized weights (forward reads ``data`` and ``scales``).
+    What is not kept (``save_x_columns``: for the FC1 weight gradient; ``save_fc1_out``: for any
+    backward) is empty ``[0]`` tensors. ``fusion``: ``none`` runs every step as its own op;
+    otherwise, on CUDA, the steps around the GLU run as one pass (the same bytes)."""
+    T, H = _rows_cols(x)
+    F = _extent(w2_data, 2)
+    y = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    saved = _mlp_saved_outputs(x, splits, _extent(w1_data, 1), save_x_columns, save_fc1_out)
+    stream = stream_of(x)
+    r = routing_of("expert_mlp_fp8_forward", "x", x, splits, stream)
+    ws = _workspace(_C.expert_mlp_fp8_forward_workspace_size(T, H, F, dtype_name(x.dtype)), x.device)
+    xd, xs, xo, hd, hs = (t if keep else None for t, keep in zip(saved, (save_x_columns,) * 3 + (save_fc1_out,) * 2))
+    _C.expert_mlp_fp8_forward(x, probs, w1_data, w1_scales, w2_data, w2_scales, grouped(b1, 1), grouped(b2, 1), r, y,
+                              xd, xs, xo, hd, hs, _glu_spec(glu), fusion, pow2_scales, amax_epsilon, ws, stream)
+    return (y,) + saved + (routing_tensor(r),)
+
+
+@_expert_mlp_fp8.register_fake
+def _(x, probs, w1_data, w1_scales, w2_data, w2_scales, b1, b2, splits, glu, fusion, save_x_columns, save_fc1_out,
+      pow2_scales, amax_epsilon):
+    saved = _mlp_saved_outputs(x, splits, _extent(w1_data, 1), save_x_columns, save_fc1_out)
+    return (x.new_empty(_rows_cols(x)),) + saved + (routing_like(splits),)
+
+
+@torch.library.custom_op("moe_engine::expert_mlp_fp8_backward_", mutates_args=("w1_grad", "w2_grad"))
+def _expert_mlp_fp8_backward_(
+    dy: Tensor, x_data: Optional[Tensor], x_scales: Optional[Tensor], x_offsets: Optional[Tensor], h_data: Tensor,
+    h_scales: Tensor, probs: Optional[Tensor], w1_data: Tensor, w1_scales: Tensor, w1_data_t: Tensor,
+    w1_scales_t: Tensor, w2_data: Tensor, w2_scales: Tensor, w2_data_t: Tensor, w2_scales_t: Tensor,
+    b1: List[Tensor], b2: List[Tensor], splits: Tensor, glu: str, fusion: str, pow2_scales: bool,
+    amax_epsilon: float, need_dx: bool, need_dprobs: bool, need_bias_grads: bool, w1_grad: List[Tensor], w1_mode: str,
+    w2_grad: List[Tensor], w2_mode: str, routing: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx [T, H], dprobs [T] float32, db1 [G, 2F], db2 [G, H]); those not asked for (or without
+    their bias) are empty. The weight gradients go into w1_grad / w2_grad (empty lists: not
+    computed) per their modes; the FC1 weight gradient reads x's columns, which forward kept."""
+    dx, dprobs, db1, db2 = _mlp_fp8_grad_outputs(dy, w1_data, b1, b2, splits, need_dx, need_dprobs, need_bias_grads)
+    T, H = _rows_cols(dy)
+    stream = stream_of(dy)
+    r = routing_of("expert_mlp_fp8_backward", "dy", dy, splits, stream, routing)
+    ws = _workspace(_C.expert_mlp_fp8_backward_workspace_size(T, _extent(splits, 0), H, _extent(w2_data, 2),
+                                                              dtype_name(dy.dtype)), dy.device)
+    _C.expert_mlp_fp8_backward(dy, x_data, x_scales, x_offsets, h_data, h_scales, probs, w1_data, w1_scales,
+                               w1_data_t, w1_scales_t, w2_data, w2_scales, w2_data_t, w2_scales_t, grouped(b1, 1),
+                               grouped(b2, 1), r, dx if need_dx else None, dprobs if need_dprobs else None,
+                               grouped(w1_grad, 2), w1_mode, grouped([db1] if db1.numel() else [], 1),
+                               grouped(w2_grad, 2), w2_mode, grouped([db2] if db2.numel() else [], 1),
+                               _glu_spec(glu), fusion, pow2_scales, amax_epsilon, ws, stream)
+    return dx, dprobs, db1, db2
+
+
+def _mlp_fp8_grad_outputs(dy, w1_data, b1, b2, splits, need_dx, need_dprobs, need_bias_grads):
+    T, H = _rows_cols(dy)
+    G, F2 = _extent(splits, 0), _extent(w1_data, 1)
+    dev, dt = dy.device, dy.dtype
+    bias1, bias2 = need_bias_grads and len(b1) > 0, need_bias_grads and len(b2) > 0
+    return (torch.empty(T if need_dx else 0, H, dtype=dt, device=dev),
+            torch.empty(T if need_dprobs else 0, dtype=torch.float32, device=dev),
+            torch.empty(G if bias1 else 0, F2 if bias1 else 0, dtype=dt, device=dev),
+            torch.empty(G if bias2 else 0, H if bias2 else 0, dtype=dt, device=dev))
+
+
+@_expert_mlp_fp8_backward_.register_fake
+def _(dy, x_data, x_scales, x_offsets, h_data, h_scales, probs, w1_data, w1_scales, w1_data_t, w1_scales_t, w2_data,
+      w2_scales, w2_data_t, w2_scales_t, b1, b2, splits, glu, fusion, pow2_scales, amax_epsilon, need_dx, need_dprobs,
+      need_bias_grads, w1_grad, w1_mode, w2_grad, w2_mode, routing=None):
+    return _mlp_fp8_grad_outputs(dy, w1_data, b1, b2, splits, need_dx, need_dprobs, need_bias_grads)
+
+
+def packed_bias(bias: Sequence[Tensor]) -> List[Tensor]:
+    """A grouped bias as the one packed ``[G, N]`` tensor the FP8 GEMMs' epilogue reads on the GPU
+    (per-expert biases stacked: G x N values, nothing next to the GEMMs)."""
+    if len(bias) == 0 or is_packed(bias, 1):
+        return list(bias)
+    return [torch.stack(list(bias))]
+
+
+def fp8_weight_tensors(who: str, name: str, weight: Fp8Weight, need_transposed: bool) -> Tuple[Tensor, ...]:
+    """(data, scales, data_t, scales_t) of a quantized weight that the FP8 MLP reads: the forward
+    reads data, backward data_t too (absent: empty tensors, a forward without backward)."""
+    if weight.data is None or weight.scales is None:
+        raise ValueError(f"{who}: {name}: the forward reads {name}.data, but it is None "
+                         "(quantize_fp8_weight with rowwise=True)")
+    if weight.data_t is None or weight.scales_t is None:
+        if need_transposed:
+            raise ValueError(f"{who}: {name}: backward reads the transposed copy {name}.data_t, but it is None "
+                             "(quantize_fp8_weight with columnwise=True)")
+        empty = weight.data.new_empty(0)
+        return weight.data, weight.scales, empty, empty.float()
+    return weight.data, weight.scales, weight.data_t, weight.scales_t
+
+
+class _ExpertMlpFp8Function(torch.autograd.Function):
+    """expert_mlp_fp8 with plain gradients: to x, probs, the biases, and the master weights the
+    quantized ones were made from."""
+
+    @staticmethod
+    def forward(ctx, x, probs, splits, glu, fusion, recipe, counts, *tensors):
+        w1_8, w2_8, rest = tensors[:4], tensors[4:8], tensors[8:]
+        nb1, nb2, nm1, _ = counts
+        b1, b2 = list(rest[:nb1]), list(rest[nb1 : nb1 + nb2])
+        m1, m2 = rest[nb1 + nb2 : nb1 + nb2 + nm1], rest[nb1 + nb2 + nm1 :]
+        need_w1 = any(t.requires_grad for t in m1)
+        need_any = (x.requires_grad or (probs is not None and probs.requires_grad)
+                    or any(t.requires_grad for t in rest))
+        y, xd, xs, xo, hd, hs, routing = _expert_mlp_fp8(
+            x, probs, w1_8[0], w1_8[1], w2_8[0], w2_8[1], packed_bias(b1), packed_bias(b2), splits, glu, fusion,
+            need_w1, need_any, recipe.pow2_scales, recipe.amax_epsilon)
+        kept = (xd, xs, xo) if need_w1 else (None,) * 3
+        ctx.save_for_backward(*kept, hd if need_any else None, hs if need_any else None, probs, splits, routing,
+                              *tensors)
+        ctx.glu, ctx.fusion, ctx.recipe, ctx.counts = glu, fusion, recipe, counts
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xd, xs, xo, hd, hs, probs, splits, routing, *tensors = ctx.saved_tensors
+        nb1, nb2, nm1, _ = ctx.counts
+        w1_8, w2_8, rest = tensors[:4], tensors[4:8], tensors[8:]
+        b1, b2 = rest[:nb1], rest[nb1 : nb1 + nb2]
+        m1, m2 = rest[nb1 + nb2 : nb1 + nb2 + nm1], rest[nb1 + nb2 + nm1 :]
+        need = ctx.needs_input_grad  # x, probs, splits, glu, fusion, recipe, counts, then the tensors
+        wants = need[7 + 8 :]
+        want_b = any(wants[: nb1 + nb2])
+        want_m1, want_m2 = any(wants[nb1 + nb2 : nb1 + nb2 + nm1]), any(wants[nb1 + nb2 + nm1 :])
+        need_dx, need_dp = bool(need[0]), probs is not None and bool(need[1])
+        g1 = new_expert_grads(m1) if want_m1 else []
+        g2 = new_expert_grads(m2) if want_m2 else []
+        dx, dprobs, db1, db2 = _expert_mlp_fp8_backward_(
+            dy.contiguous(), xd, xs, xo, hd, hs, probs, *w1_8, *w2_8, packed_bias(b1), packed_bias(b2), splits,
+            ctx.glu, ctx.fusion, ctx.recipe.pow2_scales, ctx.recipe.amax_epsilon, need_dx, need_dp, want_b, g1,
+            "write", g2, "write", routing)
+        db1s = split_like(db1, b1, 1) if (b1 and want_b) else [None] * nb1
+        db2s = split_like(db2, b2, 1) if (b2 and want_b) else [None] * nb2
+        return (dx if need_dx else None, dprobs if need_dp else None, None, None, None, None, None, *(None,) * 8,
+                *db1s, *db2s, *(g1 or [None] * nm1), *(g2 or [None] * len(m2)))
+
+
+def _master_of(who: str, name: str, weight, master) -> List[Tensor]:
+    """The tensors that get a weight's gradient: the weight itself when it is not quantized yet,
+    else ``master`` (empty: none)."""
+    master_name = name.replace("weight", "master_weight")
+    if isinstance(weight, Fp8Weight):
+        masters = _as_list(master)
+        for t in masters:
+            _expect(who, master_name, t, Tensor, "a tensor or G tensors")
+        return masters
+    if master is not None:
+        raise ValueError(f"{who}: {master_name} goes with an Fp8Weight {name}, but {name} is not quantized "
+                         "(it is the master weight itself)")
+    masters = _as_list(weight)
+    if not masters:
+        raise TypeError(f"{who}: {name}: expected an Fp8Weight, or the weight to quantize (a tensor or G tensors), "
+                        f"got {type(weight).__name__}")
+    for t in masters:
+        _expect(who, name, t, Tensor, "an Fp8Weight, or the weight to quantize (a tensor or G tensors)")
+    return masters
+
+
+def _fp8_weight_of(who: str, name: str, weight, masters: List[Tensor], recipe: Fp8Recipe,
+                   backward: bool) -> Tuple[Tensor, ...]:
+    if isinstance(weight, Fp8Weight):
+        return fp8_weight_tensors(who, name, weight, backward)
+    w8 = quantize_fp8_weight(masters, pow2_scales=recipe.pow2_scales, amax_epsilon=recipe.amax_epsilon)
+    return w8.data, w8.scales, w8.data_t, w8.scales_t
+
+
+def expert_mlp_fp8(x: Tensor, fc1_weight: Union[Fp8Weight, Experts], fc2_weight: Union[Fp8Weight, Experts],
+                   splits: Tensor, probs: Optional[Tensor] = None, fc1_bias: Optional[Experts] = None,
+                   fc2_bias: Optional[Experts] = None, activation: str = "swiglu", layout: str = "halves",
+                   limit: float = 7.0, alpha: float = 1.702, offset: float = 1.0, fusion: str = "forward",
+                   recipe: Optional[Fp8Recipe] = None, fc1_master_weight: Optional[Experts] = None,
+                   fc2_master_weight: Optional[Experts] = None) -> Tensor:
+    """The expert MLP ``y = FC2(act(FC1(x) + b1) * p) + p * b2`` with its six GEMMs in FP8
+    (``docs/design.md``, "The FP8 expert MLP"); differentiable.
+
+    x ``[T, H]`` bfloat16 or float32 (y, dx and the activations between the GEMMs in its dtype);
+    fc1 ``G x [2F, H]`` (rows in ``layout``), fc2 ``G x [H, F]``; biases unquantized, ``[G, 2F]`` /
+    ``[G, H]`` or G tensors; probs ``[T]`` float32. Each weight is either
+
+    - the weight itself (a tensor or G tensors): quantized here with ``recipe`` (both copies), and
+      its gradient is returned to it; or
+    - an ``Fp8Weight`` with both copies (``quantize_fp8_weight``, e.g. cached across
+      micro-batches), whose gradient goes to ``fc1_master_weight`` / ``fc2_master_weight`` when
+      given (and nowhere otherwise).
+
+    Forward keeps only FP8 for backward: x's columns (when the FC1 weight gets a gradient) and the
+    pre-activation's rows. ``recipe``: ``Fp8Recipe`` (default: plain scales); overrides are refused.
+    ``fusion``: ``none`` runs every step as its own op; ``forward`` / ``all`` fuse the steps around
+    the GLU on CUDA (the same bytes).
+    """
+    who = "expert_mlp_fp8"
+    recipe = check_recipe(who, recipe, all_fp8=True, name="recipe")
+    _expect(who, "x", x, Tensor, "a [T, H] tensor")
+    b1, b2 = _as_list(fc1_bias), _as_list(fc2_bias)
+    m1 = _master_of(who, "fc1_weight", fc1_weight, fc1_master_weight)
+    m2 = _master_of(who, "fc2_weight", fc2_weight, fc2_master_weight)
+    differentiable = [x, *b1, *b2, *m1, *m2] + ([probs] if probs is not None else [])
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
+    w1_8 = _fp8_weight_of(who, "fc1_weight", fc1_weight, m1, recipe, backward)
+    w2_8 = _fp8_weight_of(who, "fc2_weight", fc2_weight, m2, recipe, backward)
+    counts = (len(b1), len(b2), len(m1), len(m2))
+    return _ExpertMlpFp8Function.apply(x, probs, splits, glu_text(activation, layout, limit, alpha, offset),
+                                       _C.fusion_name(fusion), recipe, counts, *w1_8, *w2_8, *b1, *b2, *m1, *m2)
+
+
+# ---- the modules' weight cache ----
+
+
+class Fp8WeightCache:
+    """One weight's quantized copies (``Fp8Weight``), made once and reused until the weight changes.
+
+    The key is every expert tensor's address and autograd version counter (an optimizer step, a
+    ``load_state_dict`` and any in-place change under ``no_grad`` bump it) and the recipe. Changes
+    the counter does not see (``param.data.copy_(...)``) need ``invalidate()``. A changed weight is
+    quantized again into the same tensors, so their addresses stay what a captured CUDA graph read;
+    during a capture the quantization always runs (it is captured: every replay quantizes the
+    weight as it is then). The tensors are marked as weights: activation offload leaves them."""
+
+    def __init__(self):
+        self._key = None  # what the cached copies were made from
+        self._layout = None  # what the cached tensors can hold
+        self.weight: Optional[Fp8Weight] = None
+
+    def invalidate(self) -> None:
+        self._key = None
+
+    def get(self, params: Sequence[Tensor], recipe: Fp8Recipe, rowwise: bool, columnwise: bool) -> Fp8Weight:
+        layout = (tuple(tuple(p.shape) for p in params), params[0].dtype, params[0].device, rowwise, columnwise)
+        key = (tuple((p.data_ptr(), p._version) for p in params), recipe.pow2_scales, recipe.amax_epsilon, layout)
+        capturing = params[0].is_cuda and torch.cuda.is_current_stream_capturing()
+        if key == self._key and not capturing:
+            return self.weight
+        out = self.weight if layout == self._layout else None
+        self.weight = quantize_fp8_weight(list(params), rowwise, columnwise, recipe.pow2_scales,
+                                          recipe.amax_epsilon, out=out)
+        mark_as_weight(*(t for t in (self.weight.data, self.weight.scales, self.weight.data_t, self.weight.scales_t)
+                         if t is not None))
+        self._key, self._layout = key, layout
+        return self.weight

@@ -12,7 +12,10 @@ contract of TransformerEngine / Megatron-LM (docs/design.md section 6):
 - ``load_state_dict`` normalizes checkpoint keys between the packed and per-expert forms (the plan
   comes from the C++ library, ``_C.plan_grouped_keys``, which the C++ modules apply too);
 - ``offload_activations=False`` keeps the module's saved tensors on the device inside an
-  ``ActivationOffload`` region (the per-module opt-out; ``offload.py``).
+  ``ActivationOffload`` region (the per-module opt-out; ``offload.py``);
+- ``fp8_recipe``: the GEMMs run in FP8 block scaling (``fp8.py``) with the same contract; the
+  parameters stay in the module's dtype and are quantized once into a cache that is kept until
+  they change (``Fp8WeightCache``); backward keeps FP8 tensors only.
 
 The routing ``splits`` is a ``[G]`` tensor on the tokens' device; nothing reads it on the host, so
 forward and backward can be captured in a CUDA graph and replayed with new splits. Forward computes
@@ -30,9 +33,10 @@ import torch
 from torch import Tensor, nn
 
 from .. import _C
-from . import ops
+from . import fp8, ops
 from ._bridge import dtype_name as _dtype_name
 from ._contract import WeightGradContract
+from .fp8 import Fp8Recipe, Fp8WeightCache, check_recipe, packed_bias
 from .offload import no_offload
 
 _LAYOUTS = ("packed", "per-expert")
@@ -212,6 +216,111 @@ class _GroupedLinearFunction(torch.autograd.Function):
         return (None, dx, None, ds, *dw, *db)
 
 
+class _GroupedLinearFp8Function(torch.autograd.Function):
+    """GroupedLinear with FP8 GEMMs: forward quantizes x's rows (and, for the FP8 wgrad, its
+    columns in the same pass, kept for backward instead of x); backward quantizes dy's rows (dgrad)
+    and columns (wgrad) in one pass. A GEMM the recipe overrides runs in the module's dtype."""
+
+    @staticmethod
+    def forward(ctx, module: "GroupedLinear", x, splits, row_scale, w_data, w_scales, w_data_t, w_scales_t, *params):
+        recipe = module.fp8_recipe
+        fprop_hp, dgrad_hp, wgrad_hp = recipe.override_linear_precision
+        n = len(params) if not module.has_bias else len(params) // 2
+        weights, biases = list(params[:n]), list(params[n:])
+        need_w = any(w.requires_grad for w in weights)
+        x_columns = need_w and not wgrad_hp
+        pow2, eps = recipe.pow2_scales, recipe.amax_epsilon
+        if fprop_hp:
+            y, routing = ops._grouped_linear(x, weights, splits, biases, row_scale)
+            if x_columns:
+                _, _, xd, xs, xo, _ = fp8._quantize_fp8(x, splits, False, True, pow2, eps, routing)
+        else:
+            rd, rs, xd, xs, xo, routing = fp8._quantize_fp8(x, splits, True, x_columns, pow2, eps)
+            y = fp8._grouped_linear_fp8(rd, rs, w_data, w_scales, splits, packed_bias(biases), row_scale, x.dtype,
+                                        routing)
+        kept_columns = (xd, xs, xo) if x_columns else (None,) * 3
+        kept_weight = (w_data_t, w_scales_t) if not dgrad_hp else (None, None)
+        ctx.save_for_backward(x if (need_w and wgrad_hp) else None, *kept_columns, splits, row_scale, routing,
+                              *kept_weight, *params)
+        ctx.module, ctx.n, ctx.recipe = module, n, recipe
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        m: GroupedLinear = ctx.module
+        x, xd, xs, xo, splits, row_scale, routing, w_data_t, w_scales_t, *params = ctx.saved_tensors
+        weights, biases = params[: ctx.n], params[ctx.n :]
+        _, dgrad_hp, wgrad_hp = ctx.recipe.override_linear_precision
+        pow2, eps = ctx.recipe.pow2_scales, ctx.recipe.amax_epsilon
+        # inputs: module, x, splits, row_scale, the four FP8 weight tensors, params
+        need = ctx.needs_input_grad
+        need_x, need_s = bool(need[1]), bool(need[3])
+        need_w, need_b = any(need[8 : 8 + ctx.n]), any(need[8 + ctx.n :])
+        dy = dy.contiguous()
+        dgrad_fp8, wgrad_fp8 = need_x and not dgrad_hp, need_w and not wgrad_hp
+        if dgrad_fp8 or wgrad_fp8:  # one pass over dy for both forms
+            dr, drs, dcd, dcs, dco, _ = fp8._quantize_fp8(dy, splits, dgrad_fp8, wgrad_fp8, pow2, eps, routing)
+        dx = None
+        if dgrad_fp8:
+            dx = fp8._grouped_linear_fp8_dgrad(dr, drs, w_data_t, w_scales_t, splits, dy.dtype, routing)
+        elif need_x:
+            dx = ops._grouped_linear_dgrad(dy, list(weights), splits, routing)
+        _, db, ds = ops.linear_grads_but_weight(dy, weights, biases, splits, row_scale, False, need_b, need_s, routing)
+        dw: List[Optional[Tensor]] = [None] * len(weights)
+        if need_w:
+            # The operands the wgrad reads, and only those: a delayed wgrad keeps them until backward_dw.
+            if wgrad_fp8:
+                num_tokens = dy.shape[0]
+
+                def wgrad(targets, mode, dy_cols=(dcd, dcs, dco), x_cols=(xd, xs, xo), splits=splits,
+                          routing=routing):
+                    fp8._grouped_linear_fp8_wgrad_(*dy_cols, *x_cols, splits, num_tokens, targets, mode, routing)
+            else:
+
+                def wgrad(targets, mode, dy=dy, x=x, splits=splits, routing=routing):
+                    ops._grouped_linear_wgrad_(dy, x, splits, targets, mode, routing)
+
+            dw = _weight_grads(m, m._weight_grad, m.weights(), m.weight_names(), wgrad)
+        return (None, dx, None, ds, None, None, None, None, *dw, *db)
+
+
+def _weight_grads(m, contract: WeightGradContract, params, names, wgrad) -> List[Optional[Tensor]]:
+    """Runs ``wgrad(targets, mode)`` now or queues it for backward_dw, per the contract; returns
+    what autograd gets for the weight. The contract reads the module's own parameter objects (a
+    saved tensor may come back as another Python object through saved-tensor hooks)."""
+    if m.delay_wgrad_compute:
+
+        def job():
+            targets, mode = contract.targets(params, names, delayed=True)
+            wgrad(targets, mode)
+            contract.finish_delayed(params, targets)
+
+        m._delayed.queue.append(job)
+        return contract.queued(params, names)
+    targets, mode = contract.targets(params, names)
+    wgrad(targets, mode)
+    return contract.outcome(params, targets)
+
+
+_FP8_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _check_fp8_module(who: str, recipe, all_fp8: bool, dtype: torch.dtype, sizes: dict) -> Optional[Fp8Recipe]:
+    """The recipe, and what FP8 asks of the module: bfloat16 or float32 parameters (the FP8 GEMMs
+    write those), and sizes that are multiples of 16 (the quantized rows' alignment)."""
+    if recipe is None:
+        return None
+    recipe = check_recipe(who, recipe, all_fp8)
+    if dtype not in _FP8_DTYPES:
+        raise ValueError(f"{who}: fp8_recipe needs bfloat16 or float32 parameters (the FP8 GEMMs write those), "
+                         f"got {dtype}")
+    odd = {k: v for k, v in sizes.items() if v % 16}
+    if odd:
+        raise ValueError(f"{who}: fp8_recipe needs sizes that are multiples of 16, got "
+                         + ", ".join(f"{k} = {v}" for k, v in odd.items()))
+    return recipe
+
+
 class GroupedLinear(_ExpertParams):
     """G linear layers over one packed token matrix: ``y[r] = x[r] W_g^T (+ b_g or + p[r] b_g)``.
 
@@ -222,15 +331,19 @@ class GroupedLinear(_ExpertParams):
         layout: ``"packed"`` (``weight`` ``[G, N, K]``) or ``"per-expert"`` (``weight0..``).
         accumulate_into_main_grad, overwrite_main_grad, delay_wgrad_compute, zero_out_wgrad: the
             training contract (module docstring).
+        fp8_recipe: an ``Fp8Recipe`` to run the three GEMMs in FP8 (those its
+            ``override_linear_precision`` names stay in the module's dtype); None: no FP8.
     """
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, *, bias: bool = False,
                  scale_bias: bool = False, layout: str = "packed", accumulate_into_main_grad: bool = False,
                  overwrite_main_grad: bool = False, delay_wgrad_compute: bool = False,
-                 zero_out_wgrad: bool = False, offload_activations: bool = True, device=None,
-                 dtype: torch.dtype = torch.bfloat16):
+                 zero_out_wgrad: bool = False, offload_activations: bool = True,
+                 fp8_recipe: Optional[Fp8Recipe] = None, device=None, dtype: torch.dtype = torch.bfloat16):
         if scale_bias and not bias:
             raise ValueError("moe_engine: scale_bias needs bias=True")
+        recipe = _check_fp8_module("GroupedLinear", fp8_recipe, False, dtype,
+                                   {"in_features": in_features, "out_features": out_features})
         super().__init__(num_groups, out_features, in_features, bias, layout, device, dtype)
         self.in_features, self.out_features = in_features, out_features
         self.scale_bias = scale_bias
@@ -238,9 +351,37 @@ class GroupedLinear(_ExpertParams):
         self._weight_grad = WeightGradContract(accumulate_into_main_grad, overwrite_main_grad, zero_out_wgrad)
         self._delayed = _DelayedWgrad()
         self.offload_activations = offload_activations
+        self._fp8_recipe = recipe
+        self._fp8_weight = Fp8WeightCache()
         if delay_wgrad_compute:
             _mark_delayed(self.weights())
         _init_device(self.weights()[0])
+
+    @property
+    def fp8_recipe(self) -> Optional[Fp8Recipe]:
+        """The FP8 recipe (None: the GEMMs run in the module's dtype)."""
+        return self._fp8_recipe
+
+    @fp8_recipe.setter
+    def fp8_recipe(self, recipe: Optional[Fp8Recipe]) -> None:
+        self._fp8_recipe = _check_fp8_module("GroupedLinear", recipe, False, self.weights()[0].dtype,
+                                             {"in_features": self.in_features, "out_features": self.out_features})
+
+    def invalidate_fp8_weights(self) -> None:
+        """Drops the cached quantized weight: the next forward quantizes it again. Needed only after
+        a change that autograd's version counter does not see (``param.data.copy_(...)``,
+        ``param.data[...] = ...``); optimizer steps and ``load_state_dict`` are seen."""
+        self._fp8_weight.invalidate()
+
+    @torch.compiler.disable  # Python state (the cache) read and written: runs eagerly, outside a trace
+    def _fp8_weight_tensors(self):
+        """(data, scales, data_t, scales_t) of the cached quantized weight: data for an FP8 forward,
+        data_t for an FP8 dgrad (None where the recipe runs that GEMM unquantized)."""
+        fprop_hp, dgrad_hp, _ = self._fp8_recipe.override_linear_precision
+        if fprop_hp and dgrad_hp:
+            return (None,) * 4
+        w = self._fp8_weight.get(self.weights(), self._fp8_recipe, not fprop_hp, not dgrad_hp)
+        return w.data, w.scales, w.data_t, w.scales_t
 
     def forward(self, x: Tensor, splits: Tensor, row_scale: Optional[Tensor] = None) -> Tensor:
         """x ``[T, in]`` (rows sorted by expert), splits ``[G]`` -> y ``[T, out]``; rows past
@@ -251,7 +392,11 @@ class GroupedLinear(_ExpertParams):
             raise ValueError("moe_engine: row_scale given but the module was built without scale_bias")
         self.check_input("GroupedLinear", x)
         with contextlib.nullcontext() if self.offload_activations else no_offload():
-            return _GroupedLinearFunction.apply(self, x, splits, row_scale, *self.weights(), *self.biases())
+            if self._fp8_recipe is None:
+                return _GroupedLinearFunction.apply(self, x, splits, row_scale, *self.weights(), *self.biases())
+            _check_fp8_dtype("GroupedLinear", x)
+            return _GroupedLinearFp8Function.apply(self, x, splits, row_scale, *self._fp8_weight_tensors(),
+                                                   *self.weights(), *self.biases())
 
     def backward_dw(self) -> None:
         """Runs the queued weight gradients in order, then the registered hooks (no-op if none)."""
@@ -261,8 +406,17 @@ class GroupedLinear(_ExpertParams):
         self._delayed.hooks.append(hook)
 
     def extra_repr(self) -> str:
+        fp8_text = "" if self._fp8_recipe is None else f", fp8_recipe={self._fp8_recipe}"
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.has_bias}, scale_bias={self.scale_bias}, layout={'packed' if self.packed else 'per-expert'}")
+                f"bias={self.has_bias}, scale_bias={self.scale_bias}, layout={'packed' if self.packed else 'per-expert'}"
+                + fp8_text)
+
+
+def _check_fp8_dtype(who: str, x: Tensor) -> None:
+    """A module converted after construction (``.half()``) has parameters FP8 cannot write."""
+    if x.dtype not in _FP8_DTYPES:
+        raise ValueError(f"{who}: fp8_recipe needs bfloat16 or float32 parameters and x (the FP8 GEMMs write those), "
+                         f"got {x.dtype}")
 
 
 # ---- GroupedMLP ----
@@ -300,38 +454,94 @@ class _GroupedMLPFunction(torch.autograd.Function):
             return ops._expert_mlp_backward_(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, glu, fusion, dx, dp, bias,
                                              g1, mode1, g2, mode2, routing)
 
-        n1, n2 = m.fc1.weight_names(), m.fc2.weight_names()
-        c1, c2 = m._fc1_grad, m._fc2_grad
-        p1, p2 = m.fc1.weights(), m.fc2.weights()  # the contract's parameters (see GroupedLinear)
-        dw1: List[Optional[Tensor]] = [None] * len(w1)
-        dw2: List[Optional[Tensor]] = [None] * len(w2)
-        if m.delay_wgrad_compute:
-            if need_w1 or need_w2:
-
-                def job():
-                    # One pass computes both weights' gradients (recomputing FC2 dgrad + dGLU).
-                    g1, mode1 = c1.targets(p1, n1, delayed=True) if need_w1 else ([], "write")
-                    g2, mode2 = c2.targets(p2, n2, delayed=True) if need_w2 else ([], "write")
-                    run(g1, mode1, g2, mode2, dx=False, dp=False, bias=False)
-                    if need_w1:
-                        c1.finish_delayed(p1, g1)
-                    if need_w2:
-                        c2.finish_delayed(p2, g2)
-
-                m._delayed.queue.append(job)
-                dw1 = c1.queued(p1, n1) if need_w1 else dw1
-                dw2 = c2.queued(p2, n2) if need_w2 else dw2
-            dx, dprobs, db1, db2 = run([], "write", [], "write")
-        else:
-            g1, mode1 = c1.targets(p1, n1) if need_w1 else ([], "write")
-            g2, mode2 = c2.targets(p2, n2) if need_w2 else ([], "write")
-            dx, dprobs, db1, db2 = run(g1, mode1, g2, mode2)
-            dw1 = c1.outcome(p1, g1) if need_w1 else dw1
-            dw2 = c2.outcome(p2, g2) if need_w2 else dw2
+        dw1, dw2, (dx, dprobs, db1, db2) = _mlp_weight_grads(m, need_w1, need_w2, len(w1), len(w2), run)
         db1s = ops.split_like(db1, b1, 1) if (b1 and need_bias) else [None] * len(b1)
         db2s = ops.split_like(db2, b2, 1) if (b2 and need_bias) else [None] * len(b2)
         return (None, dx if need_dx else None, None, dprobs if need_dprobs else None,
                 *dw1, *db1s, *dw2, *db2s)
+
+
+class _GroupedMLPFp8Function(torch.autograd.Function):
+    """GroupedMLP with its six GEMMs in FP8 (``fp8._expert_mlp_fp8``): forward keeps x's columns
+    (for FC1's weight gradient) and the pre-activation's rows, both FP8; the contract is the bf16
+    module's."""
+
+    @staticmethod
+    def forward(ctx, module: "GroupedMLP", x, splits, probs, *tensors):
+        w8, params = tensors[:8], tensors[8:]
+        w1, b1, w2, b2 = module._split_params(params)
+        recipe = module.fp8_recipe
+        need_w1 = any(w.requires_grad for w in w1)
+        need_act = x.requires_grad or (probs is not None and probs.requires_grad) or any(
+            p.requires_grad for p in params)
+        y, xd, xs, xo, hd, hs, routing = fp8._expert_mlp_fp8(
+            x, probs, w8[0], w8[1], w8[4], w8[5], packed_bias(b1), packed_bias(b2), splits, module._glu_text,
+            module.fusion, need_w1, need_act, recipe.pow2_scales, recipe.amax_epsilon)
+        kept_x = (xd, xs, xo) if need_w1 else (None,) * 3
+        kept_h = (hd, hs) if need_act else (None,) * 2
+        ctx.save_for_backward(*kept_x, *kept_h, splits, probs, routing, *w8, *params)
+        ctx.module, ctx.recipe = module, recipe
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        m: GroupedMLP = ctx.module
+        xd, xs, xo, hd, hs, splits, probs, routing, *rest = ctx.saved_tensors
+        w8, params = rest[:8], rest[8:]
+        w1, b1, w2, b2 = m._split_params(params)
+        need = ctx.needs_input_grad  # inputs: module, x, splits, probs, the 8 FP8 weight tensors, params
+        dy = dy.contiguous()
+        need_dx, need_dprobs = bool(need[1]), probs is not None and bool(need[3])
+        wants_w1, wants_b1, wants_w2, wants_b2 = m._split_params(need[12:])
+        need_bias = any(wants_b1) or any(wants_b2)
+        need_w1, need_w2 = any(wants_w1), any(wants_w2)
+        glu, fusion, pow2, eps = m._glu_text, m.fusion, ctx.recipe.pow2_scales, ctx.recipe.amax_epsilon
+        pb1, pb2 = packed_bias(b1), packed_bias(b2)
+
+        def run(g1, mode1, g2, mode2, dx=need_dx, dp=need_dprobs, bias=need_bias):
+            return fp8._expert_mlp_fp8_backward_(dy, xd, xs, xo, hd, hs, probs, *w8, pb1, pb2, splits, glu, fusion,
+                                                 pow2, eps, dx, dp, bias, g1, mode1, g2, mode2, routing)
+
+        dw1, dw2, (dx, dprobs, db1, db2) = _mlp_weight_grads(m, need_w1, need_w2, len(w1), len(w2), run)
+        db1s = ops.split_like(db1, b1, 1) if (b1 and need_bias) else [None] * len(b1)
+        db2s = ops.split_like(db2, b2, 1) if (b2 and need_bias) else [None] * len(b2)
+        return (None, dx if need_dx else None, None, dprobs if need_dprobs else None, *(None,) * 8,
+                *dw1, *db1s, *dw2, *db2s)
+
+
+def _mlp_weight_grads(m: "GroupedMLP", need_w1: bool, need_w2: bool, n1: int, n2: int, run):
+    """The MLP's backward under the contract. ``run(g1, mode1, g2, mode2, dx=, dp=, bias=)`` runs
+    the backward op with the weight gradients into g1 / g2 (empty: not computed). Immediate: one
+    run computes everything. Delayed: this run computes dx, dprobs and the bias gradients; the
+    queued one, in backward_dw, both weights' gradients in one pass (recomputing FC2's dgrad and
+    the GLU backward). Returns (what autograd gets for FC1's and FC2's weights, run's results)."""
+    names1, names2 = m.fc1.weight_names(), m.fc2.weight_names()
+    c1, c2 = m._fc1_grad, m._fc2_grad
+    p1, p2 = m.fc1.weights(), m.fc2.weights()  # the contract's parameters (see _weight_grads)
+    dw1: List[Optional[Tensor]] = [None] * n1
+    dw2: List[Optional[Tensor]] = [None] * n2
+    if m.delay_wgrad_compute:
+        if need_w1 or need_w2:
+
+            def job():
+                g1, mode1 = c1.targets(p1, names1, delayed=True) if need_w1 else ([], "write")
+                g2, mode2 = c2.targets(p2, names2, delayed=True) if need_w2 else ([], "write")
+                run(g1, mode1, g2, mode2, dx=False, dp=False, bias=False)
+                if need_w1:
+                    c1.finish_delayed(p1, g1)
+                if need_w2:
+                    c2.finish_delayed(p2, g2)
+
+            m._delayed.queue.append(job)
+            dw1 = c1.queued(p1, names1) if need_w1 else dw1
+            dw2 = c2.queued(p2, names2) if need_w2 else dw2
+        return dw1, dw2, run([], "write", [], "write")
+    g1, mode1 = c1.targets(p1, names1) if need_w1 else ([], "write")
+    g2, mode2 = c2.targets(p2, names2) if need_w2 else ([], "write")
+    results = run(g1, mode1, g2, mode2)
+    dw1 = c1.outcome(p1, g1) if need_w1 else dw1
+    dw2 = c2.outcome(p2, g2) if need_w2 else dw2
+    return dw1, dw2, results
 
 
 class GroupedMLP(nn.Module):
@@ -344,6 +554,9 @@ class GroupedMLP(nn.Module):
     ``offset``: GPT-OSS's 7, 1.702, 1). ``glu_layout``: ``halves``, ``pairs`` or ``blocks:s``; on
     Hopper the FC1 epilogue fuses the GLU for ``pairs`` and ``blocks:s`` (``fusion``).
     ``recompute_fc1`` keeps only x for backward instead of the ``[T, 2F]`` pre-activation.
+    ``fp8_recipe``: an ``Fp8Recipe`` to run all six GEMMs in FP8 (no override may be set; backward
+    keeps x's columns and the pre-activation's rows in FP8; ``fusion`` other than ``none`` fuses the
+    steps around the GLU on CUDA; no ``recompute_fc1``).
     """
 
     def __init__(self, num_groups: int, hidden: int, ffn: int, *, bias: bool = False,
@@ -351,9 +564,12 @@ class GroupedMLP(nn.Module):
                  alpha: float = 1.702, offset: float = 1.0, fusion: str = "forward",
                  recompute_fc1: bool = False, layout: str = "packed", accumulate_into_main_grad: bool = False,
                  overwrite_main_grad: bool = False, delay_wgrad_compute: bool = False,
-                 zero_out_wgrad: bool = False, offload_activations: bool = True, device=None,
-                 dtype: torch.dtype = torch.bfloat16):
+                 zero_out_wgrad: bool = False, offload_activations: bool = True,
+                 fp8_recipe: Optional[Fp8Recipe] = None, device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
+        self.recompute_fc1 = recompute_fc1
+        self._fp8_recipe = self._checked_recipe(fp8_recipe, dtype, hidden, ffn)
+        self._fp8_weights = (Fp8WeightCache(), Fp8WeightCache())
         self._glu = _C.GluSpec(activation, glu_layout, float(limit), float(alpha), float(offset))
         self._glu_text = self._glu.text  # what the custom ops take
         _C.glu_row_permutation(self._glu.layout, self._glu.layout, ffn)  # F must suit the layout
@@ -361,7 +577,6 @@ class GroupedMLP(nn.Module):
         self.fc1 = _ExpertParams(num_groups, 2 * ffn, hidden, bias, layout, device, dtype)
         self.fc2 = _ExpertParams(num_groups, hidden, ffn, bias, layout, device, dtype)
         self.fusion = _C.fusion_name(fusion)
-        self.recompute_fc1 = recompute_fc1
         self.delay_wgrad_compute = delay_wgrad_compute
         self._fc1_grad = WeightGradContract(accumulate_into_main_grad, overwrite_main_grad, zero_out_wgrad)
         self._fc2_grad = WeightGradContract(accumulate_into_main_grad, overwrite_main_grad, zero_out_wgrad)
@@ -374,6 +589,38 @@ class GroupedMLP(nn.Module):
     @property
     def glu_layout(self) -> str:
         return self._glu.layout
+
+    def _checked_recipe(self, recipe, dtype: torch.dtype, hidden: int, ffn: int) -> Optional[Fp8Recipe]:
+        recipe = _check_fp8_module("GroupedMLP", recipe, True, dtype, {"hidden": hidden, "ffn": ffn})
+        if recipe is not None and self.recompute_fc1:
+            raise ValueError("GroupedMLP: fp8_recipe and recompute_fc1=True: the FP8 MLP keeps the pre-activation "
+                             "in FP8 (2F + F/16 bytes per token) and has no recompute mode; leave recompute_fc1 False")
+        return recipe
+
+    @property
+    def fp8_recipe(self) -> Optional[Fp8Recipe]:
+        """The FP8 recipe (None: the GEMMs run in the module's dtype)."""
+        return self._fp8_recipe
+
+    @fp8_recipe.setter
+    def fp8_recipe(self, recipe: Optional[Fp8Recipe]) -> None:
+        self._fp8_recipe = self._checked_recipe(recipe, self.fc1.weights()[0].dtype, self.hidden, self.ffn)
+
+    def invalidate_fp8_weights(self) -> None:
+        """Drops the cached quantized weights: the next forward quantizes them again. Needed only
+        after a change that autograd's version counter does not see (``param.data.copy_(...)``);
+        optimizer steps and ``load_state_dict`` are seen."""
+        for cache in self._fp8_weights:
+            cache.invalidate()
+
+    @torch.compiler.disable  # Python state (the caches) read and written: runs eagerly, outside a trace
+    def _fp8_weight_tensors(self):
+        """FC1's and FC2's cached quantized weights, (data, scales, data_t, scales_t) each."""
+        out = []
+        for cache, params in zip(self._fp8_weights, (self.fc1.weights(), self.fc2.weights())):
+            w = cache.get(params, self._fp8_recipe, True, True)
+            out += [w.data, w.scales, w.data_t, w.scales_t]
+        return tuple(out)
 
     def _split_params(self, params):
         n1, nb1 = len(self.fc1.weights()), len(self.fc1.biases())
@@ -388,7 +635,10 @@ class GroupedMLP(nn.Module):
         self.fc1.check_input("GroupedMLP", x)
         params = (*self.fc1.weights(), *self.fc1.biases(), *self.fc2.weights(), *self.fc2.biases())
         with contextlib.nullcontext() if self.offload_activations else no_offload():
-            return _GroupedMLPFunction.apply(self, x, splits, probs, *params)
+            if self._fp8_recipe is None:
+                return _GroupedMLPFunction.apply(self, x, splits, probs, *params)
+            _check_fp8_dtype("GroupedMLP", x)
+            return _GroupedMLPFp8Function.apply(self, x, splits, probs, *self._fp8_weight_tensors(), *params)
 
     def backward_dw(self) -> None:
         """Runs the queued weight gradients in order, then the registered hooks (no-op if none)."""
@@ -416,8 +666,9 @@ class GroupedMLP(nn.Module):
         g = self._glu
         act, limit, alpha, offset, layout = g.activation, g.limit, g.alpha, g.offset, g.layout
         extra = f"(limit={limit:g}, alpha={alpha:g}, offset={offset:g})" if act == "clamped_qgeglu" else ""
+        fp8_text = "" if self._fp8_recipe is None else f", fp8_recipe={self._fp8_recipe}"
         return (f"num_groups={self.num_groups}, hidden={self.hidden}, ffn={self.ffn}, activation={act}{extra}, "
-                f"glu_layout={layout}, fusion={self.fusion}, recompute_fc1={self.recompute_fc1}")
+                f"glu_layout={layout}, fusion={self.fusion}, recompute_fc1={self.recompute_fc1}" + fp8_text)
 
 
 def _init_device(p: Tensor) -> None:

@@ -10,11 +10,13 @@ device memory is released, and they are copied back one layer ahead of the layer
             x = scope.output(layer(x, splits, probs))
     loss(x).backward()
 
-- What is offloaded: CUDA tensors saved for backward inside ``layer(i)`` of at least ``min_bytes``,
-  except parameters (weights are never offloaded), other leaves that require grad (the caller's
-  inputs: autograd's gradient accumulator holds them until backward, so offloading them would free
-  nothing and its reload would make a second copy; like parameters, they are not counted in
-  ``saved_bytes``) and tensors marked with ``mark_not_offload``.
+- What is offloaded: CUDA tensors saved for backward inside ``layer(i)`` of at least ``min_bytes``
+  (any dtype: the FP8 modules keep E4M3 data, float32 scales and int64 offsets; copies of the same
+  dtype, the FP8 data as bytes: bit-exact), except weights (parameters and the FP8 modules' cached quantized copies,
+  ``mark_as_weight``), other leaves that require grad (the caller's inputs: autograd's gradient
+  accumulator holds them until backward, so offloading them would free nothing and its reload
+  would make a second copy; like weights, they are not counted in ``saved_bytes``) and tensors
+  marked with ``mark_not_offload``.
   ``no_offload()`` (or a module built with ``offload_activations=False``) opts out inside an
   offloaded region.
 - When: the copy of a tensor starts when it is saved (an event on the current stream orders it
@@ -73,6 +75,24 @@ def mark_not_offload(*tensors: Tensor) -> None:
     """These tensors are never offloaded when saved for backward."""
     for t in tensors:
         t._moe_no_offload = True
+
+
+def mark_as_weight(*tensors: Tensor) -> None:
+    """These tensors are weights, like parameters: a module holds them across steps (the FP8
+    modules' quantized weight copies), so offloading them would free nothing; they are neither
+    offloaded nor counted as saved activations."""
+    for t in tensors:
+        t._moe_weight = True
+
+
+def _is_weight(t: Tensor) -> bool:
+    return isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad) or getattr(t, "_moe_weight", False)
+
+
+def _bytes(t: Tensor) -> Tensor:
+    """t's bytes as uint8 elements of the same shape for 1-byte dtypes (the FP8 data), else t: the
+    copies are plain byte copies, bit-exact for every dtype."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
 
 
 @dataclass(eq=False)
@@ -179,8 +199,7 @@ class ActivationOffload:
         st = self._layers[index]
 
         def pack(t: Tensor):
-            if (isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad) or not t.is_cuda
-                    or t.device != self.device):
+            if _is_weight(t) or not t.is_cuda or t.device != self.device:
                 return t
             opted_out = _opted_out() or getattr(t, "_moe_no_offload", False)
             if not t.is_contiguous() or not self._schedule.offloads(index, t.numel() * t.element_size(), opted_out):
@@ -192,7 +211,7 @@ class ActivationOffload:
             produced.record(torch.cuda.current_stream(self.device))
             self._d2h.wait_event(produced)
             with torch.cuda.stream(self._d2h):
-                host.copy_(t, non_blocking=True)
+                _bytes(host).copy_(_bytes(t), non_blocking=True)
             self._hold(t)  # until released
             st.held.append(t)
             rec = _Saved(index, host, source=t)
@@ -258,7 +277,7 @@ class ActivationOffload:
         self._h2d.wait_event(st.offloaded)
         with torch.cuda.stream(self._h2d):
             for rec in st.saved:
-                rec.device_tensor.copy_(rec.host, non_blocking=True)
+                _bytes(rec.device_tensor).copy_(_bytes(rec.host), non_blocking=True)
         st.reloaded = torch.cuda.Event()
         st.reloaded.record(self._h2d)
         # From here on only autograd holds the records, so each reloaded tensor is freed as soon as
