@@ -446,12 +446,8 @@ def test_wgrad_into_per_expert_buffers(device):
     dy8 = me.quantize_fp8(dy, splits, rowwise=False, columnwise=True)
     packed = me.grouped_linear_fp8_wgrad(dy8, x8, splits, out=torch.zeros(w.shape, device=device), mode="accumulate")
     experts = [torch.zeros(w.shape[1:], device=device) for _ in range(w.shape[0])]
-    if device.type == "cpu":
-        me.grouped_linear_fp8_wgrad(dy8, x8, splits, out=experts, mode="accumulate")
-        assert torch.equal(torch.stack(experts), packed)
-    else:  # the Hopper FP8 kernel writes one packed gradient
-        with pytest.raises(NotImplementedError, match="the FP8 kernels take packed weights and gradients"):
-            me.grouped_linear_fp8_wgrad(dy8, x8, splits, out=experts, mode="accumulate")
+    me.grouped_linear_fp8_wgrad(dy8, x8, splits, out=experts, mode="accumulate")
+    assert torch.equal(torch.stack(experts), packed)
 
 
 def test_the_gemms_reuse_the_quantizers_routing(device):
