@@ -7,7 +7,9 @@
 //    accumulated into the parameter's float32 main_grad) and backward reports what it hands back
 //    per the six-row table of docs/design.md section 6, with Megatron's parameter attributes
 //    (main_grad, grad_added_to_main_grad) so the PyTorch layer maps it 1:1;
-//  - state_dict / load_state_dict with the checkpoint key normalization.
+//  - state_dict / load_state_dict with the checkpoint key normalization;
+//  - optionally FP8 block scaling (options.fp8): the master weights stay in the module's dtype, their
+//    FP8 copies are cached across micro-batches until invalidate_fp8_weights() (the optimizer step).
 // The decisions of the contract and of the key normalization are pure functions (grad_outcome,
 // plan_grouped_keys): these modules and the PyTorch modules (through moe_engine._C) apply the same
 // ones, each to its own parameters and tensors.
@@ -25,7 +27,9 @@
 
 #include "moe_engine/checkpoint.hpp"
 #include "moe_engine/expert_mlp.hpp"
+#include "moe_engine/expert_mlp_fp8.hpp"
 #include "moe_engine/export.hpp"
+#include "moe_engine/fp8.hpp"
 #include "moe_engine/group_layout.hpp"
 #include "moe_engine/grouped_linear.hpp"
 #include "moe_engine/grouped_param.hpp"
@@ -164,6 +168,70 @@ class MOE_API WeightGradContract {
 
 }  // namespace detail
 
+// ---- FP8 block scaling in the modules ----
+
+// What a module runs in FP8 (docs/api.md, "Modules"): the quantizers' recipe, and which GEMMs read
+// FP8 operands. A GEMM left out runs in the module's dtype (TransformerEngine's
+// override_linear_precision, inverted). GroupedMLP runs all six of its GEMMs in FP8 (the FP8 expert
+// MLP op) and rejects a recipe that leaves any out.
+struct Fp8ModuleRecipe {
+  Fp8Recipe quantizer{};  // for every tensor the module quantizes: weights, activations, gradients
+  bool forward = true;    // y = x W^T over x's FP8 rows and the weight's FP8 copy
+  bool dgrad = true;      // dx = dy W over dy's FP8 rows and the weight's transposed FP8 copy
+  bool wgrad = true;      // dW = dy^T x over the FP8 columns of dy and x
+};
+
+namespace detail {
+
+// FP8 rows of a [T, K] tensor in owned memory (moe_engine/fp8.hpp's layout).
+struct MOE_API Fp8RowsBuffers {
+  Tensor data, scales;
+  // Stream-ordered on `stream` (Tensor::empty_async): [T, K] float8_e4m3, [ceil(K/128), pitch(T)] float32.
+  static Fp8RowsBuffers empty(int64_t capacity, int64_t features, Device device, Stream stream);
+  bool defined() const { return data.defined(); }
+  Fp8Rows view() const { return {data, scales}; }
+  int64_t nbytes() const;
+};
+
+// FP8 columns of a [T, K] tensor routed to G experts, in owned memory.
+struct MOE_API Fp8ColumnsBuffers {
+  Tensor data, scales, offsets;
+  // Stream-ordered on `stream`: [K, C] float8_e4m3, [C/128, K] float32, [G + 1] int64.
+  static Fp8ColumnsBuffers empty(int64_t capacity, int64_t groups, int64_t features, Device device, Stream stream);
+  bool defined() const { return data.defined(); }
+  Fp8Columns view() const { return {data, scales, offsets}; }
+  int64_t nbytes() const;
+};
+
+// The FP8 copies of one weight (128 x 128 blocks: data for forward, the transpose for dgrad), in
+// device memory of the weight's device allocated once. They are quantized from the master weight on
+// first use and reused until invalidate(), or until the Parameter's storage is another one (the
+// parameter was replaced). Writes into the master weight's values are not seen: whoever writes
+// them (the optimizer step) invalidates. Inside a CUDA graph capture the quantization is always
+// recorded (every replay quantizes the weights as they are then).
+class MOE_API Fp8WeightCache {
+ public:
+  Fp8WeightCache() = default;
+  // Copies for forward (data, scales) and / or dgrad (data_t, scales_t) of `weight`'s shape.
+  Fp8WeightCache(const Parameter& weight, bool forward_copy, bool dgrad_copy);
+
+  // The copies, quantized first (on exec's stream) unless fresh for `weight`'s storage.
+  const Fp8Weight& get(const Parameter& weight, const Fp8Recipe& recipe, const ExecContext& exec);
+  void invalidate() { fresh_ = false; }
+  uint64_t quantizations() const { return quantizations_; }
+
+ private:
+  bool fresh_for(const Parameter& weight) const;
+  Tensor data_, scales_, data_t_, scales_t_;
+  Fp8Weight view_;
+  // The storage last quantized, held so that a replacement cannot be allocated at its address.
+  GroupedTensor source_;
+  bool fresh_ = false;
+  uint64_t quantizations_ = 0;
+};
+
+}  // namespace detail
+
 struct GroupedLinearOptions {
   ExpertLayout layout = ExpertLayout::kPacked;
   DType dtype = DType::kBFloat16;
@@ -176,20 +244,34 @@ struct GroupedLinearOptions {
   bool zero_out_wgrad = false;             // the dummy gradient is zeroed when handed out
   bool offload_activations = true;         // false: ActivationOffload leaves this module's tensors on the device
   uint64_t seed = 0;                       // initialization (uniform, +-1/sqrt(in_features))
+  // FP8 block scaling of the GEMMs the recipe names (bfloat16 or float32 modules, in_features and
+  // out_features multiples of 16). The weight stays a master Parameter in `dtype`; its FP8 copies
+  // are cached until invalidate_fp8_weights().
+  std::optional<Fp8ModuleRecipe> fp8;
 };
 
 // What a forward saved for its backward. Holds references (shared tensor storage), not copies.
 class MOE_API LinearContext {
  public:
-  bool saves_input() const { return x_.defined(); }  // only when the weight wants a gradient
+  // x (or, with an FP8 wgrad, only x's FP8 columns) is kept when the weight wants a gradient.
+  bool saves_input() const { return x_.defined() || x_columns_.defined(); }
   bool computes_dgrad() const { return input_requires_grad_; }
   bool offloaded() const { return offload_.away; }   // its tensors are in host memory (ActivationOffload)
+  // Bytes of the tensors held for backward: x [T, in] in the input dtype, or x's FP8 columns
+  // (in * C + 4 * in * C/128 + 8 * (G + 1) bytes, C = fp8_columns_capacity(T, G)); the row scales
+  // [T] float32.
+  int64_t saved_bytes() const;
+  // x's FP8 columns, kept for an FP8 weight gradient (undefined views otherwise).
+  Fp8Columns saved_x_columns() const { return x_columns_.view(); }
 
  private:
   friend class GroupedLinear;
   friend struct ActivationOffload::Impl;
-  std::array<Tensor*, 2> saved_tensors() { return {&x_, &row_scale_}; }
-  Tensor x_;            // kept when the weight needs a gradient
+  std::array<Tensor*, 5> saved_tensors() {
+    return {&x_, &row_scale_, &x_columns_.data, &x_columns_.scales, &x_columns_.offsets};
+  }
+  Tensor x_;            // kept when the weight needs a gradient in the module's dtype
+  detail::Fp8ColumnsBuffers x_columns_;  // ... or in FP8 (fp8 with wgrad)
   Tensor row_scale_;    // scale_bias: the row scales (for dbias and dscales)
   GroupLayout groups_;
   bool input_requires_grad_ = false;
@@ -239,18 +321,31 @@ class MOE_API GroupedLinear {
   std::map<std::string, Tensor> state_dict(const std::string& prefix = "") const;
   // Normalizes the keys to the module's layout (normalize_grouped_keys), then copies every
   // parameter in; missing, unexpected or mis-shaped keys are errors (kInvalidArgument).
+  // Also invalidates the FP8 weight cache.
   void load_state_dict(std::map<std::string, Tensor> state, const std::string& prefix = "");
+
+  // FP8: marks the cached FP8 copies of the weight stale, so that the next FP8 GEMM quantizes the
+  // weight again. Call it after every change of the weight's values (the optimizer step, a write
+  // through state_dict()'s tensors); load_state_dict and replacing the Parameter need no call.
+  // Without fp8: nothing to do.
+  void invalidate_fp8_weights() { weight_cache_.invalidate(); }
+  // How many times the weight's quantization has been enqueued, captures included (0 without fp8).
+  uint64_t fp8_weight_quantizations() const { return weight_cache_.quantizations(); }
 
  private:
   struct WgradJob {
-    Tensor dy, x;
+    Tensor dy, x;                                     // the weight gradient in the module's dtype
+    detail::Fp8ColumnsBuffers dy_columns, x_columns;  // ... or in FP8
     GroupLayout groups;
   };
+  void run_wgrad(const WgradJob& job, const ParamGrad& target, const ExecContext& exec) const;
+
   int64_t groups_, in_, out_;
   GroupedLinearOptions options_;
   Parameter weight_;
   std::optional<Parameter> bias_;
   detail::WeightGradContract weight_grad_;
+  detail::Fp8WeightCache weight_cache_;  // fp8 only
   std::deque<WgradJob> queue_;
   std::vector<std::function<void()>> hooks_;
 };
@@ -269,24 +364,38 @@ struct GroupedMLPOptions {
   bool zero_out_wgrad = false;             // the dummy gradients are zeroed when handed out
   bool offload_activations = true;         // false: ActivationOffload leaves this module's tensors on the device
   uint64_t seed = 0;                       // initialization (uniform, +-1/sqrt(fan-in))
+  // All six GEMMs in FP8 (the FP8 expert MLP, moe_engine/expert_mlp_fp8.hpp): bfloat16 or float32
+  // modules, hidden and ffn multiples of 16, no recompute_fc1 (the pre-activation is kept in FP8);
+  // the recipe must leave no GEMM out. Both weights stay master Parameters in `dtype`; their FP8
+  // copies are cached until invalidate_fp8_weights().
+  std::optional<Fp8ModuleRecipe> fp8;
 };
 
 // What a GroupedMLP forward saved for its backward (references to shared storage, not copies).
 class MOE_API MlpContext {
  public:
-  bool saves_input() const { return x_.defined(); }
-  bool saves_fc1_out() const { return fc1_out_.defined(); }
+  bool saves_input() const { return x_.defined() || x_columns_.defined(); }
+  bool saves_fc1_out() const { return fc1_out_.defined() || fc1_out_rows_.defined(); }
   bool computes_dgrad() const { return input_requires_grad_; }
   // Bytes of the tensors held on the device for backward (x, the pre-activation, probs): [T, H] + [T, 2F] in the
-  // input dtype + [T] float32 when all are kept. x is the caller's tensor, referenced, not copied.
+  // input dtype + [T] float32 when all are kept. x is the caller's tensor, referenced, not copied. With fp8: x's
+  // FP8 columns and the pre-activation's FP8 rows (expert_mlp_fp8_saved_shapes) + the probs.
   int64_t saved_bytes() const;
   bool offloaded() const { return offload_.away; }  // its tensors are in host memory (ActivationOffload)
+  // fp8: what the FP8 MLP op keeps (x's columns when the FC1 weight wants a gradient, the
+  // pre-activation's rows); undefined views without fp8.
+  ExpertMlpFp8Saved fp8_saved() const { return {x_columns_.view(), fc1_out_rows_.view()}; }
 
  private:
   friend class GroupedMLP;
   friend struct ActivationOffload::Impl;
-  std::array<Tensor*, 3> saved_tensors() { return {&x_, &fc1_out_, &probs_}; }
+  std::array<Tensor*, 8> saved_tensors() {
+    return {&x_, &fc1_out_, &probs_, &x_columns_.data, &x_columns_.scales, &x_columns_.offsets,
+            &fc1_out_rows_.data, &fc1_out_rows_.scales};
+  }
   Tensor x_, fc1_out_, probs_;
+  detail::Fp8ColumnsBuffers x_columns_;  // fp8: in place of x
+  detail::Fp8RowsBuffers fc1_out_rows_;  // fp8: in place of the pre-activation
   GroupLayout groups_;
   bool input_requires_grad_ = false;
   bool live_ = false;  // backward may run once
@@ -329,7 +438,8 @@ class MOE_API GroupedMLP {
   MlpBackwardResult backward(MlpContext& ctx, const Tensor& dy, const ExecContext& exec = {});
 
   // Runs the queued weight gradients in order (each recomputes the FC2 dgrad and the GLU backward
-  // rather than keeping their [T, 3F] outputs alive), then fires the hooks once. Nothing queued: no-op.
+  // rather than keeping their [T, 3F] outputs alive; with fp8 from dy and the FP8 tensors forward
+  // kept), then fires the hooks once. Nothing queued: no-op.
   void backward_dw(const ExecContext& exec = {});
   size_t queued_wgrads() const { return queue_.size(); }
   void register_wgrad_hook(std::function<void()> hook) { hooks_.push_back(std::move(hook)); }
@@ -339,24 +449,43 @@ class MOE_API GroupedMLP {
   std::map<std::string, Tensor> state_dict(const std::string& prefix = "") const;
   // As GroupedLinear's, and FC1 rows (weight and bias) are converted from `glu_from` (default: the
   // module's own GLU layout) to the module's.
+  // Also invalidates the FP8 weight cache.
   void load_state_dict(std::map<std::string, Tensor> state, const std::string& prefix = "",
                        std::optional<GluLayout> glu_from = std::nullopt);
 
+  // FP8: marks the cached FP8 copies of both weights stale (see GroupedLinear::invalidate_fp8_weights:
+  // call it after the optimizer step).
+  void invalidate_fp8_weights() {
+    fc1_cache_.invalidate();
+    fc2_cache_.invalidate();
+  }
+  // How many weight quantizations have been enqueued, both weights counted (0 without fp8).
+  uint64_t fp8_weight_quantizations() const { return fc1_cache_.quantizations() + fc2_cache_.quantizations(); }
+
  private:
+  // What backward reads of a forward: x / the pre-activation, or their FP8 copies (fp8).
+  struct Saved {
+    Tensor x, probs, fc1_out;
+    detail::Fp8ColumnsBuffers x_columns;
+    detail::Fp8RowsBuffers fc1_out_rows;
+  };
   struct WgradJob {
-    Tensor dy, x, probs, fc1_out;
+    Tensor dy;
+    Saved saved;
     GroupLayout groups;
     bool fc1, fc2;  // which weight gradients it computes
   };
   ExpertMlpWeights weights() const;
-  void run_backward(const Tensor& dy, const Tensor& x, const Tensor& probs, const Tensor& fc1_out,
-                    const GroupLayout& groups, const ExpertMlpGrads& grads, const ExecContext& exec) const;
+  ExpertMlpFp8Weights fp8_weights(const ExecContext& exec);
+  void run_backward(const Tensor& dy, const Saved& saved, const GroupLayout& groups, const ExpertMlpGrads& grads,
+                    const ExecContext& exec);
 
   int64_t groups_, hidden_, ffn_;
   GroupedMLPOptions options_;
   Parameter fc1_weight_, fc2_weight_;
   std::optional<Parameter> fc1_bias_, fc2_bias_;
   detail::WeightGradContract fc1_grad_, fc2_grad_;
+  detail::Fp8WeightCache fc1_cache_, fc2_cache_;  // fp8 only
   std::deque<WgradJob> queue_;
   std::vector<std::function<void()>> hooks_;
 };

@@ -1,4 +1,5 @@
-// GroupedLinear: parameters, the gradient contract (docs/design.md section 6), delayed wgrad, checkpoints.
+// GroupedLinear: parameters, the gradient contract (docs/design.md section 6), delayed wgrad, checkpoints,
+// and the FP8 GEMMs (forward / dgrad / wgrad, each optional) over a cached FP8 copy of the weight.
 #include <cmath>
 #include <string>
 #include <utility>
@@ -32,6 +33,23 @@ GroupedLinear::GroupedLinear(int64_t groups, int64_t in_features, int64_t out_fe
             "GroupedLinear: scale_bias needs bias = true");
   MOE_CHECK(!options.overwrite_main_grad || options.accumulate_into_main_grad, ErrorCode::kInvalidArgument,
             "GroupedLinear: overwrite_main_grad needs accumulate_into_main_grad = true");
+  if (options.fp8) {
+    const Fp8ModuleRecipe& fp8 = *options.fp8;
+    MOE_CHECK(fp8.forward || fp8.dgrad || fp8.wgrad, ErrorCode::kInvalidArgument,
+              "GroupedLinear: options.fp8 names no GEMM (forward, dgrad and wgrad are all false); leave fp8 unset "
+              "for a module without FP8");
+    MOE_CHECK(options.dtype == DType::kBFloat16 || options.dtype == DType::kFloat32, ErrorCode::kDType,
+              "GroupedLinear: options.fp8 needs dtype bfloat16 or float32 (the FP8 GEMMs write those), got ",
+              dtype_name(options.dtype));
+    MOE_CHECK(in_features % 16 == 0 && out_features % 16 == 0, ErrorCode::kShape,
+              "GroupedLinear: options.fp8 needs in_features and out_features multiples of 16 (FP8 rows are read "
+              "in 16-byte units), got in_features = ", in_features, ", out_features = ", out_features);
+    MOE_CHECK(fp8.quantizer.amax_epsilon >= 0.f && std::isfinite(fp8.quantizer.amax_epsilon),
+              ErrorCode::kInvalidArgument,
+              "GroupedLinear: options.fp8.quantizer.amax_epsilon: expected a finite value >= 0, got ",
+              fp8.quantizer.amax_epsilon);
+    weight_cache_ = detail::Fp8WeightCache(weight_, fp8.forward, fp8.dgrad);
+  }
   const float bound = 1.0f / std::sqrt(float(in_features));
   detail::init_uniform(weight_.storage(), options.seed, -bound, bound);
   if (options.bias) {
@@ -43,6 +61,13 @@ GroupedLinear::GroupedLinear(int64_t groups, int64_t in_features, int64_t out_fe
 Parameter& GroupedLinear::bias() {
   MOE_CHECK(bias_.has_value(), ErrorCode::kInvalidArgument, "GroupedLinear: the module has no bias");
   return *bias_;
+}
+
+int64_t LinearContext::saved_bytes() const {
+  int64_t bytes = x_columns_.nbytes();
+  for (const Tensor* t : {&x_, &row_scale_})
+    if (t->defined()) bytes += int64_t(t->nbytes());
+  return bytes;
 }
 
 LinearForwardResult GroupedLinear::forward(const Tensor& x, const GroupLayout& groups, const Tensor& row_scale,
@@ -57,15 +82,27 @@ LinearForwardResult GroupedLinear::forward(const Tensor& x, const GroupLayout& g
   MOE_CHECK(options_.scale_bias == row_scale.defined(), ErrorCode::kInvalidArgument,
             options_.scale_bias ? "GroupedLinear.forward: scale_bias needs the row scales"
                                 : "GroupedLinear.forward: row scales given to a module without scale_bias");
+  const int64_t T = x.size(0);
+  const std::optional<Fp8ModuleRecipe>& fp8 = options_.fp8;
   LinearForwardResult r;
-  r.y = Tensor::zeros_async({x.size(0), out_}, options_.dtype, options_.device, exec.stream);
+  LinearContext& c = r.ctx;
+  r.y = Tensor::zeros_async({T, out_}, options_.dtype, options_.device, exec.stream);
   BiasEpilogue bias;
   if (bias_) bias = {bias_->value(), row_scale.view()};
-  grouped_linear_forward(x, weight_.value(), groups, r.y, bias, exec);
-  // Keep what backward needs, no more: x only for the weight gradient, the scales for the
-  // bias gradients.
-  LinearContext& c = r.ctx;
-  if (weight_.requires_grad) c.x_ = x;
+  // Keep what backward needs, no more: x (or only its FP8 columns, for an FP8 wgrad) for the weight
+  // gradient, the scales for the bias gradients.
+  if (weight_.requires_grad && fp8 && fp8->wgrad)
+    c.x_columns_ = detail::Fp8ColumnsBuffers::empty(T, groups_, in_, options_.device, exec.stream);
+  if (fp8 && fp8->forward) {
+    // x's rows for this GEMM and its columns for the weight gradient: one pass over x.
+    const detail::Fp8RowsBuffers x_rows = detail::Fp8RowsBuffers::empty(T, in_, options_.device, exec.stream);
+    quantize_fp8(x, groups, x_rows.view(), c.x_columns_.view(), fp8->quantizer, exec);
+    grouped_linear_forward(x_rows.view(), weight_cache_.get(weight_, fp8->quantizer, exec), groups, r.y, bias, exec);
+  } else {
+    if (c.x_columns_.defined()) quantize_fp8(x, groups, {}, c.x_columns_.view(), fp8->quantizer, exec);
+    grouped_linear_forward(x, weight_.value(), groups, r.y, bias, exec);
+  }
+  if (weight_.requires_grad && !c.x_columns_.defined()) c.x_ = x;
   if (options_.scale_bias) c.row_scale_ = row_scale;
   c.groups_ = groups;
   c.input_requires_grad_ = input_requires_grad;
@@ -83,14 +120,30 @@ LinearBackwardResult GroupedLinear::backward(LinearContext& ctx, const Tensor& d
                 dy.size(0) == ctx.groups_.capacity(),
             ErrorCode::kShape, "GroupedLinear.backward: expected dy [", ctx.groups_.capacity(), ", ", out_,
             "], got ", dy.view().describe());
+  MOE_CHECK(!weight_.requires_grad || ctx.saves_input(), ErrorCode::kInvalidArgument,
+            "GroupedLinear.backward: the weight wants a gradient but forward kept no input (the weight's "
+            "requires_grad was false when forward ran)");
   weight_grad_.check_main_grad(weight_, "GroupedLinear.backward");
   ctx.live_ = false;
   const GroupLayout& groups = ctx.groups_;
   const int64_t T = dy.size(0);
+  const std::optional<Fp8ModuleRecipe>& fp8 = options_.fp8;
+  // dy's FP8 rows for dgrad and columns for wgrad, in one pass over dy.
+  detail::Fp8RowsBuffers dy_rows;
+  detail::Fp8ColumnsBuffers dy_columns;
+  if (ctx.input_requires_grad_ && fp8 && fp8->dgrad)
+    dy_rows = detail::Fp8RowsBuffers::empty(T, out_, options_.device, exec.stream);
+  if (weight_.requires_grad && ctx.x_columns_.defined())
+    dy_columns = detail::Fp8ColumnsBuffers::empty(T, groups_, out_, options_.device, exec.stream);
+  if (dy_rows.defined() || dy_columns.defined())
+    quantize_fp8(dy, groups, dy_rows.view(), dy_columns.view(), fp8->quantizer, exec);
   LinearBackwardResult r;
   if (ctx.input_requires_grad_) {
     r.dx = Tensor::zeros_async({T, in_}, options_.dtype, options_.device, exec.stream);
-    grouped_linear_dgrad(dy, weight_.value(), groups, r.dx, exec);
+    if (dy_rows.defined())
+      grouped_linear_dgrad(dy_rows.view(), weight_cache_.get(weight_, fp8->quantizer, exec), groups, r.dx, exec);
+    else
+      grouped_linear_dgrad(dy, weight_.value(), groups, r.dx, exec);
   }
   if (bias_) {
     if (bias_->requires_grad) {
@@ -105,25 +158,32 @@ LinearBackwardResult GroupedLinear::backward(LinearContext& ctx, const Tensor& d
     }
   }
   if (weight_.requires_grad) {
+    // The job keeps the wgrad's operands: dy and x, or their FP8 columns (no bf16 copy).
+    WgradJob job{dy_columns.defined() ? Tensor() : dy, ctx.x_, dy_columns, ctx.x_columns_, groups};
     if (options_.delay_wgrad_compute) {
-      queue_.push_back({dy, ctx.x_, groups});
+      queue_.push_back(std::move(job));
       r.weight = weight_grad_.queued(weight_, exec);
     } else {
-      const ParamGrad target = weight_grad_.immediate(weight_, r.weight, exec);
-      grouped_linear_wgrad(dy, ctx.x_, groups, target.grad, target.mode, exec);
+      run_wgrad(job, weight_grad_.immediate(weight_, r.weight, exec), exec);
     }
   }
-  ctx.x_ = Tensor();
-  ctx.row_scale_ = Tensor();
+  ctx.x_ = ctx.row_scale_ = Tensor();
+  ctx.x_columns_ = {};
   return r;
+}
+
+void GroupedLinear::run_wgrad(const WgradJob& job, const ParamGrad& target, const ExecContext& exec) const {
+  if (job.x_columns.defined())
+    grouped_linear_wgrad(job.dy_columns.view(), job.x_columns.view(), job.groups, target.grad, target.mode, exec);
+  else
+    grouped_linear_wgrad(job.dy, job.x, job.groups, target.grad, target.mode, exec);
 }
 
 void GroupedLinear::backward_dw(const ExecContext& exec) {
   if (queue_.empty()) return;
   while (!queue_.empty()) {
     const WgradJob& job = queue_.front();
-    const ParamGrad target = weight_grad_.delayed_target(weight_);
-    grouped_linear_wgrad(job.dy, job.x, job.groups, target.grad, target.mode, exec);
+    run_wgrad(job, weight_grad_.delayed_target(weight_), exec);
     weight_grad_.ran(weight_);
     queue_.pop_front();
   }
@@ -138,6 +198,7 @@ std::map<std::string, Tensor> GroupedLinear::state_dict(const std::string& prefi
 }
 
 void GroupedLinear::load_state_dict(std::map<std::string, Tensor> state, const std::string& prefix) {
+  invalidate_fp8_weights();  // first: a load that fails half way may have changed the weight
   detail::import_param(state, prefix + "weight", weight_.storage());
   if (bias_) detail::import_param(state, prefix + "bias", bias_->storage());
   detail::check_no_unexpected_keys(state, prefix, "GroupedLinear.load_state_dict");

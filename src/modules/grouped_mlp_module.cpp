@@ -1,5 +1,6 @@
 // GroupedMLP: the expert MLP op with GroupedLinear's training contract for both weights, delayed
-// weight gradients, checkpoints with GLU layout conversion.
+// weight gradients, checkpoints with GLU layout conversion; with fp8 the FP8 expert MLP op over
+// cached FP8 copies of the weights.
 #include <cmath>
 #include <cstring>
 #include <span>
@@ -13,7 +14,7 @@
 namespace moe {
 
 int64_t MlpContext::saved_bytes() const {
-  int64_t bytes = 0;
+  int64_t bytes = x_columns_.nbytes() + fc1_out_rows_.nbytes();
   for (const Tensor* t : {&x_, &fc1_out_, &probs_})
     if (t->defined()) bytes += int64_t(t->nbytes());
   return bytes;
@@ -47,6 +48,28 @@ GroupedMLP::GroupedMLP(int64_t groups, int64_t hidden, int64_t ffn, const Groupe
             "GroupedMLP: overwrite_main_grad needs accumulate_into_main_grad = true");
   MOE_CHECK(ffn % o.glu.layout.block_size(ffn) == 0, ErrorCode::kShape, "GroupedMLP: GLU layout ",
             o.glu.layout.name(), " needs F divisible by ", o.glu.layout.block_size(ffn), ", got F = ", ffn);
+  if (o.fp8) {
+    const Fp8ModuleRecipe& fp8 = *o.fp8;
+    MOE_CHECK(fp8.forward && fp8.dgrad && fp8.wgrad, ErrorCode::kInvalidArgument,
+              "GroupedMLP: options.fp8 runs all six GEMMs in FP8 (the FP8 expert MLP); expected forward, dgrad "
+              "and wgrad all true, got forward = ", fp8.forward, ", dgrad = ", fp8.dgrad, ", wgrad = ", fp8.wgrad,
+              " (per-GEMM precision is a GroupedLinear option)");
+    MOE_CHECK(o.dtype == DType::kBFloat16 || o.dtype == DType::kFloat32, ErrorCode::kDType,
+              "GroupedMLP: options.fp8 needs dtype bfloat16 or float32 (the FP8 GEMMs write those), got ",
+              dtype_name(o.dtype));
+    MOE_CHECK(hidden % 16 == 0 && ffn % 16 == 0, ErrorCode::kShape,
+              "GroupedMLP: options.fp8 needs hidden and ffn multiples of 16 (FP8 rows are read in 16-byte units), "
+              "got hidden = ", hidden, ", ffn = ", ffn);
+    MOE_CHECK(!o.recompute_fc1, ErrorCode::kInvalidArgument,
+              "GroupedMLP: options.fp8 keeps the pre-activation in FP8 for backward; expected "
+              "recompute_fc1 = false, got true");
+    MOE_CHECK(fp8.quantizer.amax_epsilon >= 0.f && std::isfinite(fp8.quantizer.amax_epsilon),
+              ErrorCode::kInvalidArgument,
+              "GroupedMLP: options.fp8.quantizer.amax_epsilon: expected a finite value >= 0, got ",
+              fp8.quantizer.amax_epsilon);
+    fc1_cache_ = detail::Fp8WeightCache(fc1_weight_, true, true);
+    fc2_cache_ = detail::Fp8WeightCache(fc2_weight_, true, true);
+  }
   const float bound1 = 1.0f / std::sqrt(float(hidden)), bound2 = 1.0f / std::sqrt(float(ffn));
   detail::init_uniform(fc1_weight_.storage(), o.seed, -bound1, bound1);
   detail::init_uniform(fc2_weight_.storage(), o.seed + 1, -bound2, bound2);
@@ -73,6 +96,12 @@ ExpertMlpWeights GroupedMLP::weights() const {
           fc2_bias_ ? fc2_bias_->value() : GroupedParam()};
 }
 
+ExpertMlpFp8Weights GroupedMLP::fp8_weights(const ExecContext& exec) {
+  const Fp8Recipe& recipe = options_.fp8->quantizer;
+  return {fc1_cache_.get(fc1_weight_, recipe, exec), fc2_cache_.get(fc2_weight_, recipe, exec),
+          fc1_bias_ ? fc1_bias_->value() : GroupedParam(), fc2_bias_ ? fc2_bias_->value() : GroupedParam()};
+}
+
 MlpForwardResult GroupedMLP::forward(const Tensor& x, const GroupLayout& groups, const Tensor& probs,
                                      bool input_requires_grad, const ExecContext& exec) {
   MOE_CHECK(x.defined() && x.dim() == 2 && x.size(1) == hidden_, ErrorCode::kShape,
@@ -91,12 +120,23 @@ MlpForwardResult GroupedMLP::forward(const Tensor& x, const GroupLayout& groups,
   MlpForwardResult r;
   r.y = Tensor::zeros_async({T, hidden_}, options_.dtype, options_.device, exec.stream);
   MlpContext& c = r.ctx;
-  if (through_act && !options_.recompute_fc1)
-    c.fc1_out_ = Tensor::zeros_async({T, 2 * ffn_}, options_.dtype, options_.device, exec.stream);
-  const Scratch scratch(expert_mlp_forward_workspace_size(T, hidden_, ffn_, options_.dtype, c.fc1_out_.defined()),
-                        options_.device, exec);
-  expert_mlp_forward(x, probs, weights(), groups, r.y, c.fc1_out_, {options_.glu}, scratch.exec);
-  if (fc1_weight_.requires_grad || (options_.recompute_fc1 && through_act)) c.x_ = x;
+  if (options_.fp8) {
+    // The op keeps FP8 only: the pre-activation's rows, and x's columns for the FC1 weight gradient.
+    if (through_act) c.fc1_out_rows_ = detail::Fp8RowsBuffers::empty(T, 2 * ffn_, options_.device, exec.stream);
+    if (fc1_weight_.requires_grad)
+      c.x_columns_ = detail::Fp8ColumnsBuffers::empty(T, groups_, hidden_, options_.device, exec.stream);
+    const Scratch scratch(expert_mlp_fp8_forward_workspace_size(T, hidden_, ffn_, options_.dtype), options_.device,
+                          exec);
+    expert_mlp_forward(x, probs, fp8_weights(exec), groups, r.y, c.fp8_saved(), {options_.glu},
+                       options_.fp8->quantizer, scratch.exec);
+  } else {
+    if (through_act && !options_.recompute_fc1)
+      c.fc1_out_ = Tensor::zeros_async({T, 2 * ffn_}, options_.dtype, options_.device, exec.stream);
+    const Scratch scratch(expert_mlp_forward_workspace_size(T, hidden_, ffn_, options_.dtype, c.fc1_out_.defined()),
+                          options_.device, exec);
+    expert_mlp_forward(x, probs, weights(), groups, r.y, c.fc1_out_, {options_.glu}, scratch.exec);
+    if (fc1_weight_.requires_grad || (options_.recompute_fc1 && through_act)) c.x_ = x;
+  }
   if (through_act || bias2) c.probs_ = probs;
   c.groups_ = groups;
   c.input_requires_grad_ = input_requires_grad;
@@ -105,15 +145,21 @@ MlpForwardResult GroupedMLP::forward(const Tensor& x, const GroupLayout& groups,
   return r;
 }
 
-void GroupedMLP::run_backward(const Tensor& dy, const Tensor& x, const Tensor& probs, const Tensor& fc1_out,
-                              const GroupLayout& groups, const ExpertMlpGrads& grads,
-                              const ExecContext& exec) const {
+void GroupedMLP::run_backward(const Tensor& dy, const Saved& saved, const GroupLayout& groups,
+                              const ExpertMlpGrads& grads, const ExecContext& exec) {
   const int64_t T = dy.size(0);
   const ExpertMlpSpec spec{options_.glu};
+  if (options_.fp8) {
+    const Scratch scratch(expert_mlp_fp8_backward_workspace_size(T, groups_, hidden_, ffn_, options_.dtype),
+                          options_.device, exec);
+    expert_mlp_backward(dy, {saved.x_columns.view(), saved.fc1_out_rows.view()}, saved.probs, fp8_weights(exec),
+                        groups, grads, spec, options_.fp8->quantizer, scratch.exec);
+    return;
+  }
   const Scratch scratch(
-      expert_mlp_backward_workspace_size(T, hidden_, ffn_, options_.dtype, !fc1_out.defined(), spec.fusion),
+      expert_mlp_backward_workspace_size(T, hidden_, ffn_, options_.dtype, !saved.fc1_out.defined(), spec.fusion),
       options_.device, exec);
-  expert_mlp_backward(dy, x, probs, weights(), groups, fc1_out, grads, spec, scratch.exec);
+  expert_mlp_backward(dy, saved.x, saved.probs, weights(), groups, saved.fc1_out, grads, spec, scratch.exec);
 }
 
 MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const ExecContext& exec) {
@@ -144,8 +190,10 @@ MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const 
   bias_grad(fc1_bias_, r.fc1_bias, g.fc1_bias);
   bias_grad(fc2_bias_, r.fc2_bias, g.fc2_bias);
   const bool fc1 = fc1_weight_.requires_grad, fc2 = fc2_weight_.requires_grad;
+  const Saved saved{ctx.x_, ctx.probs_, ctx.fc1_out_, ctx.x_columns_, ctx.fc1_out_rows_};
   if (options_.delay_wgrad_compute) {
-    if (fc1 || fc2) queue_.push_back({dy, ctx.x_, ctx.probs_, ctx.fc1_out_, ctx.groups_, fc1, fc2});
+    // The job keeps dy and what forward kept (FP8 with fp8), and recomputes the rest.
+    if (fc1 || fc2) queue_.push_back({dy, saved, ctx.groups_, fc1, fc2});
     if (fc1) r.fc1_weight = fc1_grad_.queued(fc1_weight_, exec);
     if (fc2) r.fc2_weight = fc2_grad_.queued(fc2_weight_, exec);
   } else {
@@ -155,10 +203,12 @@ MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const 
   const bool through_act = g.dx.defined() || g.dprobs.defined() || g.fc1_bias.grad.defined() ||
                            g.fc1_weight.grad.defined() || g.fc2_weight.grad.defined();
   if (through_act)
-    run_backward(dy, ctx.x_, ctx.probs_, ctx.fc1_out_, ctx.groups_, g, exec);
+    run_backward(dy, saved, ctx.groups_, g, exec);
   else if (g.fc2_bias.grad.defined())  // only db2 = sum_r p[r] dy[r]: no activation backward
     grouped_linear_dbias(dy, ctx.groups_, g.fc2_bias.grad, GradMode::kWrite, ctx.probs_, exec);
   ctx.x_ = ctx.fc1_out_ = ctx.probs_ = Tensor();
+  ctx.x_columns_ = {};
+  ctx.fc1_out_rows_ = {};
   return r;
 }
 
@@ -169,7 +219,7 @@ void GroupedMLP::backward_dw(const ExecContext& exec) {
     ExpertMlpGrads g;
     if (job.fc1) g.fc1_weight = fc1_grad_.delayed_target(fc1_weight_);
     if (job.fc2) g.fc2_weight = fc2_grad_.delayed_target(fc2_weight_);
-    run_backward(job.dy, job.x, job.probs, job.fc1_out, job.groups, g, exec);
+    run_backward(job.dy, job.saved, job.groups, g, exec);
     if (job.fc1) fc1_grad_.ran(fc1_weight_);
     if (job.fc2) fc2_grad_.ran(fc2_weight_);
     queue_.pop_front();
@@ -190,6 +240,7 @@ std::map<std::string, Tensor> GroupedMLP::state_dict(const std::string& prefix) 
 
 void GroupedMLP::load_state_dict(std::map<std::string, Tensor> state, const std::string& prefix,
                                  std::optional<GluLayout> glu_from) {
+  invalidate_fp8_weights();  // first: a load that fails half way may have changed the weights
   const GluLayout& to = options_.glu.layout;
   // FC1 rows from glu_from to the module's layout, into new tensors (the caller's stay as they were).
   auto convert_fc1 = [&](const std::string& key) {

@@ -1,8 +1,10 @@
-// Parameter (values + training attributes) and the state-dict helpers of the modules.
+// Parameter (values + training attributes), the FP8 buffers and weight cache of the modules, and
+// the state-dict helpers.
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "core/cuda_api.hpp"
 #include "modules/parameter_io.hpp"
 #include "moe_engine/modules.hpp"
 #include "moe_engine/runtime.hpp"
@@ -24,6 +26,77 @@ void Parameter::set_main_grad(const GroupedParam& main_grad) {
   // Contiguity needs no check here: GroupedParam rejects non-contiguous experts when built.
   main_grad_ = main_grad;
 }
+
+namespace detail {
+
+Fp8RowsBuffers Fp8RowsBuffers::empty(int64_t capacity, int64_t features, Device device, Stream stream) {
+  const int64_t blocks = (features + kFp8Block - 1) / kFp8Block;
+  return {Tensor::empty_async({capacity, features}, DType::kFloat8E4M3, device, stream),
+          Tensor::empty_async({blocks, fp8_scales_pitch(capacity)}, DType::kFloat32, device, stream)};
+}
+
+int64_t Fp8RowsBuffers::nbytes() const {
+  return defined() ? int64_t(data.nbytes() + scales.nbytes()) : 0;
+}
+
+Fp8ColumnsBuffers Fp8ColumnsBuffers::empty(int64_t capacity, int64_t groups, int64_t features, Device device,
+                                           Stream stream) {
+  const int64_t columns = fp8_columns_capacity(capacity, groups);
+  return {Tensor::empty_async({features, columns}, DType::kFloat8E4M3, device, stream),
+          Tensor::empty_async({columns / kFp8Block, features}, DType::kFloat32, device, stream),
+          Tensor::empty_async({groups + 1}, DType::kInt64, device, stream)};
+}
+
+int64_t Fp8ColumnsBuffers::nbytes() const {
+  return defined() ? int64_t(data.nbytes() + scales.nbytes() + offsets.nbytes()) : 0;
+}
+
+Fp8WeightCache::Fp8WeightCache(const Parameter& weight, bool forward_copy, bool dgrad_copy) {
+  const Shape& s = weight.expert_shape();
+  const int64_t G = weight.num_groups(), N = s[0], K = s[1];
+  const int64_t nb = (N + kFp8Block - 1) / kFp8Block, kb = (K + kFp8Block - 1) / kFp8Block;
+  // Allocated here, once, so that no later step allocates (a step may be captured in a CUDA graph).
+  if (forward_copy) {
+    data_ = Tensor::empty({G, N, K}, DType::kFloat8E4M3, weight.device());
+    scales_ = Tensor::empty({G, nb, kb}, DType::kFloat32, weight.device());
+  }
+  if (dgrad_copy) {
+    data_t_ = Tensor::empty({G, K, N}, DType::kFloat8E4M3, weight.device());
+    scales_t_ = Tensor::empty({G, kb, nb}, DType::kFloat32, weight.device());
+  }
+  view_ = {data_, scales_, data_t_, scales_t_};
+}
+
+bool Fp8WeightCache::fresh_for(const Parameter& weight) const {
+  if (!fresh_) return false;
+  const GroupedParam& was = source_.view();
+  const GroupedParam& now = weight.value();
+  if (was.num_groups() != now.num_groups() || was.is_packed() != now.is_packed()) return false;
+  if (now.is_packed()) return was.packed_view().data() == now.packed_view().data();
+  for (int64_t g = 0; g < now.num_groups(); ++g)
+    if (was.expert(g).data() != now.expert(g).data()) return false;
+  return true;
+}
+
+const Fp8Weight& Fp8WeightCache::get(const Parameter& weight, const Fp8Recipe& recipe, const ExecContext& exec) {
+  MOE_CHECK(data_.defined() || data_t_.defined(), ErrorCode::kInternal,
+            "Fp8WeightCache: used by a module built without fp8");
+  // A CUDA graph capture always records the quantization, so that every replay quantizes the
+  // weights as they are then (a replay after an optimizer step reads the new ones). Captured work
+  // has not run, so the copies stay as fresh (or stale) as they were for eager calls.
+  const bool capturing = weight.device().is_cuda() && cuda_api::is_capturing(exec.stream);
+  if (capturing || !fresh_for(weight)) {
+    quantize_fp8_weight(weight.value(), view_, recipe, exec);
+    ++quantizations_;
+    if (!capturing) {
+      source_ = weight.storage();
+      fresh_ = true;
+    }
+  }
+  return view_;
+}
+
+}  // namespace detail
 
 const char* grouped_key_action_name(GroupedKeyPlan::Action action) {
   switch (action) {

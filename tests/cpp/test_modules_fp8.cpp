@@ -1,0 +1,931 @@
+// GroupedLinear and GroupedMLP with options.fp8 (CPU backend): bit-identical to the FP8 ops called
+// directly (each GroupedLinear GEMM in FP8 or not, as the recipe says), within FP8's error of the
+// float64 oracle, packed = per-expert, the six-row gradient contract (tests/data/grad_contract.json),
+// delayed = immediate, main_grad accumulate / overwrite, what forward keeps and its bytes, the FP8
+// weight cache (reused across micro-batches, refreshed by invalidate_fp8_weights, load_state_dict and
+// a replaced Parameter), activation offload of the FP8 tensors, bad options, odd routings.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "fp8_mlp_support.hpp"
+#include "grad_contract_rows.hpp"
+#include "moe_engine/modules.hpp"
+#include "moe_engine/offload.hpp"
+
+namespace moe::test {
+namespace {
+
+// ---- shared helpers ----
+
+Tensor packed_of(const GroupedParam& p) {  // a packed CPU copy of any grouped parameter
+  Shape s{p.num_groups()};
+  for (int64_t d : p.expert_shape()) s.push_back(d);
+  Tensor out = Tensor::zeros(s, p.dtype());
+  for (int64_t g = 0; g < p.num_groups(); ++g) copy_tensor(out.view().select(g), p.expert(g));
+  return out;
+}
+
+// The bytes a quantizer writes of FP8 columns: the offsets, and the columns of the experts'
+// segments (the rest of the buffer is whatever the allocation held).
+bool same_columns(const Fp8Columns& a, const Fp8Columns& b) {
+  if (!a.data.defined() || !b.data.defined() || !bitwise_equal(a.offsets, b.offsets)) return false;
+  const int64_t G = a.offsets.numel() - 1, used = a.offsets.data_as<int64_t>()[G];
+  const int64_t K = a.data.size(0), C = a.data.size(1);
+  if (b.data.size(0) != K || b.data.size(1) != C) return false;
+  for (int64_t k = 0; k < K; ++k)
+    if (std::memcmp(a.data.data_as<uint8_t>() + k * C, b.data.data_as<uint8_t>() + k * C, size_t(used)) != 0)
+      return false;
+  return std::memcmp(a.scales.data(), b.scales.data(), size_t(used / kFp8Block * K) * sizeof(float)) == 0;
+}
+
+// The bytes a quantizer writes of FP8 rows: the first `rows` rows and their scales.
+bool same_rows(const Fp8Rows& a, const Fp8Rows& b, int64_t rows) {
+  if (!a.data.defined() || !b.data.defined() || a.data.shape() != b.data.shape()) return false;
+  const int64_t K = a.data.size(1), blocks = a.scales.size(0);
+  if (std::memcmp(a.data.data(), b.data.data(), size_t(rows * K)) != 0) return false;
+  for (int64_t kb = 0; kb < blocks; ++kb)
+    if (std::memcmp(a.scales.data_as<float>() + kb * a.scales.size(1),
+                    b.scales.data_as<float>() + kb * b.scales.size(1), size_t(rows) * sizeof(float)) != 0)
+      return false;
+  return true;
+}
+
+int64_t columns_bytes(int64_t T, int64_t G, int64_t K) {
+  const int64_t C = fp8_columns_capacity(T, G);
+  return K * C + 4 * (C / kFp8Block) * K + 8 * (G + 1);
+}
+int64_t rows_bytes(int64_t T, int64_t K) { return T * K + 4 * blocks_of(K) * fp8_scales_pitch(T); }
+
+// A float32 main_grad for `p`, packed, zero.
+Tensor main_grad_for(Parameter& p) {
+  Shape s{p.num_groups()};
+  for (int64_t d : p.expert_shape()) s.push_back(d);
+  Tensor t = Tensor::zeros(s, DType::kFloat32);
+  p.set_main_grad(GroupedParam::packed(t));
+  return t;
+}
+
+Tensor doubled(const Tensor& t) {  // 2 * t, exactly (float32)
+  Tensor out = Tensor::zeros(t.shape(), DType::kFloat32);
+  for (int64_t i = 0; i < t.numel(); ++i) out.data_as<float>()[i] = 2 * t.data_as<float>()[i];
+  return out;
+}
+
+// One batch: x [T, in], dy [T, out] in the module's dtype, row scales / probs [T] float32.
+struct Batch {
+  Routing routing;
+  Tensor x, dy, scales;
+  Batch(Rng& rng, std::vector<int64_t> splits, int64_t capacity, int64_t in, int64_t out, DType dt)
+      : routing(std::move(splits), capacity),
+        x(random_tensor({capacity, in}, dt, rng)),
+        dy(random_tensor({capacity, out}, dt, rng)),
+        scales(uniform_tensor({capacity}, DType::kFloat32, rng, 0.05, 1.0)) {}
+  const GroupLayout& groups() const { return routing.layout; }
+  int64_t T() const { return routing.capacity; }
+};
+
+Fp8ModuleRecipe gemms(bool forward, bool dgrad, bool wgrad) {
+  Fp8ModuleRecipe r;
+  r.forward = forward;
+  r.dgrad = dgrad;
+  r.wgrad = wgrad;
+  return r;
+}
+
+const char* layout_name(ExpertLayout l) { return l == ExpertLayout::kPacked ? "packed" : "per_expert"; }
+
+// ---- GroupedLinear ----
+
+constexpr int64_t kG = 5, kIn = 48, kOut = 144, kT = 40;  // 144: a partial second 128-block
+const std::vector<int64_t> kSplits{7, 0, 1, 13, 9};       // empty and 1-row experts, 10 rows past the end
+
+GroupedLinearOptions linear_options(DType dt = DType::kBFloat16, ExpertLayout layout = ExpertLayout::kPacked,
+                                    Fp8ModuleRecipe fp8 = {}) {
+  GroupedLinearOptions o;
+  o.dtype = dt;
+  o.layout = layout;
+  o.bias = o.scale_bias = true;
+  o.seed = 42;
+  o.fp8 = fp8;
+  return o;
+}
+
+// What the ops give for the module's parameters on this batch, each GEMM in FP8 where the module's
+// recipe says so; the weight gradient written as `wdtype`.
+struct LinearReference {
+  Tensor y, dx, dw, db, dscales;
+  OwnedColumns x_columns;
+};
+
+LinearReference linear_reference(GroupedLinear& m, const Batch& b, DType wdtype) {
+  const Fp8ModuleRecipe& fp8 = *m.options().fp8;
+  const int64_t G = m.num_groups(), N = m.out_features(), K = m.in_features(), T = b.T();
+  const DType dt = m.options().dtype;
+  const GroupLayout& groups = b.groups();
+  OwnedWeight w(G, N, K);
+  quantize_fp8_weight(m.weight().value(), w.view(), fp8.quantizer);
+  OwnedRows x_rows(T, K), dy_rows(T, N);
+  OwnedColumns dy_columns(T, G, N);
+  LinearReference r;
+  r.x_columns = OwnedColumns(T, G, K);
+  quantize_fp8(b.x, groups, x_rows.view(), r.x_columns.view(), fp8.quantizer);
+  quantize_fp8(b.dy, groups, dy_rows.view(), dy_columns.view(), fp8.quantizer);
+  BiasEpilogue bias;
+  if (m.has_bias()) bias = {m.bias().value(), m.options().scale_bias ? TensorView(b.scales) : TensorView()};
+  r.y = Tensor::zeros({T, N}, dt);
+  if (fp8.forward)
+    grouped_linear_forward(x_rows.view(), w.view(), groups, r.y, bias);
+  else
+    grouped_linear_forward(b.x, m.weight().value(), groups, r.y, bias);
+  r.dx = Tensor::zeros({T, K}, dt);
+  if (fp8.dgrad)
+    grouped_linear_dgrad(dy_rows.view(), w.view(), groups, r.dx);
+  else
+    grouped_linear_dgrad(b.dy, m.weight().value(), groups, r.dx);
+  r.dw = Tensor::zeros({G, N, K}, wdtype);
+  if (fp8.wgrad)
+    grouped_linear_wgrad(dy_columns.view(), r.x_columns.view(), groups, GroupedParam::packed(r.dw), GradMode::kWrite);
+  else
+    grouped_linear_wgrad(b.dy, b.x, groups, GroupedParam::packed(r.dw), GradMode::kWrite);
+  if (m.has_bias()) {
+    r.db = Tensor::zeros({G, N}, dt);
+    const TensorView scales = m.options().scale_bias ? TensorView(b.scales) : TensorView();
+    grouped_linear_dbias(b.dy, groups, GroupedParam::packed(r.db), GradMode::kWrite, scales);
+    if (m.options().scale_bias) {
+      r.dscales = Tensor::zeros({T}, DType::kFloat32);
+      grouped_linear_dscales(b.dy, m.bias().value(), groups, r.dscales);
+    }
+  }
+  return r;
+}
+
+class Fp8GroupedLinear : public ::testing::TestWithParam<DType> {};
+
+TEST_P(Fp8GroupedLinear, EqualsTheFp8OpsAndLayoutsAreBitIdentical) {
+  const DType dt = GetParam();
+  Rng rng;
+  const Batch b(rng, kSplits, kT, kIn, kOut, dt);
+  GroupedLinear packed(kG, kIn, kOut, linear_options(dt));
+  GroupedLinear per(kG, kIn, kOut, linear_options(dt, ExpertLayout::kPerExpert));
+  ASSERT_TRUE(bitwise_equal(packed.weight().value(), per.weight().value()));
+  const LinearReference ref = linear_reference(packed, b, dt);
+  for (GroupedLinear* m : {&packed, &per}) {
+    SCOPED_TRACE(layout_name(m->options().layout));
+    LinearForwardResult f = m->forward(b.x, b.groups(), b.scales);
+    EXPECT_TRUE(bitwise_equal(f.y, ref.y));
+    // Forward keeps x's FP8 columns (and the row scales), no copy of x in its dtype.
+    EXPECT_TRUE(f.ctx.saves_input());
+    EXPECT_TRUE(same_columns(f.ctx.saved_x_columns(), ref.x_columns.view()));
+    EXPECT_EQ(f.ctx.saved_bytes(), columns_bytes(kT, kG, kIn) + 4 * kT);
+    LinearBackwardResult r = m->backward(f.ctx, b.dy);
+    EXPECT_TRUE(bitwise_equal(r.dx, ref.dx));
+    EXPECT_EQ(r.weight.kind, GradKind::kGrad);
+    EXPECT_EQ(r.weight.grad.layout(), m->options().layout);
+    EXPECT_TRUE(bitwise_equal(packed_of(r.weight.grad.view()), ref.dw));
+    EXPECT_TRUE(bitwise_equal(packed_of(r.bias.grad.view()), ref.db)) << "the bias gradient reads dy unquantized";
+    EXPECT_TRUE(bitwise_equal(r.dscales, ref.dscales));
+    EXPECT_EQ(m->fp8_weight_quantizations(), 1u) << "forward and dgrad share one quantization of the weight";
+  }
+}
+
+// Against the float64 GEMMs of the unquantized inputs: each output within FP8's error.
+TEST_P(Fp8GroupedLinear, MatchesTheFloat64OracleWithinFp8Error) {
+  const DType dt = GetParam();
+  Rng rng;
+  const Batch b(rng, kSplits, kT, kIn, kOut, dt);
+  GroupedLinear m(kG, kIn, kOut, linear_options(dt));
+  LinearForwardResult f = m.forward(b.x, b.groups(), b.scales);
+  LinearBackwardResult r = m.backward(f.ctx, b.dy);
+  const int64_t rows = b.routing.rows();
+  const auto w = oracle::to_matrices(m.weight().value());
+  const oracle::Matrix x = rows_of(b.x, rows), dy = rows_of(b.dy, rows);
+  const oracle::Vector scales = head_of(b.scales, rows);
+  const oracle::Matrix bias = oracle::to_matrix(packed_of(m.bias().value()));
+  const oracle::Matrix y = oracle::linear_forward(x, w, b.routing.splits, bias, scales);
+  EXPECT_LE(oracle::similarity_diff(rows_of(f.y, rows), y), kFp8MlpSimilarityBound);
+  EXPECT_LE(oracle::similarity_diff(rows_of(r.dx, rows), oracle::linear_dgrad(dy, w, b.routing.splits)),
+            kFp8MlpSimilarityBound);
+  EXPECT_LE(
+      oracle::similarity_diff(oracle::to_matrices(r.weight.grad.view()), oracle::linear_wgrad(dy, x, b.routing.splits)),
+      kFp8MlpSimilarityBound);
+  // The check can fail: another module's weights are far off.
+  GroupedLinearOptions other = linear_options(dt);
+  other.seed = 43;
+  const auto w_other = oracle::to_matrices(GroupedLinear(kG, kIn, kOut, other).weight().value());
+  EXPECT_GT(
+      oracle::similarity_diff(rows_of(f.y, rows), oracle::linear_forward(x, w_other, b.routing.splits, bias, scales)),
+      0.1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, Fp8GroupedLinear, ::testing::Values(DType::kBFloat16, DType::kFloat32),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+// TransformerEngine's override_linear_precision: each GEMM runs in FP8 or in the module's dtype as
+// the recipe names it, and forward keeps x or its FP8 columns accordingly.
+TEST(Fp8GroupedLinearRecipe, EachGemmRunsInFp8OnlyWhenNamed) {
+  Rng rng;
+  const Batch b(rng, kSplits, kT, kIn, kOut, DType::kBFloat16);
+  for (int mask = 1; mask < 8; ++mask) {
+    const bool forward = mask & 1, dgrad = mask & 2, wgrad = mask & 4;
+    SCOPED_TRACE("forward " + std::to_string(forward) + ", dgrad " + std::to_string(dgrad) + ", wgrad " +
+                 std::to_string(wgrad));
+    for (ExpertLayout layout : {ExpertLayout::kPacked, ExpertLayout::kPerExpert}) {
+      GroupedLinear m(kG, kIn, kOut, linear_options(DType::kBFloat16, layout, gemms(forward, dgrad, wgrad)));
+      const LinearReference ref = linear_reference(m, b, DType::kBFloat16);
+      LinearForwardResult f = m.forward(b.x, b.groups(), b.scales);
+      EXPECT_EQ(f.ctx.saved_x_columns().data.defined(), wgrad);
+      EXPECT_EQ(f.ctx.saved_bytes(), (wgrad ? columns_bytes(kT, kG, kIn) : kT * kIn * 2) + 4 * kT);
+      LinearBackwardResult r = m.backward(f.ctx, b.dy);
+      EXPECT_TRUE(bitwise_equal(f.y, ref.y));
+      EXPECT_TRUE(bitwise_equal(r.dx, ref.dx));
+      EXPECT_TRUE(bitwise_equal(packed_of(r.weight.grad.view()), ref.dw));
+      EXPECT_EQ(m.fp8_weight_quantizations(), forward || dgrad ? 1u : 0u)
+          << "a wgrad-only recipe never quantizes the weight";
+    }
+  }
+  // The check can fail: the bf16 and FP8 forwards differ.
+  GroupedLinear fp8_forward(kG, kIn, kOut,
+                            linear_options(DType::kBFloat16, ExpertLayout::kPacked, gemms(true, false, false)));
+  GroupedLinear bf16_forward(kG, kIn, kOut,
+                             linear_options(DType::kBFloat16, ExpertLayout::kPacked, gemms(false, true, false)));
+  EXPECT_FALSE(bitwise_equal(fp8_forward.forward(b.x, b.groups(), b.scales).y,
+                             bf16_forward.forward(b.x, b.groups(), b.scales).y));
+}
+
+// The rows of docs/design.md section 6, with the FP8 wgrad writing / accumulating into float32.
+class Fp8LinearGradientContract : public ::testing::TestWithParam<std::tuple<Row, ExpertLayout>> {};
+
+TEST_P(Fp8LinearGradientContract, Row) {
+  const auto& [row, layout] = GetParam();
+  Rng rng;
+  const Batch b(rng, kSplits, kT, kIn, kOut, DType::kBFloat16);
+  GroupedLinearOptions o = linear_options(DType::kBFloat16, layout);
+  o.delay_wgrad_compute = row.delay;
+  o.accumulate_into_main_grad = row.main_grad;
+  o.overwrite_main_grad = row.overwrite;
+  o.zero_out_wgrad = row.zero_out;
+  GroupedLinear m(kG, kIn, kOut, o);
+  Tensor main_grad;
+  if (row.main_grad) main_grad = main_grad_for(m.weight());
+  if (row.flag) m.weight().grad_added_to_main_grad = false;
+  int hook_calls = 0;
+  m.register_wgrad_hook([&] { ++hook_calls; });
+
+  std::optional<LinearForwardResult> f = m.forward(b.x, b.groups(), b.scales);
+  LinearBackwardResult r = m.backward(f->ctx, b.dy);
+  f.reset();  // a queued job keeps its own FP8 tensors
+  EXPECT_EQ(r.weight.kind, row.backward_kind) << grad_kind_name(r.weight.kind);
+  EXPECT_EQ(r.weight.grad.defined(), row.backward_kind != GradKind::kNone);
+  EXPECT_EQ(m.weight().grad_added_to_main_grad.has_value(), row.flag);
+  if (row.flag) EXPECT_EQ(*m.weight().grad_added_to_main_grad, row.flag_after_backward);
+  EXPECT_EQ(m.queued_wgrads(), row.delay ? 1u : 0u);
+  m.backward_dw();
+  EXPECT_EQ(hook_calls, row.delay ? 1 : 0);
+  if (row.flag) EXPECT_EQ(*m.weight().grad_added_to_main_grad, row.flag_after_dw);
+
+  const Tensor exact32 = linear_reference(m, b, DType::kFloat32).dw;
+  if (row.main_grad) {
+    EXPECT_TRUE(bitwise_equal(main_grad, exact32)) << "main_grad";
+    EXPECT_FALSE(m.weight().grad().defined());
+  } else if (row.delay) {
+    EXPECT_TRUE(bitwise_equal(packed_of(m.weight().grad().view()), exact32)) << ".grad after backward_dw";
+  } else {
+    EXPECT_TRUE(bitwise_equal(packed_of(r.weight.grad.view()), linear_reference(m, b, DType::kBFloat16).dw));
+  }
+  if (row.backward_kind == GradKind::kDummy)
+    EXPECT_TRUE(bitwise_equal(packed_of(r.weight.grad.view()), Tensor::zeros({kG, kOut, kIn}, DType::kBFloat16)));
+}
+
+INSTANTIATE_TEST_SUITE_P(TableRows, Fp8LinearGradientContract, all_rows_and_layouts(), row_and_layout_name);
+
+TEST(Fp8GroupedLinearModule, DelayedEqualsImmediateTwiceIsDoubleOverwriteReplaces) {
+  Rng rng;
+  const Batch b(rng, kSplits, kT, kIn, kOut, DType::kBFloat16);
+  GroupedLinearOptions o = linear_options(DType::kBFloat16, ExpertLayout::kPerExpert);
+  o.accumulate_into_main_grad = true;
+  GroupedLinear now(kG, kIn, kOut, o);
+  o.delay_wgrad_compute = true;
+  GroupedLinear later(kG, kIn, kOut, o);
+  const Tensor mg_now = main_grad_for(now.weight()), mg_later = main_grad_for(later.weight());
+  int hooks = 0;
+  later.register_wgrad_hook([&] { ++hooks; });
+  later.backward_dw();
+  EXPECT_EQ(hooks, 0);
+  for (int step = 0; step < 2; ++step) {
+    LinearForwardResult f = now.forward(b.x, b.groups(), b.scales);
+    now.backward(f.ctx, b.dy);
+    LinearForwardResult g = later.forward(b.x, b.groups(), b.scales);
+    later.backward(g.ctx, b.dy);
+  }
+  EXPECT_EQ(later.queued_wgrads(), 2u);
+  EXPECT_TRUE(bitwise_equal(mg_later, Tensor::zeros({kG, kOut, kIn}, DType::kFloat32)));
+  later.backward_dw();
+  EXPECT_EQ(hooks, 1);
+  EXPECT_TRUE(bitwise_equal(mg_later, mg_now)) << "delayed != immediate";
+  const Tensor once = linear_reference(now, b, DType::kFloat32).dw;
+  EXPECT_TRUE(bitwise_equal(mg_now, doubled(once))) << "accumulating twice is not 2x";
+
+  o.delay_wgrad_compute = false;
+  o.overwrite_main_grad = true;
+  GroupedLinear over(kG, kIn, kOut, o);
+  const Tensor mg_over = main_grad_for(over.weight());
+  fill_uniform(mg_over, 7, -1, 1);
+  for (int step = 0; step < 2; ++step) {
+    LinearForwardResult f = over.forward(b.x, b.groups(), b.scales);
+    over.backward(f.ctx, b.dy);
+  }
+  EXPECT_TRUE(bitwise_equal(mg_over, once)) << "overwrite";
+}
+
+TEST(Fp8GroupedLinearModule, KeepsOnlyWhatBackwardNeeds) {
+  Rng rng;
+  const Batch b(rng, kSplits, kT, kIn, kOut, DType::kBFloat16);
+  GroupedLinearOptions o = linear_options();
+  o.bias = o.scale_bias = false;
+  GroupedLinear m(kG, kIn, kOut, o);
+  LinearForwardResult f = m.forward(b.x, b.groups(), {}, /*input_requires_grad=*/false);
+  EXPECT_EQ(f.ctx.saved_bytes(), columns_bytes(kT, kG, kIn));
+  LinearBackwardResult r = m.backward(f.ctx, b.dy);
+  EXPECT_FALSE(r.dx.defined());
+  EXPECT_EQ(r.weight.kind, GradKind::kGrad);
+  m.weight().requires_grad = false;  // frozen: nothing kept; dgrad only
+  f = m.forward(b.x, b.groups());
+  EXPECT_FALSE(f.ctx.saves_input());
+  EXPECT_EQ(f.ctx.saved_bytes(), 0);
+  r = m.backward(f.ctx, b.dy);
+  EXPECT_TRUE(r.dx.defined());
+  EXPECT_EQ(r.weight.kind, GradKind::kNone);
+  // A weight unfrozen between forward and backward finds no input: a clear error.
+  f = m.forward(b.x, b.groups());
+  m.weight().requires_grad = true;
+  EXPECT_MOE_ERROR(m.backward(f.ctx, b.dy), ErrorCode::kInvalidArgument, "forward kept no input");
+}
+
+// The weight's FP8 copies are made once and serve every micro-batch (forward and dgrad) until
+// invalidated; a change of the master weight is not seen before.
+TEST(Fp8GroupedLinearModule, WeightCacheIsReusedUntilInvalidated) {
+  Rng rng;
+  const Batch b(rng, kSplits, kT, kIn, kOut, DType::kBFloat16);
+  GroupedLinear m(kG, kIn, kOut, linear_options(DType::kBFloat16, ExpertLayout::kPerExpert));
+  EXPECT_EQ(m.fp8_weight_quantizations(), 0u);
+  const LinearReference before = linear_reference(m, b, DType::kBFloat16);
+  LinearForwardResult f1 = m.forward(b.x, b.groups(), b.scales);
+  LinearForwardResult f2 = m.forward(b.x, b.groups(), b.scales);  // a second micro-batch
+  EXPECT_EQ(m.fp8_weight_quantizations(), 1u);
+  EXPECT_TRUE(bitwise_equal(f2.y, before.y));
+
+  // The optimizer writes the master weight in place (here through state_dict's shared tensors).
+  for (const auto& [key, t] : m.state_dict())
+    if (key.starts_with("weight")) fill_uniform(t, 1234 + key.size(), -0.2f, 0.2f);
+  LinearForwardResult stale = m.forward(b.x, b.groups(), b.scales);
+  EXPECT_TRUE(bitwise_equal(stale.y, before.y)) << "the cached copy serves until invalidated";
+  EXPECT_TRUE(bitwise_equal(m.backward(f1.ctx, b.dy).dx, before.dx)) << "dgrad reads the same cached copy";
+  EXPECT_EQ(m.fp8_weight_quantizations(), 1u);
+
+  m.invalidate_fp8_weights();
+  const LinearReference after = linear_reference(m, b, DType::kBFloat16);
+  ASSERT_FALSE(bitwise_equal(after.y, before.y));
+  LinearForwardResult fresh = m.forward(b.x, b.groups(), b.scales);
+  EXPECT_TRUE(bitwise_equal(fresh.y, after.y));
+  EXPECT_TRUE(bitwise_equal(m.backward(f2.ctx, b.dy).dx, after.dx));
+  EXPECT_EQ(m.fp8_weight_quantizations(), 2u);
+
+  // load_state_dict refreshes the copies itself.
+  GroupedLinearOptions other_options = linear_options();
+  other_options.seed = 77;
+  GroupedLinear other(kG, kIn, kOut, other_options);
+  m.load_state_dict(other.state_dict());
+  EXPECT_TRUE(bitwise_equal(m.forward(b.x, b.groups(), b.scales).y, linear_reference(other, b, DType::kBFloat16).y));
+  EXPECT_EQ(m.fp8_weight_quantizations(), 3u);
+
+  // So does replacing the Parameter (another storage).
+  other_options.seed = 78;
+  other_options.layout = ExpertLayout::kPerExpert;
+  m.weight() = GroupedLinear(kG, kIn, kOut, other_options).weight();
+  EXPECT_TRUE(bitwise_equal(m.forward(b.x, b.groups(), b.scales).y, linear_reference(m, b, DType::kBFloat16).y));
+  EXPECT_EQ(m.fp8_weight_quantizations(), 4u);
+  m.forward(b.x, b.groups(), b.scales);
+  EXPECT_EQ(m.fp8_weight_quantizations(), 4u);
+}
+
+TEST(Fp8GroupedLinearModule, BadOptionsAreClearErrors) {
+  EXPECT_MOE_ERROR(
+      (GroupedLinear(kG, kIn, kOut, linear_options(DType::kFloat16))), ErrorCode::kDType,
+      "GroupedLinear: options.fp8 needs dtype bfloat16 or float32 (the FP8 GEMMs write those), got float16");
+  EXPECT_MOE_ERROR((GroupedLinear(kG, 24, kOut, linear_options())), ErrorCode::kShape,
+                   "multiples of 16 (FP8 rows are read in 16-byte units), got in_features = 24, out_features = 144");
+  EXPECT_MOE_ERROR((GroupedLinear(kG, kIn, 40 + 1, linear_options())), ErrorCode::kShape, "out_features = 41");
+  EXPECT_MOE_ERROR((GroupedLinear(kG, kIn, kOut,
+                                  linear_options(DType::kBFloat16, ExpertLayout::kPacked, gemms(false, false, false)))),
+                   ErrorCode::kInvalidArgument, "options.fp8 names no GEMM");
+  Fp8ModuleRecipe bad_epsilon;
+  bad_epsilon.quantizer.amax_epsilon = -1.f;
+  EXPECT_MOE_ERROR((GroupedLinear(kG, kIn, kOut, linear_options(DType::kBFloat16, ExpertLayout::kPacked, bad_epsilon))),
+                   ErrorCode::kInvalidArgument, "amax_epsilon: expected a finite value >= 0, got -1");
+  // Without fp8 the same shapes and dtype are fine.
+  GroupedLinearOptions plain = linear_options(DType::kFloat16);
+  plain.fp8.reset();
+  EXPECT_NO_THROW(GroupedLinear(kG, 24, kOut, plain));
+}
+
+// ---- GroupedMLP ----
+
+constexpr int64_t kH = 144, kF = 80, kMlpT = 50;
+
+GroupedMLPOptions mlp_options(DType dt = DType::kBFloat16, ExpertLayout layout = ExpertLayout::kPacked) {
+  GroupedMLPOptions o;
+  o.dtype = dt;
+  o.layout = layout;
+  o.bias = true;
+  o.glu.activation = GluActivation::kClampedQGeGLU;
+  o.glu.limit = 1.5f;  // the initialized pre-activation reaches past it
+  o.glu.layout = GluLayout::pairs();
+  o.seed = 7;
+  o.fp8 = Fp8ModuleRecipe{};
+  return o;
+}
+
+// The FP8 MLP op on the module's parameters (weights quantized here), every gradient written,
+// the weight gradients as `wdtype`.
+struct MlpReference {
+  Tensor y, dx, dprobs, dw1, dw2, db1, db2;
+  OwnedColumns x_columns;
+  OwnedRows h_rows;
+};
+
+MlpReference mlp_reference(GroupedMLP& m, const Batch& b, DType wdtype, bool probs = true) {
+  const int64_t G = m.num_groups(), H = m.hidden(), F = m.ffn(), T = b.T();
+  const DType dt = m.options().dtype;
+  const Fp8Recipe& recipe = m.options().fp8->quantizer;
+  OwnedWeight w1(G, 2 * F, H), w2(G, H, F);
+  quantize_fp8_weight(m.fc1_weight().value(), w1.view(), recipe);
+  quantize_fp8_weight(m.fc2_weight().value(), w2.view(), recipe);
+  ExpertMlpFp8Weights w{w1.view(), w2.view(), {}, {}};
+  if (m.has_bias()) w.fc1_bias = m.fc1_bias().value(), w.fc2_bias = m.fc2_bias().value();
+  MlpReference r;
+  r.x_columns = OwnedColumns(T, G, H);
+  r.h_rows = OwnedRows(T, 2 * F);
+  const ExpertMlpFp8Saved saved{r.x_columns.view(), r.h_rows.view()};
+  const ExpertMlpSpec spec{m.options().glu};
+  const TensorView p = probs ? TensorView(b.scales) : TensorView();
+  Tensor fws = Tensor::empty({int64_t(expert_mlp_fp8_forward_workspace_size(T, H, F, dt))}, DType::kUInt8);
+  Tensor bws = Tensor::empty({int64_t(expert_mlp_fp8_backward_workspace_size(T, G, H, F, dt))}, DType::kUInt8);
+  r.y = Tensor::zeros({T, H}, dt);
+  expert_mlp_forward(b.x, p, w, b.groups(), r.y, saved, spec, recipe,
+                     {nullptr, {fws.data(), fws.nbytes(), Device::cpu()}});
+  r.dx = Tensor::zeros({T, H}, dt);
+  r.dw1 = Tensor::zeros({G, 2 * F, H}, wdtype);
+  r.dw2 = Tensor::zeros({G, H, F}, wdtype);
+  ExpertMlpGrads g;
+  g.dx = r.dx;
+  if (probs) g.dprobs = r.dprobs = Tensor::zeros({T}, DType::kFloat32);
+  g.fc1_weight = {GroupedParam::packed(r.dw1), GradMode::kWrite};
+  g.fc2_weight = {GroupedParam::packed(r.dw2), GradMode::kWrite};
+  if (m.has_bias()) {
+    r.db1 = Tensor::zeros({G, 2 * F}, dt);
+    r.db2 = Tensor::zeros({G, H}, dt);
+    g.fc1_bias = {GroupedParam::packed(r.db1), GradMode::kWrite};
+    g.fc2_bias = {GroupedParam::packed(r.db2), GradMode::kWrite};
+  }
+  expert_mlp_backward(b.dy, saved, p, w, b.groups(), g, spec, recipe,
+                      {nullptr, {bws.data(), bws.nbytes(), Device::cpu()}});
+  return r;
+}
+
+int64_t mlp_saved_bytes(int64_t T, int64_t G, int64_t H, int64_t F, bool x_columns, bool probs) {
+  return (x_columns ? columns_bytes(T, G, H) : 0) + rows_bytes(T, 2 * F) + (probs ? 4 * T : 0);
+}
+
+class Fp8GroupedMlp : public ::testing::TestWithParam<DType> {};
+
+TEST_P(Fp8GroupedMlp, EqualsTheFp8OpAndLayoutsAreBitIdentical) {
+  const DType dt = GetParam();
+  Rng rng;
+  const Batch b(rng, kSplits, kMlpT, kH, kH, dt);
+  GroupedMLP packed(kG, kH, kF, mlp_options(dt));
+  GroupedMLP per(kG, kH, kF, mlp_options(dt, ExpertLayout::kPerExpert));
+  ASSERT_TRUE(bitwise_equal(packed.fc1_weight().value(), per.fc1_weight().value()));
+  const MlpReference ref = mlp_reference(packed, b, dt);
+  const int64_t rows = b.routing.rows();
+  for (GroupedMLP* m : {&packed, &per}) {
+    SCOPED_TRACE(layout_name(m->options().layout));
+    MlpForwardResult f = m->forward(b.x, b.groups(), b.scales);
+    EXPECT_TRUE(bitwise_equal(f.y, ref.y));
+    // Forward keeps what the op keeps, FP8 only.
+    EXPECT_TRUE(f.ctx.saves_input());
+    EXPECT_TRUE(f.ctx.saves_fc1_out());
+    EXPECT_TRUE(same_columns(f.ctx.fp8_saved().x, ref.x_columns.view()));
+    EXPECT_TRUE(same_rows(f.ctx.fp8_saved().fc1_out, ref.h_rows.view(), rows));
+    EXPECT_EQ(f.ctx.saved_bytes(), mlp_saved_bytes(kMlpT, kG, kH, kF, true, true));
+    MlpBackwardResult r = m->backward(f.ctx, b.dy);
+    EXPECT_TRUE(bitwise_equal(r.dx, ref.dx));
+    EXPECT_TRUE(bitwise_equal(r.dprobs, ref.dprobs));
+    for (auto [got, want, name] : {std::tuple{&r.fc1_weight, &ref.dw1, "dw1"},
+                                   {&r.fc2_weight, &ref.dw2, "dw2"},
+                                   {&r.fc1_bias, &ref.db1, "db1"},
+                                   {&r.fc2_bias, &ref.db2, "db2"}}) {
+      EXPECT_EQ(got->kind, GradKind::kGrad) << name;
+      EXPECT_TRUE(bitwise_equal(packed_of(got->grad.view()), *want)) << name;
+    }
+    EXPECT_EQ(r.fc1_weight.grad.layout(), m->options().layout);
+    EXPECT_EQ(m->fp8_weight_quantizations(), 2u) << "each weight once, for forward and backward";
+  }
+}
+
+// The module against the float64 MLP of the unquantized inputs (fp8_mlp_support.hpp's bound).
+TEST_P(Fp8GroupedMlp, MatchesTheFloat64MlpWithinFp8Error) {
+  const DType dt = GetParam();
+  Rng rng;
+  const Routing r(kSplits, kMlpT);
+  // The activation's default clamp (7): the other tests' 1.5 puts many pre-activations at the clamp,
+  // where FP8's rounding of the kept pre-activation moves the derivative's jump (more than the bound).
+  GroupedMLPOptions o = mlp_options(dt, ExpertLayout::kPerExpert);
+  o.glu = spec_of(GluActivation::kClampedQGeGLU, GluLayout::pairs());
+  const Fp8MlpCase c(rng, kMlpT, kG, kH, kF, dt, o.glu, /*bias=*/true, /*probs=*/true);
+  GroupedMLP m(kG, kH, kF, o);
+  m.load_state_dict({{"fc1.weight", c.w1}, {"fc1.bias", c.b1}, {"fc2.weight", c.w2}, {"fc2.bias", c.b2}});
+  MlpForwardResult f = m.forward(c.x, r.layout, c.p);
+  MlpBackwardResult g = m.backward(f.ctx, c.dy);
+  oracle::Matrix y;
+  const oracle::MlpGrads want = fp8_mlp_oracle(c, r, y);
+  const int64_t rows = r.rows();
+  EXPECT_LE(oracle::similarity_diff(rows_of(f.y, rows), y), kFp8MlpSimilarityBound) << "y";
+  EXPECT_LE(oracle::similarity_diff(rows_of(g.dx, rows), want.dx), kFp8MlpSimilarityBound) << "dx";
+  EXPECT_LE(oracle::similarity_diff(head_of(g.dprobs, rows), want.dprobs), kFp8MlpSimilarityBound) << "dprobs";
+  EXPECT_LE(oracle::similarity_diff(oracle::to_matrices(g.fc1_weight.grad.view()), want.dw1), kFp8MlpSimilarityBound);
+  EXPECT_LE(oracle::similarity_diff(oracle::to_matrices(g.fc2_weight.grad.view()), want.dw2), kFp8MlpSimilarityBound);
+  EXPECT_LE(oracle::similarity_diff(oracle::to_matrix(packed_of(g.fc1_bias.grad.view())), want.db1),
+            kFp8MlpSimilarityBound);
+  EXPECT_LE(oracle::similarity_diff(oracle::to_matrix(packed_of(g.fc2_bias.grad.view())), want.db2),
+            kFp8MlpSimilarityBound);
+  // The check can fail: the loaded weights are the oracle's, another module's are not.
+  GroupedMLP unloaded(kG, kH, kF, o);
+  EXPECT_GT(oracle::similarity_diff(rows_of(unloaded.forward(c.x, r.layout, c.p).y, rows), y), 0.1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, Fp8GroupedMlp, ::testing::Values(DType::kBFloat16, DType::kFloat32),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+class Fp8MlpGradientContract : public ::testing::TestWithParam<std::tuple<Row, ExpertLayout>> {};
+
+TEST_P(Fp8MlpGradientContract, Row) {
+  const auto& [row, layout] = GetParam();
+  Rng rng;
+  const Batch b(rng, kSplits, kMlpT, kH, kH, DType::kBFloat16);
+  GroupedMLPOptions o = mlp_options(DType::kBFloat16, layout);
+  o.delay_wgrad_compute = row.delay;
+  o.accumulate_into_main_grad = row.main_grad;
+  o.overwrite_main_grad = row.overwrite;
+  o.zero_out_wgrad = row.zero_out;
+  GroupedMLP m(kG, kH, kF, o);
+  Tensor mg1, mg2;
+  if (row.main_grad) mg1 = main_grad_for(m.fc1_weight()), mg2 = main_grad_for(m.fc2_weight());
+  if (row.flag) m.fc1_weight().grad_added_to_main_grad = m.fc2_weight().grad_added_to_main_grad = false;
+  int hook_calls = 0;
+  m.register_wgrad_hook([&] { ++hook_calls; });
+
+  std::optional<MlpForwardResult> f = m.forward(b.x, b.groups(), b.scales);
+  MlpBackwardResult r = m.backward(f->ctx, b.dy);
+  f.reset();  // a queued job keeps its own tensors
+  for (auto [got, param] : {std::pair{&r.fc1_weight, &m.fc1_weight()}, {&r.fc2_weight, &m.fc2_weight()}}) {
+    EXPECT_EQ(got->kind, row.backward_kind) << grad_kind_name(got->kind);
+    EXPECT_EQ(got->grad.defined(), row.backward_kind != GradKind::kNone);
+    EXPECT_EQ(param->grad_added_to_main_grad.has_value(), row.flag);
+    if (row.flag) EXPECT_EQ(*param->grad_added_to_main_grad, row.flag_after_backward);
+  }
+  EXPECT_EQ(r.fc1_bias.kind, GradKind::kGrad) << "bias gradients are never delayed";
+  EXPECT_EQ(m.queued_wgrads(), row.delay ? 1u : 0u);
+  m.backward_dw();
+  EXPECT_EQ(hook_calls, row.delay ? 1 : 0);
+  if (row.flag) {
+    EXPECT_EQ(*m.fc1_weight().grad_added_to_main_grad, row.flag_after_dw);
+    EXPECT_EQ(*m.fc2_weight().grad_added_to_main_grad, row.flag_after_dw);
+  }
+  const MlpReference exact32 = mlp_reference(m, b, DType::kFloat32);
+  EXPECT_TRUE(bitwise_equal(r.dx, exact32.dx));
+  EXPECT_TRUE(bitwise_equal(r.dprobs, exact32.dprobs));
+  if (row.main_grad) {
+    EXPECT_TRUE(bitwise_equal(mg1, exact32.dw1)) << "fc1 main_grad";
+    EXPECT_TRUE(bitwise_equal(mg2, exact32.dw2)) << "fc2 main_grad";
+  } else if (row.delay) {
+    EXPECT_TRUE(bitwise_equal(packed_of(m.fc1_weight().grad().view()), exact32.dw1)) << "fc1 .grad";
+    EXPECT_TRUE(bitwise_equal(packed_of(m.fc2_weight().grad().view()), exact32.dw2)) << "fc2 .grad";
+  } else {
+    const MlpReference exact = mlp_reference(m, b, DType::kBFloat16);
+    EXPECT_TRUE(bitwise_equal(packed_of(r.fc1_weight.grad.view()), exact.dw1));
+    EXPECT_TRUE(bitwise_equal(packed_of(r.fc2_weight.grad.view()), exact.dw2));
+  }
+  if (row.backward_kind == GradKind::kDummy) {
+    EXPECT_TRUE(bitwise_equal(packed_of(r.fc1_weight.grad.view()), Tensor::zeros({kG, 2 * kF, kH}, DType::kBFloat16)));
+    EXPECT_NE(r.fc1_weight.grad.view().expert(0).data(), r.fc2_weight.grad.view().expert(0).data());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(TableRows, Fp8MlpGradientContract, all_rows_and_layouts(), row_and_layout_name);
+
+TEST(Fp8GroupedMlpModule, DelayedEqualsImmediateTwiceIsDoubleOverwriteReplaces) {
+  Rng rng;
+  const Batch b(rng, kSplits, kMlpT, kH, kH, DType::kBFloat16);
+  GroupedMLPOptions o = mlp_options(DType::kBFloat16, ExpertLayout::kPerExpert);
+  o.accumulate_into_main_grad = true;
+  GroupedMLP now(kG, kH, kF, o);
+  o.delay_wgrad_compute = true;
+  GroupedMLP later(kG, kH, kF, o);
+  const Tensor now1 = main_grad_for(now.fc1_weight()), now2 = main_grad_for(now.fc2_weight());
+  const Tensor later1 = main_grad_for(later.fc1_weight()), later2 = main_grad_for(later.fc2_weight());
+  int hooks = 0;
+  later.register_wgrad_hook([&] { ++hooks; });
+  for (int step = 0; step < 2; ++step) {
+    MlpForwardResult f = now.forward(b.x, b.groups(), b.scales);
+    MlpBackwardResult rn = now.backward(f.ctx, b.dy);
+    MlpForwardResult g = later.forward(b.x, b.groups(), b.scales);
+    MlpBackwardResult rl = later.backward(g.ctx, b.dy);
+    EXPECT_TRUE(bitwise_equal(rl.dx, rn.dx));
+    EXPECT_TRUE(bitwise_equal(rl.dprobs, rn.dprobs));
+  }
+  EXPECT_EQ(later.queued_wgrads(), 2u);
+  EXPECT_TRUE(bitwise_equal(later1, Tensor::zeros({kG, 2 * kF, kH}, DType::kFloat32)));
+  later.backward_dw();
+  EXPECT_EQ(hooks, 1);
+  EXPECT_TRUE(bitwise_equal(later1, now1)) << "delayed != immediate";
+  EXPECT_TRUE(bitwise_equal(later2, now2)) << "delayed != immediate";
+  const MlpReference once = mlp_reference(now, b, DType::kFloat32);
+  EXPECT_TRUE(bitwise_equal(now1, doubled(once.dw1))) << "accumulating twice is not 2x";
+  EXPECT_TRUE(bitwise_equal(now2, doubled(once.dw2))) << "accumulating twice is not 2x";
+
+  o.delay_wgrad_compute = false;
+  o.overwrite_main_grad = true;
+  GroupedMLP over(kG, kH, kF, o);
+  const Tensor over1 = main_grad_for(over.fc1_weight()), over2 = main_grad_for(over.fc2_weight());
+  fill_uniform(over1, 3, -1, 1);
+  fill_uniform(over2, 4, -1, 1);
+  for (int step = 0; step < 2; ++step) {
+    MlpForwardResult f = over.forward(b.x, b.groups(), b.scales);
+    over.backward(f.ctx, b.dy);
+  }
+  EXPECT_TRUE(bitwise_equal(over1, once.dw1)) << "overwrite";
+  EXPECT_TRUE(bitwise_equal(over2, once.dw2)) << "overwrite";
+}
+
+TEST(Fp8GroupedMlpModule, KeepsOnlyWhatBackwardNeeds) {
+  Rng rng;
+  const Batch b(rng, kSplits, kMlpT, kH, kH, DType::kBFloat16);
+  GroupedMLPOptions o = mlp_options();
+  o.bias = false;
+  GroupedMLP m(kG, kH, kF, o);
+  // Input without grad, no probs: the FP8 rows of h and x's columns.
+  MlpForwardResult f = m.forward(b.x, b.groups(), {}, /*input_requires_grad=*/false);
+  EXPECT_EQ(f.ctx.saved_bytes(), mlp_saved_bytes(kMlpT, kG, kH, kF, true, false));
+  MlpBackwardResult r = m.backward(f.ctx, b.dy);
+  EXPECT_FALSE(r.dx.defined());
+  EXPECT_EQ(r.fc1_weight.kind, GradKind::kGrad);
+  // FC1 frozen: no columns of x.
+  m.fc1_weight().requires_grad = false;
+  f = m.forward(b.x, b.groups(), b.scales);
+  EXPECT_FALSE(f.ctx.saves_input());
+  EXPECT_FALSE(f.ctx.fp8_saved().x.data.defined());
+  EXPECT_EQ(f.ctx.saved_bytes(), mlp_saved_bytes(kMlpT, kG, kH, kF, false, true));
+  r = m.backward(f.ctx, b.dy);
+  EXPECT_TRUE(r.dx.defined());
+  EXPECT_EQ(r.fc1_weight.kind, GradKind::kNone);
+  EXPECT_EQ(r.fc2_weight.kind, GradKind::kGrad);
+  // Nothing wants a gradient: nothing kept.
+  m.fc2_weight().requires_grad = false;
+  f = m.forward(b.x, b.groups(), {}, false);
+  EXPECT_FALSE(f.ctx.saves_fc1_out());
+  EXPECT_EQ(f.ctx.saved_bytes(), 0);
+  r = m.backward(f.ctx, b.dy);
+  EXPECT_FALSE(r.dx.defined());
+}
+
+TEST(Fp8GroupedMlpModule, WeightCacheIsReusedUntilInvalidated) {
+  Rng rng;
+  const Batch b(rng, kSplits, kMlpT, kH, kH, DType::kBFloat16);
+  GroupedMLP m(kG, kH, kF, mlp_options());
+  const MlpReference before = mlp_reference(m, b, DType::kBFloat16);
+  MlpForwardResult f1 = m.forward(b.x, b.groups(), b.scales);
+  MlpForwardResult f2 = m.forward(b.x, b.groups(), b.scales);
+  EXPECT_EQ(m.fp8_weight_quantizations(), 2u);
+  for (const auto& [key, t] : m.state_dict())
+    if (key.find("weight") != std::string::npos) fill_uniform(t, 99 + key.size(), -0.1f, 0.1f);
+  EXPECT_TRUE(bitwise_equal(m.forward(b.x, b.groups(), b.scales).y, before.y))
+      << "stale copies serve until invalidated";
+  EXPECT_TRUE(bitwise_equal(m.backward(f1.ctx, b.dy).dx, before.dx));
+  EXPECT_EQ(m.fp8_weight_quantizations(), 2u);
+  m.invalidate_fp8_weights();
+  const MlpReference after = mlp_reference(m, b, DType::kBFloat16);
+  ASSERT_FALSE(bitwise_equal(after.y, before.y));
+  EXPECT_TRUE(bitwise_equal(m.forward(b.x, b.groups(), b.scales).y, after.y));
+  EXPECT_EQ(m.fp8_weight_quantizations(), 4u);
+
+  GroupedMLPOptions other_options = mlp_options(DType::kBFloat16, ExpertLayout::kPerExpert);
+  other_options.seed = 31;
+  GroupedMLP other(kG, kH, kF, other_options);
+  m.load_state_dict(other.state_dict());
+  EXPECT_TRUE(bitwise_equal(m.forward(b.x, b.groups(), b.scales).y, mlp_reference(other, b, DType::kBFloat16).y));
+  EXPECT_EQ(m.fp8_weight_quantizations(), 6u);
+  // Replacing one weight refreshes that weight's copies only.
+  other_options.seed = 32;
+  other_options.layout = ExpertLayout::kPacked;
+  m.fc2_weight() = GroupedMLP(kG, kH, kF, other_options).fc2_weight();
+  EXPECT_TRUE(bitwise_equal(m.forward(b.x, b.groups(), b.scales).y, mlp_reference(m, b, DType::kBFloat16).y));
+  EXPECT_EQ(m.fp8_weight_quantizations(), 7u);
+}
+
+TEST(Fp8GroupedMlpModule, BadOptionsAreClearErrors) {
+  GroupedMLPOptions o = mlp_options();
+  o.fp8->dgrad = false;
+  EXPECT_MOE_ERROR(
+      (GroupedMLP(kG, kH, kF, o)), ErrorCode::kInvalidArgument,
+      "GroupedMLP: options.fp8 runs all six GEMMs in FP8 (the FP8 expert MLP); expected forward, dgrad and "
+      "wgrad all true, got forward = 1, dgrad = 0, wgrad = 1");
+  o = mlp_options(DType::kFloat16);
+  EXPECT_MOE_ERROR((GroupedMLP(kG, kH, kF, o)), ErrorCode::kDType, "needs dtype bfloat16 or float32");
+  EXPECT_MOE_ERROR((GroupedMLP(kG, kH, 40, mlp_options())), ErrorCode::kShape, "got hidden = 144, ffn = 40");
+  EXPECT_MOE_ERROR((GroupedMLP(kG, 24, kF, mlp_options())), ErrorCode::kShape, "got hidden = 24, ffn = 80");
+  o = mlp_options();
+  o.recompute_fc1 = true;
+  EXPECT_MOE_ERROR((GroupedMLP(kG, kH, kF, o)), ErrorCode::kInvalidArgument, "expected recompute_fc1 = false");
+  o = mlp_options();
+  o.fp8->quantizer.amax_epsilon = std::numeric_limits<float>::infinity();
+  EXPECT_MOE_ERROR((GroupedMLP(kG, kH, kF, o)), ErrorCode::kInvalidArgument, "amax_epsilon: expected a finite value");
+}
+
+// ---- activation offload of the FP8 tensors ----
+
+// Copies of a context's FP8 tensors (whole buffers: offload moves every byte).
+std::vector<Tensor> snapshot(const std::vector<TensorView>& views) {
+  std::vector<Tensor> out;
+  for (const TensorView& v : views) {
+    Tensor t = Tensor::empty(v.shape(), v.dtype());
+    copy_tensor(t, v);
+    out.push_back(t);
+  }
+  return out;
+}
+std::vector<TensorView> fp8_views(const LinearContext& c) {
+  const Fp8Columns x = c.saved_x_columns();
+  return {x.data, x.scales, x.offsets};
+}
+std::vector<TensorView> fp8_views(const MlpContext& c) {
+  const ExpertMlpFp8Saved s = c.fp8_saved();
+  return {s.x.data, s.x.scales, s.x.offsets, s.fc1_out.data, s.fc1_out.scales};
+}
+bool same_bytes(const std::vector<Tensor>& a, const std::vector<TensorView>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!b[i].defined() || a[i].dtype() != b[i].dtype() || !bitwise_equal(a[i], b[i])) return false;
+  return true;
+}
+
+// Three layers, each an FP8 GroupedLinear [H -> H] with a probs-scaled bias followed by an FP8
+// GroupedMLP, weights into float32 main_grad: with offload the same bits as without, and every FP8
+// tensor comes back byte for byte.
+TEST(Fp8ModulesOffload, FP8SavedTensorsRoundTripBitExactly) {
+  constexpr int kLayers = 3;
+  Rng rng;
+  const Batch b(rng, kSplits, kMlpT, kH, kH, DType::kBFloat16);
+  struct Stack {
+    std::vector<std::unique_ptr<GroupedLinear>> linears;
+    std::vector<std::unique_ptr<GroupedMLP>> mlps;
+    std::vector<Tensor> main_grads;
+    Stack() {
+      for (int i = 0; i < kLayers; ++i) {
+        GroupedLinearOptions lo = linear_options();
+        lo.seed = 200 + uint64_t(i);
+        lo.accumulate_into_main_grad = true;
+        linears.push_back(std::make_unique<GroupedLinear>(kG, kH, kH, lo));
+        GroupedMLPOptions mo = mlp_options(DType::kBFloat16, i % 2 ? ExpertLayout::kPerExpert : ExpertLayout::kPacked);
+        mo.seed = 100 + uint64_t(i);
+        mo.accumulate_into_main_grad = true;
+        mlps.push_back(std::make_unique<GroupedMLP>(kG, kH, kF, mo));
+        for (Parameter* p : {&linears.back()->weight(), &mlps.back()->fc1_weight(), &mlps.back()->fc2_weight()})
+          main_grads.push_back(main_grad_for(*p));
+      }
+    }
+  };
+  struct StepOut {
+    Tensor y, dx;
+    std::vector<Tensor> dprobs;
+  };
+  auto step = [&](Stack& s, ActivationOffload* offload) {
+    std::vector<LinearContext> lctx(kLayers);
+    std::vector<MlpContext> mctx(kLayers);
+    std::vector<std::vector<Tensor>> lsnap(kLayers), msnap(kLayers);
+    Tensor x = b.x;
+    int64_t offloaded = 0;
+    for (int i = 0; i < kLayers; ++i) {
+      if (offload) offload->begin_layer(i, nullptr);
+      LinearForwardResult lf = s.linears[size_t(i)]->forward(x, b.groups(), b.scales);
+      lsnap[size_t(i)] = snapshot(fp8_views(lf.ctx));
+      if (i < kLayers - 1) offloaded += lf.ctx.saved_bytes();
+      if (offload) offload->offload(lf.ctx, nullptr);
+      lctx[size_t(i)] = std::move(lf.ctx);
+      MlpForwardResult mf = s.mlps[size_t(i)]->forward(lf.y, b.groups(), b.scales);
+      msnap[size_t(i)] = snapshot(fp8_views(mf.ctx));
+      if (i < kLayers - 1) offloaded += mf.ctx.saved_bytes();
+      if (offload) offload->offload(mf.ctx, nullptr);
+      EXPECT_EQ(mf.ctx.offloaded(), offload != nullptr && i < kLayers - 1) << "layer " << i;
+      mctx[size_t(i)] = std::move(mf.ctx);
+      x = mf.y;
+    }
+    if (offload) EXPECT_EQ(offload->offloaded_bytes(), offloaded) << "every saved byte of layers 0..L-2 went";
+    StepOut out;
+    out.y = x;
+    Tensor dy = b.dy;
+    for (int i = kLayers - 1; i >= 0; --i) {
+      if (offload) offload->restore(mctx[size_t(i)], nullptr);
+      EXPECT_TRUE(same_bytes(msnap[size_t(i)], fp8_views(mctx[size_t(i)]))) << "MLP layer " << i;
+      MlpBackwardResult mb = s.mlps[size_t(i)]->backward(mctx[size_t(i)], dy);
+      if (offload) offload->restore(lctx[size_t(i)], nullptr);
+      EXPECT_TRUE(same_bytes(lsnap[size_t(i)], fp8_views(lctx[size_t(i)]))) << "linear layer " << i;
+      LinearBackwardResult lb = s.linears[size_t(i)]->backward(lctx[size_t(i)], mb.dx);
+      out.dprobs.push_back(mb.dprobs);
+      out.dprobs.push_back(lb.dscales);
+      dy = lb.dx;
+    }
+    out.dx = dy;
+    return out;
+  };
+  Stack plain, offloaded;
+  ActivationOffload offload(Device::cpu(), kLayers, -1, {.min_bytes = 0});
+  for (int s = 0; s < 2; ++s) {
+    const StepOut a = step(plain, nullptr);
+    const StepOut c = step(offloaded, &offload);
+    EXPECT_TRUE(bitwise_equal(a.y, c.y));
+    EXPECT_TRUE(bitwise_equal(a.dx, c.dx));
+    ASSERT_EQ(a.dprobs.size(), c.dprobs.size());
+    for (size_t i = 0; i < a.dprobs.size(); ++i) EXPECT_TRUE(bitwise_equal(a.dprobs[i], c.dprobs[i])) << i;
+    EXPECT_GT(offload.reloaded_bytes(), 0);
+  }
+  for (size_t i = 0; i < plain.main_grads.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(plain.main_grads[i], offloaded.main_grads[i])) << "main_grad " << i;
+}
+
+// ---- odd routings ----
+
+struct OddRouting {
+  const char* name;
+  std::vector<int64_t> splits;
+  int64_t capacity;
+};
+
+const OddRouting kOddRoutings[] = {
+    {"single_expert", {37}, 40},          {"one_expert_takes_all", {0, 0, 45, 0}, 48},
+    {"one_row_experts", {1, 1, 0, 1}, 8}, {"more_than_a_block_per_expert", {130, 0, 3}, 140},
+    {"no_rows", {0, 0, 0}, 16},
+};
+
+TEST(Fp8ModulesOddRoutings, BothModulesEqualTheOpsPackedEqualsPerExpert) {
+  Rng rng;
+  for (const OddRouting& oc : kOddRoutings) {
+    SCOPED_TRACE(oc.name);
+    const int64_t G = int64_t(oc.splits.size());
+    const Batch lb(rng, oc.splits, oc.capacity, kIn, kOut, DType::kBFloat16);
+    const Batch mb(rng, oc.splits, oc.capacity, kH, kH, DType::kBFloat16);
+    for (ExpertLayout layout : {ExpertLayout::kPacked, ExpertLayout::kPerExpert}) {
+      SCOPED_TRACE(layout_name(layout));
+      GroupedLinear lin(G, kIn, kOut, linear_options(DType::kBFloat16, layout));
+      const LinearReference lref = linear_reference(lin, lb, DType::kBFloat16);
+      LinearForwardResult lf = lin.forward(lb.x, lb.groups(), lb.scales);
+      LinearBackwardResult lr = lin.backward(lf.ctx, lb.dy);
+      EXPECT_TRUE(bitwise_equal(lf.y, lref.y));
+      EXPECT_TRUE(bitwise_equal(lr.dx, lref.dx));
+      EXPECT_TRUE(bitwise_equal(packed_of(lr.weight.grad.view()), lref.dw)) << "empty experts get zeros";
+      EXPECT_TRUE(bitwise_equal(lr.dscales, lref.dscales));
+
+      GroupedMLP mlp(G, kH, kF, mlp_options(DType::kBFloat16, layout));
+      const MlpReference mref = mlp_reference(mlp, mb, DType::kBFloat16);
+      MlpForwardResult mf = mlp.forward(mb.x, mb.groups(), mb.scales);
+      MlpBackwardResult mr = mlp.backward(mf.ctx, mb.dy);
+      EXPECT_TRUE(bitwise_equal(mf.y, mref.y));
+      EXPECT_TRUE(bitwise_equal(mr.dx, mref.dx));
+      EXPECT_TRUE(bitwise_equal(mr.dprobs, mref.dprobs));
+      EXPECT_TRUE(bitwise_equal(packed_of(mr.fc1_weight.grad.view()), mref.dw1));
+      EXPECT_TRUE(bitwise_equal(packed_of(mr.fc2_weight.grad.view()), mref.dw2));
+      EXPECT_TRUE(bitwise_equal(packed_of(mr.fc1_bias.grad.view()), mref.db1));
+      EXPECT_TRUE(bitwise_equal(packed_of(mr.fc2_bias.grad.view()), mref.db2));
+      const int64_t rows = lb.routing.rows();
+      if (rows == 0) {
+        EXPECT_TRUE(bitwise_equal(lf.y, Tensor::zeros({oc.capacity, kOut}, DType::kBFloat16)));
+        EXPECT_TRUE(bitwise_equal(mf.y, Tensor::zeros({oc.capacity, kH}, DType::kBFloat16)));
+        continue;
+      }
+      const oracle::Matrix y =
+          oracle::linear_forward(rows_of(lb.x, rows), oracle::to_matrices(lin.weight().value()), lb.routing.splits,
+                                 oracle::to_matrix(packed_of(lin.bias().value())), head_of(lb.scales, rows));
+      EXPECT_LE(oracle::similarity_diff(rows_of(lf.y, rows), y), kFp8MlpSimilarityBound);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moe::test
