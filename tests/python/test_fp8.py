@@ -366,17 +366,13 @@ def test_forward_matches_float64_of_the_dequantized_operands(device, case, bias_
         assert torch.equal(y, me.grouped_linear_fp8(x8, w8, splits, bias=b, row_scale=p, out_dtype=out_dtype))
 
 
-def test_forward_takes_per_expert_bias_on_the_cpu(device):
+def test_forward_takes_per_expert_bias(device):
     needs_fp8_gemm(device)
     splits_list, splits, x, w, _ = problem("mixed", device)
     b = torch.randn(w.shape[0], w.shape[1]).to(device, torch.bfloat16)
     x8, w8 = me.quantize_fp8(x, splits), me.quantize_fp8_weight(w)
     packed = me.grouped_linear_fp8(x8, w8, splits, bias=b)
-    if device.type == "cpu":
-        assert torch.equal(me.grouped_linear_fp8(x8, w8, splits, bias=list(b.unbind(0))), packed)
-    else:  # the Hopper FP8 epilogue reads one packed bias
-        with pytest.raises(NotImplementedError, match="the FP8 forward's bias must be one packed bfloat16 tensor"):
-            me.grouped_linear_fp8(x8, w8, splits, bias=list(b.unbind(0)))
+    assert torch.equal(me.grouped_linear_fp8(x8, w8, splits, bias=list(b.unbind(0))), packed)
 
 
 @pytest.mark.parametrize("case", GEMM_CASES)

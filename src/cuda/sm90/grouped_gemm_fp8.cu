@@ -50,6 +50,7 @@ PreparedFp8 prepare_fp8(const GroupedGemmProblem& pr, Stream stream) {
   params.offsets = pr.offsets;
   params.num_groups = int32_t(G);
   params.bias = pr.bias.base;
+  if (pr.bias.table) params.bias = params.bias_table = pr.bias.table;  // per-expert biases: a pointer table
   params.row_scale = pr.row_scale;
   params.reduce_add = pr.accumulate;
   params.multicast = multicast_enabled();
@@ -102,8 +103,8 @@ bool can_run_fp8(const GroupedGemmProblem& p, std::string* why) {
   if (p.in_dtype != DType::kFloat8E4M3) return no("inputs must be float8_e4m3");
   if (p.form == Form::kDgrad) return no("internal: FP8 dgrad runs as the forward form over the transposed weight");
   if (p.out_dtype != DType::kBFloat16 && p.out_dtype != DType::kFloat32) return no("outputs must be bfloat16 or float32");
-  if (p.bias.defined() && (p.form != Form::kForward || p.bias_dtype != DType::kBFloat16 || p.bias.table))
-    return no("the FP8 forward's bias must be one packed bfloat16 tensor");
+  if (p.bias.defined() && (p.form != Form::kForward || p.bias_dtype != DType::kBFloat16))
+    return no("the FP8 forward's bias must be bfloat16");
   if (p.accumulate && p.out_dtype != DType::kFloat32) return no("accumulation needs a float32 output");
   if (p.b.table) return no("the FP8 kernels take packed (quantized) weights");
   if (p.d.table && p.form != Form::kWgrad) return no("internal: a per-expert output of an M-grouped FP8 GEMM");
