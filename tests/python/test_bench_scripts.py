@@ -1,9 +1,15 @@
-"""The FP8 benchmark's scripts on the CPU: the report (bench/report/gemm-report.py) on rounds made
-from a committed `bench gemm --dtype fp8` result with synthetic anchor columns, and the FP8 anchor
-(bench/drivers/fp8-anchor.py --dry-run: its argument layouts and its whole measurement flow with
-emulated ops). What needs the GPU is the device run (scripts/gpu bench-fp8)."""
+"""The benchmark scripts on the CPU:
+- the FP8 GEMM report (bench/report/gemm-report.py) on rounds made from a committed `bench gemm
+  --dtype fp8` result with synthetic anchor columns, and the FP8 anchor (bench/drivers/fp8-anchor.py
+  --dry-run: its argument layouts and its whole measurement flow with emulated ops);
+- the offload benchmark (bench/drivers/offload-bench.py --device cpu: an emulated offload) and the
+  module benchmark (bench/drivers/torch-module-bench.py --device cpu, no C++ column) on a tiny
+  workloads file, bf16 alone (the keys of the committed results) and with the FP8 modules
+  (--precision both).
+What needs the GPU is the device runs (scripts/gpu bench-fp8, scripts/gpu python)."""
 
 import copy
+import inspect
 import json
 import os
 import subprocess
@@ -15,6 +21,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 REPORT = os.path.join(ROOT, "bench", "report", "gemm-report.py")
 ANCHOR = os.path.join(ROOT, "bench", "drivers", "fp8-anchor.py")
 RESULT = os.path.join(ROOT, "bench", "results", "2026-11-24-fp8-gemm-scale-warp-h200.json")
+OFFLOAD = os.path.join(ROOT, "bench", "drivers", "offload-bench.py")
+MODULE = os.path.join(ROOT, "bench", "drivers", "torch-module-bench.py")
 
 
 def fp8_round(base, scale):
@@ -102,3 +110,136 @@ def test_fp8_anchor_dry_run(tmp_path):
                 for gemm in ("fwd", "dgrad", "wgrad"):
                     v = c[f"{fc}_{path}_{gemm}_ms"]
                     assert isinstance(v, float) or "error" in v
+
+
+# ---- the offload and module benchmarks on the CPU backend, tiny cases ----
+
+TINY = {"cases": [
+    {"name": "tiny/balanced", "experts": 4, "hidden": 128, "ffn": 256, "tokens": 1024, "activation": "swiglu",
+     "bias": False, "tokens_per_expert": [300, 0, 500, 224]},
+    {"name": "tiny-small-batch/heavy", "experts": 4, "hidden": 128, "ffn": 64, "tokens": 96,
+     "activation": "clamped_qgeglu", "bias": True, "tokens_per_expert": [1, 0, 80, 15]},
+]}
+# The keys of the committed bf16 results (bench/results/2026-11-24-offload-h200.json, *-torch-module-h200.json).
+OFFLOAD_KEYS = ("offloaded_layers", "step_ms_offload_off", "step_ms_offload_on", "step_ms_accounting_only",
+                "peak_saved_activation_bytes_off", "peak_saved_activation_bytes_on", "peak_memory_ratio",
+                "peak_allocated_bytes_off", "peak_allocated_bytes_accounting_only", "peak_allocated_bytes_on",
+                "peak_allocated_ratio", "activation_bytes_after_forward_off", "activation_bytes_after_forward_on",
+                "after_forward_memory_ratio", "offloaded_bytes", "reloaded_bytes", "link_time_ms",
+                "copies_at_link_speed_ms", "step_time_ratio", "step_time_vs_copies_at_link_speed",
+                "copy_time_hidden_fraction", "pinned_bytes")
+OFFLOAD_TOP = ("device", "torch", "moe_engine", "command", "host_link_GBps", "host_link_d2h_GBps", "host_link_h2d_GBps",
+               "cases")
+MODULE_KEYS = ("case", "glu_layout", "cpp_ms", "torch_module_ms", "module_over_cpp", "torch_eager_ms",
+               "speedup_vs_torch_eager", "flops", "torch_module_tflops")
+MODULE_TOP = ("device", "torch", "moe_engine", "command", "iters", "geomean_module_over_cpp", "max_module_over_cpp",
+              "cases")
+MODULE_FP8_KEYS = ("torch_module_fp8_ms", "time_ratio_fp8_vs_bf16", "torch_module_fp8_tflops", "compute_bound",
+                   "peak_memory_bytes_bf16", "peak_memory_bytes_fp8", "peak_memory_ratio_fp8_vs_bf16",
+                   "fp8_weight_cache_bytes")
+
+
+def torch_or_skip():
+    return pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+
+
+def fp8_modules_or_skip():
+    import moe_engine.torch as me
+    if not (hasattr(me, "Fp8Recipe") and "fp8_recipe" in inspect.signature(me.GroupedMLP.__init__).parameters):
+        pytest.skip("this moe_engine has no FP8 GroupedMLP (moe_engine.torch.Fp8Recipe, GroupedMLP(fp8_recipe=...))")
+
+
+def run_driver(tmp_path, script, args, name):
+    work = tmp_path / "tiny.json"
+    work.write_text(json.dumps(TINY))
+    out = tmp_path / f"{name}.json"
+    done = subprocess.run([sys.executable, script, "--device", "cpu", "--workloads", str(work), "--out", str(out)] + args,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.load(open(out)), open(tmp_path / f"{name}.md").read(), done.stdout
+
+
+OFFLOAD_ARGS = ["--cases", "tiny/balanced", "--layers", "3", "--steps", "1", "--min-bytes", "4096"]
+
+
+def check_offload_entry(e):
+    for key in OFFLOAD_KEYS:
+        assert key in e, key
+    assert e["offloaded_layers"] == 2 and e["bit_exact"] is True
+    # layer 0 is released when layer 2 starts and comes back; layer 1 is still held when backward begins
+    assert 0 < e["reloaded_bytes"] < e["offloaded_bytes"]
+    assert e["peak_saved_activation_bytes_on"] <= e["peak_saved_activation_bytes_off"]
+    if e.get("saves", "pre-activation") == "pre-activation":  # (fp8 entries: pre-activation layers) layer 0's left
+        assert e["peak_saved_activation_bytes_on"] < e["peak_saved_activation_bytes_off"]
+    assert e["step_time_ratio"] > 0 and e["step_ms_offload_on"] > 0
+
+
+def test_offload_bench_bf16(tmp_path):
+    torch_or_skip()
+    r, md, out = run_driver(tmp_path, OFFLOAD, OFFLOAD_ARGS + ["--saves", "pre-activation"], "offload")
+    for key in OFFLOAD_TOP:
+        assert key in r, key
+    assert r["emulated_offload"] is True and r["bit_exact"] is True
+    [row] = r["cases"]
+    assert (row["case"], row["saves"], row["layers"]) == ("tiny/balanced", "pre-activation", 3)
+    check_offload_entry(row)
+    assert "fp8" not in row and "step_time_ratio_fp8" not in r and "precisions" not in r
+    assert "| tiny/balanced | pre-activation | bf16 | 3 (2) |" in md and "bit-exact" in out
+
+
+def test_offload_bench_fp8(tmp_path):
+    torch_or_skip()
+    fp8_modules_or_skip()
+    r, md, out = run_driver(tmp_path, OFFLOAD, OFFLOAD_ARGS + ["--precision", "both"], "offload")
+    assert r["precisions"] == ["bf16", "fp8"] and r["bit_exact"] is True
+    pre, xonly = r["cases"]
+    assert (pre["saves"], xonly["saves"]) == ("pre-activation", "x-only")
+    check_offload_entry(pre)
+    check_offload_entry(xonly)
+    assert xonly["fp8"] is None  # the FP8 GroupedMLP has no recompute_fc1
+    f = pre["fp8"]
+    check_offload_entry(f)
+    # FP8 keeps x's columns and the pre-activation in E4M3 (+ scales, + per-expert padding at this size)
+    assert f["offloaded_bytes_ratio_vs_bf16"] == pytest.approx(f["offloaded_bytes"] / pre["offloaded_bytes"])
+    assert f["offloaded_bytes_ratio_vs_bf16"] < 0.75
+    assert r["step_time_ratio_fp8"] == {"tiny/balanced": f["step_time_ratio"]}
+    assert r["step_time_ratio_bf16"] == {"tiny/balanced": pre["step_time_ratio"]}
+    assert r["offloaded_bytes_ratio_fp8_vs_bf16"] == {"tiny/balanced": f["offloaded_bytes_ratio_vs_bf16"]}
+    assert "| tiny/balanced | pre-activation | fp8 | 3 (2) |" in md and "FP8 against bf16" in md
+    assert "(pre-activation, fp8)" in out
+
+
+def test_module_bench(tmp_path):
+    torch_or_skip()
+    r, md, _ = run_driver(tmp_path, MODULE, ["--iters", "2", "--cases", "tiny/"], "module")
+    for key in MODULE_TOP:
+        assert key in r, key
+    [row] = r["cases"]
+    for key in MODULE_KEYS:
+        assert key in row, key
+    assert row["cpp_ms"] is None and row["torch_module_ms"] > 0 and r["geomean_module_over_cpp"] is None
+    assert not any(k in row for k in MODULE_FP8_KEYS if k != "peak_memory_bytes_bf16")
+    assert "geomean_time_ratio_fp8_vs_bf16" not in r and "FP8" not in md
+    assert "| tiny/balanced | blocks:32 | - |" in md
+
+
+def test_module_bench_fp8(tmp_path):
+    torch_or_skip()
+    fp8_modules_or_skip()
+    r, md, out = run_driver(tmp_path, MODULE, ["--iters", "2", "--precision", "both"], "module")
+    assert r["precisions"] == ["bf16", "fp8"]
+    big, small = r["cases"]
+    for row in (big, small):
+        for key in MODULE_KEYS + MODULE_FP8_KEYS:
+            assert key in row, key
+        assert row["time_ratio_fp8_vs_bf16"] == pytest.approx(row["torch_module_fp8_ms"] / row["torch_module_ms"])
+    assert big["compute_bound"] and not small["compute_bound"]
+    # the geomean covers the compute-bound cases only: here the one
+    assert r["fp8_compute_bound_cases"] == 1
+    assert r["geomean_time_ratio_fp8_vs_bf16"] == pytest.approx(big["time_ratio_fp8_vs_bf16"])
+    assert r["max_time_ratio_fp8_vs_bf16"] == pytest.approx(big["time_ratio_fp8_vs_bf16"])
+    assert "FP8 / bf16 module time" in out and "tiny-small-batch/heavy (not in the geomean)" in md
+    # --md rewrites the same Markdown from the JSON
+    again = subprocess.run([sys.executable, MODULE, "--md", str(tmp_path / "module.json")], capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout == md
