@@ -74,13 +74,19 @@ MlpProblem::MlpProblem(const Workload& w, const GluLayout& layout, DType dtype, 
   s.w2_t = empty({G, F, H}, DType::kFloat8E4M3);
   s.w2_scales_t = empty({G, blocks(F), blocks(H)}, DType::kFloat32);
   const ExpertMlpFp8SavedShapes saved = expert_mlp_fp8_saved_shapes(T, G, H, F);
-  s.x_columns = empty(saved.x_data, DType::kFloat8E4M3);
-  s.x_column_scales = empty(saved.x_scales, DType::kFloat32);
-  s.x_offsets = empty(saved.x_offsets, DType::kInt64);
+  const bool x_rows = expert_mlp_fp8_keeps_x_rows(T, G);
+  if (x_rows) {
+    s.x_rows = empty(saved.x_rows_data, DType::kFloat8E4M3);
+    s.x_row_scales = empty(saved.x_rows_scales, DType::kFloat32);
+  } else {
+    s.x_columns = empty(saved.x_data, DType::kFloat8E4M3);
+    s.x_column_scales = empty(saved.x_scales, DType::kFloat32);
+    s.x_offsets = empty(saved.x_offsets, DType::kInt64);
+  }
   s.h_rows = empty(saved.fc1_out_data, DType::kFloat8E4M3);
   s.h_scales = empty(saved.fc1_out_scales, DType::kFloat32);
   s.forward_ws = empty({int64_t(expert_mlp_fp8_forward_workspace_size(T, H, F, dtype))}, DType::kUInt8);
-  s.backward_ws = empty({int64_t(expert_mlp_fp8_backward_workspace_size(T, G, H, F, dtype))}, DType::kUInt8);
+  s.backward_ws = empty({int64_t(expert_mlp_fp8_backward_workspace_size(T, G, H, F, dtype, x_rows))}, DType::kUInt8);
   fp8_ = std::move(s);
   quantize_weights();
   fp8_active_ = true;
@@ -94,7 +100,8 @@ ExpertMlpFp8Weights MlpProblem::fp8_weights() const {
 
 ExpertMlpFp8Saved MlpProblem::fp8_saved() const {
   const Fp8State& s = *fp8_;
-  return {{s.x_columns, s.x_column_scales, s.x_offsets}, {s.h_rows, s.h_scales}};
+  if (s.x_rows.defined()) return {{}, {s.h_rows, s.h_scales}, {s.x_rows, s.x_row_scales}};
+  return {{s.x_columns, s.x_column_scales, s.x_offsets}, {s.h_rows, s.h_scales}, {}};
 }
 
 void MlpProblem::quantize_weights(Stream stream) {
@@ -115,8 +122,9 @@ int64_t MlpProblem::saved_bytes_per_token() const {
   if (fp8_active_) {
     const Fp8State& s = *fp8_;
     int64_t bytes = 4 * T;  // probs
-    for (const Tensor* t : {&s.x_columns, &s.x_column_scales, &s.x_offsets, &s.h_rows, &s.h_scales})
-      bytes += int64_t(t->nbytes());
+    for (const Tensor* t : {&s.x_columns, &s.x_column_scales, &s.x_offsets, &s.h_rows, &s.h_scales, &s.x_rows,
+                            &s.x_row_scales})
+      if (t->defined()) bytes += int64_t(t->nbytes());
     return (bytes + T - 1) / T;
   }
   return (workload_.hidden + (recompute_ ? 0 : 2 * workload_.ffn)) * int64_t(dtype_size(dtype_)) + 4;
@@ -132,7 +140,7 @@ int64_t MlpProblem::bytes_needed(const Workload& w, DType dtype, bool fp8) {
          int64_t(expert_mlp_backward_workspace_size(T, H, F, dtype, true, MlpFusion::kForwardBackward)) +
          (fp8 ? 2 * (G * 2 * F * H + G * H * F) + T * (H + 2 * F) + 2 * w.experts * 128 * H +
                     int64_t(expert_mlp_fp8_forward_workspace_size(T, H, F, dtype)) +
-                    int64_t(expert_mlp_fp8_backward_workspace_size(T, G, H, F, dtype))
+                    int64_t(expert_mlp_fp8_backward_workspace_size(T, G, H, F, dtype, true))
               : 0);
 }
 

@@ -72,6 +72,7 @@ class MlpProblem {
   struct Fp8State {
     Tensor w1, w1_scales, w1_t, w1_scales_t, w2, w2_scales, w2_t, w2_scales_t;
     Tensor x_columns, x_column_scales, x_offsets, h_rows, h_scales;
+    Tensor x_rows, x_row_scales;  // kept instead of x's columns where expert_mlp_fp8_keeps_x_rows
     Tensor forward_ws, backward_ws;
   };
   std::optional<Fp8State> fp8_;

@@ -35,15 +35,27 @@ struct ExpertMlpFp8Weights {
 };
 
 // What forward keeps for backward, in caller-owned memory (sizes: expert_mlp_fp8_saved_shapes).
+// For the FC1 weight gradient x is kept in one of two forms: its columns (what the wgrad reads), or
+// its rows (FC1's own operand, which forward writes anyway), from which backward makes the columns
+// (dequantized, then quantized by columns: a second rounding of x, within FP8's error). The columns
+// pad every expert to a multiple of 128 tokens: with many experts of few tokens each they are
+// several times the rows' bytes (expert_mlp_fp8_keeps_x_rows says which to keep).
 struct ExpertMlpFp8Saved {
-  Fp8Columns x;     // x's columns [H, C]: needed for the FC1 weight gradient, else may be undefined
+  Fp8Columns x;     // x's columns [H, C], or undefined
   Fp8Rows fc1_out;  // the pre-activation x W1^T + b1, rows [T, 2F]: always needed by backward
+  Fp8Rows x_rows;   // x's rows [T, H] instead of its columns, or undefined (at most one of the two)
 };
+
+// True where x's columns would take more than twice the bytes of its rows, fp8_columns_capacity(T, G)
+// > 2 T: forward should keep the rows (the extra pass it costs backward is small next to the bytes
+// it saves there; elsewhere the columns save the pass).
+MOE_API bool expert_mlp_fp8_keeps_x_rows(int64_t capacity, int64_t num_groups);
 
 // The shapes of ExpertMlpFp8Saved's tensors for capacity T, G experts (all from static shapes).
 struct ExpertMlpFp8SavedShapes {
   Shape x_data, x_scales, x_offsets;   // [H, C] e4m3, [C/128, H] float32, [G + 1] int64
   Shape fc1_out_data, fc1_out_scales;  // [T, 2F] e4m3, [ceil(2F/128), fp8_scales_pitch(T)] float32
+  Shape x_rows_data, x_rows_scales;    // [T, H] e4m3, [ceil(H/128), fp8_scales_pitch(T)] float32
 };
 MOE_API ExpertMlpFp8SavedShapes expert_mlp_fp8_saved_shapes(int64_t capacity, int64_t num_groups, int64_t hidden,
                                                             int64_t ffn);
@@ -53,7 +65,7 @@ MOE_API size_t expert_mlp_fp8_forward_workspace_size(int64_t capacity, int64_t h
 
 // x [T, H], y [T, H] (bfloat16 or float32, alike); probs [T] float32 or undefined (p = 1).
 // saved.fc1_out is written when defined (leave it undefined for a forward without backward), and
-// saved.x when its data is defined. spec.fusion: kNone runs every step as its own op; kForward (on
+// saved.x or saved.x_rows when its data is defined. spec.fusion: kNone runs every step as its own op; kForward (on
 // CUDA) h's and act's quantization and the GLU as one pass between the GEMMs; kForwardBackward also
 // h's dequantization, the GLU backward and the quantization of dL/dh and act as one pass in the
 // backward (when both weight gradients and no FC1 bias gradient are asked for). The same bytes.
@@ -63,11 +75,12 @@ MOE_API void expert_mlp_forward(const TensorView& x, const TensorView& probs, co
                                 const ExecContext& ctx = {});
 
 // Scratch of the backward (G: the routing's expert count; the columnwise copies are sized by it).
+// x_rows: forward kept x's rows (backward then also makes x's columns).
 MOE_API size_t expert_mlp_fp8_backward_workspace_size(int64_t capacity, int64_t num_groups, int64_t hidden,
-                                                      int64_t ffn, DType dtype);
+                                                      int64_t ffn, DType dtype, bool x_rows = false);
 
-// dy [T, H] in x's dtype; saved: forward's (saved.x required when the FC1 weight gradient is asked
-// for). Gradients as in expert_mlp_backward (ParamGrad modes, dprobs including <b2_g, dy[r]>).
+// dy [T, H] in x's dtype; saved: forward's (saved.x or saved.x_rows required when the FC1 weight
+// gradient is asked for; the workspace sized with x_rows accordingly). Gradients as in expert_mlp_backward (ParamGrad modes, dprobs including <b2_g, dy[r]>).
 MOE_API void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, const TensorView& probs,
                                  const ExpertMlpFp8Weights& weights, const GroupLayout& groups,
                                  const ExpertMlpGrads& grads, const ExpertMlpSpec& spec,

@@ -56,9 +56,12 @@ struct BackwardBuffers {
   Fp8Rows d_fc1_rows;        // FC1 dgrad's operand
   Fp8Columns d_fc1_columns;  // FC1 wgrad's
   TensorView dprobs_shares;  // the fused step's dprobs per 128 features [T, ceil(F/128)]
+  TensorView x;              // x dequantized from its kept rows, then
+  Fp8Columns x_columns;      // its columns (FC1 wgrad's), when forward kept the rows
 };
 
-BackwardBuffers backward_buffers(ops::WorkspaceCarver& c, int64_t T, int64_t G, int64_t H, int64_t F, DType dtype) {
+BackwardBuffers backward_buffers(ops::WorkspaceCarver& c, int64_t T, int64_t G, int64_t H, int64_t F, DType dtype,
+                                 bool x_rows) {
   BackwardBuffers b;
   b.dy_rows = take_rows(c, T, H);
   b.dy_columns = take_columns(c, T, G, H);
@@ -68,6 +71,10 @@ BackwardBuffers backward_buffers(ops::WorkspaceCarver& c, int64_t T, int64_t G, 
   b.d_fc1_rows = take_rows(c, T, 2 * F);
   b.d_fc1_columns = take_columns(c, T, G, 2 * F);
   b.dprobs_shares = c.take({T, blocks_of(F)}, DType::kFloat32);
+  if (x_rows) {
+    b.x = c.take({T, H}, dtype);
+    b.x_columns = take_columns(c, T, G, H);
+  }
   return b;
 }
 
@@ -117,6 +124,14 @@ void check_saved_rows(const ops::Validator& v, const Fp8Rows& rows, int64_t F) {
            rows.scales.describe());
 }
 
+void check_saved_x_rows(const ops::Validator& v, const Fp8Rows& rows, int64_t H) {
+  v.fp8_matrix("saved.x_rows.data", rows.data, v.capacity(), H, "[T, H]");
+  v.scale_matrix("saved.x_rows.scales", rows.scales, blocks_of(H), -1, "[ceil(H/128), S]");
+  if (rows.scales.size(1) < v.capacity())
+    v.fail(ErrorCode::kShape, "saved.x_rows.scales: expected a pitch S >= T = ", v.capacity(), ", got ",
+           rows.scales.describe());
+}
+
 void check_saved_columns(const ops::Validator& v, const Fp8Columns& columns, int64_t H) {
   const int64_t C = fp8_columns_capacity(v.capacity(), v.num_groups());
   v.fp8_matrix("saved.x.data", columns.data, H, C, "[H, C]");
@@ -144,7 +159,13 @@ ExpertMlpFp8SavedShapes expert_mlp_fp8_saved_shapes(int64_t capacity, int64_t nu
           {C / kFp8Block, hidden},
           {num_groups + 1},
           {capacity, 2 * ffn},
-          {blocks_of(2 * ffn), fp8_scales_pitch(capacity)}};
+          {blocks_of(2 * ffn), fp8_scales_pitch(capacity)},
+          {capacity, hidden},
+          {blocks_of(hidden), fp8_scales_pitch(capacity)}};
+}
+
+bool expert_mlp_fp8_keeps_x_rows(int64_t capacity, int64_t num_groups) {
+  return fp8_columns_capacity(capacity, num_groups) > 2 * capacity;
 }
 
 size_t expert_mlp_fp8_forward_workspace_size(int64_t capacity, int64_t hidden, int64_t ffn, DType dtype) {
@@ -154,9 +175,9 @@ size_t expert_mlp_fp8_forward_workspace_size(int64_t capacity, int64_t hidden, i
 }
 
 size_t expert_mlp_fp8_backward_workspace_size(int64_t capacity, int64_t num_groups, int64_t hidden, int64_t ffn,
-                                              DType dtype) {
+                                              DType dtype, bool x_rows) {
   ops::WorkspaceCarver c;
-  backward_buffers(c, capacity, num_groups, hidden, ffn, dtype);
+  backward_buffers(c, capacity, num_groups, hidden, ffn, dtype, x_rows);
   return c.used();
 }
 
@@ -173,13 +194,21 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs, const Expe
   if (probs.defined()) v.row_scale("probs", probs);
   if (saved.fc1_out.data.defined() || saved.fc1_out.scales.defined()) check_saved_rows(v, saved.fc1_out, F);
   if (saved.x.data.defined()) check_saved_columns(v, saved.x, H);
+  if (saved.x_rows.data.defined()) {
+    if (saved.x.data.defined())
+      v.fail(ErrorCode::kInvalidArgument, "saved.x and saved.x_rows: expected at most one form of x, got both");
+    check_saved_x_rows(v, saved.x_rows, H);
+    v.no_overlap("saved.x_rows.data", saved.x_rows.data, "x", x);
+  }
   v.workspace(ctx.workspace, expert_mlp_fp8_forward_workspace_size(T, H, F, x.dtype()),
               "expert_mlp_fp8_forward_workspace_size");
 
   ops::WorkspaceCarver carver(ctx.workspace);
   const ForwardBuffers b = forward_buffers(carver, T, H, F, x.dtype());
-  quantize_fp8(x, groups, b.x_rows, saved.x.data.defined() ? saved.x : Fp8Columns{}, recipe, ctx);
-  grouped_linear_forward(b.x_rows, weights.fc1, groups, b.h, {weights.fc1_bias, {}}, ctx);
+  // x's rows: FC1's operand, written straight into what backward keeps when it keeps them.
+  const Fp8Rows x_rows = saved.x_rows.data.defined() ? saved.x_rows : b.x_rows;
+  quantize_fp8(x, groups, x_rows, saved.x.data.defined() ? saved.x : Fp8Columns{}, recipe, ctx);
+  grouped_linear_forward(x_rows, weights.fc1, groups, b.h, {weights.fc1_bias, {}}, ctx);
   bool fused = false;  // h quantized, GLU and act quantized in one pass (CUDA, where it takes the layout)
   ops::dispatch(
       v, [] {},
@@ -206,11 +235,15 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
   check_activation(v, "dy", dy, H, "[T, H]");
   check_saved_rows(v, saved.fc1_out, F);
   const bool fc1_wgrad = grads.fc1_weight.grad.defined(), fc2_wgrad = grads.fc2_weight.grad.defined();
+  const bool x_from_rows = !saved.x.data.defined() && saved.x_rows.data.defined();
   if (fc1_wgrad) {
-    if (!saved.x.data.defined())
+    if (!saved.x.data.defined() && !saved.x_rows.data.defined())
       v.fail(ErrorCode::kInvalidArgument,
-             "saved.x: the FC1 weight gradient is requested but forward kept no columns of x");
-    check_saved_columns(v, saved.x, H);
+             "saved.x: the FC1 weight gradient is requested but forward kept neither columns nor rows of x");
+    if (saved.x.data.defined() && saved.x_rows.data.defined())
+      v.fail(ErrorCode::kInvalidArgument, "saved.x and saved.x_rows: expected at most one form of x, got both");
+    if (x_from_rows) check_saved_x_rows(v, saved.x_rows, H);
+    else check_saved_columns(v, saved.x, H);
   }
   if (probs.defined()) v.row_scale("probs", probs);
   if (grads.dx.defined()) {
@@ -226,11 +259,13 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
   check_param_grad(v, "fc2_weight", grads.fc2_weight, {H, F}, "[H, F]", true);
   check_param_grad(v, "fc1_bias", grads.fc1_bias, {2 * F}, "[2F]", weights.fc1_bias.defined());
   check_param_grad(v, "fc2_bias", grads.fc2_bias, {H}, "[H]", weights.fc2_bias.defined());
-  v.workspace(ctx.workspace, expert_mlp_fp8_backward_workspace_size(T, G, H, F, dy.dtype()),
-              "expert_mlp_fp8_backward_workspace_size");
+  const bool make_x_columns = fc1_wgrad && x_from_rows;
+  v.workspace(ctx.workspace, expert_mlp_fp8_backward_workspace_size(T, G, H, F, dy.dtype(), make_x_columns),
+              make_x_columns ? "expert_mlp_fp8_backward_workspace_size(x_rows = true)"
+                             : "expert_mlp_fp8_backward_workspace_size");
 
   ops::WorkspaceCarver carver(ctx.workspace);
-  const BackwardBuffers b = backward_buffers(carver, T, G, H, F, dy.dtype());
+  const BackwardBuffers b = backward_buffers(carver, T, G, H, F, dy.dtype(), make_x_columns);
   quantize_fp8(dy, groups, b.dy_rows, fc2_wgrad ? b.dy_columns : Fp8Columns{}, recipe, ctx);
   grouped_linear_dgrad(b.dy_rows, weights.fc2, groups, b.d_act, ctx);
   // The step between FC2's dgrad and the weight gradients in one pass (CUDA, fusion
@@ -267,8 +302,13 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
   if (!fused)
     quantize_fp8(d_fc1, groups, grads.dx.defined() ? b.d_fc1_rows : Fp8Rows{},
                  fc1_wgrad ? b.d_fc1_columns : Fp8Columns{}, recipe, ctx);
+  if (make_x_columns) {
+    dequantize_fp8(saved.x_rows, groups, b.x, ctx);
+    quantize_fp8(b.x, groups, {}, b.x_columns, recipe, ctx);
+  }
   if (fc1_wgrad)
-    grouped_linear_wgrad(b.d_fc1_columns, saved.x, groups, grads.fc1_weight.grad, grads.fc1_weight.mode, ctx);
+    grouped_linear_wgrad(b.d_fc1_columns, make_x_columns ? b.x_columns : saved.x, groups, grads.fc1_weight.grad,
+                         grads.fc1_weight.mode, ctx);
   if (grads.dx.defined()) grouped_linear_dgrad(b.d_fc1_rows, weights.fc1, groups, grads.dx, ctx);
 }
 

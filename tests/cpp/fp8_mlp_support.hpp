@@ -34,7 +34,8 @@ struct Fp8MlpCase {
 struct Fp8MlpRun {
   Tensor y, dx, dprobs, dw1, dw2, db1, db2;
   OwnedRows saved_h;
-  OwnedColumns saved_x;
+  OwnedColumns saved_x;  // x's columns, or (x_rows) undefined
+  OwnedRows saved_x_rows;  // x's rows when the buffers keep them instead
 };
 
 inline Tensor on(const Tensor& t, Device device) { return t.defined() ? t.to(device) : Tensor(); }
@@ -57,11 +58,12 @@ struct Fp8MlpWeights {
   }
 };
 
-// Buffers of one forward + backward on a device: outputs poisoned, gradients float32.
+// Buffers of one forward + backward on a device: outputs poisoned, gradients float32. x_rows:
+// forward keeps x's rows (backward makes the columns) instead of its columns.
 struct Fp8MlpBuffers {
   Fp8MlpRun out;
   Tensor x, p, dy, fws, bws;
-  Fp8MlpBuffers(const Fp8MlpCase& c, Device device)
+  Fp8MlpBuffers(const Fp8MlpCase& c, Device device, bool x_rows = false)
       : x(on(c.x, device)), p(on(c.p, device)), dy(on(c.dy, device)) {
     out.y = poisoned_on({c.T, c.H}, c.dt, device);
     out.dx = poisoned_on({c.T, c.H}, c.dt, device);
@@ -71,10 +73,17 @@ struct Fp8MlpBuffers {
     if (c.b1.defined()) out.db1 = poisoned_on({c.G, 2 * c.F}, DType::kFloat32, device);
     if (c.b2.defined()) out.db2 = poisoned_on({c.G, c.H}, DType::kFloat32, device);
     out.saved_h = OwnedRows(c.T, 2 * c.F, device);
-    out.saved_x = OwnedColumns(c.T, c.G, c.H, device);
+    if (x_rows) out.saved_x_rows = OwnedRows(c.T, c.H, device);
+    else out.saved_x = OwnedColumns(c.T, c.G, c.H, device);
     fws = Tensor::empty({int64_t(expert_mlp_fp8_forward_workspace_size(c.T, c.H, c.F, c.dt))}, DType::kUInt8, device);
-    bws = Tensor::empty({int64_t(expert_mlp_fp8_backward_workspace_size(c.T, c.G, c.H, c.F, c.dt))}, DType::kUInt8,
-                        device);
+    bws = Tensor::empty({int64_t(expert_mlp_fp8_backward_workspace_size(c.T, c.G, c.H, c.F, c.dt, x_rows))},
+                        DType::kUInt8, device);
+  }
+  ExpertMlpFp8Saved saved() const {
+    ExpertMlpFp8Saved s{{}, out.saved_h.view(), {}};
+    if (out.saved_x_rows.data.defined()) s.x_rows = out.saved_x_rows.view();
+    else s.x = out.saved_x.view();
+    return s;
   }
   // `mode` for the weight gradients; the bias gradients are written.
   ExpertMlpGrads grads(GradMode mode = GradMode::kWrite) const {
@@ -92,7 +101,7 @@ struct Fp8MlpBuffers {
             GradMode mode = GradMode::kWrite, MlpFusion fusion = MlpFusion::kForward,
             const Fp8Recipe& recipe = {}) const {
     const Device device = fws.device();
-    const ExpertMlpFp8Saved saved{out.saved_x.view(), out.saved_h.view()};
+    const ExpertMlpFp8Saved saved = this->saved();
     const ExpertMlpSpec spec{c.glu, fusion};
     expert_mlp_forward(x, p, w.view(), groups, out.y, saved, spec, recipe,
                        {stream, {fws.data(), fws.nbytes(), device}});

@@ -71,6 +71,51 @@ TEST_P(Fp8MlpCpu, KeepsTheQuantizedPreActivationAndTheColumnsOfX) {
   EXPECT_TRUE(bitwise_equal(h_rows.scales, b.out.saved_h.scales));
 }
 
+// x kept as rows (many experts of few tokens: the columns would pad each to 128): forward writes
+// FC1's operand into them, backward makes the columns; within FP8's error of the float64 MLP, and
+// every result but the FC1 weight gradient identical to keeping the columns.
+TEST_P(Fp8MlpCpu, KeepingTheRowsOfXInsteadOfItsColumns) {
+  const DType dt = GetParam();
+  Rng rng;
+  const Routing r({3, 0, 1, 20, 2, 0, 5, 9}, 48);
+  EXPECT_TRUE(expert_mlp_fp8_keeps_x_rows(48, 8));   // columns: round_up(48 + 127 * 8, 128) = 1152
+  EXPECT_FALSE(expert_mlp_fp8_keeps_x_rows(4096, 8));
+  const Fp8MlpCase c(rng, 48, 8, 128, 64, dt, spec_of(GluActivation::kSwiGLU, GluLayout::blocks(32)), false, true);
+  const Fp8MlpWeights w(c, Device::cpu());
+  const Fp8MlpBuffers rows(c, Device::cpu(), /*x_rows=*/true), columns(c, Device::cpu());
+  rows.step(c, w, r.layout);
+  columns.step(c, w, r.layout);
+  expect_fp8_mlp_matches_oracle(c, r, rows.out);
+  OwnedRows x_rows(c.T, c.H);
+  quantize_fp8(c.x, r.layout, x_rows.view(), {});
+  EXPECT_TRUE(bitwise_equal(x_rows.data, rows.out.saved_x_rows.data));
+  for (auto [a, b] : {std::pair{&rows.out.y, &columns.out.y}, {&rows.out.dx, &columns.out.dx},
+                      {&rows.out.dprobs, &columns.out.dprobs}, {&rows.out.dw2, &columns.out.dw2}})
+    EXPECT_TRUE(bitwise_equal(*a, *b));
+  EXPECT_LE(oracle::similarity_diff(experts_of(rows.out.dw1), experts_of(columns.out.dw1)), 1e-3);
+  // The workspace without the room for x's columns is too small.
+  const ExpertMlpFp8Saved saved = rows.saved();
+  const size_t small = expert_mlp_fp8_backward_workspace_size(c.T, c.G, c.H, c.F, dt);
+  try {
+    expert_mlp_backward(c.dy, saved, c.p, w.view(), r.layout, rows.grads(), {c.glu}, {},
+                        {nullptr, {rows.bws.data(), small, Device::cpu()}});
+    ADD_FAILURE() << "no error for a workspace sized without x_rows";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kWorkspace) << e.what();
+    EXPECT_NE(std::string(e.what()).find("x_rows = true"), std::string::npos) << e.what();
+  }
+  // Both forms at once are ambiguous.
+  ExpertMlpFp8Saved both = saved;
+  both.x = columns.out.saved_x.view();
+  try {
+    expert_mlp_backward(c.dy, both, c.p, w.view(), r.layout, rows.grads(), {c.glu}, {},
+                        {nullptr, {rows.bws.data(), rows.bws.nbytes(), Device::cpu()}});
+    ADD_FAILURE() << "no error for both forms of x";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("at most one form of x"), std::string::npos) << e.what();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, Fp8MlpCpu, ::testing::Values(DType::kBFloat16, DType::kFloat32),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 

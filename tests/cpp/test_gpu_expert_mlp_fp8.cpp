@@ -22,14 +22,16 @@ Fp8MlpRun to_host(const Fp8MlpRun& r) {
                           {&r.dw2, &h.dw2}, {&r.db1, &h.db1}, {&r.db2, &h.db2}})
     if (from->defined()) *to = test::to_host(*from);
   h.saved_h = r.saved_h.to(Device::cpu());
-  h.saved_x = r.saved_x.to(Device::cpu());
+  if (r.saved_x.data.defined()) h.saved_x = r.saved_x.to(Device::cpu());
+  if (r.saved_x_rows.data.defined()) h.saved_x_rows = r.saved_x_rows.to(Device::cpu());
   return h;
 }
 
 std::vector<const Tensor*> outputs_of(const Fp8MlpRun& r) {
   std::vector<const Tensor*> all;
   for (const Tensor* t : {&r.y, &r.dx, &r.dprobs, &r.dw1, &r.dw2, &r.db1, &r.db2, &r.saved_h.data,
-                          &r.saved_h.scales, &r.saved_x.data, &r.saved_x.scales, &r.saved_x.offsets})
+                          &r.saved_h.scales, &r.saved_x.data, &r.saved_x.scales, &r.saved_x.offsets,
+                          &r.saved_x_rows.data, &r.saved_x_rows.scales})
     if (t->defined()) all.push_back(t);
   return all;
 }
@@ -132,6 +134,27 @@ TEST_F(GpuFp8Mlp, FusedStepsEqualTheUnfusedOps) {
         << "dprobs";
     expect_fp8_mlp_matches_oracle(c, r.cpu, to_host(fused.out));
   }
+}
+
+// x kept as rows (256 experts of a few tokens: its columns would be ~30x the bytes): against the
+// oracle, and equal to keeping the columns in everything but the FC1 weight gradient.
+TEST_F(GpuFp8Mlp, KeepingTheRowsOfXInsteadOfItsColumns) {
+  Rng rng;
+  const int64_t G = 256, T = 256 * 4;
+  ASSERT_TRUE(expert_mlp_fp8_keeps_x_rows(T, G));
+  DualRouting r(random_splits(rng, G, 8), T);
+  const Fp8MlpCase c(rng, T, G, 256, 128, DType::kBFloat16, spec_of(GluActivation::kSwiGLU, GluLayout::blocks(32)),
+                     false, true);
+  const Fp8MlpWeights w(c, Device::cuda(0));
+  const Fp8MlpBuffers rows(c, Device::cuda(0), /*x_rows=*/true), columns(c, Device::cuda(0));
+  rows.step(c, w, r.gpu);
+  columns.step(c, w, r.gpu);
+  synchronize(nullptr);
+  const Fp8MlpRun a = to_host(rows.out), b = to_host(columns.out);
+  expect_fp8_mlp_matches_oracle(c, r.cpu, a);
+  for (auto [x, y] : {std::pair{&a.y, &b.y}, {&a.dx, &b.dx}, {&a.dprobs, &b.dprobs}, {&a.dw2, &b.dw2}})
+    EXPECT_TRUE(bitwise_equal(*x, *y));
+  EXPECT_LE(oracle::similarity_diff(experts_of(a.dw1), experts_of(b.dw1)), 1e-3);
 }
 
 // Offsets + quantization + the six FP8 GEMMs + GLU, with main_grad accumulation, captured once;
