@@ -367,35 +367,38 @@ struct GroupedMLPOptions {
   // All six GEMMs in FP8 (the FP8 expert MLP, moe_engine/expert_mlp_fp8.hpp): bfloat16 or float32
   // modules, hidden and ffn multiples of 16, no recompute_fc1 (the pre-activation is kept in FP8);
   // the recipe must leave no GEMM out. Both weights stay master Parameters in `dtype`; their FP8
-  // copies are cached until invalidate_fp8_weights().
+  // copies are cached until invalidate_fp8_weights(). x is kept for the FC1 weight gradient as the
+  // op's rule says (expert_mlp_fp8_keeps_x_rows(T, G)): its FP8 rows where its columns would take
+  // more than twice their bytes (many experts of few tokens each), else its columns.
   std::optional<Fp8ModuleRecipe> fp8;
 };
 
 // What a GroupedMLP forward saved for its backward (references to shared storage, not copies).
 class MOE_API MlpContext {
  public:
-  bool saves_input() const { return x_.defined() || x_columns_.defined(); }
+  bool saves_input() const { return x_.defined() || x_columns_.defined() || x_rows_.defined(); }
   bool saves_fc1_out() const { return fc1_out_.defined() || fc1_out_rows_.defined(); }
   bool computes_dgrad() const { return input_requires_grad_; }
   // Bytes of the tensors held on the device for backward (x, the pre-activation, probs): [T, H] + [T, 2F] in the
   // input dtype + [T] float32 when all are kept. x is the caller's tensor, referenced, not copied. With fp8: x's
-  // FP8 columns and the pre-activation's FP8 rows (expert_mlp_fp8_saved_shapes) + the probs.
+  // FP8 columns or rows and the pre-activation's FP8 rows (expert_mlp_fp8_saved_shapes) + the probs.
   int64_t saved_bytes() const;
   bool offloaded() const { return offload_.away; }  // its tensors are in host memory (ActivationOffload)
-  // fp8: what the FP8 MLP op keeps (x's columns when the FC1 weight wants a gradient, the
-  // pre-activation's rows); undefined views without fp8.
-  ExpertMlpFp8Saved fp8_saved() const { return {x_columns_.view(), fc1_out_rows_.view()}; }
+  // fp8: what the FP8 MLP op keeps (when the FC1 weight wants a gradient x's columns, or its rows
+  // where expert_mlp_fp8_keeps_x_rows(T, G); the pre-activation's rows); undefined views without fp8.
+  ExpertMlpFp8Saved fp8_saved() const { return {x_columns_.view(), fc1_out_rows_.view(), x_rows_.view()}; }
 
  private:
   friend class GroupedMLP;
   friend struct ActivationOffload::Impl;
-  std::array<Tensor*, 8> saved_tensors() {
+  std::array<Tensor*, 10> saved_tensors() {
     return {&x_, &fc1_out_, &probs_, &x_columns_.data, &x_columns_.scales, &x_columns_.offsets,
-            &fc1_out_rows_.data, &fc1_out_rows_.scales};
+            &fc1_out_rows_.data, &fc1_out_rows_.scales, &x_rows_.data, &x_rows_.scales};
   }
   Tensor x_, fc1_out_, probs_;
-  detail::Fp8ColumnsBuffers x_columns_;  // fp8: in place of x
+  detail::Fp8ColumnsBuffers x_columns_;  // fp8: in place of x ...
   detail::Fp8RowsBuffers fc1_out_rows_;  // fp8: in place of the pre-activation
+  detail::Fp8RowsBuffers x_rows_;        // ... or x's rows instead (expert_mlp_fp8_keeps_x_rows)
   GroupLayout groups_;
   bool input_requires_grad_ = false;
   bool live_ = false;  // backward may run once
@@ -468,6 +471,7 @@ class MOE_API GroupedMLP {
     Tensor x, probs, fc1_out;
     detail::Fp8ColumnsBuffers x_columns;
     detail::Fp8RowsBuffers fc1_out_rows;
+    detail::Fp8RowsBuffers x_rows;  // in place of x_columns where forward kept x's rows
   };
   struct WgradJob {
     Tensor dy;

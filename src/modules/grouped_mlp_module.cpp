@@ -14,7 +14,7 @@
 namespace moe {
 
 int64_t MlpContext::saved_bytes() const {
-  int64_t bytes = x_columns_.nbytes() + fc1_out_rows_.nbytes();
+  int64_t bytes = x_columns_.nbytes() + x_rows_.nbytes() + fc1_out_rows_.nbytes();
   for (const Tensor* t : {&x_, &fc1_out_, &probs_})
     if (t->defined()) bytes += int64_t(t->nbytes());
   return bytes;
@@ -121,10 +121,16 @@ MlpForwardResult GroupedMLP::forward(const Tensor& x, const GroupLayout& groups,
   r.y = Tensor::zeros_async({T, hidden_}, options_.dtype, options_.device, exec.stream);
   MlpContext& c = r.ctx;
   if (options_.fp8) {
-    // The op keeps FP8 only: the pre-activation's rows, and x's columns for the FC1 weight gradient.
+    // The op keeps FP8 only: the pre-activation's rows, and for the FC1 weight gradient x's columns,
+    // or its rows where the columns would take more than twice their bytes (many experts of few
+    // tokens: each expert's columns are padded to 128 tokens); backward then makes the columns.
     if (through_act) c.fc1_out_rows_ = detail::Fp8RowsBuffers::empty(T, 2 * ffn_, options_.device, exec.stream);
-    if (fc1_weight_.requires_grad)
-      c.x_columns_ = detail::Fp8ColumnsBuffers::empty(T, groups_, hidden_, options_.device, exec.stream);
+    if (fc1_weight_.requires_grad) {
+      if (expert_mlp_fp8_keeps_x_rows(T, groups_))
+        c.x_rows_ = detail::Fp8RowsBuffers::empty(T, hidden_, options_.device, exec.stream);
+      else
+        c.x_columns_ = detail::Fp8ColumnsBuffers::empty(T, groups_, hidden_, options_.device, exec.stream);
+    }
     const Scratch scratch(expert_mlp_fp8_forward_workspace_size(T, hidden_, ffn_, options_.dtype), options_.device,
                           exec);
     expert_mlp_forward(x, probs, fp8_weights(exec), groups, r.y, c.fp8_saved(), {options_.glu},
@@ -150,10 +156,13 @@ void GroupedMLP::run_backward(const Tensor& dy, const Saved& saved, const GroupL
   const int64_t T = dy.size(0);
   const ExpertMlpSpec spec{options_.glu};
   if (options_.fp8) {
-    const Scratch scratch(expert_mlp_fp8_backward_workspace_size(T, groups_, hidden_, ffn_, options_.dtype),
-                          options_.device, exec);
-    expert_mlp_backward(dy, {saved.x_columns.view(), saved.fc1_out_rows.view()}, saved.probs, fp8_weights(exec),
-                        groups, grads, spec, options_.fp8->quantizer, scratch.exec);
+    // With x's rows kept, the FC1 weight gradient needs room for the columns made from them.
+    const bool x_rows = saved.x_rows.defined() && grads.fc1_weight.grad.defined();
+    const Scratch scratch(
+        expert_mlp_fp8_backward_workspace_size(T, groups_, hidden_, ffn_, options_.dtype, x_rows), options_.device,
+        exec);
+    expert_mlp_backward(dy, {saved.x_columns.view(), saved.fc1_out_rows.view(), saved.x_rows.view()}, saved.probs,
+                        fp8_weights(exec), groups, grads, spec, options_.fp8->quantizer, scratch.exec);
     return;
   }
   const Scratch scratch(
@@ -190,7 +199,7 @@ MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const 
   bias_grad(fc1_bias_, r.fc1_bias, g.fc1_bias);
   bias_grad(fc2_bias_, r.fc2_bias, g.fc2_bias);
   const bool fc1 = fc1_weight_.requires_grad, fc2 = fc2_weight_.requires_grad;
-  const Saved saved{ctx.x_, ctx.probs_, ctx.fc1_out_, ctx.x_columns_, ctx.fc1_out_rows_};
+  const Saved saved{ctx.x_, ctx.probs_, ctx.fc1_out_, ctx.x_columns_, ctx.fc1_out_rows_, ctx.x_rows_};
   if (options_.delay_wgrad_compute) {
     // The job keeps dy and what forward kept (FP8 with fp8), and recomputes the rest.
     if (fc1 || fc2) queue_.push_back({dy, saved, ctx.groups_, fc1, fc2});
@@ -209,6 +218,7 @@ MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const 
   ctx.x_ = ctx.fc1_out_ = ctx.probs_ = Tensor();
   ctx.x_columns_ = {};
   ctx.fc1_out_rows_ = {};
+  ctx.x_rows_ = {};
   return r;
 }
 

@@ -259,6 +259,7 @@ struct Fp8DeviceRun {
   int hooks = 0;
   std::optional<bool> flag;
   uint64_t quantizations = 0;
+  bool x_rows = false;  // GroupedMLP: forward kept x's FP8 rows (expert_mlp_fp8_keeps_x_rows), not its columns
 };
 
 GroupLayout routing_on(Device device, Tensor& splits, Tensor& offsets, DeviceErrorFlag& flag) {
@@ -335,6 +336,7 @@ Fp8DeviceRun run_fp8_mlp(Device device, ExpertLayout layout, bool delay, const T
   const Tensor x = x_host.to(device), dy = dy_host.to(device), probs = probs_host.to(device);
   for (int step = 0; step < 2; ++step) {
     MlpForwardResult f = m.forward(x, groups, probs);
+    r.x_rows = f.ctx.fp8_saved().x_rows.data.defined() && !f.ctx.fp8_saved().x.data.defined();
     MlpBackwardResult b = m.backward(f.ctx, dy);
     r.y = f.y, r.dx = b.dx, r.dprobs = b.dprobs, r.kind = b.fc1_weight.kind;
   }
@@ -392,6 +394,10 @@ TEST_P(GpuFp8Modules, MatchTheCpuModulesAndDelayedEqualsImmediate) {
     const Fp8DeviceRun cpu = run_fp8_mlp(Device::cpu(), GetParam(), false, x, dy, scales);
     const Fp8DeviceRun now = run_fp8_mlp(Device::cuda(0), GetParam(), false, x, dy, scales);
     const Fp8DeviceRun later = run_fp8_mlp(Device::cuda(0), GetParam(), true, x, dy, scales);
+    // 4 experts of 210 tokens: x's columns (768) would be more than twice its rows, so every run
+    // keeps the rows and backward (delayed too) makes the columns from them.
+    ASSERT_TRUE(expert_mlp_fp8_keeps_x_rows(kT, kG));
+    EXPECT_TRUE(cpu.x_rows && now.x_rows && later.x_rows);
     expect_close_to_cpu(now, cpu);
     expect_bit_identical(later, now);
     EXPECT_EQ(now.kind, GradKind::kDummy);

@@ -1,7 +1,8 @@
 // GroupedLinear and GroupedMLP with options.fp8 (CPU backend): bit-identical to the FP8 ops called
 // directly (each GroupedLinear GEMM in FP8 or not, as the recipe says), within FP8's error of the
 // float64 oracle, packed = per-expert, the six-row gradient contract (tests/data/grad_contract.json),
-// delayed = immediate, main_grad accumulate / overwrite, what forward keeps and its bytes, the FP8
+// delayed = immediate, main_grad accumulate / overwrite, what forward keeps and its bytes (the MLP:
+// x's rows or its columns by the op's rule, expert_mlp_fp8_keeps_x_rows), the FP8
 // weight cache (reused across micro-batches, refreshed by invalidate_fp8_weights, load_state_dict and
 // a replaced Parameter), activation offload of the FP8 tensors, bad options, odd routings.
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <ostream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -454,14 +456,17 @@ GroupedMLPOptions mlp_options(DType dt = DType::kBFloat16, ExpertLayout layout =
 }
 
 // The FP8 MLP op on the module's parameters (weights quantized here), every gradient written,
-// the weight gradients as `wdtype`.
+// the weight gradients as `wdtype`. x kept as the op's rule says (expert_mlp_fp8_keeps_x_rows), or
+// in the form `x_rows` names.
 struct MlpReference {
   Tensor y, dx, dprobs, dw1, dw2, db1, db2;
-  OwnedColumns x_columns;
+  OwnedColumns x_columns;  // x's columns, or (x kept as rows) undefined
+  OwnedRows x_rows;        // x's rows, or undefined
   OwnedRows h_rows;
 };
 
-MlpReference mlp_reference(GroupedMLP& m, const Batch& b, DType wdtype, bool probs = true) {
+MlpReference mlp_reference(GroupedMLP& m, const Batch& b, DType wdtype, bool probs = true,
+                           std::optional<bool> x_rows = std::nullopt) {
   const int64_t G = m.num_groups(), H = m.hidden(), F = m.ffn(), T = b.T();
   const DType dt = m.options().dtype;
   const Fp8Recipe& recipe = m.options().fp8->quantizer;
@@ -471,13 +476,15 @@ MlpReference mlp_reference(GroupedMLP& m, const Batch& b, DType wdtype, bool pro
   ExpertMlpFp8Weights w{w1.view(), w2.view(), {}, {}};
   if (m.has_bias()) w.fc1_bias = m.fc1_bias().value(), w.fc2_bias = m.fc2_bias().value();
   MlpReference r;
-  r.x_columns = OwnedColumns(T, G, H);
+  const bool rows = x_rows.value_or(expert_mlp_fp8_keeps_x_rows(T, G));
+  if (rows) r.x_rows = OwnedRows(T, H);
+  else r.x_columns = OwnedColumns(T, G, H);
   r.h_rows = OwnedRows(T, 2 * F);
-  const ExpertMlpFp8Saved saved{r.x_columns.view(), r.h_rows.view()};
+  const ExpertMlpFp8Saved saved{r.x_columns.view(), r.h_rows.view(), r.x_rows.view()};
   const ExpertMlpSpec spec{m.options().glu};
   const TensorView p = probs ? TensorView(b.scales) : TensorView();
   Tensor fws = Tensor::empty({int64_t(expert_mlp_fp8_forward_workspace_size(T, H, F, dt))}, DType::kUInt8);
-  Tensor bws = Tensor::empty({int64_t(expert_mlp_fp8_backward_workspace_size(T, G, H, F, dt))}, DType::kUInt8);
+  Tensor bws = Tensor::empty({int64_t(expert_mlp_fp8_backward_workspace_size(T, G, H, F, dt, rows))}, DType::kUInt8);
   r.y = Tensor::zeros({T, H}, dt);
   expert_mlp_forward(b.x, p, w, b.groups(), r.y, saved, spec, recipe,
                      {nullptr, {fws.data(), fws.nbytes(), Device::cpu()}});
@@ -500,43 +507,91 @@ MlpReference mlp_reference(GroupedMLP& m, const Batch& b, DType wdtype, bool pro
   return r;
 }
 
-int64_t mlp_saved_bytes(int64_t T, int64_t G, int64_t H, int64_t F, bool x_columns, bool probs) {
-  return (x_columns ? columns_bytes(T, G, H) : 0) + rows_bytes(T, 2 * F) + (probs ? 4 * T : 0);
+// What an FP8 GroupedMLP keeps: x (`x_kept`) in the form of the op's rule, its columns or its rows;
+// the pre-activation's rows; the probs.
+int64_t mlp_saved_bytes(int64_t T, int64_t G, int64_t H, int64_t F, bool x_kept, bool probs) {
+  const int64_t x = !x_kept ? 0 : expert_mlp_fp8_keeps_x_rows(T, G) ? rows_bytes(T, H) : columns_bytes(T, G, H);
+  return x + rows_bytes(T, 2 * F) + (probs ? 4 * T : 0);
+}
+
+// Routings of the MLP tests, by the form in which the module keeps x: kSplits (5 experts of 50
+// tokens: the columns pad each expert to 128, 768 columns > 2 x 50, so rows), 32 experts of
+// 0-4 tokens each (64 tokens: rows, its columns ~66x their bytes), and 2 experts of 130 and 120
+// tokens (256: 512 columns, exactly 2T, so columns).
+struct MlpRouting {
+  const char* name;
+  std::vector<int64_t> splits;
+  int64_t capacity;
+  bool x_rows;
+  int64_t G() const { return int64_t(splits.size()); }
+};
+void PrintTo(const MlpRouting& r, std::ostream* os) { *os << r.name; }
+
+std::vector<int64_t> many_small_splits() {  // 32 experts of 0, 2, 4, 1, 3, ... tokens (62 of 64)
+  std::vector<int64_t> s;
+  for (int64_t g = 0; g < 32; ++g) s.push_back(g * 7 % 5);
+  return s;
+}
+
+std::vector<MlpRouting> mlp_routings() {
+  return {{"five_experts", kSplits, kMlpT, true},
+          {"many_small_experts", many_small_splits(), 64, true},
+          {"few_large_experts", {130, 120}, 256, false}};
+}
+
+// The FP8 tensors an MLP context keeps of x match the reference's, in the form the rule names.
+void expect_same_x(const MlpContext& ctx, const MlpReference& ref, int64_t rows) {
+  const ExpertMlpFp8Saved s = ctx.fp8_saved();
+  if (ref.x_rows.data.defined()) {
+    EXPECT_FALSE(s.x.data.defined()) << "x's rows kept instead of its columns, not both";
+    EXPECT_TRUE(same_rows(s.x_rows, ref.x_rows.view(), rows)) << "x's rows";
+  } else {
+    EXPECT_FALSE(s.x_rows.data.defined()) << "x's columns kept instead of its rows, not both";
+    EXPECT_TRUE(same_columns(s.x, ref.x_columns.view())) << "x's columns";
+  }
 }
 
 class Fp8GroupedMlp : public ::testing::TestWithParam<DType> {};
 
+// Each routing of mlp_routings: x kept as rows or as columns as the op's rule says, and every
+// output and gradient the bits of the op called directly with that form.
 TEST_P(Fp8GroupedMlp, EqualsTheFp8OpAndLayoutsAreBitIdentical) {
   const DType dt = GetParam();
   Rng rng;
-  const Batch b(rng, kSplits, kMlpT, kH, kH, dt);
-  GroupedMLP packed(kG, kH, kF, mlp_options(dt));
-  GroupedMLP per(kG, kH, kF, mlp_options(dt, ExpertLayout::kPerExpert));
-  ASSERT_TRUE(bitwise_equal(packed.fc1_weight().value(), per.fc1_weight().value()));
-  const MlpReference ref = mlp_reference(packed, b, dt);
-  const int64_t rows = b.routing.rows();
-  for (GroupedMLP* m : {&packed, &per}) {
-    SCOPED_TRACE(layout_name(m->options().layout));
-    MlpForwardResult f = m->forward(b.x, b.groups(), b.scales);
-    EXPECT_TRUE(bitwise_equal(f.y, ref.y));
-    // Forward keeps what the op keeps, FP8 only.
-    EXPECT_TRUE(f.ctx.saves_input());
-    EXPECT_TRUE(f.ctx.saves_fc1_out());
-    EXPECT_TRUE(same_columns(f.ctx.fp8_saved().x, ref.x_columns.view()));
-    EXPECT_TRUE(same_rows(f.ctx.fp8_saved().fc1_out, ref.h_rows.view(), rows));
-    EXPECT_EQ(f.ctx.saved_bytes(), mlp_saved_bytes(kMlpT, kG, kH, kF, true, true));
-    MlpBackwardResult r = m->backward(f.ctx, b.dy);
-    EXPECT_TRUE(bitwise_equal(r.dx, ref.dx));
-    EXPECT_TRUE(bitwise_equal(r.dprobs, ref.dprobs));
-    for (auto [got, want, name] : {std::tuple{&r.fc1_weight, &ref.dw1, "dw1"},
-                                   {&r.fc2_weight, &ref.dw2, "dw2"},
-                                   {&r.fc1_bias, &ref.db1, "db1"},
-                                   {&r.fc2_bias, &ref.db2, "db2"}}) {
-      EXPECT_EQ(got->kind, GradKind::kGrad) << name;
-      EXPECT_TRUE(bitwise_equal(packed_of(got->grad.view()), *want)) << name;
+  for (const MlpRouting& mr : mlp_routings()) {
+    SCOPED_TRACE(mr.name);
+    const int64_t G = mr.G(), T = mr.capacity;
+    ASSERT_EQ(expert_mlp_fp8_keeps_x_rows(T, G), mr.x_rows);
+    const Batch b(rng, mr.splits, T, kH, kH, dt);
+    GroupedMLP packed(G, kH, kF, mlp_options(dt));
+    GroupedMLP per(G, kH, kF, mlp_options(dt, ExpertLayout::kPerExpert));
+    ASSERT_TRUE(bitwise_equal(packed.fc1_weight().value(), per.fc1_weight().value()));
+    const MlpReference ref = mlp_reference(packed, b, dt);
+    ASSERT_EQ(ref.x_rows.data.defined(), mr.x_rows);
+    const int64_t rows = b.routing.rows();
+    for (GroupedMLP* m : {&packed, &per}) {
+      SCOPED_TRACE(layout_name(m->options().layout));
+      MlpForwardResult f = m->forward(b.x, b.groups(), b.scales);
+      EXPECT_TRUE(bitwise_equal(f.y, ref.y));
+      // Forward keeps what the op keeps, FP8 only.
+      EXPECT_TRUE(f.ctx.saves_input());
+      EXPECT_TRUE(f.ctx.saves_fc1_out());
+      expect_same_x(f.ctx, ref, rows);
+      EXPECT_TRUE(same_rows(f.ctx.fp8_saved().fc1_out, ref.h_rows.view(), rows));
+      EXPECT_EQ(f.ctx.saved_bytes(), mlp_saved_bytes(T, G, kH, kF, true, true));
+      MlpBackwardResult r = m->backward(f.ctx, b.dy);
+      EXPECT_TRUE(bitwise_equal(r.dx, ref.dx));
+      EXPECT_TRUE(bitwise_equal(r.dprobs, ref.dprobs));
+      for (auto [got, want, name] : {std::tuple{&r.fc1_weight, &ref.dw1, "dw1"},
+                                     {&r.fc2_weight, &ref.dw2, "dw2"},
+                                     {&r.fc1_bias, &ref.db1, "db1"},
+                                     {&r.fc2_bias, &ref.db2, "db2"}}) {
+        EXPECT_EQ(got->kind, GradKind::kGrad) << name;
+        EXPECT_TRUE(bitwise_equal(packed_of(got->grad.view()), *want)) << name;
+      }
+      EXPECT_EQ(r.fc1_weight.grad.layout(), m->options().layout);
+      EXPECT_EQ(m->fp8_weight_quantizations(), 2u) << "each weight once, for forward and backward";
     }
-    EXPECT_EQ(r.fc1_weight.grad.layout(), m->options().layout);
-    EXPECT_EQ(m->fp8_weight_quantizations(), 2u) << "each weight once, for forward and backward";
   }
 }
 
@@ -681,17 +736,19 @@ TEST(Fp8GroupedMlpModule, KeepsOnlyWhatBackwardNeeds) {
   GroupedMLPOptions o = mlp_options();
   o.bias = false;
   GroupedMLP m(kG, kH, kF, o);
-  // Input without grad, no probs: the FP8 rows of h and x's columns.
+  // Input without grad, no probs: the FP8 rows of h and x's rows (5 experts of 50 tokens).
   MlpForwardResult f = m.forward(b.x, b.groups(), {}, /*input_requires_grad=*/false);
+  EXPECT_TRUE(f.ctx.fp8_saved().x_rows.data.defined());
   EXPECT_EQ(f.ctx.saved_bytes(), mlp_saved_bytes(kMlpT, kG, kH, kF, true, false));
   MlpBackwardResult r = m.backward(f.ctx, b.dy);
   EXPECT_FALSE(r.dx.defined());
   EXPECT_EQ(r.fc1_weight.kind, GradKind::kGrad);
-  // FC1 frozen: no columns of x.
+  // FC1 frozen: neither columns nor rows of x.
   m.fc1_weight().requires_grad = false;
   f = m.forward(b.x, b.groups(), b.scales);
   EXPECT_FALSE(f.ctx.saves_input());
   EXPECT_FALSE(f.ctx.fp8_saved().x.data.defined());
+  EXPECT_FALSE(f.ctx.fp8_saved().x_rows.data.defined());
   EXPECT_EQ(f.ctx.saved_bytes(), mlp_saved_bytes(kMlpT, kG, kH, kF, false, true));
   r = m.backward(f.ctx, b.dy);
   EXPECT_TRUE(r.dx.defined());
@@ -704,6 +761,67 @@ TEST(Fp8GroupedMlpModule, KeepsOnlyWhatBackwardNeeds) {
   EXPECT_EQ(f.ctx.saved_bytes(), 0);
   r = m.backward(f.ctx, b.dy);
   EXPECT_FALSE(r.dx.defined());
+}
+
+// Many experts of few tokens (32 experts, 64 tokens): x's columns would pad every expert to 128
+// tokens, so the module keeps x's FP8 rows (the op's rule) and backward makes the columns from
+// them. saved_bytes() is the rows' formula, far below the columns'; every output and gradient is
+// the op's with x_rows, bit for bit, also delayed; FC1's weight gradient is not the columns' bits
+// (x is rounded a second time) but within FP8's error of them.
+TEST(Fp8GroupedMlpModule, ManySmallExpertsKeepTheRowsOfX) {
+  Rng rng;
+  const std::vector<int64_t> splits = many_small_splits();
+  const int64_t G = int64_t(splits.size()), T = 64;
+  ASSERT_EQ(G, 32);
+  ASSERT_TRUE(expert_mlp_fp8_keeps_x_rows(T, G));
+  const Batch b(rng, splits, T, kH, kH, DType::kBFloat16);
+  GroupedMLPOptions o = mlp_options(DType::kBFloat16, ExpertLayout::kPerExpert);
+  o.accumulate_into_main_grad = true;
+  GroupedMLP now(G, kH, kF, o);
+  o.delay_wgrad_compute = true;
+  GroupedMLP later(G, kH, kF, o);
+  const Tensor now1 = main_grad_for(now.fc1_weight()), now2 = main_grad_for(now.fc2_weight());
+  const Tensor later1 = main_grad_for(later.fc1_weight()), later2 = main_grad_for(later.fc2_weight());
+  const MlpReference ref = mlp_reference(now, b, DType::kFloat32);
+  ASSERT_TRUE(ref.x_rows.data.defined());
+  const MlpReference by_columns = mlp_reference(now, b, DType::kFloat32, true, /*x_rows=*/false);
+
+  MlpForwardResult f = now.forward(b.x, b.groups(), b.scales);
+  MlpForwardResult g = later.forward(b.x, b.groups(), b.scales);
+  const int64_t rows_saved = rows_bytes(T, kH) + rows_bytes(T, 2 * kF) + 4 * T;
+  const int64_t columns_saved = columns_bytes(T, G, kH) + rows_bytes(T, 2 * kF) + 4 * T;
+  for (const MlpContext* c : {&f.ctx, &g.ctx}) {
+    EXPECT_TRUE(c->saves_input());
+    expect_same_x(*c, ref, b.routing.rows());
+    EXPECT_EQ(c->fp8_saved().x_rows.data.shape(), (Shape{T, kH}));
+    EXPECT_EQ(c->saved_bytes(), rows_saved);
+  }
+  EXPECT_EQ(mlp_saved_bytes(T, G, kH, kF, true, true), rows_saved);
+  EXPECT_LT(4 * rows_saved, columns_saved) << "the columns of 32 experts of 0-4 tokens: 4224 tokens' worth";
+  EXPECT_TRUE(bitwise_equal(f.y, ref.y));
+  EXPECT_TRUE(bitwise_equal(g.y, ref.y));
+  MlpBackwardResult rn = now.backward(f.ctx, b.dy);
+  MlpBackwardResult rl = later.backward(g.ctx, b.dy);
+  EXPECT_FALSE(f.ctx.saves_input()) << "backward releases what the context kept";
+  for (const MlpBackwardResult* r : {&rn, &rl}) {
+    EXPECT_TRUE(bitwise_equal(r->dx, ref.dx));
+    EXPECT_TRUE(bitwise_equal(r->dprobs, ref.dprobs));
+    EXPECT_TRUE(bitwise_equal(packed_of(r->fc1_bias.grad.view()), ref.db1));
+    EXPECT_TRUE(bitwise_equal(packed_of(r->fc2_bias.grad.view()), ref.db2));
+  }
+  EXPECT_EQ(later.queued_wgrads(), 1u);
+  EXPECT_TRUE(bitwise_equal(later1, Tensor::zeros({G, 2 * kF, kH}, DType::kFloat32)));
+  later.backward_dw();
+  EXPECT_TRUE(bitwise_equal(now1, ref.dw1)) << "fc1 main_grad";
+  EXPECT_TRUE(bitwise_equal(now2, ref.dw2)) << "fc2 main_grad";
+  EXPECT_TRUE(bitwise_equal(later1, now1)) << "delayed != immediate";
+  EXPECT_TRUE(bitwise_equal(later2, now2)) << "delayed != immediate";
+  // Only FC1's weight gradient reads x: the rest are the columns' bits too.
+  EXPECT_FALSE(bitwise_equal(now1, by_columns.dw1)) << "the reference kept columns: x rounded once";
+  EXPECT_LE(oracle::similarity_diff(experts_of(now1), experts_of(by_columns.dw1)), 1e-3);
+  for (auto [a, c] : {std::pair{&now2, &by_columns.dw2}, {&ref.dx, &by_columns.dx}, {&ref.y, &by_columns.y},
+                      {&ref.dprobs, &by_columns.dprobs}})
+    EXPECT_TRUE(bitwise_equal(*a, *c));
 }
 
 TEST(Fp8GroupedMlpModule, WeightCacheIsReusedUntilInvalidated) {
@@ -775,9 +893,13 @@ std::vector<TensorView> fp8_views(const LinearContext& c) {
   const Fp8Columns x = c.saved_x_columns();
   return {x.data, x.scales, x.offsets};
 }
-std::vector<TensorView> fp8_views(const MlpContext& c) {
+std::vector<TensorView> fp8_views(const MlpContext& c) {  // x's columns or rows, h's rows
   const ExpertMlpFp8Saved s = c.fp8_saved();
-  return {s.x.data, s.x.scales, s.x.offsets, s.fc1_out.data, s.fc1_out.scales};
+  std::vector<TensorView> out;
+  for (const TensorView& v : {s.x.data, s.x.scales, s.x.offsets, s.x_rows.data, s.x_rows.scales, s.fc1_out.data,
+                              s.fc1_out.scales})
+    if (v.defined()) out.push_back(v);
+  return out;
 }
 bool same_bytes(const std::vector<Tensor>& a, const std::vector<TensorView>& b) {
   if (a.size() != b.size()) return false;
@@ -788,25 +910,30 @@ bool same_bytes(const std::vector<Tensor>& a, const std::vector<TensorView>& b) 
 
 // Three layers, each an FP8 GroupedLinear [H -> H] with a probs-scaled bias followed by an FP8
 // GroupedMLP, weights into float32 main_grad: with offload the same bits as without, and every FP8
-// tensor comes back byte for byte.
-TEST(Fp8ModulesOffload, FP8SavedTensorsRoundTripBitExactly) {
+// tensor comes back byte for byte; for each routing of mlp_routings (the MLPs keep x's rows, or its
+// columns).
+class Fp8ModulesOffload : public ::testing::TestWithParam<MlpRouting> {};
+
+TEST_P(Fp8ModulesOffload, FP8SavedTensorsRoundTripBitExactly) {
   constexpr int kLayers = 3;
+  const MlpRouting& mr = GetParam();
+  const int64_t G = mr.G();
   Rng rng;
-  const Batch b(rng, kSplits, kMlpT, kH, kH, DType::kBFloat16);
+  const Batch b(rng, mr.splits, mr.capacity, kH, kH, DType::kBFloat16);
   struct Stack {
     std::vector<std::unique_ptr<GroupedLinear>> linears;
     std::vector<std::unique_ptr<GroupedMLP>> mlps;
     std::vector<Tensor> main_grads;
-    Stack() {
+    explicit Stack(int64_t G) {
       for (int i = 0; i < kLayers; ++i) {
         GroupedLinearOptions lo = linear_options();
         lo.seed = 200 + uint64_t(i);
         lo.accumulate_into_main_grad = true;
-        linears.push_back(std::make_unique<GroupedLinear>(kG, kH, kH, lo));
+        linears.push_back(std::make_unique<GroupedLinear>(G, kH, kH, lo));
         GroupedMLPOptions mo = mlp_options(DType::kBFloat16, i % 2 ? ExpertLayout::kPerExpert : ExpertLayout::kPacked);
         mo.seed = 100 + uint64_t(i);
         mo.accumulate_into_main_grad = true;
-        mlps.push_back(std::make_unique<GroupedMLP>(kG, kH, kF, mo));
+        mlps.push_back(std::make_unique<GroupedMLP>(G, kH, kF, mo));
         for (Parameter* p : {&linears.back()->weight(), &mlps.back()->fc1_weight(), &mlps.back()->fc2_weight()})
           main_grads.push_back(main_grad_for(*p));
       }
@@ -830,7 +957,10 @@ TEST(Fp8ModulesOffload, FP8SavedTensorsRoundTripBitExactly) {
       if (offload) offload->offload(lf.ctx, nullptr);
       lctx[size_t(i)] = std::move(lf.ctx);
       MlpForwardResult mf = s.mlps[size_t(i)]->forward(lf.y, b.groups(), b.scales);
+      EXPECT_EQ(mf.ctx.fp8_saved().x_rows.data.defined(), mr.x_rows);
+      EXPECT_EQ(mf.ctx.fp8_saved().x.data.defined(), !mr.x_rows);
       msnap[size_t(i)] = snapshot(fp8_views(mf.ctx));
+      EXPECT_EQ(msnap[size_t(i)].size(), mr.x_rows ? 4u : 5u);
       if (i < kLayers - 1) offloaded += mf.ctx.saved_bytes();
       if (offload) offload->offload(mf.ctx, nullptr);
       EXPECT_EQ(mf.ctx.offloaded(), offload != nullptr && i < kLayers - 1) << "layer " << i;
@@ -855,7 +985,7 @@ TEST(Fp8ModulesOffload, FP8SavedTensorsRoundTripBitExactly) {
     out.dx = dy;
     return out;
   };
-  Stack plain, offloaded;
+  Stack plain(G), offloaded(G);
   ActivationOffload offload(Device::cpu(), kLayers, -1, {.min_bytes = 0});
   for (int s = 0; s < 2; ++s) {
     const StepOut a = step(plain, nullptr);
@@ -870,6 +1000,9 @@ TEST(Fp8ModulesOffload, FP8SavedTensorsRoundTripBitExactly) {
     EXPECT_TRUE(bitwise_equal(plain.main_grads[i], offloaded.main_grads[i])) << "main_grad " << i;
 }
 
+INSTANTIATE_TEST_SUITE_P(Routings, Fp8ModulesOffload, ::testing::ValuesIn(mlp_routings()),
+                         [](const auto& info) { return std::string(info.param.name); });
+
 // ---- odd routings ----
 
 struct OddRouting {
@@ -882,6 +1015,8 @@ const OddRouting kOddRoutings[] = {
     {"single_expert", {37}, 40},          {"one_expert_takes_all", {0, 0, 45, 0}, 48},
     {"one_row_experts", {1, 1, 0, 1}, 8}, {"more_than_a_block_per_expert", {130, 0, 3}, 140},
     {"no_rows", {0, 0, 0}, 16},
+    // The MLP keeps x's columns here (384 columns <= 2 x 256), its rows in all the others.
+    {"one_expert_of_many_rows", {250}, 256},
 };
 
 TEST(Fp8ModulesOddRoutings, BothModulesEqualTheOpsPackedEqualsPerExpert) {
@@ -905,6 +1040,8 @@ TEST(Fp8ModulesOddRoutings, BothModulesEqualTheOpsPackedEqualsPerExpert) {
       GroupedMLP mlp(G, kH, kF, mlp_options(DType::kBFloat16, layout));
       const MlpReference mref = mlp_reference(mlp, mb, DType::kBFloat16);
       MlpForwardResult mf = mlp.forward(mb.x, mb.groups(), mb.scales);
+      EXPECT_EQ(mref.x_rows.data.defined(), std::string(oc.name) != "one_expert_of_many_rows");
+      expect_same_x(mf.ctx, mref, mb.routing.rows());
       MlpBackwardResult mr = mlp.backward(mf.ctx, mb.dy);
       EXPECT_TRUE(bitwise_equal(mf.y, mref.y));
       EXPECT_TRUE(bitwise_equal(mr.dx, mref.dx));
