@@ -645,13 +645,16 @@ Fp8Weight fp8_weight_of(const Call& c, const char* data_name, const TensorArg& d
   return {c(data_name, data), c(scales_name, scales), c(data_t_name, data_t), c(scales_t_name, scales_t)};
 }
 
-// What forward keeps: x's columns (None: not kept, no FC1 weight gradient) and h's rows (None: a
-// forward without backward).
+// What forward keeps: x's columns or x's rows (at most one; None: not kept, no FC1 weight gradient)
+// and h's rows (None: a forward without backward).
 ExpertMlpFp8Saved fp8_saved_of(const Call& c, const std::optional<TensorArg>& x_data,
                                const std::optional<TensorArg>& x_scales, const std::optional<TensorArg>& x_offsets,
-                               const std::optional<TensorArg>& h_data, const std::optional<TensorArg>& h_scales) {
+                               const std::optional<TensorArg>& x_rows_data,
+                               const std::optional<TensorArg>& x_rows_scales, const std::optional<TensorArg>& h_data,
+                               const std::optional<TensorArg>& h_scales) {
   return {{c("saved.x.data", x_data), c("saved.x.scales", x_scales), c("saved.x.offsets", x_offsets)},
-          {c("saved.fc1_out.data", h_data), c("saved.fc1_out.scales", h_scales)}};
+          {c("saved.fc1_out.data", h_data), c("saved.fc1_out.scales", h_scales)},
+          {c("saved.x_rows.data", x_rows_data), c("saved.x_rows.scales", x_rows_scales)}};
 }
 
 void expert_mlp_fp8_forward_py(const TensorArg& x_arg, const std::optional<TensorArg>& probs_arg,
@@ -661,6 +664,8 @@ void expert_mlp_fp8_forward_py(const TensorArg& x_arg, const std::optional<Tenso
                                const std::optional<TensorArg>& saved_x_data,
                                const std::optional<TensorArg>& saved_x_scales,
                                const std::optional<TensorArg>& saved_x_offsets,
+                               const std::optional<TensorArg>& saved_x_rows_data,
+                               const std::optional<TensorArg>& saved_x_rows_scales,
                                const std::optional<TensorArg>& saved_h_data,
                                const std::optional<TensorArg>& saved_h_scales, const GluSpec& glu,
                                const std::string& fusion, bool pow2_scales, float amax_epsilon,
@@ -673,7 +678,8 @@ void expert_mlp_fp8_forward_py(const TensorArg& x_arg, const std::optional<Tenso
       fp8_weight_of(c, "fc2.data", w2_data, "fc2.scales", w2_scales, "fc2.data_t", {}, "fc2.scales_t", {}),
       c.param("fc1_bias", b1, 1), c.param("fc2_bias", b2, 1)};
   const ExpertMlpFp8Saved saved =
-      fp8_saved_of(c, saved_x_data, saved_x_scales, saved_x_offsets, saved_h_data, saved_h_scales);
+      fp8_saved_of(c, saved_x_data, saved_x_scales, saved_x_offsets, saved_x_rows_data, saved_x_rows_scales,
+                   saved_h_data, saved_h_scales);
   const ExpertMlpSpec spec{glu, parse_fusion(fusion)};
   const Fp8Recipe recipe{pow2_scales, amax_epsilon};
   c.run(routing, {y}, [&](const GroupLayout& g, const ExecContext& e) {
@@ -685,6 +691,7 @@ void expert_mlp_fp8_forward_py(const TensorArg& x_arg, const std::optional<Tenso
 void expert_mlp_fp8_backward_py(
     const TensorArg& dy_arg, const std::optional<TensorArg>& saved_x_data,
     const std::optional<TensorArg>& saved_x_scales, const std::optional<TensorArg>& saved_x_offsets,
+    const std::optional<TensorArg>& saved_x_rows_data, const std::optional<TensorArg>& saved_x_rows_scales,
     const TensorArg& saved_h_data, const TensorArg& saved_h_scales, const std::optional<TensorArg>& probs_arg,
     const TensorArg& w1_data, const TensorArg& w1_scales, const TensorArg& w1_data_t, const TensorArg& w1_scales_t,
     const TensorArg& w2_data, const TensorArg& w2_scales, const TensorArg& w2_data_t, const TensorArg& w2_scales_t,
@@ -702,7 +709,8 @@ void expert_mlp_fp8_backward_py(
                     w2_scales_t),
       c.param("fc1_bias", b1, 1), c.param("fc2_bias", b2, 1)};
   const ExpertMlpFp8Saved saved =
-      fp8_saved_of(c, saved_x_data, saved_x_scales, saved_x_offsets, saved_h_data, saved_h_scales);
+      fp8_saved_of(c, saved_x_data, saved_x_scales, saved_x_offsets, saved_x_rows_data, saved_x_rows_scales,
+                   saved_h_data, saved_h_scales);
   ExpertMlpGrads grads;
   grads.dx = c("dx", dx_arg);
   grads.dprobs = c("dprobs", dprobs_arg);
@@ -913,13 +921,16 @@ void bind_ops(nb::module_& m) {
   m.def("expert_mlp_fp8_forward", &expert_mlp_fp8_forward_py, arg("x"), arg("probs").none(), arg("fc1_data"),
         arg("fc1_scales"), arg("fc2_data"), arg("fc2_scales"), arg("fc1_bias"), arg("fc2_bias"), arg("routing"),
         arg("y"), arg("saved_x_data").none(), arg("saved_x_scales").none(), arg("saved_x_offsets").none(),
-        arg("saved_h_data").none(), arg("saved_h_scales").none(), arg("spec"), arg("fusion"), arg("pow2_scales"),
-        arg("amax_epsilon"), arg("workspace").none(), arg("stream"),
+        arg("saved_x_rows_data").none(), arg("saved_x_rows_scales").none(), arg("saved_h_data").none(),
+        arg("saved_h_scales").none(), arg("spec"), arg("fusion"), arg("pow2_scales"), arg("amax_epsilon"),
+        arg("workspace").none(), arg("stream"),
         "The expert MLP with its six GEMMs in FP8 (forward): y, and what backward needs kept in FP8 (x's columns "
-        "when given, for the FC1 weight gradient; h's rows when given). The weights arrive quantized. fusion: none "
+        "or x's rows when given, for the FC1 weight gradient, at most one of the two: "
+        "expert_mlp_fp8_keeps_x_rows says which; h's rows when given). The weights arrive quantized. fusion: none "
         "runs every step as its own op; otherwise, on CUDA, the steps around the GLU run fused (the same bytes).");
   m.def("expert_mlp_fp8_backward", &expert_mlp_fp8_backward_py, arg("dy"), arg("saved_x_data").none(),
-        arg("saved_x_scales").none(), arg("saved_x_offsets").none(), arg("saved_h_data"), arg("saved_h_scales"),
+        arg("saved_x_scales").none(), arg("saved_x_offsets").none(), arg("saved_x_rows_data").none(),
+        arg("saved_x_rows_scales").none(), arg("saved_h_data"), arg("saved_h_scales"),
         arg("probs").none(), arg("fc1_data"), arg("fc1_scales"), arg("fc1_data_t"), arg("fc1_scales_t"),
         arg("fc2_data"), arg("fc2_scales"), arg("fc2_data_t"), arg("fc2_scales_t"), arg("fc1_bias"),
         arg("fc2_bias"), arg("routing"), arg("dx").none(), arg("dprobs").none(), arg("fc1_weight_grad"),
@@ -937,6 +948,8 @@ void bind_ops(nb::module_& m) {
         d["x_offsets"] = list(s.x_offsets);
         d["fc1_out_data"] = list(s.fc1_out_data);
         d["fc1_out_scales"] = list(s.fc1_out_scales);
+        d["x_rows_data"] = list(s.x_rows_data);
+        d["x_rows_scales"] = list(s.x_rows_scales);
         return d;
       },
       arg("capacity"), arg("num_groups"), arg("hidden"), arg("ffn"),
@@ -949,10 +962,14 @@ void bind_ops(nb::module_& m) {
       arg("capacity"), arg("hidden"), arg("ffn"), arg("dtype"));
   m.def(
       "expert_mlp_fp8_backward_workspace_size",
-      [](int64_t T, int64_t G, int64_t H, int64_t F, const std::string& dtype) {
-        return expert_mlp_fp8_backward_workspace_size(T, G, H, F, dtype_from_name(dtype));
+      [](int64_t T, int64_t G, int64_t H, int64_t F, const std::string& dtype, bool x_rows) {
+        return expert_mlp_fp8_backward_workspace_size(T, G, H, F, dtype_from_name(dtype), x_rows);
       },
-      arg("capacity"), arg("num_groups"), arg("hidden"), arg("ffn"), arg("dtype"));
+      arg("capacity"), arg("num_groups"), arg("hidden"), arg("ffn"), arg("dtype"), arg("x_rows") = false,
+      "x_rows: forward kept x's rows and the FC1 weight gradient is asked for (backward makes x's columns).");
+  m.def("expert_mlp_fp8_keeps_x_rows", &expert_mlp_fp8_keeps_x_rows, arg("capacity"), arg("num_groups"),
+        "True where x's columns would take more than twice the bytes of its rows, fp8_columns_capacity(T, G) > 2 T "
+        "(many experts of few tokens each): forward should keep x's rows for the FC1 weight gradient.");
   m.def("check_errors", &check_errors_py, arg("device"), arg("stream") = 0);
   m.def("init_device", &init_device_py, arg("device"));
 

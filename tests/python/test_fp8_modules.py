@@ -8,13 +8,16 @@
   bit; GroupedMLP refuses overrides.
 - The training contract: the six main_grad rows, delayed wgrad, packed == per-expert bit for bit.
 - The weight cache: one quantization across micro-batches, again after an optimizer step, an
-  ``invalidate_fp8_weights()``, a new address; what backward keeps is FP8.
+  ``invalidate_fp8_weights()``, a new address; what backward keeps is FP8: x's columns, or its rows
+  where the columns would be more than twice their bytes (many small experts); the MLP tests run
+  both forms.
 - One routing per layer per step, torch.compile of a module step, opcheck of the new ops.
 - Saved tensors through a byte-copy round trip (what offload does), and on the GPU: a captured
   module step replayed with new routings and weights, ActivationOffload of FP8 layers.
 """
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -38,15 +41,21 @@ MLP_BOUND = 5e-3
 LINEAR_BOUND = 2e-3
 
 # (splits, T, H, F): empty and 1-row experts with a tail no expert owns, G = 1, experts past one
-# 128-token tile with F off a multiple of 128, every expert empty.
+# 128-token tile with F off a multiple of 128, every expert empty, many experts of few tokens (0 to
+# 3 each: x's columns would be 33 times its rows' bytes).
 CASES = {
     "mixed": ([37, 0, 1, 150], 200, 128, 128),
     "g1": ([45], 50, 256, 128),
     "off_tiles": ([129, 3, 120], 260, 128, 192),
     "all_empty": ([0, 0, 0], 9, 128, 64),
+    "many_small": ([0, 3, 2, 1] * 8, 64, 128, 128),
 }
 GLU = {"mixed": ("swiglu", "blocks:32"), "g1": ("clamped_qgeglu", "pairs"), "off_tiles": ("swiglu", "halves"),
-       "all_empty": ("swiglu", "halves")}
+       "all_empty": ("swiglu", "halves"), "many_small": ("swiglu", "pairs")}
+# (case, x_form) of the MLP tests that run both forms of x kept (force_x_form): the columns forced
+# on a case whose rule keeps rows, and the rule on the many small experts' case.
+FORM_CASES = [("mixed", "columns"), ("mixed", "rule"), ("many_small", "rule")]
+FORM_IDS = ["mixed-columns", "mixed-rows", "many_small-rows"]
 DTYPES = [torch.bfloat16, torch.float32]
 CONTRACT_DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
 
@@ -54,6 +63,14 @@ CONTRACT_DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
 def needs_fp8_gemm(device):
     if device.type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
         pytest.skip("the FP8 GEMMs run on the Hopper kernel only (compute capability 9.0)")
+
+
+def force_x_form(monkeypatch, form):
+    """What the FP8 MLP keeps of x for FC1's weight gradient: ``rule`` as
+    ``expert_mlp_fp8_keeps_x_rows(T, G)`` says (rows for every case above: their experts are small
+    next to the 128-token column tiles), or ``columns`` / ``rows`` forced."""
+    if form != "rule":
+        monkeypatch.setattr(fp8_impl, "expert_mlp_fp8_keeps_x_rows", lambda T, G: form == "rows")
 
 
 def similarity_diff(a, b):
@@ -124,12 +141,16 @@ def linear_step(m, x, p, dy, splits):
 # ---- accuracy ----
 
 
+@pytest.mark.parametrize("x_form", ["columns", "rows"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_mlp_matches_the_float64_mlp(device, case, dtype):
+def test_mlp_matches_the_float64_mlp(device, case, dtype, x_form, monkeypatch):
+    """Either form of x kept for FC1's weight gradient (rows: backward makes the columns from them,
+    a second rounding of x) gives every result within the bound."""
     needs_fp8_gemm(device)
     if device.type == "cuda" and dtype == torch.float32:
         pytest.skip("the Hopper FP8 forward's bias epilogue reads a bfloat16 bias")
+    force_x_form(monkeypatch, x_form)
     splits_list, T, H, F = CASES[case]
     activation, glu_layout = GLU[case]
     rows = sum(splits_list)
@@ -229,14 +250,16 @@ def test_fp8_modules_are_close_to_the_bf16_modules(device, kind):
 # ---- the functional form ----
 
 
-def test_functional_expert_mlp_fp8_matches_the_module(device):
+@pytest.mark.parametrize("case, x_form", FORM_CASES, ids=FORM_IDS)
+def test_functional_expert_mlp_fp8_matches_the_module(device, case, x_form, monkeypatch):
     """expert_mlp_fp8 over master weights (quantized in the call) or over Fp8Weights with their
     masters gives the module's results bit for bit; an Fp8Weight without a master gets no gradient."""
     needs_fp8_gemm(device)
-    splits_list, T, H, F = CASES["mixed"]
+    force_x_form(monkeypatch, x_form)
+    splits_list, T, H, F = CASES[case]
     splits = make_splits(splits_list, device)
     recipe = me.Fp8Recipe(pow2_scales=True, amax_epsilon=1e-6)
-    m = mlp(4, H, F, device, torch.bfloat16, recipe=recipe, glu_layout="blocks:32")
+    m = mlp(len(splits_list), H, F, device, torch.bfloat16, recipe=recipe, glu_layout="blocks:32")
     x, p, dy = inputs(T, H, torch.bfloat16, device, seed=4)
     want = mlp_step(m, x, p, dy, splits)
     w1, b1, w2, b2 = [t.detach().clone().requires_grad_() for t in (m.fc1.weight, m.fc1.bias, m.fc2.weight,
@@ -369,9 +392,11 @@ def test_every_row_of_the_gradient_contract(device, kind, layout, row):
             assert torch.equal(p.grad.float(), ref)
 
 
-@pytest.mark.parametrize("kind", ["linear", "mlp"])
-def test_delayed_wgrads_across_microbatches_equal_immediate_ones(device, kind):
+@pytest.mark.parametrize("kind, x_form", [("linear", "rule"), ("mlp", "rule"), ("mlp", "columns")],
+                         ids=["linear", "mlp-rows", "mlp-columns"])
+def test_delayed_wgrads_across_microbatches_equal_immediate_ones(device, kind, x_form, monkeypatch):
     needs_fp8_gemm(device)
+    force_x_form(monkeypatch, x_form)
     delayed = contract_module(kind, device, delay_wgrad_compute=True)
     immediate = contract_module(kind, device)
     for seed in (1, 2):
@@ -384,20 +409,22 @@ def test_delayed_wgrads_across_microbatches_equal_immediate_ones(device, kind):
         assert torch.equal(p.grad, q.grad)
 
 
-@pytest.mark.parametrize("kind", ["linear", "mlp"])
-def test_per_expert_parameters_give_the_packed_results_bit_for_bit(device, kind):
+@pytest.mark.parametrize("kind, case, x_form", [("linear", "mixed", "rule")] + [("mlp", *c) for c in FORM_CASES],
+                         ids=["linear"] + [f"mlp-{i}" for i in FORM_IDS])
+def test_per_expert_parameters_give_the_packed_results_bit_for_bit(device, kind, case, x_form, monkeypatch):
     needs_fp8_gemm(device)
-    splits_list, T, H, F = CASES["mixed"]
+    force_x_form(monkeypatch, x_form)
+    splits_list, T, H, F = CASES[case]
     splits = make_splits(splits_list, device)
-    dtype = torch.bfloat16
+    dtype, G = torch.bfloat16, len(splits_list)
     if kind == "mlp":
-        packed = mlp(4, H, F, device, dtype, glu_layout="blocks:32", accumulate_into_main_grad=True)
-        per_expert = mlp(4, H, F, device, dtype, glu_layout="blocks:32", layout="per-expert",
+        packed = mlp(G, H, F, device, dtype, glu_layout="blocks:32", accumulate_into_main_grad=True)
+        per_expert = mlp(G, H, F, device, dtype, glu_layout="blocks:32", layout="per-expert",
                          accumulate_into_main_grad=True)
         x, p, dy = inputs(T, H, dtype, device, seed=6)
     else:
-        packed = linear(4, H, F, device, dtype, accumulate_into_main_grad=True)
-        per_expert = linear(4, H, F, device, dtype, layout="per-expert", accumulate_into_main_grad=True)
+        packed = linear(G, H, F, device, dtype, accumulate_into_main_grad=True)
+        per_expert = linear(G, H, F, device, dtype, layout="per-expert", accumulate_into_main_grad=True)
         x, p, dy = inputs(T, H, dtype, device, seed=6, out_features=F)
     per_expert.load_state_dict(packed.state_dict())
     results = []
@@ -517,37 +544,114 @@ def saved_by(fn):
     return saved
 
 
-def test_backward_keeps_fp8_tensors_only(device):
+def kept_x_shapes(form, T, G, H):
+    """(dtype, shape) of what the FP8 MLP keeps of x in ``form``."""
+    if form == "rows":
+        return [(E4M3, (T, H)), (torch.float32, ((H + 127) // 128, me.fp8_scales_pitch(T)))]
+    C = me.fp8_columns_capacity(T, G)
+    return [(E4M3, (H, C)), (torch.float32, (C // 128, H))]
+
+
+# (splits, T, what the rule keeps of x): experts of 50 tokens on average next to 128-token column
+# tiles (C = 768 > 2T), the boundary C = 2T (columns), many experts of 2 tokens (C = 4224 = 33 T).
+KEPT_CASES = [([37, 0, 1, 150], 200, "rows"), ([200, 100], 320, "columns"), (CASES["many_small"][0], 64, "rows")]
+
+
+@pytest.mark.parametrize("splits_list, T, form", KEPT_CASES, ids=["mixed", "boundary", "many_small"])
+def test_backward_keeps_fp8_tensors_only(device, splits_list, T, form):
+    """The MLP keeps the pre-activation's rows and x's columns, or x's rows where the columns would
+    be more than twice their bytes (C++ expert_mlp_fp8_keeps_x_rows), all FP8 with float32 scales."""
+    needs_fp8_gemm(device)
+    H, F = 128, 128
+    G, dtype = len(splits_list), torch.bfloat16
+    assert _C.expert_mlp_fp8_keeps_x_rows(T, G) == (form == "rows")
+    splits = make_splits(splits_list, device)
+    x, p, _ = inputs(T, H, dtype, device, seed=8)
+    m = mlp(G, H, F, device, dtype, glu_layout="blocks:32")
+    kept = saved_by(lambda: m(x, splits, p))
+    activations = [s for s in kept if s[0] != torch.int64]
+    assert sorted(activations, key=str) == sorted(kept_x_shapes(form, T, G, H) + [
+        (E4M3, (T, 2 * F)), (torch.float32, (2, me.fp8_scales_pitch(T))),  # the pre-activation's rows
+    ], key=str)  # x and probs are the caller's leaves: held by autograd anyway, not counted
+    # int64: splits and the routing's offsets [G + 1], and the columns' offsets [G + 1]
+    assert sorted(s for dt, s in kept if dt == torch.int64) == [(G,)] + [(G + 1,)] * (2 if form == "columns" else 1)
+    assert not any(dt == dtype for dt, _ in activations), "no 16-bit activation is kept"
+    frozen = mlp(G, H, F, device, dtype, glu_layout="blocks:32")
+    for q in frozen.fc1.weights():
+        q.requires_grad_(False)
+    kept = saved_by(lambda: frozen(x, splits, p))
+    assert (E4M3, (T, 2 * F)) in kept and (E4M3, (H, me.fp8_columns_capacity(T, G))) not in kept
+    assert kept.count((E4M3, (T, H))) == 0, "no FC1 wgrad: neither form of x"
+
+
+def test_linear_keeps_x_columns(device):
     needs_fp8_gemm(device)
     splits_list, T, H, F = CASES["mixed"]
     G, dtype = len(splits_list), torch.bfloat16
     splits = make_splits(splits_list, device)
     C = me.fp8_columns_capacity(T, G)
     x, p, _ = inputs(T, H, dtype, device, seed=8)
-    m = mlp(G, H, F, device, dtype, glu_layout="blocks:32")
-    activations = [s for s in saved_by(lambda: m(x, splits, p)) if s[0] != torch.int64]  # not splits, offsets
-    assert sorted(activations, key=str) == sorted([
-        (E4M3, (H, C)), (torch.float32, (C // 128, H)),  # x's columns
-        (E4M3, (T, 2 * F)), (torch.float32, (2, me.fp8_scales_pitch(T))),  # the pre-activation's rows
-    ], key=str)  # x and probs are the caller's leaves: held by autograd anyway, not counted
-    assert not any(dt == dtype for dt, _ in activations), "no 16-bit activation is kept"
     lin = linear(G, H, F, device, dtype)
     activations = [s for s in saved_by(lambda: lin(x, splits, p)) if s[0] != torch.int64]
     assert sorted(activations, key=str) == sorted([(E4M3, (H, C)), (torch.float32, (C // 128, H))], key=str)
     lin.fp8_recipe = me.Fp8Recipe(override_linear_precision=(False, False, True))  # wgrad reads x itself
     assert (dtype, (T, H)) in saved_by(lambda: lin(x * 1, splits, p))
-    frozen = mlp(G, H, F, device, dtype, glu_layout="blocks:32")
-    for q in frozen.fc1.weights():
-        q.requires_grad_(False)
-    kept = saved_by(lambda: frozen(x, splits, p))
-    assert (E4M3, (T, 2 * F)) in kept and (E4M3, (H, C)) not in kept, "no FC1 wgrad: no x columns"
 
 
-@pytest.mark.parametrize("kind", ["linear", "mlp"])
-def test_saved_tensors_survive_a_byte_copy_round_trip(device, kind):
+def test_many_small_experts_keep_x_rows(device, monkeypatch):
+    """G = 32 experts of 0 to 3 tokens: the module keeps x's rows (1/33 of the columns' bytes);
+    every result within the bound of the float64 MLP, and all but FC1's weight gradient (the one
+    that reads x's columns, here made from the rows) bit for bit those of a module that keeps the
+    columns; delayed wgrads equal immediate ones."""
+    needs_fp8_gemm(device)
+    splits_list, T, H, F = CASES["many_small"]
+    activation, glu_layout = GLU["many_small"]
+    G, dtype, rows = len(splits_list), torch.bfloat16, sum(splits_list)
+    assert fp8_impl.expert_mlp_fp8_keeps_x_rows(T, G) and _C.expert_mlp_fp8_keeps_x_rows(T, G)
+    splits = make_splits(splits_list, device)
+    x, p, dy = inputs(T, H, dtype, device, seed=15)
+
+    def make(**opt):
+        return mlp(G, H, F, device, dtype, activation=activation, glu_layout=glu_layout, **opt)
+
+    m = make()
+    kept = saved_by(lambda: m(x, splits, p))
+    assert (E4M3, (T, H)) in kept and (torch.float32, (1, me.fp8_scales_pitch(T))) in kept
+    assert not any(s == (H, me.fp8_columns_capacity(T, G)) for _, s in kept), "no x columns"
+    got = mlp_step(m, x, p, dy, splits)
+
+    ref_in = [t.detach().cpu().double().requires_grad_() for t in
+              (x, stacked(m.fc1.weights()), stacked(m.fc2.weights()), p, stacked(m.fc1.biases()),
+               stacked(m.fc2.biases()))]
+    ref_y = expert_mlp_ref(*ref_in[:3], splits_list, *ref_in[3:], glu_layout, activation)
+    ref_y.backward(dy.cpu().double())
+    want = [ref_y, ref_in[0].grad, ref_in[3].grad, ref_in[1].grad, ref_in[4].grad, ref_in[2].grad, ref_in[5].grad]
+    names = ["y", "dx", "dprobs", "dw1", "db1", "dw2", "db2"]
+    for name, a, b in zip(names, got, want):
+        if name in ("y", "dx", "dprobs"):
+            assert torch.all(a[rows:] == 0), f"{name}: rows past sum(splits)"
+            a, b = a[:rows], b[:rows]
+        assert_similar(a, b, MLP_BOUND, name)
+
+    delayed = make(delay_wgrad_compute=True)
+    assert all(torch.equal(a, b) for a, b in zip(mlp_step(delayed, x, p, dy, splits), got)), "delayed"
+
+    force_x_form(monkeypatch, "columns")
+    columns = mlp_step(make(), x, p, dy, splits)
+    for name, a, b in zip(names, got, columns):
+        if name == "dw1":
+            assert_similar(a, b, MLP_BOUND, "dw1 of the rows against dw1 of the columns")
+        else:
+            assert torch.equal(a, b), f"{name}: does not read x's columns"
+
+
+@pytest.mark.parametrize("kind, x_form", [("linear", "rule"), ("mlp", "columns"), ("mlp", "rows")],
+                         ids=["linear", "mlp-columns", "mlp-rows"])
+def test_saved_tensors_survive_a_byte_copy_round_trip(device, kind, x_form, monkeypatch):
     """What ActivationOffload does to a saved tensor (a copy of its bytes, back into a new tensor)
     changes no result: the FP8 data, the float32 scales and the int64 offsets come back exact."""
     needs_fp8_gemm(device)
+    force_x_form(monkeypatch, x_form)
     splits_list, T, H, F = CASES["off_tiles"]
     splits = make_splits(splits_list, device)
     dtype = torch.bfloat16
@@ -607,17 +711,20 @@ def test_modules_compute_the_routing_once_per_layer_per_step(device, kind, optio
         assert x.grad is not None
 
 
-@pytest.mark.parametrize("kind", ["linear", "mlp"])
-def test_compiled_module_step_is_bit_identical(device, kind):
+@pytest.mark.parametrize("kind, case, x_form", [("linear", "mixed", "rule")] + [("mlp", *c) for c in FORM_CASES],
+                         ids=["linear"] + [f"mlp-{i}" for i in FORM_IDS])
+def test_compiled_module_step_is_bit_identical(device, kind, case, x_form, monkeypatch):
+    """The fake implementations give the real ops' shapes, whichever form of x the MLP keeps."""
     needs_fp8_gemm(device)
-    splits_list, T, H, F = CASES["mixed"]
+    force_x_form(monkeypatch, x_form)
+    splits_list, T, H, F = CASES[case]
     splits = make_splits(splits_list, device)
-    dtype = CONTRACT_DTYPE[device.type]
+    dtype, G = CONTRACT_DTYPE[device.type], len(splits_list)
     if kind == "mlp":
-        make, step = (lambda: mlp(4, H, F, device, dtype, glu_layout="blocks:32")), mlp_step
+        make, step = (lambda: mlp(G, H, F, device, dtype, glu_layout="blocks:32")), mlp_step
         x, p, dy = inputs(T, H, dtype, device, seed=10)
     else:
-        make, step = (lambda: linear(4, H, F, device, dtype)), linear_step
+        make, step = (lambda: linear(G, H, F, device, dtype)), linear_step
         x, p, dy = inputs(T, H, dtype, device, seed=10, out_features=F)
     eager, module = make(), make()  # the same parameters (the same seed)
     traced = set()
@@ -656,20 +763,22 @@ def mlp_op_args(device):
     return T, H, F, s, x, w1, w2, b1, b2, p, glu
 
 
-def test_opcheck_of_the_fp8_mlp_ops():
+@pytest.mark.parametrize("x_form", ["columns", "rows"])
+def test_opcheck_of_the_fp8_mlp_ops(x_form):
     """The fake implementations against the real ops (test_schema compares inputs with
     torch.allclose, which has no float8 kernel; the forward's kept FP8 tensors hold unwritten
-    bytes past the routed tokens, so two runs are compared on the backward only)."""
+    bytes past the routed tokens, so two runs are compared on the backward only), with either form
+    of x kept: backward takes the one kept, the other None."""
     T, H, F, s, x, w1, w2, b1, b2, p, glu = mlp_op_args("cpu")
-    fwd = (x, p, w1.data, w1.scales, w2.data, w2.scales, [b1], [b2], s, glu, "forward", True, True, False, 0.0)
+    fwd = (x, p, w1.data, w1.scales, w2.data, w2.scales, [b1], [b2], s, glu, "forward", x_form, True, False, 0.0)
     torch.library.opcheck(ops.expert_mlp_fp8, fwd, test_utils=("test_faketensor", "test_autograd_registration"))
     torch.library.opcheck(ops.expert_mlp_fp8, (x, None, w1.data, w1.scales, w2.data, w2.scales, [], [], s, glu,
-                                               "none", False, False, True, 1e-3), test_utils=("test_faketensor",))
-    _, xd, xs, xo, hd, hs, routing = ops.expert_mlp_fp8(*fwd)
+                                               "none", "none", False, True, 1e-3), test_utils=("test_faketensor",))
+    _, *saved_x, hd, hs, routing = ops.expert_mlp_fp8(*fwd)
     dy = torch.randn(T, H, dtype=torch.bfloat16)
-    bwd = (dy, xd, xs, xo, hd, hs, p, w1.data, w1.scales, w1.data_t, w1.scales_t, w2.data, w2.scales, w2.data_t,
-           w2.scales_t, [b1], [b2], s, glu, "forward", False, 0.0, True, True, True, [torch.zeros(3, 2 * F, H)], "accumulate",
-           [torch.empty(3, H, F, dtype=torch.bfloat16)], "write", routing)
+    bwd = (dy, *fp8_impl.kept_x(x_form, saved_x), hd, hs, p, w1.data, w1.scales, w1.data_t, w1.scales_t, w2.data,
+           w2.scales, w2.data_t, w2.scales_t, [b1], [b2], s, glu, "forward", False, 0.0, True, True, True,
+           [torch.zeros(3, 2 * F, H)], "accumulate", [torch.empty(3, H, F, dtype=torch.bfloat16)], "write", routing)
     torch.library.opcheck(ops.expert_mlp_fp8_backward_, bwd,
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
     torch.library.opcheck(ops.quantize_fp8, (x, s, True, True, False, 0.0, routing), test_utils=("test_faketensor",))
@@ -679,29 +788,44 @@ def test_opcheck_of_the_fp8_mlp_ops():
                           test_utils=("test_faketensor",))
 
 
+SAVED_KEYS = {"columns": ("x_data", "x_scales", "x_offsets"), "rows": ("x_rows_data", "x_rows_scales"), "none": ()}
+SAVED_ORDER = ("x_data", "x_scales", "x_offsets", "x_rows_data", "x_rows_scales", "fc1_out_data", "fc1_out_scales")
+
+
 def test_fake_shapes_follow_the_cpp_functions():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     T, H, F, s, x, w1, w2, b1, b2, p, glu = mlp_op_args("cpu")
-    real = ops.expert_mlp_fp8(x, p, w1.data, w1.scales, w2.data, w2.scales, [b1], [b2], s, glu, "forward", True, True,
-                              False, 0.0)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = ops.expert_mlp_fp8(*[mode.from_tensor(t) for t in (x, p, w1.data, w1.scales, w2.data, w2.scales)],
-                                  [mode.from_tensor(b1)], [mode.from_tensor(b2)], mode.from_tensor(s), glu,
-                                  "forward", True, True, False, 0.0)
-    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
-    shapes = _C.expert_mlp_fp8_saved_shapes(T, 3, H, F)
-    assert [list(t.shape) for t in real[1:6]] == [shapes[k] for k in ("x_data", "x_scales", "x_offsets",
-                                                                      "fc1_out_data", "fc1_out_scales")]
-    for T in (1, 5, 300):
-        for G in (1, 3, 64):
+    for form in ("columns", "rows", "none"):
+        args = ("forward", form, True, False, 0.0)
+        real = ops.expert_mlp_fp8(x, p, w1.data, w1.scales, w2.data, w2.scales, [b1], [b2], s, glu, *args)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = ops.expert_mlp_fp8(*[mode.from_tensor(t) for t in (x, p, w1.data, w1.scales, w2.data, w2.scales)],
+                                      [mode.from_tensor(b1)], [mode.from_tensor(b2)], mode.from_tensor(s), glu, *args)
+        assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+        shapes = _C.expert_mlp_fp8_saved_shapes(T, 3, H, F)
+        kept = SAVED_KEYS[form] + ("fc1_out_data", "fc1_out_scales")
+        assert [list(t.shape) for t in real[1:8]] == [shapes[k] if k in kept else [0] for k in SAVED_ORDER]
+    with pytest.raises(ValueError, match=r"expert_mlp_fp8: save_x: expected one of none, columns, rows, got 'both'"):
+        ops.expert_mlp_fp8(x, p, w1.data, w1.scales, w2.data, w2.scales, [b1], [b2], s, glu, "forward", "both", True,
+                           False, 0.0)
+    for T in (1, 5, 64, 300):
+        for G in (1, 3, 32, 64):
             want = _C.expert_mlp_fp8_saved_shapes(T, G, 128, 192)
-            got = fp8_impl._mlp_saved_outputs(torch.empty(T, 128, device="meta"), torch.empty(G, device="meta"), 384,
-                                              True, True)
-            assert [list(t.shape) for t in got] == [want[k] for k in ("x_data", "x_scales", "x_offsets",
-                                                                      "fc1_out_data", "fc1_out_scales")]
+            for form in ("columns", "rows"):
+                got = fp8_impl._mlp_saved_outputs(torch.empty(T, 128, device="meta"), torch.empty(G, device="meta"),
+                                                  384, form, True)
+                kept = SAVED_KEYS[form] + ("fc1_out_data", "fc1_out_scales")
+                assert [list(t.shape) for t in got] == [want[k] if k in kept else [0] for k in SAVED_ORDER]
+    # the rule: C++'s, around C = 2T (not monotonic in T: C grows in steps of 128)
+    for G in (1, 2, 4, 32):
+        for T in list(range(0, 40)) + list(range(120, 140)) + list(range(250, 260)) + list(range(500, 520)) + [4096]:
+            assert fp8_impl.expert_mlp_fp8_keeps_x_rows(T, G) == _C.expert_mlp_fp8_keeps_x_rows(T, G), (T, G)
+    assert _C.expert_mlp_fp8_keeps_x_rows(127, 1) and not _C.expert_mlp_fp8_keeps_x_rows(128, 1)  # C = 256
     assert _C.expert_mlp_fp8_forward_workspace_size(300, 128, 192, "bfloat16") > 0
-    assert _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32") > 0
+    plain = _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32")
+    assert plain > 0 and _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", False) == plain
+    assert _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", x_rows=True) > plain
 
 
 # ---- errors ----
@@ -774,13 +898,15 @@ def test_bad_recipes_and_settings_are_clear_errors(device):
 GRAPH_ROUTINGS = [[64, 0, 1, 191], [0, 0, 0, 256], [1, 1, 1, 1], [100, 100, 40, 0], [0, 0, 0, 0]]
 
 
-@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("kind, x_form", [("linear", "rule"), ("mlp", "rule"), ("mlp", "columns")],
+                         ids=["linear", "mlp-rows", "mlp-columns"])
 @pytest.mark.parametrize("layout", ["packed", "per-expert"])
-def test_captured_module_step_replays_with_new_routings_and_weights(cuda, kind, layout):
+def test_captured_module_step_replays_with_new_routings_and_weights(cuda, kind, layout, x_form, monkeypatch):
     """Forward + backward with main_grad accumulation, captured once, replayed with new splits:
     bit-identical to eager steps. The weight quantization is captured too, so a replay after an
-    optimizer step reads the new weights."""
+    optimizer step reads the new weights. (T = 256 over 4 experts: the rule keeps x's rows.)"""
     needs_fp8_gemm(cuda)
+    force_x_form(monkeypatch, x_form)
     T, H, F = 256, 128, 128
     if kind == "mlp":
         m = mlp(4, H, F, cuda, torch.bfloat16, glu_layout="blocks:32", layout=layout, accumulate_into_main_grad=True)
@@ -849,10 +975,13 @@ def test_captured_module_step_replays_with_new_routings_and_weights(cuda, kind, 
     me.check_errors()
 
 
-def test_offload_of_fp8_layers_is_bit_identical(cuda):
+@pytest.mark.parametrize("x_form", ["rule", "rows"], ids=["columns", "rows"])
+def test_offload_of_fp8_layers_is_bit_identical(cuda, x_form, monkeypatch):
     """ActivationOffload moves what FP8 layers keep (E4M3 data, float32 scales) to the host and
-    back bit for bit; the cached quantized weights stay where they are."""
+    back bit for bit; the cached quantized weights stay where they are. (Experts of 300 and 600
+    tokens: the rule keeps x's columns.)"""
     needs_fp8_gemm(cuda)
+    force_x_form(monkeypatch, x_form)
     T, H, F, G = 1024, 256, 512, 4
     layers = [mlp(G, H, F, cuda, torch.bfloat16, seed=i, glu_layout="blocks:32", accumulate_into_main_grad=True)
               for i in range(4)]
@@ -882,20 +1011,23 @@ def test_offload_of_fp8_layers_is_bit_identical(cuda):
         got = step(offload)
         for i, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), f"result {i}"
-    C = me.fp8_columns_capacity(T, G)
-    per_layer = H * C + (C // 128) * H * 4 + T * 2 * F + (2 * F // 128) * me.fp8_scales_pitch(T) * 4
+    assert not _C.expert_mlp_fp8_keeps_x_rows(T, G)  # the rule keeps the columns here
+    per_layer = sum(math.prod(s) * (1 if dt == E4M3 else 4) for dt, s in kept_x_shapes(
+        "rows" if x_form == "rows" else "columns", T, G, H)) + T * 2 * F + (2 * F // 128) * me.fp8_scales_pitch(T) * 4
     # layers 0..2 go out (layer 3 is the last), layer 2 is still held when backward begins
     assert offload.offloaded_bytes == 3 * per_layer
     assert offload.reloaded_bytes == 2 * per_layer
     assert offload.saved_bytes == 0
 
 
+@pytest.mark.parametrize("x_form", ["columns", "rows"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_and_unfused_steps_give_the_same_bytes(device, bias):
+def test_fused_and_unfused_steps_give_the_same_bytes(device, bias, x_form, monkeypatch):
     """fusion="none" runs every step of the FP8 MLP as its own op; the default fuses the steps
     around the GLU on CUDA (the backward's when both weight gradients and no FC1 bias gradient are
-    asked for): the same results bit for bit, immediate and delayed."""
+    asked for): the same results bit for bit, immediate and delayed, either form of x kept."""
     needs_fp8_gemm(device)
+    force_x_form(monkeypatch, x_form)
     splits_list, T, H, F = CASES["off_tiles"]
     splits = make_splits(splits_list, device)
     x, p, dy = inputs(T, H, torch.bfloat16, device, seed=14)

@@ -58,6 +58,15 @@ def fp8_columns_capacity(num_tokens, num_groups):
     return _round_up(num_tokens + (FP8_BLOCK - 1) * num_groups, FP8_BLOCK)
 
 
+def expert_mlp_fp8_keeps_x_rows(num_tokens, num_groups):
+    """Whether the FP8 expert MLP's forward keeps x's rows ``[T, H]`` for the FC1 weight gradient
+    instead of its columns ``[H, C]``: where the columns would take more than twice the bytes,
+    ``fp8_columns_capacity(T, G) > 2 T`` (many experts of few tokens each; backward then makes the
+    columns from the rows). C++ ``moe::expert_mlp_fp8_keeps_x_rows``'s rule, in Python so that it
+    decides on the symbolic sizes of a trace too (T and G are static shapes)."""
+    return fp8_columns_capacity(num_tokens, num_groups) > 2 * num_tokens
+
+
 def _describe(t: Optional[Tensor]) -> str:
     if t is None:
         return "None"
@@ -465,10 +474,31 @@ def grouped_linear_fp8_wgrad(dy: Fp8Tensor, x: Fp8Tensor, splits: Tensor, out: O
 # ---- the FP8 expert MLP (moe_engine/expert_mlp_fp8.hpp) ----
 
 
-def _mlp_saved_outputs(x: Tensor, splits: Tensor, fc1_rows, save_x_columns: bool, save_fc1_out: bool):
+_SAVED_X_FORMS = ("none", "columns", "rows")
+
+
+def saved_x_form(need_fc1_wgrad: bool, num_tokens, num_groups) -> str:
+    """What the FP8 MLP's forward keeps of x: ``none`` (no FC1 weight gradient), else ``rows`` or
+    ``columns`` by ``expert_mlp_fp8_keeps_x_rows(T, G)``."""
+    if not need_fc1_wgrad:
+        return "none"
+    return "rows" if expert_mlp_fp8_keeps_x_rows(num_tokens, num_groups) else "columns"
+
+
+def kept_x(form: str, saved: Sequence[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    """The forward's five x tensors (columns data, scales, offsets, rows data, scales) with the
+    form not kept as None: what backward takes."""
+    keep = {"none": (False,) * 5, "columns": (True,) * 3 + (False,) * 2, "rows": (False,) * 3 + (True,) * 2}[form]
+    return tuple(t if k else None for t, k in zip(saved, keep))
+
+
+def _mlp_saved_outputs(x: Tensor, splits: Tensor, fc1_rows, save_x: str, save_fc1_out: bool):
     """What the FP8 MLP's forward keeps (C++ ``expert_mlp_fp8_saved_shapes``): x's columns (data
-    ``[H, C]``, scales ``[C/128, H]``, offsets ``[G+1]``) and h's rows (data ``[T, 2F]``, scales
-    ``[ceil(2F/128), S]``); those not kept are empty ``[0]`` tensors."""
+    ``[H, C]``, scales ``[C/128, H]``, offsets ``[G+1]``) when ``save_x`` is ``columns``, x's rows
+    (data ``[T, H]``, scales ``[ceil(H/128), S]``) when it is ``rows``, and h's rows (data
+    ``[T, 2F]``, scales ``[ceil(2F/128), S]``); those not kept are empty ``[0]`` tensors."""
+    if save_x not in _SAVED_X_FORMS:
+        raise ValueError(f"expert_mlp_fp8: save_x: expected one of {', '.join(_SAVED_X_FORMS)}, got {save_x!r}")
     T, H, G = _extent(x, 0), _extent(x, -1), _extent(splits, 0)
     dev = x.device
 
@@ -476,65 +506,75 @@ def _mlp_saved_outputs(x: Tensor, splits: Tensor, fc1_rows, save_x_columns: bool
         return torch.empty(shape if kept else (0,), dtype=dtype, device=dev)
 
     C = fp8_columns_capacity(T, G)
-    return (new(save_x_columns, (H, C), FP8_DTYPE), new(save_x_columns, (C // FP8_BLOCK, H), torch.float32),
-            new(save_x_columns, (G + 1,), torch.int64), new(save_fc1_out, (T, fc1_rows), FP8_DTYPE),
+    columns, rows = save_x == "columns", save_x == "rows"
+    return (new(columns, (H, C), FP8_DTYPE), new(columns, (C // FP8_BLOCK, H), torch.float32),
+            new(columns, (G + 1,), torch.int64), new(rows, (T, H), FP8_DTYPE),
+            new(rows, (_blocks(H), fp8_scales_pitch(T)), torch.float32), new(save_fc1_out, (T, fc1_rows), FP8_DTYPE),
             new(save_fc1_out, (_blocks(fc1_rows), fp8_scales_pitch(T)), torch.float32))
 
 
 @torch.library.custom_op("moe_engine::expert_mlp_fp8", mutates_args=())
 def _expert_mlp_fp8(x: Tensor, probs: Optional[Tensor], w1_data: Tensor, w1_scales: Tensor, w2_data: Tensor,
                     w2_scales: Tensor, b1: List[Tensor], b2: List[Tensor], splits: Tensor, glu: str, fusion: str,
-                    save_x_columns: bool, save_fc1_out: bool, pow2_scales: bool, amax_epsilon: float
-                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(y [T, H], x's columns data / scales / offsets, h's rows data / scales, routing): the expert
-    MLP with its six GEMMs in FP8 over quantized weights (forward reads ``data`` and ``scales``).
-    What is not kept (``save_x_columns``: for the FC1 weight gradient; ``save_fc1_out``: for any
-    backward) is empty ``[0]`` tensors. ``fusion``: ``none`` runs every step as its own op;
-    otherwise, on CUDA, the steps around the GLU run as one pass (the same bytes)."""
+                    save_x: str, save_fc1_out: bool, pow2_scales: bool, amax_epsilon: float
+                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(y [T, H], x's columns data / scales / offsets, x's rows data / scales, h's rows data /
+    scales, routing): the expert MLP with its six GEMMs in FP8 over quantized weights (forward
+    reads ``data`` and ``scales``). ``save_x`` (for the FC1 weight gradient): ``columns``, ``rows``
+    (``saved_x_form`` says which) or ``none``; ``save_fc1_out``: for any backward. What is not kept
+    is empty ``[0]`` tensors. ``fusion``: ``none`` runs every step as its own op; otherwise, on
+    CUDA, the steps around the GLU run as one pass (the same bytes)."""
     T, H = _rows_cols(x)
     F = _extent(w2_data, 2)
     y = torch.empty(T, H, dtype=x.dtype, device=x.device)
-    saved = _mlp_saved_outputs(x, splits, _extent(w1_data, 1), save_x_columns, save_fc1_out)
+    saved = _mlp_saved_outputs(x, splits, _extent(w1_data, 1), save_x, save_fc1_out)
     stream = stream_of(x)
     r = routing_of("expert_mlp_fp8_forward", "x", x, splits, stream)
     ws = _workspace(_C.expert_mlp_fp8_forward_workspace_size(T, H, F, dtype_name(x.dtype)), x.device)
-    xd, xs, xo, hd, hs = (t if keep else None for t, keep in zip(saved, (save_x_columns,) * 3 + (save_fc1_out,) * 2))
+    xd, xs, xo, xrd, xrs = kept_x(save_x, saved[:5])
+    hd, hs = saved[5:] if save_fc1_out else (None, None)
     _C.expert_mlp_fp8_forward(x, probs, w1_data, w1_scales, w2_data, w2_scales, grouped(b1, 1), grouped(b2, 1), r, y,
-                              xd, xs, xo, hd, hs, _glu_spec(glu), fusion, pow2_scales, amax_epsilon, ws, stream)
+                              xd, xs, xo, xrd, xrs, hd, hs, _glu_spec(glu), fusion, pow2_scales, amax_epsilon, ws,
+                              stream)
     return (y,) + saved + (routing_tensor(r),)
 
 
 @_expert_mlp_fp8.register_fake
-def _(x, probs, w1_data, w1_scales, w2_data, w2_scales, b1, b2, splits, glu, fusion, save_x_columns, save_fc1_out,
+def _(x, probs, w1_data, w1_scales, w2_data, w2_scales, b1, b2, splits, glu, fusion, save_x, save_fc1_out,
       pow2_scales, amax_epsilon):
-    saved = _mlp_saved_outputs(x, splits, _extent(w1_data, 1), save_x_columns, save_fc1_out)
+    saved = _mlp_saved_outputs(x, splits, _extent(w1_data, 1), save_x, save_fc1_out)
     return (x.new_empty(_rows_cols(x)),) + saved + (routing_like(splits),)
 
 
 @torch.library.custom_op("moe_engine::expert_mlp_fp8_backward_", mutates_args=("w1_grad", "w2_grad"))
 def _expert_mlp_fp8_backward_(
-    dy: Tensor, x_data: Optional[Tensor], x_scales: Optional[Tensor], x_offsets: Optional[Tensor], h_data: Tensor,
-    h_scales: Tensor, probs: Optional[Tensor], w1_data: Tensor, w1_scales: Tensor, w1_data_t: Tensor,
-    w1_scales_t: Tensor, w2_data: Tensor, w2_scales: Tensor, w2_data_t: Tensor, w2_scales_t: Tensor,
-    b1: List[Tensor], b2: List[Tensor], splits: Tensor, glu: str, fusion: str, pow2_scales: bool,
-    amax_epsilon: float, need_dx: bool, need_dprobs: bool, need_bias_grads: bool, w1_grad: List[Tensor], w1_mode: str,
-    w2_grad: List[Tensor], w2_mode: str, routing: Optional[Tensor] = None,
+    dy: Tensor, x_data: Optional[Tensor], x_scales: Optional[Tensor], x_offsets: Optional[Tensor],
+    x_rows_data: Optional[Tensor], x_rows_scales: Optional[Tensor], h_data: Tensor, h_scales: Tensor,
+    probs: Optional[Tensor], w1_data: Tensor, w1_scales: Tensor, w1_data_t: Tensor, w1_scales_t: Tensor,
+    w2_data: Tensor, w2_scales: Tensor, w2_data_t: Tensor, w2_scales_t: Tensor, b1: List[Tensor], b2: List[Tensor],
+    splits: Tensor, glu: str, fusion: str, pow2_scales: bool, amax_epsilon: float, need_dx: bool, need_dprobs: bool,
+    need_bias_grads: bool, w1_grad: List[Tensor], w1_mode: str, w2_grad: List[Tensor], w2_mode: str,
+    routing: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx [T, H], dprobs [T] float32, db1 [G, 2F], db2 [G, H]); those not asked for (or without
     their bias) are empty. The weight gradients go into w1_grad / w2_grad (empty lists: not
-    computed) per their modes; the FC1 weight gradient reads x's columns, which forward kept."""
+    computed) per their modes; the FC1 weight gradient reads what forward kept of x: its columns
+    (x_data, x_scales, x_offsets), or its rows (x_rows_data, x_rows_scales), from which backward
+    makes the columns; the other form None."""
     dx, dprobs, db1, db2 = _mlp_fp8_grad_outputs(dy, w1_data, b1, b2, splits, need_dx, need_dprobs, need_bias_grads)
     T, H = _rows_cols(dy)
     stream = stream_of(dy)
     r = routing_of("expert_mlp_fp8_backward", "dy", dy, splits, stream, routing)
+    x_from_rows = len(w1_grad) > 0 and x_data is None and x_rows_data is not None
     ws = _workspace(_C.expert_mlp_fp8_backward_workspace_size(T, _extent(splits, 0), H, _extent(w2_data, 2),
-                                                              dtype_name(dy.dtype)), dy.device)
-    _C.expert_mlp_fp8_backward(dy, x_data, x_scales, x_offsets, h_data, h_scales, probs, w1_data, w1_scales,
-                               w1_data_t, w1_scales_t, w2_data, w2_scales, w2_data_t, w2_scales_t, grouped(b1, 1),
-                               grouped(b2, 1), r, dx if need_dx else None, dprobs if need_dprobs else None,
-                               grouped(w1_grad, 2), w1_mode, grouped([db1] if db1.numel() else [], 1),
-                               grouped(w2_grad, 2), w2_mode, grouped([db2] if db2.numel() else [], 1),
-                               _glu_spec(glu), fusion, pow2_scales, amax_epsilon, ws, stream)
+                                                              dtype_name(dy.dtype), x_from_rows), dy.device)
+    _C.expert_mlp_fp8_backward(dy, x_data, x_scales, x_offsets, x_rows_data, x_rows_scales, h_data, h_scales, probs,
+                               w1_data, w1_scales, w1_data_t, w1_scales_t, w2_data, w2_scales, w2_data_t,
+                               w2_scales_t, grouped(b1, 1), grouped(b2, 1), r, dx if need_dx else None,
+                               dprobs if need_dprobs else None, grouped(w1_grad, 2), w1_mode,
+                               grouped([db1] if db1.numel() else [], 1), grouped(w2_grad, 2), w2_mode,
+                               grouped([db2] if db2.numel() else [], 1), _glu_spec(glu), fusion, pow2_scales,
+                               amax_epsilon, ws, stream)
     return dx, dprobs, db1, db2
 
 
@@ -550,9 +590,9 @@ def _mlp_fp8_grad_outputs(dy, w1_data, b1, b2, splits, need_dx, need_dprobs, nee
 
 
 @_expert_mlp_fp8_backward_.register_fake
-def _(dy, x_data, x_scales, x_offsets, h_data, h_scales, probs, w1_data, w1_scales, w1_data_t, w1_scales_t, w2_data,
-      w2_scales, w2_data_t, w2_scales_t, b1, b2, splits, glu, fusion, pow2_scales, amax_epsilon, need_dx, need_dprobs,
-      need_bias_grads, w1_grad, w1_mode, w2_grad, w2_mode, routing=None):
+def _(dy, x_data, x_scales, x_offsets, x_rows_data, x_rows_scales, h_data, h_scales, probs, w1_data, w1_scales,
+      w1_data_t, w1_scales_t, w2_data, w2_scales, w2_data_t, w2_scales_t, b1, b2, splits, glu, fusion, pow2_scales,
+      amax_epsilon, need_dx, need_dprobs, need_bias_grads, w1_grad, w1_mode, w2_grad, w2_mode, routing=None):
     return _mlp_fp8_grad_outputs(dy, w1_data, b1, b2, splits, need_dx, need_dprobs, need_bias_grads)
 
 
@@ -592,18 +632,18 @@ class _ExpertMlpFp8Function(torch.autograd.Function):
         need_w1 = any(t.requires_grad for t in m1)
         need_any = (x.requires_grad or (probs is not None and probs.requires_grad)
                     or any(t.requires_grad for t in rest))
-        y, xd, xs, xo, hd, hs, routing = _expert_mlp_fp8(
+        save_x = saved_x_form(need_w1, _extent(x, 0), _extent(splits, 0))
+        y, *saved_x, hd, hs, routing = _expert_mlp_fp8(
             x, probs, w1_8[0], w1_8[1], w2_8[0], w2_8[1], packed_bias(b1), packed_bias(b2), splits, glu, fusion,
-            need_w1, need_any, recipe.pow2_scales, recipe.amax_epsilon)
-        kept = (xd, xs, xo) if need_w1 else (None,) * 3
-        ctx.save_for_backward(*kept, hd if need_any else None, hs if need_any else None, probs, splits, routing,
-                              *tensors)
+            save_x, need_any, recipe.pow2_scales, recipe.amax_epsilon)
+        ctx.save_for_backward(*kept_x(save_x, saved_x), hd if need_any else None, hs if need_any else None, probs,
+                              splits, routing, *tensors)
         ctx.glu, ctx.fusion, ctx.recipe, ctx.counts = glu, fusion, recipe, counts
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        xd, xs, xo, hd, hs, probs, splits, routing, *tensors = ctx.saved_tensors
+        xd, xs, xo, xrd, xrs, hd, hs, probs, splits, routing, *tensors = ctx.saved_tensors
         nb1, nb2, nm1, _ = ctx.counts
         w1_8, w2_8, rest = tensors[:4], tensors[4:8], tensors[8:]
         b1, b2 = rest[:nb1], rest[nb1 : nb1 + nb2]
@@ -616,9 +656,9 @@ class _ExpertMlpFp8Function(torch.autograd.Function):
         g1 = new_expert_grads(m1) if want_m1 else []
         g2 = new_expert_grads(m2) if want_m2 else []
         dx, dprobs, db1, db2 = _expert_mlp_fp8_backward_(
-            dy.contiguous(), xd, xs, xo, hd, hs, probs, *w1_8, *w2_8, packed_bias(b1), packed_bias(b2), splits,
-            ctx.glu, ctx.fusion, ctx.recipe.pow2_scales, ctx.recipe.amax_epsilon, need_dx, need_dp, want_b, g1,
-            "write", g2, "write", routing)
+            dy.contiguous(), xd, xs, xo, xrd, xrs, hd, hs, probs, *w1_8, *w2_8, packed_bias(b1), packed_bias(b2),
+            splits, ctx.glu, ctx.fusion, ctx.recipe.pow2_scales, ctx.recipe.amax_epsilon, need_dx, need_dp, want_b,
+            g1, "write", g2, "write", routing)
         db1s = split_like(db1, b1, 1) if (b1 and want_b) else [None] * nb1
         db2s = split_like(db2, b2, 1) if (b2 and want_b) else [None] * nb2
         return (dx if need_dx else None, dprobs if need_dp else None, None, None, None, None, None, *(None,) * 8,
@@ -673,8 +713,10 @@ def expert_mlp_fp8(x: Tensor, fc1_weight: Union[Fp8Weight, Experts], fc2_weight:
       micro-batches), whose gradient goes to ``fc1_master_weight`` / ``fc2_master_weight`` when
       given (and nowhere otherwise).
 
-    Forward keeps only FP8 for backward: x's columns (when the FC1 weight gets a gradient) and the
-    pre-activation's rows. ``recipe``: ``Fp8Recipe`` (default: plain scales); overrides are refused.
+    Forward keeps only FP8 for backward: the pre-activation's rows, and (when the FC1 weight gets a
+    gradient) x's columns, or x's rows where ``expert_mlp_fp8_keeps_x_rows(T, G)`` (the columns
+    would be more than twice their bytes: many experts of few tokens; backward makes the columns).
+    ``recipe``: ``Fp8Recipe`` (default: plain scales); overrides are refused.
     ``fusion``: ``none`` runs every step as its own op; ``forward`` / ``all`` fuse the steps around
     the GLU on CUDA (the same bytes).
     """

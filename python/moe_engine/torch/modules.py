@@ -462,9 +462,10 @@ class _GroupedMLPFunction(torch.autograd.Function):
 
 
 class _GroupedMLPFp8Function(torch.autograd.Function):
-    """GroupedMLP with its six GEMMs in FP8 (``fp8._expert_mlp_fp8``): forward keeps x's columns
-    (for FC1's weight gradient) and the pre-activation's rows, both FP8; the contract is the bf16
-    module's."""
+    """GroupedMLP with its six GEMMs in FP8 (``fp8._expert_mlp_fp8``): forward keeps the
+    pre-activation's rows and, for FC1's weight gradient, x's columns, or x's rows where
+    ``fp8.expert_mlp_fp8_keeps_x_rows(T, G)`` (many experts of few tokens), all FP8; the contract
+    is the bf16 module's."""
 
     @staticmethod
     def forward(ctx, module: "GroupedMLP", x, splits, probs, *tensors):
@@ -474,19 +475,19 @@ class _GroupedMLPFp8Function(torch.autograd.Function):
         need_w1 = any(w.requires_grad for w in w1)
         need_act = x.requires_grad or (probs is not None and probs.requires_grad) or any(
             p.requires_grad for p in params)
-        y, xd, xs, xo, hd, hs, routing = fp8._expert_mlp_fp8(
+        save_x = fp8.saved_x_form(need_w1, x.shape[0], splits.shape[0])
+        y, *saved_x, hd, hs, routing = fp8._expert_mlp_fp8(
             x, probs, w8[0], w8[1], w8[4], w8[5], packed_bias(b1), packed_bias(b2), splits, module._glu_text,
-            module.fusion, need_w1, need_act, recipe.pow2_scales, recipe.amax_epsilon)
-        kept_x = (xd, xs, xo) if need_w1 else (None,) * 3
+            module.fusion, save_x, need_act, recipe.pow2_scales, recipe.amax_epsilon)
         kept_h = (hd, hs) if need_act else (None,) * 2
-        ctx.save_for_backward(*kept_x, *kept_h, splits, probs, routing, *w8, *params)
+        ctx.save_for_backward(*fp8.kept_x(save_x, saved_x), *kept_h, splits, probs, routing, *w8, *params)
         ctx.module, ctx.recipe = module, recipe
         return y
 
     @staticmethod
     def backward(ctx, dy):
         m: GroupedMLP = ctx.module
-        xd, xs, xo, hd, hs, splits, probs, routing, *rest = ctx.saved_tensors
+        xd, xs, xo, xrd, xrs, hd, hs, splits, probs, routing, *rest = ctx.saved_tensors
         w8, params = rest[:8], rest[8:]
         w1, b1, w2, b2 = m._split_params(params)
         need = ctx.needs_input_grad  # inputs: module, x, splits, probs, the 8 FP8 weight tensors, params
@@ -499,8 +500,8 @@ class _GroupedMLPFp8Function(torch.autograd.Function):
         pb1, pb2 = packed_bias(b1), packed_bias(b2)
 
         def run(g1, mode1, g2, mode2, dx=need_dx, dp=need_dprobs, bias=need_bias):
-            return fp8._expert_mlp_fp8_backward_(dy, xd, xs, xo, hd, hs, probs, *w8, pb1, pb2, splits, glu, fusion,
-                                                 pow2, eps, dx, dp, bias, g1, mode1, g2, mode2, routing)
+            return fp8._expert_mlp_fp8_backward_(dy, xd, xs, xo, xrd, xrs, hd, hs, probs, *w8, pb1, pb2, splits, glu,
+                                                 fusion, pow2, eps, dx, dp, bias, g1, mode1, g2, mode2, routing)
 
         dw1, dw2, (dx, dprobs, db1, db2) = _mlp_weight_grads(m, need_w1, need_w2, len(w1), len(w2), run)
         db1s = ops.split_like(db1, b1, 1) if (b1 and need_bias) else [None] * len(b1)
@@ -555,7 +556,8 @@ class GroupedMLP(nn.Module):
     Hopper the FC1 epilogue fuses the GLU for ``pairs`` and ``blocks:s`` (``fusion``).
     ``recompute_fc1`` keeps only x for backward instead of the ``[T, 2F]`` pre-activation.
     ``fp8_recipe``: an ``Fp8Recipe`` to run all six GEMMs in FP8 (no override may be set; backward
-    keeps x's columns and the pre-activation's rows in FP8; ``fusion`` other than ``none`` fuses the
+    keeps the pre-activation's rows and x's columns in FP8, x's rows instead of its columns where
+    those would be more than twice the bytes; ``fusion`` other than ``none`` fuses the
     steps around the GLU on CUDA; no ``recompute_fc1``).
     """
 
