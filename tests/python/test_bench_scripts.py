@@ -5,7 +5,8 @@
 - the offload benchmark (bench/drivers/offload-bench.py --device cpu: an emulated offload) and the
   module benchmark (bench/drivers/torch-module-bench.py --device cpu, no C++ column) on a tiny
   workloads file, bf16 alone (the keys of the committed results) and with the FP8 modules
-  (--precision both).
+  (--precision both);
+- the FP8 MLP report (bench/report/fp8-mlp-report.py) on inputs rebuilt from its committed H200 result.
 What needs the GPU is the device runs (scripts/gpu bench-fp8, scripts/gpu python)."""
 
 import copy
@@ -243,3 +244,40 @@ def test_module_bench_fp8(tmp_path):
     again = subprocess.run([sys.executable, MODULE, "--md", str(tmp_path / "module.json")], capture_output=True,
                            text=True, timeout=120)
     assert again.returncode == 0 and again.stdout == md
+
+
+FP8_MLP_REPORT = os.path.join(ROOT, "bench", "report", "fp8-mlp-report.py")
+FP8_MLP_RESULT = os.path.join(ROOT, "bench", "results", "2026-11-25-fp8-mlp-h200.json")
+
+
+def test_fp8_mlp_report_reproduces_the_committed_result(tmp_path):
+    """bench/report/fp8-mlp-report.py on per-case `bench mlp --dtype fp8 --vs-bf16 --json` files and
+    an anchor rebuilt from the committed H200 result: the same acceptance keys, the ratios over the
+    compute-bound cases only (the small batch reported, not counted)."""
+    committed = json.load(open(FP8_MLP_RESULT))
+    anchor = {"device": committed["device"], "torch": committed["torch"], "cases": []}
+    paths = []
+    for i, e in enumerate(reversed(committed["cases"])):  # any order in: the anchor's order out
+        anchor["cases"].append({"case": e["case"], "mlp_eager_ms": e["torch_eager_ms"]})
+        phases = lambda prefix: {p: {"median": e[f"{prefix}_{k}ms"], "min": e[f"{prefix}_{k}ms"]}
+                                 for p, k in (("forward", "forward_"), ("backward", "backward_"), ("total", ""))}
+        r = {"case": {"name": e["case"]}, "glu": e["glu"], "flops": e["flops"], "command": e["command"],
+             "fusion_requested": e["fusion_requested"], "time_ms": phases("fp8"), "bf16_time_ms": phases("bf16"),
+             "saved_bytes_per_token": e["saved_bytes_per_token"],
+             "bf16_saved_bytes_per_token": e["bf16_saved_bytes_per_token"],
+             "saved_bytes_ratio_fp8_vs_bf16": e["saved_bytes_ratio_fp8_vs_bf16"]}
+        paths.append(str(tmp_path / f"case{i}.json"))
+        json.dump(r, open(paths[-1], "w"))
+    anchor["cases"].reverse()
+    json.dump(anchor, open(tmp_path / "anchor.json", "w"))
+    prefix = str(tmp_path / "out")
+    subprocess.run([sys.executable, FP8_MLP_REPORT, prefix, str(tmp_path / "anchor.json"), *paths], check=True,
+                   capture_output=True)
+    got = json.load(open(prefix + ".json"))
+    for key in ("device", "geomean_time_ratio_fp8_vs_bf16", "max_time_ratio_fp8_vs_bf16",
+                "geomean_speedup_vs_torch_eager", "saved_bytes_ratio_fp8_vs_bf16", "cases_in_ratios"):
+        want = pytest.approx(committed[key]) if isinstance(committed[key], float) else committed[key]
+        assert got[key] == want, key
+    assert [c["case"] for c in got["cases"]] == [c["case"] for c in committed["cases"]]
+    assert not any("small-batch" in c for c in got["cases_in_ratios"])
+    assert "FP8 / bf16 time: geomean" in open(prefix + ".md").read()
