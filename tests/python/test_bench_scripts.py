@@ -281,3 +281,42 @@ def test_fp8_mlp_report_reproduces_the_committed_result(tmp_path):
     assert [c["case"] for c in got["cases"]] == [c["case"] for c in committed["cases"]]
     assert not any("small-batch" in c for c in got["cases_in_ratios"])
     assert "FP8 / bf16 time: geomean" in open(prefix + ".md").read()
+
+
+STEP = os.path.join(ROOT, "bench", "drivers", "step-bench.py")
+STEP_TOP = ("device", "command", "torch_version", "geomean_speedup_vs_anchor_main_grad",
+            "min_speedup_vs_anchor_main_grad", "max_peak_memory_ratio_vs_anchor", "correctness_check", "entries")
+STEP_KEYS = ("case", "mode", "mode_name", "ms", "step_ms", "tflops", "peak_bytes", "peak_bytes_above_baseline",
+             "anchor_ms", "anchor_peak_bytes", "anchor_peak_bytes_above_baseline", "speedup_vs_anchor",
+             "peak_memory_ratio_vs_anchor", "peak_above_baseline_ratio_vs_anchor")
+
+
+def test_step_bench(tmp_path):
+    """bench/drivers/step-bench.py on the CPU backend: both tiny cases (swiglu; clamped_qgeglu with
+    biases) x the three modes, its correctness check against the anchor passing first."""
+    import math
+    torch_or_skip()
+    r, md, out = run_driver(tmp_path, STEP, ["--iters", "2", "--warmup", "1"], "step")
+    for key in STEP_TOP:
+        assert key in r, key
+    assert r["micro_batches"] == 2 and list(r["modes"]) == ["a", "b", "c"]
+    assert [(e["case"], e["mode"]) for e in r["entries"]] == [(c["name"], m) for c in TINY["cases"] for m in "abc"]
+    for e in r["entries"]:
+        for key in STEP_KEYS:
+            assert key in e, key
+        assert math.isfinite(e["speedup_vs_anchor"]) and e["speedup_vs_anchor"] > 0
+        assert e["speedup_vs_anchor"] == pytest.approx(e["anchor_ms"] / e["ms"])
+        assert e["ms"] == pytest.approx(e["step_ms"] / 2)
+        assert e["peak_bytes"] is None and e["peak_memory_ratio_vs_anchor"] is None  # no memory numbers on the CPU
+    b = [e["speedup_vs_anchor"] for e in r["entries"] if e["mode"] == "b"]
+    assert r["geomean_speedup_vs_anchor_main_grad"] == pytest.approx(math.sqrt(b[0] * b[1]))
+    assert r["min_speedup_vs_anchor_main_grad"] == pytest.approx(min(b))
+    assert r["max_peak_memory_ratio_vs_anchor"] is None
+    check = r["correctness_check"]
+    assert check["case"] == "tiny/balanced" and set(check["relative_errors"]) == {e["mode_name"] for e in r["entries"]}
+    assert all(0 <= err <= check["tolerance"] for errs in check["relative_errors"].values() for err in errs.values())
+    assert "correctness on tiny/balanced" in out and "| tiny-small-batch/heavy | (c) main_grad_delayed_wgrad |" in md
+    # --md rewrites the same Markdown from the JSON
+    again = subprocess.run([sys.executable, STEP, "--md", str(tmp_path / "step.json")], capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout == md
