@@ -2,7 +2,9 @@
 through a real backward with Megatron-DDP-style hooks, delayed wgrad, FSDP main_grad, state_dict
 round trips across layouts (and GLU layouts), torch.compile of a module forward."""
 
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -108,7 +110,7 @@ def test_every_row_of_the_gradient_contract(device, kind, layout, row):
             assert got is not None and torch.equal(got.float(), ref)
         elif row["handed_back"] == "none":
             assert got is None  # nothing handed back: no grad += behind our back
-        else:  # the shared dummy
+        else:  # the dummy
             assert got is not None and got.shape == p.shape
             if row["zero_dummy"]:
                 assert torch.all(got == 0)
@@ -130,6 +132,34 @@ def test_every_row_of_the_gradient_contract(device, kind, layout, row):
             assert_close(p.main_grad - base, ref, DTYPE[device.type], f"main_grad {row['name']}")
         elif delayed:
             assert torch.equal(p.grad.float(), ref)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_the_main_grad_dummy_is_adopted_as_grad_without_a_copy(device, kind):
+    """With grad_added_to_main_grad, what backward hands back becomes .grad as is (autograd copies
+    a gradient that something else still references), and nothing keeps it once Megatron's hook
+    has dropped .grad: no weight-sized copy kernel, no resident dummy."""
+    m = build(kind, device, accumulate_into_main_grad=True)
+    weights = weight_params(m)
+    handed, adopted = {}, {}
+    for p in m.parameters():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        p.grad_added_to_main_grad = False
+    for p in weights:
+        p.register_hook(lambda g, p=p: handed.__setitem__(id(p), (g.data_ptr(), weakref.ref(g))))
+
+        def drop(p):
+            adopted[id(p)] = p.grad.data_ptr()
+            p.grad = None
+
+        p.register_post_accumulate_grad_hook(drop)
+    for step in range(2):
+        run(m, device, seed=step)
+        gc.collect()
+        for p in weights:
+            ptr, ref = handed[id(p)]
+            assert adopted[id(p)] == ptr, "autograd copied the dummy into .grad"
+            assert ref() is None, "the module keeps the dummy alive"
 
 
 def test_fsdp_parameters_get_their_main_grad_from_get_main_grad(device):

@@ -7,12 +7,15 @@ after ``backward_dw``) and what backward hands back to autograd for it:
 | plain                                           | the wgrad                                     |
 | delayed wgrad                                   | None (``backward_dw`` computes it)            |
 | main_grad, param without grad_added_to_main_grad| None                                          |
-| main_grad, param with grad_added_to_main_grad   | shared dummy (zeroed if zero_out_wgrad), flag set |
+| main_grad, param with grad_added_to_main_grad   | dummy (zeros if zero_out_wgrad), flag set     |
 | delayed + main_grad, without the flag           | None                                          |
-| delayed + main_grad, with the flag              | shared dummy; flag set when backward_dw runs  |
+| delayed + main_grad, with the flag              | dummy; flag set when backward_dw runs         |
 
 Returning None keeps autograd from doing ``grad += wgrad`` behind us; the dummy exists because
-data-parallel hooks need a gradient object to fire. The decision is the C++ library's
+data-parallel hooks need a gradient object to fire. Each backward hands back a new dummy that
+nothing else references: autograd's gradient accumulator then adopts it as ``.grad`` as is, where
+a cached dummy is copied into a new ``.grad`` every time (a weight-sized allocation plus a copy
+kernel, on top of the resident cache); Megatron's hook drops it right away. The decision is the C++ library's
 (``moe::grad_outcome``, through ``_C.grad_outcome``), which the C++ modules apply too; this file
 applies it to torch parameters, whose attributes (``main_grad``, ``get_main_grad``,
 ``overwrite_main_grad``, ...) live in Python.
@@ -21,7 +24,7 @@ applies it to torch parameters, whose attributes (``main_grad``, ``get_main_grad
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -65,7 +68,6 @@ class WeightGradContract:
         self.into_main_grad = accumulate_into_main_grad
         self.overwrite = overwrite_main_grad
         self.zero_out = zero_out_wgrad
-        self._dummies: Dict[Tuple, Tensor] = {}
 
     def _outcomes(self, params: Sequence[Tensor], delayed: bool) -> list:
         """The decision for each parameter: the module's options with the parameter's attributes."""
@@ -73,14 +75,10 @@ class WeightGradContract:
                               self.zero_out or bool(getattr(p, "zero_out_wgrad", False)), delayed, hasattr(p, _FLAG))
                 for p in params]
 
-    def _dummy(self, p: Tensor, zero: bool) -> Tensor:
-        key = (tuple(p.shape), p.dtype, p.device)
-        d = self._dummies.get(key)
-        if d is None:
-            d = self._dummies[key] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-        if zero:
-            d.zero_()
-        return d
+    @staticmethod
+    def _dummy(p: Tensor, zero: bool) -> Tensor:
+        make = torch.zeros if zero else torch.empty
+        return make(p.shape, dtype=p.dtype, device=p.device)
 
     def _handed_back(self, params, outcomes, targets) -> List[Optional[Tensor]]:
         out: List[Optional[Tensor]] = []
