@@ -7,15 +7,16 @@ after ``backward_dw``) and what backward hands back to autograd for it:
 | plain                                           | the wgrad                                     |
 | delayed wgrad                                   | None (``backward_dw`` computes it)            |
 | main_grad, param without grad_added_to_main_grad| None                                          |
-| main_grad, param with grad_added_to_main_grad   | dummy (zeros if zero_out_wgrad), flag set     |
+| main_grad, param with grad_added_to_main_grad   | empty sparse zero dummy, flag set             |
 | delayed + main_grad, without the flag           | None                                          |
 | delayed + main_grad, with the flag              | dummy; flag set when backward_dw runs         |
 
 Returning None keeps autograd from doing ``grad += wgrad`` behind us; the dummy exists because
-data-parallel hooks need a gradient object to fire. Each backward hands back a new dummy that
-nothing else references: autograd's gradient accumulator then adopts it as ``.grad`` as is, where
-a cached dummy is copied into a new ``.grad`` every time (a weight-sized allocation plus a copy
-kernel, on top of the resident cache); Megatron's hook drops it right away. The decision is the C++ library's
+data-parallel hooks need a gradient object to fire. The dummy is an all-zero sparse tensor of the
+weight's shape with no entries (so ``zero_out_wgrad`` holds by construction): autograd adopts it as
+``.grad`` without a copy, and it takes no memory. A dense dummy costs a weight-sized ``.grad``
+every backward (plus a copy kernel when it is cached, as autograd copies a gradient that something
+else references) until Megatron's hook drops it. The decision is the C++ library's
 (``moe::grad_outcome``, through ``_C.grad_outcome``), which the C++ modules apply too; this file
 applies it to torch parameters, whose attributes (``main_grad``, ``get_main_grad``,
 ``overwrite_main_grad``, ...) live in Python.
@@ -76,9 +77,12 @@ class WeightGradContract:
                 for p in params]
 
     @staticmethod
-    def _dummy(p: Tensor, zero: bool) -> Tensor:
-        make = torch.zeros if zero else torch.empty
-        return make(p.shape, dtype=p.dtype, device=p.device)
+    def _dummy(p: Tensor) -> Tensor:
+        """An all-zero sparse gradient of p's shape (no entries): it fires the hooks and, adopted
+        as ``.grad``, holds no weight-sized memory; adding it to a dense gradient adds nothing."""
+        indices = torch.empty((p.dim(), 0), dtype=torch.long, device=p.device)
+        values = torch.empty((0,), dtype=p.dtype, device=p.device)
+        return torch.sparse_coo_tensor(indices, values, p.shape, check_invariants=False, is_coalesced=True)
 
     def _handed_back(self, params, outcomes, targets) -> List[Optional[Tensor]]:
         out: List[Optional[Tensor]] = []
@@ -86,7 +90,7 @@ class WeightGradContract:
             if o.handed_back == "grad":
                 out.append(targets[i])
             elif o.handed_back == "dummy":
-                out.append(self._dummy(p, o.zero_dummy))
+                out.append(self._dummy(p))
             else:
                 out.append(None)
         return out
