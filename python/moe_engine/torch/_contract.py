@@ -80,9 +80,7 @@ class WeightGradContract:
     def _dummy(p: Tensor) -> Tensor:
         """An all-zero sparse gradient of p's shape (no entries): it fires the hooks and, adopted
         as ``.grad``, holds no weight-sized memory; adding it to a dense gradient adds nothing."""
-        indices = torch.empty((p.dim(), 0), dtype=torch.long, device=p.device)
-        values = torch.empty((0,), dtype=p.dtype, device=p.device)
-        return torch.sparse_coo_tensor(indices, values, p.shape, check_invariants=False, is_coalesced=True)
+        return torch.zeros(p.shape, dtype=p.dtype, device=p.device, layout=torch.sparse_coo)
 
     def _handed_back(self, params, outcomes, targets) -> List[Optional[Tensor]]:
         out: List[Optional[Tensor]] = []
