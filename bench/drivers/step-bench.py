@@ -21,10 +21,13 @@ What is timed: a step of --micro-batches k micro-batches (default 2) back to bac
 backward (+ backward_dw), on the case's inputs. Gradient buffers (.grad, main_grad) exist before
 timing and are never zeroed or freed, so every micro-batch takes the accumulate path of a training
 loop; x.grad and probs.grad (what would flow to the router and the layer below) are dropped before
-each micro-batch. ms is the median over --iters steps of the step time / k: one micro-batch; TFLOP/s
-counts its six GEMMs (18 T H F). On CUDA each step is timed with CUDA events; the GPU is settled
-first (settle.py) and the variants (anchor and modes) alternate step by step, so clock drift falls
-on all of them alike.
+each micro-batch. A timed sample is --block steps (default 2) of one variant back to back, as a
+training loop runs them: the host enqueues ahead of the GPU (a sample that starts on an empty
+queue would count the host's enqueue time of its first kernels). ms is the median over --iters
+samples of the sample time / (block x k): one micro-batch; TFLOP/s counts its six GEMMs
+(18 T H F). On CUDA samples are timed with CUDA events; the GPU is settled first (settle.py) and
+the variants (anchor and modes) alternate sample by sample, so clock drift falls on all of them
+alike.
 
 Peak memory, on CUDA, measured for each variant alone (nothing else of this script allocated):
   peak_bytes                 the variant's whole footprint at the step's peak: parameters,
@@ -48,7 +51,7 @@ file). Where torch._grouped_mm has no working backward on the CPU, the anchor ru
 per-expert loop of matmuls there (the JSON's anchor_fc says which ran); on CUDA it always uses
 torch._grouped_mm.
 
-Usage: step-bench.py [--cases SUBSTR] [--modes a,b,c] [--iters 20] [--micro-batches 2]
+Usage: step-bench.py [--cases SUBSTR] [--modes a,b,c] [--iters 20] [--block 2] [--micro-batches 2]
                      [--workloads PATH] [--device cuda|cpu] [--out PREFIX.json]
        step-bench.py --md RESULTS.json    (rewrites the Markdown of a result)
 --out PREFIX.json also writes PREFIX.md and, where matplotlib imports, PREFIX.png.
@@ -270,8 +273,10 @@ def measure_memory(build, case, device, micro_batches):
     return {"peak_bytes": peak - before_variant, "peak_bytes_above_baseline": peak - step_start}
 
 
-def time_steps(variants, inputs, iters, warmup, micro_batches, device):
-    """Median step time (ms) per variant, the variants alternating step by step."""
+def time_steps(variants, inputs, iters, warmup, micro_batches, device, block=1):
+    """Median step time (ms) per variant, the variants alternating sample by sample; a sample is
+    `block` back-to-back steps of one variant (a training loop's consecutive steps: the host
+    enqueues ahead of the GPU, as it cannot when each sample starts on an empty queue)."""
     cuda = device.type == "cuda"
     for _ in range(warmup):
         for v in variants:
@@ -282,19 +287,21 @@ def time_steps(variants, inputs, iters, warmup, micro_batches, device):
             if cuda:
                 start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                v.step(inputs, micro_batches)
+                for _ in range(block):
+                    v.step(inputs, micro_batches)
                 stop.record()
                 times[v.name].append((start, stop))
             else:
                 t0 = time.perf_counter()
-                v.step(inputs, micro_batches)
+                for _ in range(block):
+                    v.step(inputs, micro_batches)
                 times[v.name].append((time.perf_counter() - t0) * 1e3)
     if cuda:
         torch.cuda.synchronize()
     me.check_errors()
     out = {}
     for name, ts in times.items():
-        ms = sorted(a.elapsed_time(b) for a, b in ts) if cuda else sorted(ts)
+        ms = sorted(a.elapsed_time(b) / block for a, b in ts) if cuda else sorted(t / block for t in ts)
         out[name] = ms[len(ms) // 2]
     return out
 
@@ -329,7 +336,7 @@ def run_case(case, layout, modes, a, device, use_grouped_mm):
     anchor = builders["anchor"]()
     weights = {k: p.detach() for k, p in mlp_parameters(anchor.module).items()}
     variants = [anchor] + [build_ours(mode, case, layout, device, weights) for mode in modes]
-    step_ms = time_steps(variants, make_inputs(case, device), a.iters, a.warmup, a.micro_batches, device)
+    step_ms = time_steps(variants, make_inputs(case, device), a.iters, a.warmup, a.micro_batches, device, a.block)
     del anchor, weights, variants
     gc.collect()
     if cuda:
@@ -385,6 +392,7 @@ def main():
                     help="a: .grad, b: Megatron main_grad, c: b + delayed wgrad (default a,b,c)")
     ap.add_argument("--iters", type=int, default=20, help="timed steps per variant (median)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
+    ap.add_argument("--block", type=int, default=2, help="back-to-back steps per timed sample (step ms = its time / block)")
     ap.add_argument("--micro-batches", type=int, default=2,
                     help="micro-batches per timed step, gradients accumulating (ms is per micro-batch)")
     ap.add_argument("--glu-layout", default="", help="default: pairs for gpt-oss, else blocks:32")
@@ -393,8 +401,8 @@ def main():
                     help="cpu: the CPU backend, host clock, no memory numbers (a smoke test)")
     ap.add_argument("--out", default="", help="PREFIX.json: also PREFIX.md and PREFIX.png")
     a = ap.parse_args()
-    if a.iters < 1 or a.micro_batches < 1 or a.warmup < 0:
-        ap.error("--iters and --micro-batches must be at least 1, --warmup at least 0")
+    if a.iters < 1 or a.micro_batches < 1 or a.block < 1 or a.warmup < 0:
+        ap.error("--iters, --block and --micro-batches must be at least 1, --warmup at least 0")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("step-bench.py: no CUDA device here (--device cpu runs the smoke test)")
     device = torch.device(a.device)
@@ -433,8 +441,8 @@ def main():
         "anchor": "torchtitan-style eager MLP (bench/drivers/torchtitan_mlp.py), .grad accumulation",
         "anchor_fc": anchor_fc,
         "iters": a.iters, "warmup": a.warmup, "micro_batches": a.micro_batches,
-        "timing": f"median over {a.iters} steps of {a.micro_batches} micro-batches (forward + backward [+ backward_dw]), "
-                  "variants alternated step by step; ms = step time / micro-batches"
+        "timing": f"median over {a.iters} samples of {a.block} back-to-back steps of {a.micro_batches} micro-batches "
+                  "(forward + backward [+ backward_dw]), variants alternated sample by sample; ms = step time / micro-batches"
                   + ("; CUDA events, GPU settled first" if device.type == "cuda" else "; host clock"),
         "memory": MEMORY_DEFINITIONS if device.type == "cuda" else "not measured on the CPU",
         "correctness_check": {"case": first["name"], "tolerance": CHECK_TOLERANCE,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The PyTorch module against the C++ benchmark, same run, same GPU: for every case of
 bench/workloads.json, GroupedMLP forward+backward (autograd, plain gradients: wgrad written, as
-`moe-engine bench mlp` does) timed with CUDA events per iteration (median), next to the C++ time
+`moe-engine bench mlp` does) timed with CUDA events over blocks of back-to-back steps (median), next to the C++ time
 of `moe-engine bench mlp` for the same case and options, and (with --anchor) the PyTorch-eager MLP
 of the anchor script (torch_anchor.py) from the same run. scripts/gpu python runs it.
 
@@ -16,7 +16,7 @@ Without --cli the C++ column is left out (cpp_ms and module_over_cpp are null). 
 the modules on the CPU backend, timed with the host clock and without memory numbers: a smoke test
 of the script (tests/python/test_bench_scripts.py, with a tiny --workloads file).
 
-Usage: torch-module-bench.py --cli build-gpu/tools/moe-engine [--cases SUBSTR] [--iters 20]
+Usage: torch-module-bench.py --cli build-gpu/tools/moe-engine [--cases SUBSTR] [--iters 20] [--block 4]
                              [--glu-layout blocks:32] [--precision bf16|both] [--anchor anchor.json]
                              [--device cuda|cpu] [--out results.json]
        torch-module-bench.py --md RESULTS.json    (rewrites the Markdown table of a result)
@@ -45,7 +45,7 @@ def compute_bound(name):
     return "small-batch" not in name
 
 
-def time_modules(case, layout, iters, precisions, device, warmup=3):
+def time_modules(case, layout, iters, precisions, device, warmup=3, block=4):
     """Median forward+backward ms per precision (the modules alternate iteration by iteration), and
     on CUDA each module's step peak memory and the memory its first step leaves behind (the FP8
     weight copies)."""
@@ -97,24 +97,30 @@ def time_modules(case, layout, iters, precisions, device, warmup=3):
             torch.cuda.synchronize()
             out[prec]["peak_memory_bytes"] = torch.cuda.max_memory_allocated() - base
             clear(m)
+    # A sample is `block` back-to-back steps of one module, as a training loop runs them (and as
+    # `moe-engine bench mlp` enqueues its runs): the host enqueues ahead of the GPU. One step per
+    # sample, alternating with the other module, would start each sample on an empty queue and
+    # count the host's enqueue time of the first kernels where it only hides under the GPU's work.
     times = {prec: [] for prec in precisions}
     for i in range(iters):
         for prec, m in modules.items():
             if cuda:
                 start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                step(m)
+                for _ in range(block):
+                    step(m)
                 stop.record()
                 times[prec].append((start, stop))
             else:
                 t0 = time.perf_counter()
-                step(m)
+                for _ in range(block):
+                    step(m)
                 times[prec].append((time.perf_counter() - t0) * 1e3)
     if cuda:
         torch.cuda.synchronize()
     me.check_errors()
     for prec in precisions:
-        ms = sorted(a.elapsed_time(b) for a, b in times[prec]) if cuda else sorted(times[prec])
+        ms = sorted(a.elapsed_time(b) / block for a, b in times[prec]) if cuda else sorted(t / block for t in times[prec])
         out[prec]["ms"] = ms[len(ms) // 2]
     del modules, x, p, dy
     gc.collect()
@@ -146,6 +152,7 @@ def main():
     ap.add_argument("--workloads", default=os.path.join(HERE, "..", "workloads.json"))
     ap.add_argument("--cases", default="")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--block", type=int, default=4, help="back-to-back steps per timed sample (ms = its time / block)")
     ap.add_argument("--glu-layout", default="", help="default: pairs for gpt-oss, else blocks:32 (as scripts/gpu mlp-bench)")
     ap.add_argument("--precision", choices=("bf16", "both"), default="bf16",
                     help="both: also the FP8 module (fp8_recipe=Fp8Recipe()), alternated with the bf16 one")
@@ -175,7 +182,7 @@ def main():
             c["capacity"] = cli["case"]["capacity"]
         else:
             c_ms, flops = None, mlp_flops(c)
-        t = time_modules(c, layout, a.iters, precisions, a.device)
+        t = time_modules(c, layout, a.iters, precisions, a.device, block=a.block)
         t_ms = t["bf16"]["ms"]
         eager = anchor.get(c["name"], {}).get("mlp_eager_ms")
         row = {"case": c["name"], "glu_layout": layout, "cpp_ms": c_ms, "torch_module_ms": t_ms,
@@ -200,7 +207,7 @@ def main():
     summary = {"device": torch.cuda.get_device_name() if a.device == "cuda" else f"cpu ({os.cpu_count()} cores)",
                "torch": torch.__version__, "moe_engine": moe_engine.__version__,
                "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-               "iters": a.iters, "geomean_module_over_cpp": geo, "max_module_over_cpp": max(ratios) if ratios else None,
+               "iters": a.iters, "block": a.block, "geomean_module_over_cpp": geo, "max_module_over_cpp": max(ratios) if ratios else None,
                "cases": rows}
     if all(r["speedup_vs_torch_eager"] for r in rows):
         s = [r["speedup_vs_torch_eager"] for r in rows]
@@ -232,7 +239,7 @@ def _f(v, spec, scale=1):
 def markdown(s):
     """The results as a Markdown table (also: torch-module-bench.py --md RESULTS.json rewrites it)."""
     lines = [f"# GroupedMLP (PyTorch module) vs the C++ benchmark, {s['device']}", "",
-             f"`{s['command']}` (torch {s['torch']}, moe_engine {s['moe_engine']}, {s['iters']} timed runs, median)", ""]
+             f"`{s['command']}` (torch {s['torch']}, moe_engine {s['moe_engine']}, {s['iters']} timed samples of {s.get('block', 1)} back-to-back steps, median)", ""]
     if s["geomean_module_over_cpp"] is not None:
         lines.append(f"Module / C++ time: geomean **{s['geomean_module_over_cpp']:.3f}**, max {s['max_module_over_cpp']:.3f}.")
     else:
