@@ -126,7 +126,7 @@ void expect_matches_oracle(const MlpProblem& m, const MlpRun& r) {
   if (r.dprobs.defined()) EXPECT_TRUE(tail_untouched(r.dprobs, rows)) << "dprobs tail";
 }
 
-GluSpec glu(GluActivation act, GluLayout layout) {
+GluSpec glu(Activation act, GluLayout layout) {
   GluSpec s;
   s.activation = act;
   s.layout = layout;
@@ -138,7 +138,7 @@ class ExpertMlp : public ::testing::TestWithParam<DType> {};
 TEST_P(ExpertMlp, MatchesOracleForEveryActivationLayoutBiasAndProbs) {
   const DType dt = GetParam();
   Rng rng;
-  for (GluActivation act : {GluActivation::kSwiGLU, GluActivation::kClampedQGeGLU})
+  for (Activation act : {Activation::kSwiGLU, Activation::kClampedQGeGLU})
     for (const GluLayout& layout : {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(8)})
       for (bool bias : {false, true})
         for (bool probs : {false, true}) {
@@ -156,7 +156,7 @@ TEST_P(ExpertMlp, MatchesOracleForEveryActivationLayoutBiasAndProbs) {
 TEST_P(ExpertMlp, SingleExpertAndManyExperts) {
   const DType dt = GetParam();
   Rng rng;
-  const GluSpec spec = glu(GluActivation::kSwiGLU, GluLayout::halves());
+  const GluSpec spec = glu(Activation::kSwiGLU, GluLayout::halves());
   {
     SCOPED_TRACE("G = 1");
     const MlpProblem m = make_problem(rng, {37}, 40, 24, 16, dt, spec, true, true);
@@ -175,7 +175,7 @@ TEST_P(ExpertMlp, SingleExpertAndManyExperts) {
 TEST_P(ExpertMlp, RecomputeAndPerExpertAreBitIdentical) {
   const DType dt = GetParam();
   Rng rng;
-  const GluSpec spec = glu(GluActivation::kClampedQGeGLU, GluLayout::blocks(4));
+  const GluSpec spec = glu(Activation::kClampedQGeGLU, GluLayout::blocks(4));
   const MlpProblem m = make_problem(rng, {9, 0, 1, 30}, 48, 32, 16, dt, spec, true, true);
   const MlpRun base = run(m, false, true);
   for (auto [per_expert, save] :
@@ -204,7 +204,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, ExpertMlp,
 // Accumulating twice into a zeroed main_grad gives exactly 2x one write; overwrite replaces.
 TEST(ExpertMlpGradModes, AccumulateTwiceIsTwiceAndOverwriteReplaces) {
   Rng rng;
-  const GluSpec spec = glu(GluActivation::kSwiGLU, GluLayout::halves());
+  const GluSpec spec = glu(Activation::kSwiGLU, GluLayout::halves());
   const MlpProblem m = make_problem(rng, {6, 0, 11}, 20, 16, 8, DType::kBFloat16, spec, true, true);
   const MlpRun once = run(m, false, true);
   const int64_t G = m.G(), T = m.T(), H = m.H, F = m.F;
@@ -250,12 +250,12 @@ TEST(ExpertMlpGradModes, AccumulateTwiceIsTwiceAndOverwriteReplaces) {
 TEST(ExpertMlpBackward, AgreesWithFiniteDifferences) {
   Rng rng;
   const int64_t H = 5, F = 4, T = 6;
-  for (GluActivation act : {GluActivation::kSwiGLU, GluActivation::kClampedQGeGLU})
+  for (Activation act : {Activation::kSwiGLU, Activation::kClampedQGeGLU})
     for (const GluLayout& layout : {GluLayout::halves(), GluLayout::pairs()}) {
       const GluSpec spec = glu(act, layout);
       SCOPED_TRACE(describe(spec));
       MlpProblem m = make_problem(rng, {2, 0, 3}, T, H, F, DType::kFloat64, spec, true, true,
-                                  act == GluActivation::kClampedQGeGLU ? 5.0 : 1.0);
+                                  act == Activation::kClampedQGeGLU ? 5.0 : 1.0);
       const ExpertMlpWeights weights{GroupedParam::packed(m.w1), GroupedParam::packed(m.b1),
                                      GroupedParam::packed(m.w2), GroupedParam::packed(m.b2)};
       Tensor fws = workspace_for(expert_mlp_forward_workspace_size(T, H, F, m.dt, true));
@@ -305,7 +305,7 @@ TEST(ExpertMlpBackward, AgreesWithFiniteDifferences) {
 
 TEST(ExpertMlpWorkspace, ExactSizeWorksOneByteLessIsAClearError) {
   Rng rng;
-  const GluSpec spec = glu(GluActivation::kSwiGLU, GluLayout::halves());
+  const GluSpec spec = glu(Activation::kSwiGLU, GluLayout::halves());
   const MlpProblem m = make_problem(rng, {3, 4}, 8, 16, 8, DType::kBFloat16, spec, false, false);
   const ExpertMlpWeights weights{GroupedParam::packed(m.w1), {}, GroupedParam::packed(m.w2), {}};
   const size_t need = expert_mlp_forward_workspace_size(8, 16, 8, DType::kBFloat16, false);

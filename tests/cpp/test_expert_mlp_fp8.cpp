@@ -28,7 +28,7 @@ TEST_P(Fp8MlpCpu, ForwardAndBackwardMatchTheFloat64MlpWithinFp8Error) {
   Rng rng;
   for (const RoutingCase& rc : kRoutings) {
     for (const bool bias : {false, true}) {
-      const GluActivation act = bias ? GluActivation::kClampedQGeGLU : GluActivation::kSwiGLU;
+      const Activation act = bias ? Activation::kClampedQGeGLU : Activation::kSwiGLU;
       SCOPED_TRACE(std::string(rc.name) + (bias ? " with biases and probs" : " without"));
       const Routing r(rc.splits, rc.capacity);
       const Fp8MlpCase c(rng, rc.capacity, r.num_groups(), 144, 80, dt, spec_of(act, GluLayout::pairs()), bias,
@@ -52,7 +52,7 @@ TEST_P(Fp8MlpCpu, KeepsTheQuantizedPreActivationAndTheColumnsOfX) {
   const DType dt = GetParam();
   Rng rng;
   const Routing r({21, 0, 64, 3}, 96);
-  const Fp8MlpCase c(rng, 96, 4, 128, 64, dt, spec_of(GluActivation::kSwiGLU, GluLayout::halves()), true, true);
+  const Fp8MlpCase c(rng, 96, 4, 128, 64, dt, spec_of(Activation::kSwiGLU, GluLayout::halves()), true, true);
   const Fp8MlpWeights w(c, Device::cpu());
   const Fp8MlpBuffers b(c, Device::cpu());
   b.step(c, w, r.layout);
@@ -80,7 +80,7 @@ TEST_P(Fp8MlpCpu, KeepingTheRowsOfXInsteadOfItsColumns) {
   const Routing r({3, 0, 1, 20, 2, 0, 5, 9}, 48);
   EXPECT_TRUE(expert_mlp_fp8_keeps_x_rows(48, 8));   // columns: round_up(48 + 127 * 8, 128) = 1152
   EXPECT_FALSE(expert_mlp_fp8_keeps_x_rows(4096, 8));
-  const Fp8MlpCase c(rng, 48, 8, 128, 64, dt, spec_of(GluActivation::kSwiGLU, GluLayout::blocks(32)), false, true);
+  const Fp8MlpCase c(rng, 48, 8, 128, 64, dt, spec_of(Activation::kSwiGLU, GluLayout::blocks(32)), false, true);
   const Fp8MlpWeights w(c, Device::cpu());
   const Fp8MlpBuffers rows(c, Device::cpu(), /*x_rows=*/true), columns(c, Device::cpu());
   rows.step(c, w, r.layout);
@@ -124,7 +124,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, Fp8MlpCpu, ::testing::Values(DType::kBFloat16, 
 TEST(Fp8MlpCpuModes, AccumulateAndOverwriteAgreeWithWrite) {
   Rng rng;
   const Routing r({30, 0, 17}, 50);
-  const Fp8MlpCase c(rng, 50, 3, 128, 48, DType::kBFloat16, spec_of(GluActivation::kSwiGLU, GluLayout::pairs()),
+  const Fp8MlpCase c(rng, 50, 3, 128, 48, DType::kBFloat16, spec_of(Activation::kSwiGLU, GluLayout::pairs()),
                      true, true);
   const Fp8MlpWeights w(c, Device::cpu());
   const Fp8MlpBuffers written(c, Device::cpu()), accumulated(c, Device::cpu()), overwritten(c, Device::cpu());
@@ -147,7 +147,7 @@ TEST(Fp8MlpCpuModes, AccumulateAndOverwriteAgreeWithWrite) {
 TEST(Fp8MlpCpuModes, KeptTensorsAreOptionalWhereNothingNeedsThem) {
   Rng rng;
   const Routing r({9, 40}, 64);
-  const Fp8MlpCase c(rng, 64, 2, 64, 32, DType::kBFloat16, spec_of(GluActivation::kSwiGLU, GluLayout::pairs()),
+  const Fp8MlpCase c(rng, 64, 2, 64, 32, DType::kBFloat16, spec_of(Activation::kSwiGLU, GluLayout::pairs()),
                      false, false);
   const Fp8MlpWeights w(c, Device::cpu());
   const Fp8MlpBuffers full(c, Device::cpu());
@@ -173,7 +173,7 @@ TEST(Fp8MlpCpuModes, KeptTensorsAreOptionalWhereNothingNeedsThem) {
 TEST(Fp8MlpCpuValidation, BadInputFailsBeforeAnythingIsWritten) {
   Rng rng;
   const Routing r({10, 20}, 32);
-  const Fp8MlpCase c(rng, 32, 2, 64, 32, DType::kBFloat16, spec_of(GluActivation::kSwiGLU, GluLayout::pairs()),
+  const Fp8MlpCase c(rng, 32, 2, 64, 32, DType::kBFloat16, spec_of(Activation::kSwiGLU, GluLayout::pairs()),
                      false, false);
   const Fp8MlpWeights w(c, Device::cpu());
   const Fp8MlpBuffers b(c, Device::cpu());

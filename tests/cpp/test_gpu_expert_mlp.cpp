@@ -44,7 +44,7 @@ TEST_P(GpuGlu, ForwardAndBackwardMatchTheCpuForEveryActivationLayoutAndProbs) {
   const int64_t T = 300, F = 200;
   DualRouting r({0, 1, 37, 0, 150, 40}, T);  // 228 routed rows
   const int64_t rows = r.cpu.rows();
-  for (GluActivation act : kActivations)
+  for (Activation act : kGluActivations)
     for (const GluLayout& layout : kLayouts)
       for (bool with_probs : {false, true}) {
         const GluSpec spec = spec_of(act, layout);
@@ -199,7 +199,7 @@ TEST_P(GpuExpertMlp, MatchesTheCpuForEveryActivationLayoutBiasAndProbs) {
                               {GluLayout::blocks(128), 384, true}, {GluLayout::halves(), 64, true},
                               {GluLayout::pairs(), 196, false}};
   bool save = false;
-  for (GluActivation act : kActivations)
+  for (Activation act : kGluActivations)
     for (const LayoutCase& lc : cases)
       for (bool bias_and_probs : {false, true}) {
         save = !save;  // alternate saved and recomputed pre-activation
@@ -241,7 +241,7 @@ TEST_P(GpuExpertMlp, MatchesTheCpuForEveryActivationLayoutBiasAndProbs) {
 TEST_P(GpuExpertMlp, ManyExpertsAndOneExpertTakingAll) {
   const DType dt = GetParam();
   Rng rng;
-  const GluSpec glu = spec_of(GluActivation::kClampedQGeGLU, GluLayout::pairs());
+  const GluSpec glu = spec_of(Activation::kClampedQGeGLU, GluLayout::pairs());
   std::vector<int64_t> many = random_splits(rng, 256, 12);
   int64_t sum = 0;
   for (int64_t v : many) sum += v;
@@ -275,7 +275,7 @@ TEST_P(GpuExpertMlpGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
   Rng rng;
   const DType dt = DType::kBFloat16;
   const int64_t G = 16, T = 1024, H = 256, F = 192;
-  const GluSpec glu = spec_of(GluActivation::kClampedQGeGLU, GluLayout::pairs());
+  const GluSpec glu = spec_of(Activation::kClampedQGeGLU, GluLayout::pairs());
   ExpertMlpSpec spec{glu};
   spec.fusion = GetParam();
   const MlpCase c(rng, G, T, H, F, dt, glu, true, true);

@@ -110,7 +110,7 @@ MlpDeviceRun run_mlp(Device device, ExpertLayout layout, bool delay, bool recomp
   o.device = device;
   o.seed = 5;
   o.bias = true;
-  o.glu.activation = GluActivation::kClampedQGeGLU;
+  o.glu.activation = Activation::kClampedQGeGLU;
   o.glu.limit = 1.5f;
   o.glu.layout = GluLayout::pairs();
   o.recompute_fc1 = recompute;
@@ -311,7 +311,7 @@ GroupedMLPOptions fp8_mlp_options(Device device, ExpertLayout layout) {
   o.device = device;
   o.seed = 5;
   o.bias = true;
-  o.glu.activation = GluActivation::kClampedQGeGLU;  // default clamp, as the FP8 MLP op's GPU test
+  o.glu.activation = Activation::kClampedQGeGLU;  // default clamp, as the FP8 MLP op's GPU test
   o.glu.layout = GluLayout::pairs();
   o.fp8 = Fp8ModuleRecipe{};
   return o;

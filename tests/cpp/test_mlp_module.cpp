@@ -29,7 +29,7 @@ GroupedMLPOptions options(ExpertLayout layout = ExpertLayout::kPacked) {
   GroupedMLPOptions o;
   o.layout = layout;
   o.bias = true;
-  o.glu.activation = GluActivation::kClampedQGeGLU;
+  o.glu.activation = Activation::kClampedQGeGLU;
   o.glu.limit = 1.5f;  // the initialized pre-activation reaches past it
   o.glu.layout = GluLayout::pairs();
   o.seed = 7;

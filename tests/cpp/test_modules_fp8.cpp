@@ -447,7 +447,7 @@ GroupedMLPOptions mlp_options(DType dt = DType::kBFloat16, ExpertLayout layout =
   o.dtype = dt;
   o.layout = layout;
   o.bias = true;
-  o.glu.activation = GluActivation::kClampedQGeGLU;
+  o.glu.activation = Activation::kClampedQGeGLU;
   o.glu.limit = 1.5f;  // the initialized pre-activation reaches past it
   o.glu.layout = GluLayout::pairs();
   o.seed = 7;
@@ -603,7 +603,7 @@ TEST_P(Fp8GroupedMlp, MatchesTheFloat64MlpWithinFp8Error) {
   // The activation's default clamp (7): the other tests' 1.5 puts many pre-activations at the clamp,
   // where FP8's rounding of the kept pre-activation moves the derivative's jump (more than the bound).
   GroupedMLPOptions o = mlp_options(dt, ExpertLayout::kPerExpert);
-  o.glu = spec_of(GluActivation::kClampedQGeGLU, GluLayout::pairs());
+  o.glu = spec_of(Activation::kClampedQGeGLU, GluLayout::pairs());
   const Fp8MlpCase c(rng, kMlpT, kG, kH, kF, dt, o.glu, /*bias=*/true, /*probs=*/true);
   GroupedMLP m(kG, kH, kF, o);
   m.load_state_dict({{"fc1.weight", c.w1}, {"fc1.bias", c.b1}, {"fc2.weight", c.w2}, {"fc2.bias", c.b2}});

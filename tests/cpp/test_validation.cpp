@@ -148,7 +148,7 @@ TEST_F(Validation, ArgumentCombinations) {
   spec.layout = GluLayout::blocks(3);
   EXPECT_MOE_ERROR(glu_forward(h, {}, r.layout, d, spec), ErrorCode::kShape,
                    "GLU layout blocks:3 needs F divisible by 3, got F = 4");
-  spec = GluSpec{GluActivation::kClampedQGeGLU, 0.0f};
+  spec = GluSpec{Activation::kClampedQGeGLU, 0.0f};
   EXPECT_MOE_ERROR(glu_forward(h, {}, r.layout, d, spec), ErrorCode::kInvalidArgument,
                    "clamped_qgeglu limit must be > 0, got 0");
 }
