@@ -24,6 +24,9 @@ struct Prepared {
   GemmParams params;
 };
 Prepared prepare(const GroupedGemmProblem& problem, Stream stream);
+// The fused MLP's GEMMs with a non-gated activation's epilogue (grouped_gemm_act.cu): r prepared
+// by run_glu (grouped_gemm_glu.cu), which checked the problem.
+void launch_elementwise(const GroupedGemmProblem& problem, const Prepared& r, Stream stream);
 
 namespace launch_detail {
 
