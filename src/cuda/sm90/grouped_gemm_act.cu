@@ -12,19 +12,7 @@ namespace moe::cuda::sm90 {
 
 void launch_elementwise(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
   static_assert(glu_pipeline() == PipelineShape::kDeepRing, "the activation instances are built with DeepRing");
-  using Pipe = DeepRing;
-  const bool fp16 = pr.in_dtype == DType::kFloat16;
-  if (pr.form == Form::kForward) {
-    if (fp16)
-      launch_detail::launch<Form::kForward, __half, __half, Epilogue::kActForward, Pipe>(pr, r, stream);
-    else
-      launch_detail::launch<Form::kForward, __nv_bfloat16, __nv_bfloat16, Epilogue::kActForward, Pipe>(pr, r, stream);
-  } else {
-    if (fp16)
-      launch_detail::launch<Form::kDgrad, __half, __half, Epilogue::kActBackward, Pipe>(pr, r, stream);
-    else
-      launch_detail::launch<Form::kDgrad, __nv_bfloat16, __nv_bfloat16, Epilogue::kActBackward, Pipe>(pr, r, stream);
-  }
+  launch_detail::launch_activation<Epilogue::kActForward, Epilogue::kActBackward>(pr, r, stream);
 }
 
 }  // namespace moe::cuda::sm90

@@ -66,19 +66,7 @@ void run_glu(const GroupedGemmProblem& pr, const GluEpilogueParams& glu, Stream 
     r.e = make_ragged_tensor_map(glu.act, pr.in_dtype, gated ? pr.n / 2 : pr.n, glu.act_stride, 64, 64);
   if (!gated) return launch_elementwise(pr, r, stream);
   static_assert(glu_pipeline() == PipelineShape::kDeepRing, "the GLU instances are built with DeepRing");
-  using Pipe = DeepRing;
-  const bool fp16 = pr.in_dtype == DType::kFloat16;
-  if (pr.form == Form::kForward) {
-    if (fp16)
-      launch_detail::launch<Form::kForward, __half, __half, Epilogue::kGluForward, Pipe>(pr, r, stream);
-    else
-      launch_detail::launch<Form::kForward, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluForward, Pipe>(pr, r, stream);
-  } else {
-    if (fp16)
-      launch_detail::launch<Form::kDgrad, __half, __half, Epilogue::kGluBackward, Pipe>(pr, r, stream);
-    else
-      launch_detail::launch<Form::kDgrad, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluBackward, Pipe>(pr, r, stream);
-  }
+  launch_detail::launch_activation<Epilogue::kGluForward, Epilogue::kGluBackward>(pr, r, stream);
 }
 
 }  // namespace moe::cuda::sm90

@@ -55,27 +55,11 @@ struct ProducerFor<__nv_fp8_e4m3, kForm, Pipe> {
 };
 
 template <Epilogue kEpi, Form kForm, class In, class Out, class Pipe>
-struct EpilogueOf {
-  using type = StoreEpilogue<kForm, In, Out, Pipe>;
-};
-template <Form kForm, class In, class Out, class Pipe>
-struct EpilogueOf<Epilogue::kGluForward, kForm, In, Out, Pipe> {
-  using type = GluForwardEpilogue<In, Pipe>;
-};
-template <Form kForm, class In, class Out, class Pipe>
-struct EpilogueOf<Epilogue::kGluBackward, kForm, In, Out, Pipe> {
-  using type = GluBackwardEpilogue<In, Pipe>;
-};
-template <Form kForm, class In, class Out, class Pipe>
-struct EpilogueOf<Epilogue::kActForward, kForm, In, Out, Pipe> {
-  using type = ActForwardEpilogue<In, Pipe>;
-};
-template <Form kForm, class In, class Out, class Pipe>
-struct EpilogueOf<Epilogue::kActBackward, kForm, In, Out, Pipe> {
-  using type = ActBackwardEpilogue<In, Pipe>;
-};
-template <Epilogue kEpi, Form kForm, class In, class Out, class Pipe>
-using EpilogueFor = typename EpilogueOf<kEpi, kForm, In, Out, Pipe>::type;
+using EpilogueFor = std::conditional_t<
+    kEpi == Epilogue::kStore, StoreEpilogue<kForm, In, Out, Pipe>,
+    std::conditional_t<kEpi == Epilogue::kGluForward || kEpi == Epilogue::kActForward,
+                       ForwardActivationEpilogue<In, Pipe, kEpi == Epilogue::kGluForward>,
+                       BackwardActivationEpilogue<In, Pipe, kEpi == Epilogue::kGluBackward>>>;
 
 // The activation epilogues run on FC1's forward (kGluForward, kActForward) or FC2's dgrad.
 constexpr bool epilogue_fits(Epilogue epi, Form form) {
