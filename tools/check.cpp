@@ -214,7 +214,7 @@ int run_check(const CheckOptions& o) {
   run("bf16/fp16 conversions round-trip", Device::cpu(), check_conversions);
   run("grouped linear fwd/dgrad/wgrad/dbias/dscales vs fp64 oracle", Device::cpu(),
       [&] { return check_grouped_linear(o.seed); });
-  run("GLU forward/backward vs fp64 oracle", Device::cpu(), [&] { return check_glu(o.seed); });
+  run("activations forward/backward vs fp64 oracle", Device::cpu(), [&] { return check_glu(o.seed); });
   run("expert MLP forward+backward vs fp64 oracle", Device::cpu(),
       [&] { return check_mlp(Device::cpu(), o.seed); });
   const GpuInventory inv = query_gpus();
