@@ -108,7 +108,8 @@ int run_bench(const BenchOptions& o) {
                   w.activation.c_str(), w.bias ? ", biases" : "");
     return 0;
   }
-  const Workload w = find_workload(o.case_name, o.workloads);
+  Workload w = find_workload(o.case_name, o.workloads);
+  if (!o.activation.empty()) w.activation = activation_name(parse_activation(o.activation));
   // fp8: the FP8 expert MLP, whose activations (x, y and the gradients) are bf16.
   const bool fp8 = o.dtype == "fp8";
   const DType dtype = fp8 ? DType::kBFloat16 : dtype_from_name(o.dtype);

@@ -279,7 +279,7 @@ int run_bench_gemm(const BenchOptions& o) {
     const GroupLayout& groups = routing.layout();
     const nlohmann::json* ref = anchor.is_null() ? nullptr : anchor_case(anchor, w.name);
     for (const bool fc1 : {true, false}) {
-      const int64_t N = fc1 ? 2 * w.ffn : w.hidden, K = fc1 ? w.hidden : w.ffn;
+      const int64_t N = fc1 ? w.fc1_rows() : w.hidden, K = fc1 ? w.hidden : w.ffn;
       const std::string fc = fc1 ? "fc1" : "fc2";
       Tensor x = Tensor::empty({T, K}, dt, device), wt = Tensor::empty({G, N, K}, dt, device);
       Tensor y = Tensor::empty({T, N}, dt, device), dy = Tensor::empty({T, N}, dt, device);

@@ -100,30 +100,26 @@ Outcome check_glu(uint64_t seed) {
   CpuRouting r(rng, 5);
   const int64_t F = 64, T = r.capacity, rows = r.rows();
   double worst = 0;
-  for (GluActivation act : {GluActivation::kSwiGLU, GluActivation::kClampedQGeGLU})
-    for (const GluLayout& layout :
-         {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(32)}) {
-      GluSpec spec;
-      spec.activation = act;
-      spec.layout = layout;
-      Tensor h = rng.normal({T, 2 * F}, DType::kFloat32, 6.0),
-             d = rng.normal({T, F}, DType::kFloat32);
-      Tensor p = rng.uniform({T}, DType::kFloat32, 0, 1);
-      Tensor out = Tensor::empty({T, F}, DType::kFloat32),
-             dh = Tensor::empty({T, 2 * F}, DType::kFloat32);
-      Tensor dp = Tensor::empty({T}, DType::kFloat32);
-      glu_forward(h, p, r.layout, out, spec);
-      glu_backward(h, p, d, r.layout, {dh, dp, {}}, spec);
-      const auto hm = oracle::head(oracle::to_matrix(h), rows),
-                 dm = oracle::head(oracle::to_matrix(d), rows);
-      const oracle::Vector pv = oracle::head(oracle::to_vector(p), rows);
-      const auto g = oracle::glu_backward(hm, pv, dm, spec);
-      worst = std::max(
-          {worst, oracle::rel_error(oracle::to_matrix(out), oracle::glu_forward(hm, pv, spec)),
-           oracle::rel_error(oracle::to_matrix(dh), g.dh),
-           oracle::rel_error(oracle::to_vector(dp), g.dprobs)});
-    }
-  return judge(worst, 1e-5, "float32, swiglu and clamped_qgeglu x halves, pairs, blocks:32");
+  std::vector<GluSpec> specs;  // each GLU in three layouts, each non-gated activation
+  for (Activation act : {Activation::kSwiGLU, Activation::kClampedQGeGLU})
+    for (const GluLayout& layout : {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(32)})
+      specs.push_back({act, 7.0f, 1.702f, 1.0f, layout});
+  for (Activation act : {Activation::kSReLU, Activation::kGeluTanh}) specs.push_back({act});
+  for (const GluSpec& spec : specs) {
+    const int64_t W = fc1_width(spec, F);
+    Tensor h = rng.normal({T, W}, DType::kFloat32, 6.0), d = rng.normal({T, F}, DType::kFloat32);
+    Tensor p = rng.uniform({T}, DType::kFloat32, 0, 1);
+    Tensor out = Tensor::empty({T, F}, DType::kFloat32), dh = Tensor::empty({T, W}, DType::kFloat32);
+    Tensor dp = Tensor::empty({T}, DType::kFloat32);
+    glu_forward(h, p, r.layout, out, spec);
+    glu_backward(h, p, d, r.layout, {dh, dp, {}}, spec);
+    const auto hm = oracle::head(oracle::to_matrix(h), rows), dm = oracle::head(oracle::to_matrix(d), rows);
+    const oracle::Vector pv = oracle::head(oracle::to_vector(p), rows);
+    const auto g = oracle::glu_backward(hm, pv, dm, spec);
+    worst = std::max({worst, oracle::rel_error(oracle::to_matrix(out), oracle::glu_forward(hm, pv, spec)),
+                      oracle::rel_error(oracle::to_matrix(dh), g.dh), oracle::rel_error(oracle::to_vector(dp), g.dprobs)});
+  }
+  return judge(worst, 1e-5, "float32, swiglu and clamped_qgeglu x halves, pairs, blocks:32; srelu, gelu_tanh");
 }
 
 Outcome check_mlp(Device device, uint64_t seed) {
@@ -218,7 +214,7 @@ int run_check(const CheckOptions& o) {
   run("bf16/fp16 conversions round-trip", Device::cpu(), check_conversions);
   run("grouped linear fwd/dgrad/wgrad/dbias/dscales vs fp64 oracle", Device::cpu(),
       [&] { return check_grouped_linear(o.seed); });
-  run("GLU forward/backward vs fp64 oracle", Device::cpu(), [&] { return check_glu(o.seed); });
+  run("activations forward/backward vs fp64 oracle", Device::cpu(), [&] { return check_glu(o.seed); });
   run("expert MLP forward+backward vs fp64 oracle", Device::cpu(),
       [&] { return check_mlp(Device::cpu(), o.seed); });
   const GpuInventory inv = query_gpus();

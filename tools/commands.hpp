@@ -24,6 +24,7 @@ struct BenchOptions {
   std::string device = "auto";     // auto | cpu | cuda[:N]
   std::string dtype = "bfloat16";
   std::string glu_layout = "halves";
+  std::string activation;  // mlp: overrides the case's activation (empty: the case's)
   std::string workloads;  // path override
   int warmup = 1;
   int iters = 0;  // 0: a default that suits the device

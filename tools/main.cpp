@@ -62,6 +62,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_cmd->add_option("--glu-layout", bench.glu_layout, "halves, pairs or blocks:S")
       ->capture_default_str();
+  bench_cmd->add_option("--activation", bench.activation,
+                        "mlp: the activation instead of the case's: swiglu, clamped_qgeglu (GLUs: FC1 has 2F rows) or "
+                        "srelu, gelu_tanh (non-gated: F rows)");
   bench_cmd->add_option("--workloads", bench.workloads, "Path of workloads.json");
   bench_cmd->add_option("--warmup", bench.warmup, "Untimed runs first")
       ->check(at_least(0))
@@ -145,7 +148,7 @@ int main(int argc, char** argv) {
       if (bench.list) return run_bench(bench);  // the cases are the same for both kinds
       // An option of the other kind would be ignored: say so instead.
       const bool gemm = bench.kind == "gemm";
-      const std::vector<std::string> mlp_only = {"--fusion", "--recompute", "--vs-unfused", "--glu-layout",
+      const std::vector<std::string> mlp_only = {"--fusion", "--recompute", "--vs-unfused", "--glu-layout", "--activation",
                                                  "--no-check", "--force", "--json"};
       const std::vector<std::string> gemm_only = {"--anchor", "--gemm", "--min-time-ms", "--settle-ms", "--json-out"};
       for (const std::string& option : gemm ? mlp_only : gemm_only)

@@ -22,7 +22,7 @@ MlpProblem::MlpProblem(const Workload& w, const GluLayout& layout, DType dtype, 
     : workload_(w), dtype_(dtype), device_(device), routing_(w.tokens_per_expert, w.capacity, device) {
   spec_.glu.activation = parse_activation(w.activation);
   spec_.glu.layout = layout;
-  const int64_t G = w.experts, H = w.hidden, F = w.ffn, T = w.capacity;
+  const int64_t G = w.experts, H = w.hidden, F = w.ffn, T = w.capacity, W = w.fc1_rows();
 
   // Generated where the tensors live (fill_uniform: the same values on the CPU and on CUDA):
   // the suite's large cases hold billions of weights, minutes of work for a host generator.
@@ -35,10 +35,10 @@ MlpProblem::MlpProblem(const Workload& w, const GluLayout& layout, DType dtype, 
     return t;
   };
   x_ = random({T, H}, 1.0);
-  w1_ = random({G, 2 * F, H}, 1.0 / std::sqrt(double(H)));
+  w1_ = random({G, W, H}, 1.0 / std::sqrt(double(H)));
   w2_ = random({G, H, F}, 1.0 / std::sqrt(double(F)));
   if (w.bias) {
-    b1_ = random({G, 2 * F}, 0.1);
+    b1_ = random({G, W}, 0.1);
     b2_ = random({G, H}, 0.1);
   }
   probs_ = Tensor::empty({T}, DType::kFloat32, device);
@@ -46,34 +46,34 @@ MlpProblem::MlpProblem(const Workload& w, const GluLayout& layout, DType dtype, 
   dy_ = random({T, H}, 1.0);
 
   y_ = Tensor::empty({T, H}, dtype, device);
-  fc1_out_ = Tensor::empty({T, 2 * F}, dtype, device);
+  fc1_out_ = Tensor::empty({T, W}, dtype, device);
   dx_ = Tensor::empty({T, H}, dtype, device);
   dprobs_ = Tensor::empty({T}, DType::kFloat32, device);
-  dw1_ = Tensor::empty({G, 2 * F, H}, dtype, device);
+  dw1_ = Tensor::empty({G, W, H}, dtype, device);
   dw2_ = Tensor::empty({G, H, F}, dtype, device);
   if (w.bias) {
-    db1_ = Tensor::empty({G, 2 * F}, dtype, device);
+    db1_ = Tensor::empty({G, W}, dtype, device);
     db2_ = Tensor::empty({G, H}, dtype, device);
   }
-  // Sized for every mode (recompute and the fused dGLU need the larger scratch).
-  forward_ws_ = Tensor::empty({int64_t(expert_mlp_forward_workspace_size(T, H, F, dtype, false))},
+  // Sized for every mode (recompute and the fused backward need the larger scratch).
+  forward_ws_ = Tensor::empty({int64_t(expert_mlp_forward_workspace_size(T, H, F, dtype, false, spec_))},
                               DType::kUInt8, device);
-  backward_ws_ = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(T, H, F, dtype, true,
-                                                                                MlpFusion::kForwardBackward))},
-                               DType::kUInt8, device);
+  backward_ws_ = Tensor::empty(
+      {int64_t(expert_mlp_backward_workspace_size(T, H, F, dtype, true, {spec_.glu, MlpFusion::kForwardBackward}))},
+      DType::kUInt8, device);
   if (!fp8) return;
   const auto empty = [&](Shape shape, DType t) { return Tensor::empty(shape, t, device); };
   const auto blocks = [](int64_t n) { return (n + kFp8Block - 1) / kFp8Block; };
   Fp8State s;
-  s.w1 = empty({G, 2 * F, H}, DType::kFloat8E4M3);
-  s.w1_scales = empty({G, blocks(2 * F), blocks(H)}, DType::kFloat32);
-  s.w1_t = empty({G, H, 2 * F}, DType::kFloat8E4M3);
-  s.w1_scales_t = empty({G, blocks(H), blocks(2 * F)}, DType::kFloat32);
+  s.w1 = empty({G, W, H}, DType::kFloat8E4M3);
+  s.w1_scales = empty({G, blocks(W), blocks(H)}, DType::kFloat32);
+  s.w1_t = empty({G, H, W}, DType::kFloat8E4M3);
+  s.w1_scales_t = empty({G, blocks(H), blocks(W)}, DType::kFloat32);
   s.w2 = empty({G, H, F}, DType::kFloat8E4M3);
   s.w2_scales = empty({G, blocks(H), blocks(F)}, DType::kFloat32);
   s.w2_t = empty({G, F, H}, DType::kFloat8E4M3);
   s.w2_scales_t = empty({G, blocks(F), blocks(H)}, DType::kFloat32);
-  const ExpertMlpFp8SavedShapes saved = expert_mlp_fp8_saved_shapes(T, G, H, F);
+  const ExpertMlpFp8SavedShapes saved = expert_mlp_fp8_saved_shapes(T, G, H, F, spec_);
   const bool x_rows = expert_mlp_fp8_keeps_x_rows(T, G);
   if (x_rows) {
     s.x_rows = empty(saved.x_rows_data, DType::kFloat8E4M3);
@@ -85,8 +85,9 @@ MlpProblem::MlpProblem(const Workload& w, const GluLayout& layout, DType dtype, 
   }
   s.h_rows = empty(saved.fc1_out_data, DType::kFloat8E4M3);
   s.h_scales = empty(saved.fc1_out_scales, DType::kFloat32);
-  s.forward_ws = empty({int64_t(expert_mlp_fp8_forward_workspace_size(T, H, F, dtype))}, DType::kUInt8);
-  s.backward_ws = empty({int64_t(expert_mlp_fp8_backward_workspace_size(T, G, H, F, dtype, x_rows))}, DType::kUInt8);
+  s.forward_ws = empty({int64_t(expert_mlp_fp8_forward_workspace_size(T, H, F, dtype, spec_))}, DType::kUInt8);
+  s.backward_ws =
+      empty({int64_t(expert_mlp_fp8_backward_workspace_size(T, G, H, F, dtype, spec_, x_rows))}, DType::kUInt8);
   fp8_ = std::move(s);
   quantize_weights();
   fp8_active_ = true;
@@ -127,20 +128,22 @@ int64_t MlpProblem::saved_bytes_per_token() const {
       if (t->defined()) bytes += int64_t(t->nbytes());
     return (bytes + T - 1) / T;
   }
-  return (workload_.hidden + (recompute_ ? 0 : 2 * workload_.ffn)) * int64_t(dtype_size(dtype_)) + 4;
+  return (workload_.hidden + (recompute_ ? 0 : workload_.fc1_rows())) * int64_t(dtype_size(dtype_)) + 4;
 }
 
 int64_t MlpProblem::bytes_needed(const Workload& w, DType dtype, bool fp8) {
   const int64_t G = w.experts, H = w.hidden, F = w.ffn, T = w.capacity, e = int64_t(dtype_size(dtype));
-  const int64_t activations = 4 * T * H + T * 2 * F;          // x, y, dx, dy; the pre-activation
-  const int64_t weights = 2 * (G * 2 * F * H + G * H * F);     // w1, w2 and their gradients
-  const int64_t biases = w.bias ? 2 * (G * 2 * F + G * H) : 0;
+  const int64_t W = w.fc1_rows();
+  const ExpertMlpSpec spec{GluSpec{parse_activation(w.activation)}, MlpFusion::kForwardBackward};
+  const int64_t activations = 4 * T * H + T * W;          // x, y, dx, dy; the pre-activation
+  const int64_t weights = 2 * (G * W * H + G * H * F);     // w1, w2 and their gradients
+  const int64_t biases = w.bias ? 2 * (G * W + G * H) : 0;
   return e * (activations + weights + biases) + 2 * 4 * T +
-         int64_t(expert_mlp_forward_workspace_size(T, H, F, dtype, false)) +
-         int64_t(expert_mlp_backward_workspace_size(T, H, F, dtype, true, MlpFusion::kForwardBackward)) +
-         (fp8 ? 2 * (G * 2 * F * H + G * H * F) + T * (H + 2 * F) + 2 * w.experts * 128 * H +
-                    int64_t(expert_mlp_fp8_forward_workspace_size(T, H, F, dtype)) +
-                    int64_t(expert_mlp_fp8_backward_workspace_size(T, G, H, F, dtype, true))
+         int64_t(expert_mlp_forward_workspace_size(T, H, F, dtype, false, spec)) +
+         int64_t(expert_mlp_backward_workspace_size(T, H, F, dtype, true, spec)) +
+         (fp8 ? 2 * (G * W * H + G * H * F) + T * (H + W) + 2 * w.experts * 128 * H +
+                    int64_t(expert_mlp_fp8_forward_workspace_size(T, H, F, dtype, spec)) +
+                    int64_t(expert_mlp_fp8_backward_workspace_size(T, G, H, F, dtype, spec, true))
               : 0);
 }
 

@@ -6,6 +6,7 @@
 
 #include "json_io.hpp"
 #include "moe_engine/error.hpp"
+#include "moe_engine/glu_spec.hpp"
 
 #ifndef MOE_ENGINE_SOURCE_DIR
 #define MOE_ENGINE_SOURCE_DIR "."
@@ -20,8 +21,10 @@ int64_t Workload::routed_tokens() const {
   return std::accumulate(tokens_per_expert.begin(), tokens_per_expert.end(), int64_t(0));
 }
 
+int64_t Workload::fc1_rows() const { return fc1_width(GluSpec{parse_activation(activation)}, ffn); }
+
 double Workload::mlp_flops() const {
-  return 3.0 * 2.0 * double(routed_tokens()) * double(2 * ffn * hidden + hidden * ffn);
+  return 3.0 * 2.0 * double(routed_tokens()) * double(fc1_rows() * hidden + hidden * ffn);
 }
 
 Workload tiny_workload() {

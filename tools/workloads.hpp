@@ -15,11 +15,13 @@ struct Workload {
   int64_t ffn = 0;      // F
   std::vector<int64_t> tokens_per_expert;
   int64_t capacity = 0;    // T: rows of the token buffer (>= the routed tokens)
-  std::string activation;  // "swiglu" or "clamped_qgeglu"
+  std::string activation;  // "swiglu", "clamped_qgeglu" (GLUs), "srelu" or "gelu_tanh"
   bool bias = false;
 
   int64_t routed_tokens() const;
-  // FLOPs of the expert MLP forward + backward: 3 passes x 2 x tokens x (2F*H + H*F).
+  // FC1's rows W: 2F for a GLU, F for a non-gated activation (moe::fc1_width).
+  int64_t fc1_rows() const;
+  // FLOPs of the expert MLP forward + backward: 3 passes x 2 x tokens x (W*H + H*F).
   double mlp_flops() const;
 };
 

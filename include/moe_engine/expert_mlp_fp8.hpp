@@ -8,8 +8,8 @@
 //             quantized by columns); d_fc1 -> rows (FC1 dgrad) and columns (FC1 wgrad).
 // The weights arrive quantized (quantize_fp8_weight, both copies: forward reads data, dgrad
 // data_t), so that a caller quantizes them once per optimizer step; the biases stay unquantized.
-// What forward keeps is FP8: x's columns (H + H/32 bytes per row) and h's rows (2F + F/16), against
-// the 16-bit path's x and h (2H + 4F). Activations are bfloat16 or float32 (the FP8 GEMMs write
+// What forward keeps is FP8: x's columns (H + H/32 bytes per row) and h's rows (W + W/32, W = 2F for a
+// GLU, F for a non-gated activation), against the 16-bit path's x and h (2H + 2W). Activations are bfloat16 or float32 (the FP8 GEMMs write
 // those). The forward GLU reads h before it is quantized, the backward's the dequantized h
 // (DeepSeek-V3's recipe: the SwiGLU input cached in FP8).
 #pragma once
@@ -28,9 +28,9 @@
 namespace moe {
 
 struct ExpertMlpFp8Weights {
-  Fp8Weight fc1;              // G x [2F, H] (rows in the GLU layout) and its transpose
+  Fp8Weight fc1;              // G x [W, H] (W = fc1_width(spec.glu, F); a GLU's rows in its layout) and its transpose
   Fp8Weight fc2;              // G x [H, F] and its transpose
-  GroupedParam fc1_bias;      // optional, G x [2F], unquantized
+  GroupedParam fc1_bias;      // optional, G x [W], unquantized
   GroupedParam fc2_bias;      // optional, G x [H]; added as p[r] * b2_g
 };
 
@@ -42,7 +42,7 @@ struct ExpertMlpFp8Weights {
 // several times the rows' bytes (expert_mlp_fp8_keeps_x_rows says which to keep).
 struct ExpertMlpFp8Saved {
   Fp8Columns x;     // x's columns [H, C], or undefined
-  Fp8Rows fc1_out;  // the pre-activation x W1^T + b1, rows [T, 2F]: always needed by backward
+  Fp8Rows fc1_out;  // the pre-activation x W1^T + b1, rows [T, W]: always needed by backward
   Fp8Rows x_rows;   // x's rows [T, H] instead of its columns, or undefined (at most one of the two)
 };
 
@@ -51,17 +51,19 @@ struct ExpertMlpFp8Saved {
 // it saves there; elsewhere the columns save the pass).
 MOE_API bool expert_mlp_fp8_keeps_x_rows(int64_t capacity, int64_t num_groups);
 
-// The shapes of ExpertMlpFp8Saved's tensors for capacity T, G experts (all from static shapes).
+// The shapes of ExpertMlpFp8Saved's tensors for capacity T, G experts (all from static shapes; the
+// spec's activation sets W = fc1_width(spec.glu, F)).
 struct ExpertMlpFp8SavedShapes {
   Shape x_data, x_scales, x_offsets;   // [H, C] e4m3, [C/128, H] float32, [G + 1] int64
-  Shape fc1_out_data, fc1_out_scales;  // [T, 2F] e4m3, [ceil(2F/128), fp8_scales_pitch(T)] float32
+  Shape fc1_out_data, fc1_out_scales;  // [T, W] e4m3, [ceil(W/128), fp8_scales_pitch(T)] float32
   Shape x_rows_data, x_rows_scales;    // [T, H] e4m3, [ceil(H/128), fp8_scales_pitch(T)] float32
 };
 MOE_API ExpertMlpFp8SavedShapes expert_mlp_fp8_saved_shapes(int64_t capacity, int64_t num_groups, int64_t hidden,
-                                                            int64_t ffn);
+                                                            int64_t ffn, const ExpertMlpSpec& spec);
 
 // Scratch of the forward: x's rows, h, act and act's rows.
-MOE_API size_t expert_mlp_fp8_forward_workspace_size(int64_t capacity, int64_t hidden, int64_t ffn, DType dtype);
+MOE_API size_t expert_mlp_fp8_forward_workspace_size(int64_t capacity, int64_t hidden, int64_t ffn, DType dtype,
+                                                     const ExpertMlpSpec& spec);
 
 // x [T, H], y [T, H] (bfloat16 or float32, alike); probs [T] float32 or undefined (p = 1).
 // saved.fc1_out is written when defined (leave it undefined for a forward without backward), and
@@ -69,6 +71,7 @@ MOE_API size_t expert_mlp_fp8_forward_workspace_size(int64_t capacity, int64_t h
 // CUDA) h's and act's quantization and the GLU as one pass between the GEMMs; kForwardBackward also
 // h's dequantization, the GLU backward and the quantization of dL/dh and act as one pass in the
 // backward (when both weight gradients and no FC1 bias gradient are asked for). The same bytes.
+// Those passes take GLUs only: a non-gated activation (srelu, gelu_tanh) runs its steps unfused.
 MOE_API void expert_mlp_forward(const TensorView& x, const TensorView& probs, const ExpertMlpFp8Weights& weights,
                                 const GroupLayout& groups, const TensorView& y, const ExpertMlpFp8Saved& saved,
                                 const ExpertMlpSpec& spec, const Fp8Recipe& recipe = {},
@@ -77,7 +80,8 @@ MOE_API void expert_mlp_forward(const TensorView& x, const TensorView& probs, co
 // Scratch of the backward (G: the routing's expert count; the columnwise copies are sized by it).
 // x_rows: forward kept x's rows (backward then also makes x's columns).
 MOE_API size_t expert_mlp_fp8_backward_workspace_size(int64_t capacity, int64_t num_groups, int64_t hidden,
-                                                      int64_t ffn, DType dtype, bool x_rows = false);
+                                                      int64_t ffn, DType dtype, const ExpertMlpSpec& spec,
+                                                      bool x_rows = false);
 
 // dy [T, H] in x's dtype; saved: forward's (saved.x or saved.x_rows required when the FC1 weight
 // gradient is asked for; the workspace sized with x_rows accordingly). Gradients as in expert_mlp_backward (ParamGrad modes, dprobs including <b2_g, dy[r]>).

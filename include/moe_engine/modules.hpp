@@ -354,10 +354,12 @@ struct GroupedMLPOptions {
   ExpertLayout layout = ExpertLayout::kPacked;
   DType dtype = DType::kBFloat16;
   Device device = Device::cpu();
-  bool bias = false;  // fc1 bias [2F] and fc2 bias [H]; the fc2 bias is added as p[r] * b2 (Megatron)
-  // The activation with its parameters, and the GLU column layout of the FC1 weight's rows.
+  bool bias = false;  // fc1 bias [W] and fc2 bias [H]; the fc2 bias is added as p[r] * b2 (Megatron)
+  // The activation with its parameters and, for a GLU, the column layout of the FC1 weight's rows.
+  // FC1 has W = fc1_width(glu, ffn) rows: 2F for a GLU (swiglu, clamped_qgeglu), F for a non-gated
+  // activation (srelu, gelu_tanh).
   GluSpec glu{};
-  bool recompute_fc1 = false;  // forward keeps x only (not the [T, 2F] pre-activation); backward recomputes it
+  bool recompute_fc1 = false;  // forward keeps x only (not the [T, W] pre-activation); backward recomputes it
   bool accumulate_into_main_grad = false;  // the wgrad GEMMs add into each weight's main_grad
   bool overwrite_main_grad = false;        // ... or overwrite it (Megatron-FSDP)
   bool delay_wgrad_compute = false;        // backward queues the weight gradients; backward_dw runs them
@@ -379,7 +381,7 @@ class MOE_API MlpContext {
   bool saves_input() const { return x_.defined() || x_columns_.defined() || x_rows_.defined(); }
   bool saves_fc1_out() const { return fc1_out_.defined() || fc1_out_rows_.defined(); }
   bool computes_dgrad() const { return input_requires_grad_; }
-  // Bytes of the tensors held on the device for backward (x, the pre-activation, probs): [T, H] + [T, 2F] in the
+  // Bytes of the tensors held on the device for backward (x, the pre-activation, probs): [T, H] + [T, W] in the
   // input dtype + [T] float32 when all are kept. x is the caller's tensor, referenced, not copied. With fp8: x's
   // FP8 columns or rows and the pre-activation's FP8 rows (expert_mlp_fp8_saved_shapes) + the probs.
   int64_t saved_bytes() const;
@@ -427,9 +429,9 @@ class MOE_API GroupedMLP {
   int64_t hidden() const { return hidden_; }
   int64_t ffn() const { return ffn_; }
   const GroupedMLPOptions& options() const { return options_; }
-  Parameter& fc1_weight() { return fc1_weight_; }  // G x [2F, H], rows in options().glu.layout
+  Parameter& fc1_weight() { return fc1_weight_; }  // G x [W, H] (a GLU's rows in options().glu.layout)
   Parameter& fc2_weight() { return fc2_weight_; }  // G x [H, F]
-  Parameter& fc1_bias();                          // G x [2F]; kInvalidArgument without biases
+  Parameter& fc1_bias();                          // G x [W]; kInvalidArgument without biases
   Parameter& fc2_bias();                          // G x [H]
   bool has_bias() const { return fc1_bias_.has_value(); }
 
@@ -451,7 +453,7 @@ class MOE_API GroupedMLP {
   // index appended (per-expert), in the module's layout; FC1 rows in the module's GLU layout.
   std::map<std::string, Tensor> state_dict(const std::string& prefix = "") const;
   // As GroupedLinear's, and FC1 rows (weight and bias) are converted from `glu_from` (default: the
-  // module's own GLU layout) to the module's.
+  // module's own GLU layout) to the module's; a module with a non-gated activation takes no glu_from.
   // Also invalidates the FP8 weight cache.
   void load_state_dict(std::map<std::string, Tensor> state, const std::string& prefix = "",
                        std::optional<GluLayout> glu_from = std::nullopt);
@@ -480,6 +482,7 @@ class MOE_API GroupedMLP {
     bool fc1, fc2;  // which weight gradients it computes
   };
   ExpertMlpWeights weights() const;
+  ExpertMlpSpec spec() const { return {options_.glu}; }
   ExpertMlpFp8Weights fp8_weights(const ExecContext& exec);
   void run_backward(const Tensor& dy, const Saved& saved, const GroupLayout& groups, const ExpertMlpGrads& grads,
                     const ExecContext& exec);

@@ -860,7 +860,9 @@ void bind_ops(nb::module_& m) {
            "A DLPack capsule over the offsets whose consumer (torch.utils.dlpack.from_dlpack) keeps this routing "
            "alive as long as the tensor's storage lives; find_routing gets the routing back from that tensor.");
 
-  nb::class_<GluSpec>(m, "GluSpec", "A GLU activation with its parameters and the gate/linear column layout.")
+  nb::class_<GluSpec>(m, "GluSpec",
+                      "The expert MLP's activation (a GLU: swiglu, clamped_qgeglu; or non-gated: srelu, gelu_tanh) "
+                      "with its parameters and, for a GLU, the gate/linear column layout.")
       .def(
           "__init__",
           [](GluSpec* self, const std::string& activation, const std::string& layout, float limit, float alpha,
@@ -871,6 +873,12 @@ void bind_ops(nb::module_& m) {
       .def_prop_ro("text", &glu_spec_text, "One line that GluSpec.parse reads back (what the custom ops take).")
       .def_prop_ro("activation", [](const GluSpec& s) { return std::string(activation_name(s.activation)); })
       .def_prop_ro("layout", [](const GluSpec& s) { return s.layout.name(); })
+      .def_prop_ro("gated", &GluSpec::gated, "True for a GLU (FC1 has 2F columns), false for srelu and gelu_tanh.")
+      .def("fc1_width", [](const GluSpec& s, int64_t ffn) { return fc1_width(s, ffn); }, arg("ffn"),
+           "FC1's output width for F = ffn features: 2F for a GLU, F otherwise.")
+      .def("check", [](const GluSpec& s, int64_t ffn, const std::string& who) { check_glu_spec(s, ffn, who); },
+           arg("ffn"), arg("who"),
+           "Raises, the message starting with `who`, where the spec cannot serve F = ffn features (moe::check_glu_spec).")
       .def_ro("limit", &GluSpec::limit)
       .def_ro("alpha", &GluSpec::alpha)
       .def_ro("offset", &GluSpec::offset)
@@ -939,8 +947,8 @@ void bind_ops(nb::module_& m) {
         arg("workspace").none(), arg("stream"));
   m.def(
       "expert_mlp_fp8_saved_shapes",
-      [](int64_t T, int64_t G, int64_t H, int64_t F) {
-        const ExpertMlpFp8SavedShapes s = expert_mlp_fp8_saved_shapes(T, G, H, F);
+      [](int64_t T, int64_t G, int64_t H, int64_t F, const GluSpec& glu) {
+        const ExpertMlpFp8SavedShapes s = expert_mlp_fp8_saved_shapes(T, G, H, F, {glu});
         auto list = [](const Shape& shape) { return std::vector<int64_t>(shape.begin(), shape.end()); };
         nb::dict d;
         d["x_data"] = list(s.x_data);
@@ -952,20 +960,21 @@ void bind_ops(nb::module_& m) {
         d["x_rows_scales"] = list(s.x_rows_scales);
         return d;
       },
-      arg("capacity"), arg("num_groups"), arg("hidden"), arg("ffn"),
-      "The shapes of what the FP8 expert MLP's forward keeps, for T tokens and G experts.");
+      arg("capacity"), arg("num_groups"), arg("hidden"), arg("ffn"), arg("spec"),
+      "The shapes of what the FP8 expert MLP's forward keeps, for T tokens and G experts (the spec's activation "
+      "sets FC1's width).");
   m.def(
       "expert_mlp_fp8_forward_workspace_size",
-      [](int64_t T, int64_t H, int64_t F, const std::string& dtype) {
-        return expert_mlp_fp8_forward_workspace_size(T, H, F, dtype_from_name(dtype));
+      [](int64_t T, int64_t H, int64_t F, const std::string& dtype, const GluSpec& glu) {
+        return expert_mlp_fp8_forward_workspace_size(T, H, F, dtype_from_name(dtype), {glu});
       },
-      arg("capacity"), arg("hidden"), arg("ffn"), arg("dtype"));
+      arg("capacity"), arg("hidden"), arg("ffn"), arg("dtype"), arg("spec"));
   m.def(
       "expert_mlp_fp8_backward_workspace_size",
-      [](int64_t T, int64_t G, int64_t H, int64_t F, const std::string& dtype, bool x_rows) {
-        return expert_mlp_fp8_backward_workspace_size(T, G, H, F, dtype_from_name(dtype), x_rows);
+      [](int64_t T, int64_t G, int64_t H, int64_t F, const std::string& dtype, const GluSpec& glu, bool x_rows) {
+        return expert_mlp_fp8_backward_workspace_size(T, G, H, F, dtype_from_name(dtype), {glu}, x_rows);
       },
-      arg("capacity"), arg("num_groups"), arg("hidden"), arg("ffn"), arg("dtype"), arg("x_rows") = false,
+      arg("capacity"), arg("num_groups"), arg("hidden"), arg("ffn"), arg("dtype"), arg("spec"), arg("x_rows") = false,
       "x_rows: forward kept x's rows and the FC1 weight gradient is asked for (backward makes x's columns).");
   m.def("expert_mlp_fp8_keeps_x_rows", &expert_mlp_fp8_keeps_x_rows, arg("capacity"), arg("num_groups"),
         "True where x's columns would take more than twice the bytes of its rows, fp8_columns_capacity(T, G) > 2 T "
@@ -973,14 +982,20 @@ void bind_ops(nb::module_& m) {
   m.def("check_errors", &check_errors_py, arg("device"), arg("stream") = 0);
   m.def("init_device", &init_device_py, arg("device"));
 
-  m.def("expert_mlp_forward_workspace_size",
-        [](int64_t T, int64_t H, int64_t F, const std::string& dtype, bool save_fc1_out) {
-          return expert_mlp_forward_workspace_size(T, H, F, dtype_from_name(dtype), save_fc1_out);
-        });
-  m.def("expert_mlp_backward_workspace_size",
-        [](int64_t T, int64_t H, int64_t F, const std::string& dtype, bool recompute_fc1, const std::string& fusion) {
-          return expert_mlp_backward_workspace_size(T, H, F, dtype_from_name(dtype), recompute_fc1, parse_fusion(fusion));
-        });
+  m.def(
+      "expert_mlp_forward_workspace_size",
+      [](int64_t T, int64_t H, int64_t F, const std::string& dtype, bool save_fc1_out, const GluSpec& glu) {
+        return expert_mlp_forward_workspace_size(T, H, F, dtype_from_name(dtype), save_fc1_out, {glu});
+      },
+      arg("capacity"), arg("hidden"), arg("ffn"), arg("dtype"), arg("save_fc1_out"), arg("spec"));
+  m.def(
+      "expert_mlp_backward_workspace_size",
+      [](int64_t T, int64_t H, int64_t F, const std::string& dtype, bool recompute_fc1, const GluSpec& glu,
+         const std::string& fusion) {
+        return expert_mlp_backward_workspace_size(T, H, F, dtype_from_name(dtype), recompute_fc1,
+                                                  {glu, parse_fusion(fusion)});
+      },
+      arg("capacity"), arg("hidden"), arg("ffn"), arg("dtype"), arg("recompute_fc1"), arg("spec"), arg("fusion"));
 }
 
 // ---- the training contract's decisions (moe_engine.torch applies them to torch parameters) ----

@@ -13,10 +13,15 @@
 #   FUSION=all    also fuse the backward's dGLU (default: forward)
 #   RECOMPUTE=1   keep only x (backward recomputes FC1)
 #   NO_ANCHOR=1   fused vs unfused only: no anchor, no report (no anchor script needed)
+#   ACTIVATION=A  every case with activation A instead of its own (`bench mlp --activation`): srelu
+#                 or gelu_tanh (non-gated: FC1 of F rows, no GLU layout), swiglu, clamped_qgeglu.
+#                 Fused vs unfused only (the anchor computes the cases' own activations): implies
+#                 NO_ANCHOR.
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 mkdir -p "$OUT/raw"
 filter=${1:-}
+[ -z "${ACTIVATION:-}" ] || NO_ANCHOR=1
 [ -n "${NO_ANCHOR:-}" ] || find_anchor
 build_gpu "$OUT/raw/build.log"
 [ -n "${NO_ANCHOR:-}" ] || run_anchor "$OUT/raw/anchor.json" "$OUT/raw/anchor.log" "$filter"
@@ -26,7 +31,8 @@ for c in $(build-gpu/tools/moe-engine bench --list | awk 'NR > 1 && $1 != "tiny"
   [ -n "$filter" ] && [[ "$c" != *"$filter"* ]] && continue
   layout=blocks:32
   [[ "$c" == gpt-oss* ]] && layout=pairs
-  cmd="build-gpu/tools/moe-engine bench mlp --case $c --device cuda:0 --no-check --json --vs-unfused --glu-layout $layout --iters $iters --fusion $fusion ${RECOMPUTE:+--recompute}"
+  case ${ACTIVATION:-} in srelu | gelu_tanh) layout=halves ;; esac  # non-gated: no GLU layout
+  cmd="build-gpu/tools/moe-engine bench mlp --case $c --device cuda:0 --no-check --json --vs-unfused --glu-layout $layout --iters $iters --fusion $fusion ${RECOMPUTE:+--recompute} ${ACTIVATION:+--activation $ACTIVATION}"
   $cmd >"$OUT/raw/mlp-${c//\//_}.json"
   python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print(sys.argv[2], 'fused %.3f ms, unfused %.3f ms, x%.3f' % (j['time_ms']['total']['median'], j['unfused_time_ms']['total']['median'], j['speedup_vs_unfused']))" "$OUT/raw/mlp-${c//\//_}.json" "$c"
 done

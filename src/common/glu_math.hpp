@@ -1,5 +1,6 @@
-// The GLU activations' math, shared by the CPU backend and the CUDA kernels so that both compute
-// the same function. swiglu is the clamped form with limit = inf, alpha = 1, offset = 0.
+// The activations' math, shared by the CPU backend and the CUDA kernels so that both compute the
+// same function: the GLUs (GluMath; swiglu is the clamped form with limit = inf, alpha = 1,
+// offset = 0) and the non-gated activations (SquaredRelu, GeluTanh), elementwise.
 #pragma once
 
 #include <cmath>
@@ -14,6 +15,24 @@ namespace moe::detail {
 MOE_HOST_DEVICE inline float exp_of(float x) { return expf(x); }
 MOE_HOST_DEVICE inline double exp_of(double x) { return exp(x); }
 
+// sigmoid(z) = 1 / (1 + e^-z), given z and w = -z log2(e) (each computed from constants the caller
+// folds). On the GPU in float: the hardware exp2 of w (flushing results below 2^-126, where 1 + e
+// rounds to 1 anyway) and the hardware reciprocal, a few ulp, far below the 16-bit rounding of the
+// outputs, in 4 instructions where expf and a division take 8. Elsewhere exp(-z) and a division.
+// Every CUDA path (the activation kernels, the fused epilogues) computes this same function.
+template <class T>
+MOE_HOST_DEVICE inline T sigmoid_of(T z, T w) {
+#ifdef __CUDA_ARCH__
+  if constexpr (std::is_same_v<T, float>) {
+    float e;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(w));
+    return __fdividef(1.f, 1.f + e);
+  }
+#endif
+  (void)w;
+  return T(1) / (T(1) + exp_of(-z));
+}
+
 template <class T>
 struct GluMath {
   T limit;   // gate clamped from above, linear to [-limit, limit]
@@ -23,26 +42,14 @@ struct GluMath {
 
   static GluMath from(const GluSpec& spec) {
     constexpr double kLog2e = 1.4426950408889634;
-    if (spec.activation == GluActivation::kSwiGLU)
+    if (spec.activation == Activation::kSwiGLU)
       return {std::numeric_limits<T>::infinity(), T(1), T(0), T(-kLog2e)};
     return {T(spec.limit), T(spec.alpha), T(spec.offset), T(-double(spec.alpha) * kLog2e)};
   }
 
-  // sigmoid(alpha * g). On the GPU in float: the hardware exp2 (flushing results below 2^-126,
-  // where 1 + e rounds to 1 anyway) of g times one folded constant, and the hardware reciprocal:
-  // a few ulp, far below the 16-bit output rounding, and 4 instructions where expf / division
-  // take 8 (the fused FC1 epilogue runs this 64 times per thread per tile with the tensor pipe
-  // idle). Every CUDA path (GLU kernels, fused epilogues) computes this same function.
-  MOE_HOST_DEVICE T gate_sigmoid(T g) const {
-#ifdef __CUDA_ARCH__
-    if constexpr (std::is_same_v<T, float>) {
-      float e;
-      asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * neg_alpha_log2e));
-      return __fdividef(1.f, 1.f + e);
-    }
-#endif
-    return T(1) / (T(1) + exp_of(-(alpha * g)));
-  }
+  // sigmoid(alpha * g) (sigmoid_of: the hardware exp2 and reciprocal on the GPU; the fused FC1
+  // epilogue runs this 64 times per thread per tile with the tensor pipe idle).
+  MOE_HOST_DEVICE T gate_sigmoid(T g) const { return sigmoid_of(alpha * g, g * neg_alpha_log2e); }
 
   // Clamps that let NaN through (a NaN input must not be clamped into a number), as a compare and
   // a select: the derivatives in backward share their predicates.
@@ -91,5 +98,54 @@ struct GluMath {
     d_linear = (linear > limit || linear < -limit) ? T(0) : d_act * silu;
   }
 };
+
+// The non-gated activations, on one value h of FC1's output: forward(h) = f(h); backward gives
+// act = f(h) and dh = d_act * f'(h). Stateless; with_elementwise picks one at run time.
+
+// relu(h)^2, with relu as a select that lets NaN through (NaN < 0 is false): f' = 2 relu(h).
+template <class T>
+struct SquaredRelu {
+  MOE_HOST_DEVICE static T relu(T h) { return h < T(0) ? T(0) : h; }
+  MOE_HOST_DEVICE T forward(T h) const {
+    const T r = relu(h);
+    return r * r;
+  }
+  MOE_HOST_DEVICE void backward(T h, T d_act, T& act, T& dh) const {
+    const T r = relu(h);
+    act = r * r;
+    dh = d_act * (r + r);
+  }
+};
+
+// GELU, tanh approximation: 0.5 h (1 + tanh(u)), u = sqrt(2/pi) (h + 0.044715 h^3), computed as
+// h * sigmoid(2u) (0.5 (1 + tanh(u)) = sigmoid(2u) exactly): no cancellation where tanh(u) nears -1
+// (large negative h), and on the GPU the sigmoid_of of the GLUs instead of a tanh. With
+// s = sigmoid(2u): f = h s, f' = s + h s (1 - s) (2u)', (2u)' = 2 sqrt(2/pi) (1 + 3 * 0.044715 h^2).
+template <class T>
+struct GeluTanh {
+  // 2u = h (kA + kB h^2); the sigmoid's exp2 argument -2u log2(e) = h (kWa + kWb h^2).
+  MOE_HOST_DEVICE static T sigmoid_2u(T h, T h2) {
+    constexpr double kA = 1.5957691216057308;  // 2 sqrt(2/pi)
+    constexpr double kB = kA * 0.044715;
+    constexpr double kLog2e = 1.4426950408889634;
+    return sigmoid_of(h * (T(kA) + T(kB) * h2), h * (T(-kA * kLog2e) + T(-kB * kLog2e) * h2));
+  }
+  MOE_HOST_DEVICE T forward(T h) const { return h * sigmoid_2u(h, h * h); }
+  MOE_HOST_DEVICE void backward(T h, T d_act, T& act, T& dh) const {
+    constexpr double kA = 1.5957691216057308, kB3 = 3 * kA * 0.044715;
+    const T h2 = h * h, s = sigmoid_2u(h, h2);
+    act = h * s;
+    dh = d_act * (s + act * (T(1) - s) * (T(kA) + T(kB3) * h2));
+  }
+};
+
+// fn(SquaredRelu<T>{}) or fn(GeluTanh<T>{}) for a non-gated activation.
+template <class T, class Fn>
+MOE_HOST_DEVICE inline void with_elementwise(Activation activation, Fn&& fn) {
+  if (activation == Activation::kSReLU)
+    fn(SquaredRelu<T>{});
+  else
+    fn(GeluTanh<T>{});
+}
 
 }  // namespace moe::detail

@@ -1,7 +1,8 @@
-// The GLU vocabulary: layouts and their row permutations, spec descriptions.
+// The activation vocabulary: GLU layouts and their row permutations, spec descriptions and checks.
 #include "moe_engine/glu_spec.hpp"
 
 #include <charconv>
+#include <cmath>
 #include <sstream>
 
 namespace moe {
@@ -74,10 +75,29 @@ std::string GluLayout::name() const {
 std::string describe(const GluSpec& spec) {
   std::ostringstream os;
   os << activation_name(spec.activation);
-  if (spec.activation == GluActivation::kClampedQGeGLU)
+  if (spec.activation == Activation::kClampedQGeGLU)
     os << "(limit=" << spec.limit << ", alpha=" << spec.alpha << ", offset=" << spec.offset << ")";
-  os << ", " << spec.layout.name();
+  if (spec.gated()) os << ", " << spec.layout.name();
   return os.str();
+}
+
+void check_glu_spec(const GluSpec& spec, int64_t ffn, std::string_view who) {
+  if (!spec.gated()) {
+    MOE_CHECK(spec.layout == GluLayout::halves(), ErrorCode::kInvalidArgument, who, ": GLU layout ",
+              spec.layout.name(), " given for ", activation_name(spec.activation),
+              ", which is not gated (FC1 has F columns, no gate/linear pairs); expected the default layout halves");
+    return;
+  }
+  const int64_t s = spec.layout.block_size(ffn);
+  MOE_CHECK(ffn <= 0 || ffn % s == 0, ErrorCode::kShape, who, ": GLU layout ", spec.layout.name(),
+            " needs F divisible by ", s, ", got F = ", ffn);
+  if (spec.activation == Activation::kClampedQGeGLU) {
+    MOE_CHECK(spec.limit > 0 && !std::isnan(spec.limit), ErrorCode::kInvalidArgument, who,
+              ": clamped_qgeglu limit must be > 0, got ", spec.limit);
+    MOE_CHECK(std::isfinite(spec.alpha) && std::isfinite(spec.offset), ErrorCode::kInvalidArgument, who,
+              ": clamped_qgeglu alpha and offset must be finite, got alpha = ", spec.alpha, ", offset = ",
+              spec.offset);
+  }
 }
 
 }  // namespace moe

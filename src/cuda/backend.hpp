@@ -52,10 +52,10 @@ void glu_backward(const TensorView& h, const TensorView& probs, const TensorView
 void glu_dprobs_reduce(const float* partial, int64_t stride, int64_t tiles, const GroupLayout& groups,
                        const TensorView& dprobs, Stream stream);
 
-// The fused expert MLP's two GLU GEMMs (Hopper kernel, sm90/glu_epilogue.cuh). Each returns false
-// without doing anything where the kernel cannot run the problem; the caller then composes the
-// unfused path. Inputs arrive validated (ops/expert_mlp.cpp).
-//   FC1: act = GLU(x W1^T + b1) * p; h (optional) receives the pre-activation.
+// The fused expert MLP's two activation GEMMs (Hopper kernel, sm90/glu_epilogue.cuh), for a GLU or
+// a non-gated activation. Each returns false without doing anything where the kernel cannot run the
+// problem; the caller then composes the unfused path. Inputs arrive validated (ops/expert_mlp.cpp).
+//   FC1: act = act(x W1^T + b1) * p; h (optional) receives the pre-activation.
 bool expert_mlp_fc1_glu(const TensorView& x, const GroupedParam& fc1_weight, const GroupedParam& fc1_bias,
                         const GroupLayout& groups,
                         const TensorView& probs, const GluSpec& spec, const TensorView& h,
@@ -75,7 +75,7 @@ void quantize_fp8_weight(const GroupedParam& weight, const Fp8Weight& out, const
 // The FP8 expert MLP's step between FC1 and FC2 in one pass (kernels/fp8_glu_quantize.cu): from h
 // [T, 2F], h_rows (optional) = h quantized by rows and act_rows = GLU(h) * p quantized by rows, the
 // bytes and scales of quantize_fp8(h), glu_forward and quantize_fp8(act). False, doing nothing,
-// where the layout, dtype or alignment is not one it takes.
+// for a non-gated activation and where the layout, dtype or alignment is not one it takes.
 bool fp8_glu_quantize(const TensorView& h, const TensorView& probs, const GroupLayout& groups, const Fp8Rows& h_rows,
                       const Fp8Rows& act_rows, const GluSpec& spec, const Fp8Recipe& recipe, Stream stream);
 // The FP8 expert MLP's backward step between FC2's dgrad and the FC1 / FC2 weight gradients in one
@@ -83,8 +83,8 @@ bool fp8_glu_quantize(const TensorView& h, const TensorView& probs, const GroupL
 // (dh_rows, optional: for dx) and columns, act * p recomputed by columns, dprobs (optional, reduced
 // from `scratch`, >= T * ceil(F / 128) floats) without fc2 bias's share; the bytes and scales of
 // dequantize_fp8, glu_backward and the quantizers. The columnwise copies take their expert offsets
-// from `column_offsets` (an earlier quantizer's, same routing). False, doing nothing, where the
-// layout, dtype or alignment is not one it takes.
+// from `column_offsets` (an earlier quantizer's, same routing). False, doing nothing, for a
+// non-gated activation and where the layout, dtype or alignment is not one it takes.
 bool fp8_glu_backward_quantize(const Fp8Rows& h, const TensorView& d_act, const TensorView& probs,
                                const GroupLayout& groups, const TensorView& column_offsets, const Fp8Rows& dh_rows,
                                const Fp8Columns& dh_columns, const Fp8Columns& act_columns, const TensorView& dprobs,

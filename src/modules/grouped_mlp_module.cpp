@@ -1,6 +1,7 @@
 // GroupedMLP: the expert MLP op with GroupedLinear's training contract for both weights, delayed
 // weight gradients, checkpoints with GLU layout conversion; with fp8 the FP8 expert MLP op over
-// cached FP8 copies of the weights.
+// cached FP8 copies of the weights. FC1's width is fc1_width(options.glu, ffn): 2F for a GLU, F
+// for a non-gated activation.
 #include <cmath>
 #include <cstring>
 #include <span>
@@ -38,7 +39,7 @@ GroupedMLP::GroupedMLP(int64_t groups, int64_t hidden, int64_t ffn, const Groupe
       hidden_(hidden),
       ffn_(ffn),
       options_(o),
-      fc1_weight_(groups, {2 * ffn, hidden}, o.dtype, o.device, o.layout),
+      fc1_weight_(groups, {fc1_width(o.glu, ffn), hidden}, o.dtype, o.device, o.layout),
       fc2_weight_(groups, {hidden, ffn}, o.dtype, o.device, o.layout),
       fc1_grad_(o.accumulate_into_main_grad, o.overwrite_main_grad, o.zero_out_wgrad),
       fc2_grad_(o.accumulate_into_main_grad, o.overwrite_main_grad, o.zero_out_wgrad) {
@@ -46,8 +47,7 @@ GroupedMLP::GroupedMLP(int64_t groups, int64_t hidden, int64_t ffn, const Groupe
             "GroupedMLP: expected G, hidden, ffn >= 1, got ", groups, ", ", hidden, ", ", ffn);
   MOE_CHECK(!o.overwrite_main_grad || o.accumulate_into_main_grad, ErrorCode::kInvalidArgument,
             "GroupedMLP: overwrite_main_grad needs accumulate_into_main_grad = true");
-  MOE_CHECK(ffn % o.glu.layout.block_size(ffn) == 0, ErrorCode::kShape, "GroupedMLP: GLU layout ",
-            o.glu.layout.name(), " needs F divisible by ", o.glu.layout.block_size(ffn), ", got F = ", ffn);
+  check_glu_spec(o.glu, ffn, "GroupedMLP");
   if (o.fp8) {
     const Fp8ModuleRecipe& fp8 = *o.fp8;
     MOE_CHECK(fp8.forward && fp8.dgrad && fp8.wgrad, ErrorCode::kInvalidArgument,
@@ -74,7 +74,7 @@ GroupedMLP::GroupedMLP(int64_t groups, int64_t hidden, int64_t ffn, const Groupe
   detail::init_uniform(fc1_weight_.storage(), o.seed, -bound1, bound1);
   detail::init_uniform(fc2_weight_.storage(), o.seed + 1, -bound2, bound2);
   if (o.bias) {
-    fc1_bias_.emplace(groups, Shape{2 * ffn}, o.dtype, o.device, o.layout);
+    fc1_bias_.emplace(groups, Shape{fc1_width(o.glu, ffn)}, o.dtype, o.device, o.layout);
     fc2_bias_.emplace(groups, Shape{hidden}, o.dtype, o.device, o.layout);
     detail::init_uniform(fc1_bias_->storage(), o.seed + 2, -bound1, bound1);
     detail::init_uniform(fc2_bias_->storage(), o.seed + 3, -bound2, bound2);
@@ -124,23 +124,25 @@ MlpForwardResult GroupedMLP::forward(const Tensor& x, const GroupLayout& groups,
     // The op keeps FP8 only: the pre-activation's rows, and for the FC1 weight gradient x's columns,
     // or its rows where the columns would take more than twice their bytes (many experts of few
     // tokens: each expert's columns are padded to 128 tokens); backward then makes the columns.
-    if (through_act) c.fc1_out_rows_ = detail::Fp8RowsBuffers::empty(T, 2 * ffn_, options_.device, exec.stream);
+    if (through_act)
+      c.fc1_out_rows_ = detail::Fp8RowsBuffers::empty(T, fc1_width(options_.glu, ffn_), options_.device, exec.stream);
     if (fc1_weight_.requires_grad) {
       if (expert_mlp_fp8_keeps_x_rows(T, groups_))
         c.x_rows_ = detail::Fp8RowsBuffers::empty(T, hidden_, options_.device, exec.stream);
       else
         c.x_columns_ = detail::Fp8ColumnsBuffers::empty(T, groups_, hidden_, options_.device, exec.stream);
     }
-    const Scratch scratch(expert_mlp_fp8_forward_workspace_size(T, hidden_, ffn_, options_.dtype), options_.device,
-                          exec);
-    expert_mlp_forward(x, probs, fp8_weights(exec), groups, r.y, c.fp8_saved(), {options_.glu},
-                       options_.fp8->quantizer, scratch.exec);
+    const Scratch scratch(expert_mlp_fp8_forward_workspace_size(T, hidden_, ffn_, options_.dtype, spec()),
+                          options_.device, exec);
+    expert_mlp_forward(x, probs, fp8_weights(exec), groups, r.y, c.fp8_saved(), spec(), options_.fp8->quantizer,
+                       scratch.exec);
   } else {
     if (through_act && !options_.recompute_fc1)
-      c.fc1_out_ = Tensor::zeros_async({T, 2 * ffn_}, options_.dtype, options_.device, exec.stream);
-    const Scratch scratch(expert_mlp_forward_workspace_size(T, hidden_, ffn_, options_.dtype, c.fc1_out_.defined()),
-                          options_.device, exec);
-    expert_mlp_forward(x, probs, weights(), groups, r.y, c.fc1_out_, {options_.glu}, scratch.exec);
+      c.fc1_out_ = Tensor::zeros_async({T, fc1_width(options_.glu, ffn_)}, options_.dtype, options_.device, exec.stream);
+    const Scratch scratch(
+        expert_mlp_forward_workspace_size(T, hidden_, ffn_, options_.dtype, c.fc1_out_.defined(), spec()),
+        options_.device, exec);
+    expert_mlp_forward(x, probs, weights(), groups, r.y, c.fc1_out_, spec(), scratch.exec);
     if (fc1_weight_.requires_grad || (options_.recompute_fc1 && through_act)) c.x_ = x;
   }
   if (through_act || bias2) c.probs_ = probs;
@@ -154,21 +156,20 @@ MlpForwardResult GroupedMLP::forward(const Tensor& x, const GroupLayout& groups,
 void GroupedMLP::run_backward(const Tensor& dy, const Saved& saved, const GroupLayout& groups,
                               const ExpertMlpGrads& grads, const ExecContext& exec) {
   const int64_t T = dy.size(0);
-  const ExpertMlpSpec spec{options_.glu};
   if (options_.fp8) {
     // With x's rows kept, the FC1 weight gradient needs room for the columns made from them.
     const bool x_rows = saved.x_rows.defined() && grads.fc1_weight.grad.defined();
     const Scratch scratch(
-        expert_mlp_fp8_backward_workspace_size(T, groups_, hidden_, ffn_, options_.dtype, x_rows), options_.device,
-        exec);
+        expert_mlp_fp8_backward_workspace_size(T, groups_, hidden_, ffn_, options_.dtype, spec(), x_rows),
+        options_.device, exec);
     expert_mlp_backward(dy, {saved.x_columns.view(), saved.fc1_out_rows.view(), saved.x_rows.view()}, saved.probs,
-                        fp8_weights(exec), groups, grads, spec, options_.fp8->quantizer, scratch.exec);
+                        fp8_weights(exec), groups, grads, spec(), options_.fp8->quantizer, scratch.exec);
     return;
   }
   const Scratch scratch(
-      expert_mlp_backward_workspace_size(T, hidden_, ffn_, options_.dtype, !saved.fc1_out.defined(), spec.fusion),
+      expert_mlp_backward_workspace_size(T, hidden_, ffn_, options_.dtype, !saved.fc1_out.defined(), spec()),
       options_.device, exec);
-  expert_mlp_backward(dy, saved.x, saved.probs, weights(), groups, saved.fc1_out, grads, spec, scratch.exec);
+  expert_mlp_backward(dy, saved.x, saved.probs, weights(), groups, saved.fc1_out, grads, spec(), scratch.exec);
 }
 
 MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const ExecContext& exec) {
@@ -251,6 +252,9 @@ std::map<std::string, Tensor> GroupedMLP::state_dict(const std::string& prefix) 
 void GroupedMLP::load_state_dict(std::map<std::string, Tensor> state, const std::string& prefix,
                                  std::optional<GluLayout> glu_from) {
   invalidate_fp8_weights();  // first: a load that fails half way may have changed the weights
+  MOE_CHECK(!glu_from || options_.glu.gated(), ErrorCode::kInvalidArgument, "GroupedMLP.load_state_dict: glu_from = ",
+            glu_from ? glu_from->name() : "", " given, but the module's activation ", activation_name(options_.glu.activation),
+            " is not gated (FC1's rows have no GLU layout); expected no glu_from");
   const GluLayout& to = options_.glu.layout;
   // FC1 rows from glu_from to the module's layout, into new tensors (the caller's stay as they were).
   auto convert_fc1 = [&](const std::string& key) {

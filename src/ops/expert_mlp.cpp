@@ -1,6 +1,7 @@
-// The expert MLP, composed from the grouped-linear and GLU ops (the "unfused" path), with the
-// fused CUDA kernels (GLU in FC1's epilogue, dGLU + dprobs in FC2 dgrad's) taking the steps they
-// can: the same composition runs on every device.
+// The expert MLP, composed from the grouped-linear and activation ops (the "unfused" path), with
+// the fused CUDA kernels (the activation in FC1's epilogue, its backward + dprobs in FC2 dgrad's)
+// taking the steps they can: the same composition runs on every device. FC1's width W is
+// fc1_width(spec.glu, F): 2F for a GLU, F for a non-gated activation.
 #include "moe_engine/expert_mlp.hpp"
 
 #include <utility>
@@ -20,31 +21,33 @@ struct ForwardBuffers {
 };
 
 ForwardBuffers forward_buffers(ops::WorkspaceCarver& c, int64_t capacity, int64_t ffn, DType dtype,
-                               bool save_fc1_out) {
+                               bool save_fc1_out, const ExpertMlpSpec& spec) {
   ForwardBuffers b;
-  if (!save_fc1_out) b.fc1_out = c.take({capacity, 2 * ffn}, dtype);
+  if (!save_fc1_out) b.fc1_out = c.take({capacity, fc1_width(spec.glu, ffn)}, dtype);
   b.act = c.take({capacity, ffn}, dtype);
   return b;
 }
 
-// The GLU backward runs in place where it can (each element read, then written, by one thread), so
-// the scratch is 3F per row (2F more when FC1 is recomputed and the fused dGLU may run).
+// The activation's backward runs in place where it can (each element read, then written, by one
+// thread), so the scratch is F + W per row (W more when FC1 is recomputed and the fused backward may
+// run).
 struct BackwardBuffers {
   TensorView fc1_out;         // recomputed pre-activation (recompute mode only)
-  TensorView d_act;           // dL/d(act * p) = dy W2; the GLU backward writes act over it
+  TensorView d_act;           // dL/d(act * p) = dy W2; the activation's backward writes act over it
   TensorView act;             // act * p recomputed: the FC2 wgrad input (d_act's memory)
-  TensorView d_fc1;           // dL/d(fc1_out); over the recomputed fc1_out unless the dGLU is fused
-  TensorView dprobs_partial;  // fused dGLU only: dprobs shares per 256-feature tile, [T, tiles] float32
+  TensorView d_fc1;           // dL/d(fc1_out); over the recomputed fc1_out unless the backward is fused
+  TensorView dprobs_partial;  // fused backward only: dprobs shares per 256-feature tile, [T, tiles] float32
 };
 
 BackwardBuffers backward_buffers(ops::WorkspaceCarver& c, int64_t capacity, int64_t ffn,
-                                 DType dtype, bool recompute_fc1, MlpFusion fusion) {
-  // The fused dGLU's epilogue is not made to run in place, so it keeps h and d_fc1 apart.
-  const bool fused = fusion == MlpFusion::kForwardBackward;
+                                 DType dtype, bool recompute_fc1, const ExpertMlpSpec& spec) {
+  // The fused backward's epilogue is not made to run in place, so it keeps h and d_fc1 apart.
+  const bool fused = spec.fusion == MlpFusion::kForwardBackward;
+  const int64_t width = fc1_width(spec.glu, ffn);
   BackwardBuffers b;
-  if (recompute_fc1) b.fc1_out = c.take({capacity, 2 * ffn}, dtype);
+  if (recompute_fc1) b.fc1_out = c.take({capacity, width}, dtype);
   b.act = b.d_act = c.take({capacity, ffn}, dtype);
-  b.d_fc1 = recompute_fc1 && !fused ? b.fc1_out : c.take({capacity, 2 * ffn}, dtype);
+  b.d_fc1 = recompute_fc1 && !fused ? b.fc1_out : c.take({capacity, width}, dtype);
   if (fused) b.dprobs_partial = c.take({capacity, (ffn + 255) / 256}, DType::kFloat32);
   return b;
 }
@@ -59,43 +62,45 @@ std::pair<int64_t, int64_t> check_mlp(const ops::Validator& v, const TensorView&
   if (w.fc2_weight.expert_shape().size() != 2)
     v.fail(ErrorCode::kShape, "fc2_weight: expected G x [H, F], got ", w.fc2_weight.describe());
   const int64_t H = w.fc2_weight.expert_shape()[0], F = w.fc2_weight.expert_shape()[1];
+  v.glu_spec(spec.glu, F);
+  const ops::Fc1Dims fc1 = ops::fc1_dims(spec.glu, F);
   v.param("fc2_weight", w.fc2_weight, {H, F}, "[H, F]");
-  v.param("fc1_weight", w.fc1_weight, {2 * F, H}, "[2F, H]");
+  v.param("fc1_weight", w.fc1_weight, {fc1.width, H}, fc1.weight);
   v.same_dtype("fc1_weight", w.fc1_weight.dtype(), "fc2_weight", w.fc2_weight.dtype());
   if (x.defined() || x_required) {
     v.matrix("x", x, v.capacity(), H, "[T, H]");
     v.same_dtype("x", x.dtype(), "fc2_weight", w.fc2_weight.dtype());
   }
-  if (w.fc1_bias.defined()) v.param("fc1_bias", w.fc1_bias, {2 * F}, "[2F]");
+  if (w.fc1_bias.defined()) v.param("fc1_bias", w.fc1_bias, {fc1.width}, fc1.bias);
   if (w.fc2_bias.defined()) v.param("fc2_bias", w.fc2_bias, {H}, "[H]");
   if (probs.defined()) v.row_scale("probs", probs);
-  v.glu_spec(spec.glu, F);
   return {H, F};
 }
 
+// A gradient of `param` (whose shape `dims` names), when requested.
 void check_param_grad(const ops::Validator& v, const char* name, const ParamGrad& pg,
-                      const GroupedParam& param) {
+                      const GroupedParam& param, const char* dims) {
   if (!pg.grad.defined()) return;
   if (!param.defined())
     v.fail(ErrorCode::kInvalidArgument, name, ": a gradient is requested but the MLP has no ",
            name);
-  v.param(name, pg.grad, param.expert_shape(), param.expert_shape().size() == 2 ? "[N, K]" : "[N]");
+  v.param(name, pg.grad, param.expert_shape(), dims);
   v.grad_target(name, pg.grad, pg.mode);
 }
 
 }  // namespace
 
 size_t expert_mlp_forward_workspace_size(int64_t capacity, int64_t /*hidden*/, int64_t ffn,
-                                         DType dtype, bool save_fc1_out) {
+                                         DType dtype, bool save_fc1_out, const ExpertMlpSpec& spec) {
   ops::WorkspaceCarver c;
-  forward_buffers(c, capacity, ffn, dtype, save_fc1_out);
+  forward_buffers(c, capacity, ffn, dtype, save_fc1_out, spec);
   return c.used();
 }
 
 size_t expert_mlp_backward_workspace_size(int64_t capacity, int64_t /*hidden*/, int64_t ffn,
-                                          DType dtype, bool recompute_fc1, MlpFusion fusion) {
+                                          DType dtype, bool recompute_fc1, const ExpertMlpSpec& spec) {
   ops::WorkspaceCarver c;
-  backward_buffers(c, capacity, ffn, dtype, recompute_fc1, fusion);
+  backward_buffers(c, capacity, ffn, dtype, recompute_fc1, spec);
   return c.used();
 }
 
@@ -110,17 +115,19 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs,
   const int64_t H = dims.first, F = dims.second;
   const int64_t T = v.capacity();
   v.matrix("y", y, T, H, "[T, H]");
+  const ops::Fc1Dims fc1 = ops::fc1_dims(spec.glu, F);
   if (fc1_out.defined()) {
-    v.matrix("fc1_out", fc1_out, T, 2 * F, "[T, 2F]");
+    v.matrix("fc1_out", fc1_out, T, fc1.width, fc1.rows);
     v.same_dtype("fc1_out", fc1_out.dtype(), "x", x.dtype());
   }
   v.workspace(ctx.workspace,
-              expert_mlp_forward_workspace_size(T, H, F, x.dtype(), fc1_out.defined()),
+              expert_mlp_forward_workspace_size(T, H, F, x.dtype(), fc1_out.defined(), spec),
               "expert_mlp_forward_workspace_size");
-  // fc1_glu(act) runs FC1 + GLU fused into act (and fc1_out) and returns true, or does nothing.
+  // fc1_glu(act) runs FC1 + the activation fused into act (and fc1_out) and returns true, or does
+  // nothing.
   const auto compose = [&](auto&& fc1_glu) {
     ops::WorkspaceCarver carver(ctx.workspace);
-    const ForwardBuffers b = forward_buffers(carver, T, F, x.dtype(), fc1_out.defined());
+    const ForwardBuffers b = forward_buffers(carver, T, F, x.dtype(), fc1_out.defined(), spec);
     const bool fused = fc1_glu(b.act);
     if (ran_fused) *ran_fused = fused;
     if (!fused) {
@@ -158,26 +165,27 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
   const int64_t T = v.capacity();
   v.matrix("dy", dy, T, H, "[T, H]");
   v.same_dtype("dy", dy.dtype(), "fc2_weight", weights.fc2_weight.dtype());
-  if (fc1_out.defined()) v.matrix("fc1_out", fc1_out, T, 2 * F, "[T, 2F]");
+  const ops::Fc1Dims fc1 = ops::fc1_dims(spec.glu, F);
+  if (fc1_out.defined()) v.matrix("fc1_out", fc1_out, T, fc1.width, fc1.rows);
   if (grads.dx.defined()) v.matrix("dx", grads.dx, T, H, "[T, H]");
   if (grads.dprobs.defined()) {
     if (!probs.defined())
       v.fail(ErrorCode::kInvalidArgument, "dprobs is requested but no probs were given");
     v.row_scale("dprobs", grads.dprobs);
   }
-  check_param_grad(v, "fc1_weight", grads.fc1_weight, weights.fc1_weight);
-  check_param_grad(v, "fc1_bias", grads.fc1_bias, weights.fc1_bias);
-  check_param_grad(v, "fc2_weight", grads.fc2_weight, weights.fc2_weight);
-  check_param_grad(v, "fc2_bias", grads.fc2_bias, weights.fc2_bias);
+  check_param_grad(v, "fc1_weight", grads.fc1_weight, weights.fc1_weight, fc1.weight);
+  check_param_grad(v, "fc1_bias", grads.fc1_bias, weights.fc1_bias, fc1.bias);
+  check_param_grad(v, "fc2_weight", grads.fc2_weight, weights.fc2_weight, "[H, F]");
+  check_param_grad(v, "fc2_bias", grads.fc2_bias, weights.fc2_bias, "[H]");
   const bool recompute = !fc1_out.defined();
   const DType dtype = weights.fc2_weight.dtype();
-  v.workspace(ctx.workspace, expert_mlp_backward_workspace_size(T, H, F, dtype, recompute, spec.fusion),
+  v.workspace(ctx.workspace, expert_mlp_backward_workspace_size(T, H, F, dtype, recompute, spec),
               "expert_mlp_backward_workspace_size");
-  // dgrad_glu(h, b, act) runs FC2's dgrad + the GLU backward fused (act: the recomputed act * p,
-  // when FC2's weight gradient needs it) and returns true, or does nothing.
+  // dgrad_glu(h, b, act) runs FC2's dgrad + the activation's backward fused (act: the recomputed
+  // act * p, when FC2's weight gradient needs it) and returns true, or does nothing.
   const auto compose = [&](auto&& dgrad_glu) {
     ops::WorkspaceCarver carver(ctx.workspace);
-    const BackwardBuffers b = backward_buffers(carver, T, F, dtype, recompute, spec.fusion);
+    const BackwardBuffers b = backward_buffers(carver, T, F, dtype, recompute, spec);
     const TensorView h = recompute ? b.fc1_out : fc1_out;
     if (recompute)
       grouped_linear_forward(x, weights.fc1_weight, groups, h, {weights.fc1_bias, {}}, ctx);

@@ -1,5 +1,6 @@
 // The FP8 expert MLP (moe_engine/expert_mlp_fp8.hpp), composed from the FP8 quantizers and GEMMs
-// and the GLU ops: every step is an op of its own, so the composition runs on every device.
+// and the activation ops: every step is an op of its own, so the composition runs on every device.
+// FC1's width is fc1_width(spec.glu, F): 2F for a GLU, F for a non-gated activation.
 // Everything the op reads is checked before the first step runs, so that bad input fails before
 // any output or kept tensor is written.
 #include "moe_engine/expert_mlp_fp8.hpp"
@@ -37,16 +38,17 @@ struct ForwardBuffers {
   Fp8Rows act_rows;  // FC2's operand
 };
 
-ForwardBuffers forward_buffers(ops::WorkspaceCarver& c, int64_t T, int64_t H, int64_t F, DType dtype) {
+ForwardBuffers forward_buffers(ops::WorkspaceCarver& c, int64_t T, int64_t H, int64_t F, DType dtype,
+                               const ExpertMlpSpec& spec) {
   ForwardBuffers b;
   b.x_rows = take_rows(c, T, H);
-  b.h = c.take({T, 2 * F}, dtype);
+  b.h = c.take({T, fc1_width(spec.glu, F)}, dtype);
   b.act = c.take({T, F}, dtype);
   b.act_rows = take_rows(c, T, F);
   return b;
 }
 
-// The GLU backward runs in place: d_fc1 over the dequantized h, the recomputed act over d_act.
+// The activation's backward runs in place: d_fc1 over the dequantized h, the recomputed act over d_act.
 struct BackwardBuffers {
   Fp8Rows dy_rows;        // FC2 dgrad's operand
   Fp8Columns dy_columns;  // FC2 wgrad's
@@ -61,15 +63,16 @@ struct BackwardBuffers {
 };
 
 BackwardBuffers backward_buffers(ops::WorkspaceCarver& c, int64_t T, int64_t G, int64_t H, int64_t F, DType dtype,
-                                 bool x_rows) {
+                                 const ExpertMlpSpec& spec, bool x_rows) {
+  const int64_t W = fc1_width(spec.glu, F);
   BackwardBuffers b;
   b.dy_rows = take_rows(c, T, H);
   b.dy_columns = take_columns(c, T, G, H);
   b.d_act = c.take({T, F}, dtype);
-  b.h = c.take({T, 2 * F}, dtype);
+  b.h = c.take({T, W}, dtype);
   b.act_columns = take_columns(c, T, G, F);
-  b.d_fc1_rows = take_rows(c, T, 2 * F);
-  b.d_fc1_columns = take_columns(c, T, G, 2 * F);
+  b.d_fc1_rows = take_rows(c, T, W);
+  b.d_fc1_columns = take_columns(c, T, G, W);
   b.dprobs_shares = c.take({T, blocks_of(F)}, DType::kFloat32);
   if (x_rows) {
     b.x = c.take({T, H}, dtype);
@@ -92,7 +95,7 @@ void check_weight(const ops::Validator& v, const char* name, const Fp8Weight& w,
                "[G, ceil(K/128), ceil(N/128)]");
 }
 
-// Weights, biases and the GLU spec; returns {H, F}. The FC2 weight sets the sizes.
+// Weights, biases and the activation spec; returns {H, F}. The FC2 weight sets the sizes.
 std::pair<int64_t, int64_t> check_weights(const ops::Validator& v, const ExpertMlpFp8Weights& w,
                                           const ExpertMlpSpec& spec, bool backward) {
   const TensorView& fc2 = w.fc2.data;
@@ -101,11 +104,12 @@ std::pair<int64_t, int64_t> check_weights(const ops::Validator& v, const ExpertM
   const int64_t H = fc2.size(1), F = fc2.size(2);
   v.multiple_of_16("H", H, "fc2.data's rows");
   v.multiple_of_16("F", F, "fc2.data's columns");
-  check_weight(v, "fc2", w.fc2, H, F, "[G, H, F]", "[G, F, H]", backward);
-  check_weight(v, "fc1", w.fc1, 2 * F, H, "[G, 2F, H]", "[G, H, 2F]", backward);
-  if (w.fc1_bias.defined()) v.param("fc1_bias", w.fc1_bias, {2 * F}, "[2F]");
-  if (w.fc2_bias.defined()) v.param("fc2_bias", w.fc2_bias, {H}, "[H]");
   v.glu_spec(spec.glu, F);
+  const ops::Fc1Dims fc1 = ops::fc1_dims(spec.glu, F);
+  check_weight(v, "fc2", w.fc2, H, F, "[G, H, F]", "[G, F, H]", backward);
+  check_weight(v, "fc1", w.fc1, fc1.width, H, fc1.packed_weight, fc1.packed_weight_t, backward);
+  if (w.fc1_bias.defined()) v.param("fc1_bias", w.fc1_bias, {fc1.width}, fc1.bias);
+  if (w.fc2_bias.defined()) v.param("fc2_bias", w.fc2_bias, {H}, "[H]");
   return {H, F};
 }
 
@@ -116,9 +120,9 @@ void check_activation(const ops::Validator& v, const char* name, const TensorVie
     v.fail(ErrorCode::kDType, name, ": expected bfloat16 or float32, got ", dtype_name(t.dtype()));
 }
 
-void check_saved_rows(const ops::Validator& v, const Fp8Rows& rows, int64_t F) {
-  v.fp8_matrix("saved.fc1_out.data", rows.data, v.capacity(), 2 * F, "[T, 2F]");
-  v.scale_matrix("saved.fc1_out.scales", rows.scales, blocks_of(2 * F), -1, "[ceil(2F/128), S]");
+void check_saved_rows(const ops::Validator& v, const Fp8Rows& rows, const ops::Fc1Dims& fc1) {
+  v.fp8_matrix("saved.fc1_out.data", rows.data, v.capacity(), fc1.width, fc1.rows);
+  v.scale_matrix("saved.fc1_out.scales", rows.scales, blocks_of(fc1.width), -1, fc1.row_scales);
   if (rows.scales.size(1) < v.capacity())
     v.fail(ErrorCode::kShape, "saved.fc1_out.scales: expected a pitch S >= T = ", v.capacity(), ", got ",
            rows.scales.describe());
@@ -151,15 +155,15 @@ void check_param_grad(const ops::Validator& v, const char* name, const ParamGrad
 }  // namespace
 
 ExpertMlpFp8SavedShapes expert_mlp_fp8_saved_shapes(int64_t capacity, int64_t num_groups, int64_t hidden,
-                                                    int64_t ffn) {
+                                                    int64_t ffn, const ExpertMlpSpec& spec) {
   MOE_CHECK(hidden >= 0 && ffn >= 0, ErrorCode::kInvalidArgument,
             "expert_mlp_fp8_saved_shapes: expected H >= 0 and F >= 0, got H = ", hidden, ", F = ", ffn);
-  const int64_t C = fp8_columns_capacity(capacity, num_groups);
+  const int64_t C = fp8_columns_capacity(capacity, num_groups), W = fc1_width(spec.glu, ffn);
   return {{hidden, C},
           {C / kFp8Block, hidden},
           {num_groups + 1},
-          {capacity, 2 * ffn},
-          {blocks_of(2 * ffn), fp8_scales_pitch(capacity)},
+          {capacity, W},
+          {blocks_of(W), fp8_scales_pitch(capacity)},
           {capacity, hidden},
           {blocks_of(hidden), fp8_scales_pitch(capacity)}};
 }
@@ -168,16 +172,17 @@ bool expert_mlp_fp8_keeps_x_rows(int64_t capacity, int64_t num_groups) {
   return fp8_columns_capacity(capacity, num_groups) > 2 * capacity;
 }
 
-size_t expert_mlp_fp8_forward_workspace_size(int64_t capacity, int64_t hidden, int64_t ffn, DType dtype) {
+size_t expert_mlp_fp8_forward_workspace_size(int64_t capacity, int64_t hidden, int64_t ffn, DType dtype,
+                                             const ExpertMlpSpec& spec) {
   ops::WorkspaceCarver c;
-  forward_buffers(c, capacity, hidden, ffn, dtype);
+  forward_buffers(c, capacity, hidden, ffn, dtype, spec);
   return c.used();
 }
 
 size_t expert_mlp_fp8_backward_workspace_size(int64_t capacity, int64_t num_groups, int64_t hidden, int64_t ffn,
-                                              DType dtype, bool x_rows) {
+                                              DType dtype, const ExpertMlpSpec& spec, bool x_rows) {
   ops::WorkspaceCarver c;
-  backward_buffers(c, capacity, num_groups, hidden, ffn, dtype, x_rows);
+  backward_buffers(c, capacity, num_groups, hidden, ffn, dtype, spec, x_rows);
   return c.used();
 }
 
@@ -192,7 +197,8 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs, const Expe
   v.same_dtype("y", y.dtype(), "x", x.dtype());
   v.no_overlap("y", y, "x", x);
   if (probs.defined()) v.row_scale("probs", probs);
-  if (saved.fc1_out.data.defined() || saved.fc1_out.scales.defined()) check_saved_rows(v, saved.fc1_out, F);
+  if (saved.fc1_out.data.defined() || saved.fc1_out.scales.defined())
+    check_saved_rows(v, saved.fc1_out, ops::fc1_dims(spec.glu, F));
   if (saved.x.data.defined()) check_saved_columns(v, saved.x, H);
   if (saved.x_rows.data.defined()) {
     if (saved.x.data.defined())
@@ -200,16 +206,18 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs, const Expe
     check_saved_x_rows(v, saved.x_rows, H);
     v.no_overlap("saved.x_rows.data", saved.x_rows.data, "x", x);
   }
-  v.workspace(ctx.workspace, expert_mlp_fp8_forward_workspace_size(T, H, F, x.dtype()),
+  v.workspace(ctx.workspace, expert_mlp_fp8_forward_workspace_size(T, H, F, x.dtype(), spec),
               "expert_mlp_fp8_forward_workspace_size");
 
   ops::WorkspaceCarver carver(ctx.workspace);
-  const ForwardBuffers b = forward_buffers(carver, T, H, F, x.dtype());
+  const ForwardBuffers b = forward_buffers(carver, T, H, F, x.dtype(), spec);
   // x's rows: FC1's operand, written straight into what backward keeps when it keeps them.
   const Fp8Rows x_rows = saved.x_rows.data.defined() ? saved.x_rows : b.x_rows;
   quantize_fp8(x, groups, x_rows, saved.x.data.defined() ? saved.x : Fp8Columns{}, recipe, ctx);
   grouped_linear_forward(x_rows, weights.fc1, groups, b.h, {weights.fc1_bias, {}}, ctx);
-  bool fused = false;  // h quantized, GLU and act quantized in one pass (CUDA, where it takes the layout)
+  // h quantized, the activation and act quantized in one pass (CUDA, where it takes the activation
+  // and layout: GLUs only).
+  bool fused = false;
   ops::dispatch(
       v, [] {},
       [&] {
@@ -233,7 +241,8 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
   const auto [H, F] = check_weights(v, weights, spec, /*backward=*/true);
   const int64_t T = v.capacity(), G = v.num_groups();
   check_activation(v, "dy", dy, H, "[T, H]");
-  check_saved_rows(v, saved.fc1_out, F);
+  const ops::Fc1Dims fc1 = ops::fc1_dims(spec.glu, F);
+  check_saved_rows(v, saved.fc1_out, fc1);
   const bool fc1_wgrad = grads.fc1_weight.grad.defined(), fc2_wgrad = grads.fc2_weight.grad.defined();
   const bool x_from_rows = !saved.x.data.defined() && saved.x_rows.data.defined();
   if (fc1_wgrad) {
@@ -255,17 +264,17 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
     if (!probs.defined()) v.fail(ErrorCode::kInvalidArgument, "dprobs is requested but no probs were given");
     v.row_scale("dprobs", grads.dprobs);
   }
-  check_param_grad(v, "fc1_weight", grads.fc1_weight, {2 * F, H}, "[2F, H]", true);
+  check_param_grad(v, "fc1_weight", grads.fc1_weight, {fc1.width, H}, fc1.weight, true);
   check_param_grad(v, "fc2_weight", grads.fc2_weight, {H, F}, "[H, F]", true);
-  check_param_grad(v, "fc1_bias", grads.fc1_bias, {2 * F}, "[2F]", weights.fc1_bias.defined());
+  check_param_grad(v, "fc1_bias", grads.fc1_bias, {fc1.width}, fc1.bias, weights.fc1_bias.defined());
   check_param_grad(v, "fc2_bias", grads.fc2_bias, {H}, "[H]", weights.fc2_bias.defined());
   const bool make_x_columns = fc1_wgrad && x_from_rows;
-  v.workspace(ctx.workspace, expert_mlp_fp8_backward_workspace_size(T, G, H, F, dy.dtype(), make_x_columns),
+  v.workspace(ctx.workspace, expert_mlp_fp8_backward_workspace_size(T, G, H, F, dy.dtype(), spec, make_x_columns),
               make_x_columns ? "expert_mlp_fp8_backward_workspace_size(x_rows = true)"
                              : "expert_mlp_fp8_backward_workspace_size");
 
   ops::WorkspaceCarver carver(ctx.workspace);
-  const BackwardBuffers b = backward_buffers(carver, T, G, H, F, dy.dtype(), make_x_columns);
+  const BackwardBuffers b = backward_buffers(carver, T, G, H, F, dy.dtype(), spec, make_x_columns);
   quantize_fp8(dy, groups, b.dy_rows, fc2_wgrad ? b.dy_columns : Fp8Columns{}, recipe, ctx);
   grouped_linear_dgrad(b.dy_rows, weights.fc2, groups, b.d_act, ctx);
   // The step between FC2's dgrad and the weight gradients in one pass (CUDA, fusion

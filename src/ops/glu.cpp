@@ -1,4 +1,4 @@
-// GLU ops: validation, then dispatch by device.
+// The activation ops (GLUs and non-gated activations): validation, then dispatch by device.
 #include "moe_engine/glu.hpp"
 
 #include "cpu/backend.hpp"
@@ -15,9 +15,10 @@ void glu_forward(const TensorView& h, const TensorView& probs, const GroupLayout
   const ops::Validator v("glu_forward", groups);
   v.matrix("out", out, v.capacity(), -1, "[T, F]");
   const int64_t F = out.size(1);
-  v.matrix("h", h, v.capacity(), 2 * F, "[T, 2F]");
-  if (probs.defined()) v.row_scale("probs", probs);
   v.glu_spec(spec, F);
+  const ops::Fc1Dims fc1 = ops::fc1_dims(spec, F);
+  v.matrix("h", h, v.capacity(), fc1.width, fc1.rows);
+  if (probs.defined()) v.row_scale("probs", probs);
   v.no_overlap("out", out, "h", h);
   ops::dispatch(
       v, [&] { cpu::glu_forward(h, probs, groups, out, spec); },
@@ -30,8 +31,10 @@ void glu_backward(const TensorView& h, const TensorView& probs, const TensorView
   const ops::Validator v("glu_backward", groups);
   v.matrix("d_out", d_out, v.capacity(), -1, "[T, F]");
   const int64_t F = d_out.size(1);
-  v.matrix("h", h, v.capacity(), 2 * F, "[T, 2F]");
-  v.matrix("dh", outputs.dh, v.capacity(), 2 * F, "[T, 2F]");
+  v.glu_spec(spec, F);
+  const ops::Fc1Dims fc1 = ops::fc1_dims(spec, F);
+  v.matrix("h", h, v.capacity(), fc1.width, fc1.rows);
+  v.matrix("dh", outputs.dh, v.capacity(), fc1.width, fc1.rows);
   if (probs.defined()) v.row_scale("probs", probs);
   if (outputs.dprobs.defined()) {
     if (!probs.defined())
@@ -39,7 +42,6 @@ void glu_backward(const TensorView& h, const TensorView& probs, const TensorView
     v.row_scale("dprobs", outputs.dprobs);
   }
   if (outputs.out.defined()) v.matrix("out", outputs.out, v.capacity(), F, "[T, F]");
-  v.glu_spec(spec, F);
   v.in_place_or_separate("dh", outputs.dh, "h", h);
   v.no_overlap("dh", outputs.dh, "d_out", d_out);
   if (outputs.out.defined()) {

@@ -190,20 +190,7 @@ void Validator::workspace(const Workspace& ws, size_t bytes, const char* size_fu
          "; expected the group layout's device ", to_string(device_));
 }
 
-void Validator::glu_spec(const GluSpec& spec, int64_t ffn) const {
-  const int64_t s = spec.layout.block_size(ffn);
-  if (ffn > 0 && ffn % s != 0)
-    fail(ErrorCode::kShape, "GLU layout ", spec.layout.name(), " needs F divisible by ", s,
-         ", got F = ", ffn);
-  if (spec.activation == GluActivation::kClampedQGeGLU) {
-    if (!(spec.limit > 0) || std::isnan(spec.limit))
-      fail(ErrorCode::kInvalidArgument, "clamped_qgeglu limit must be > 0, got ", spec.limit);
-    if (!std::isfinite(spec.alpha) || !std::isfinite(spec.offset))
-      fail(ErrorCode::kInvalidArgument,
-           "clamped_qgeglu alpha and offset must be finite, got alpha = ", spec.alpha,
-           ", offset = ", spec.offset);
-  }
-}
+void Validator::glu_spec(const GluSpec& spec, int64_t ffn) const { check_glu_spec(spec, ffn, op_); }
 
 void Validator::defined(const char* name, const TensorView& t, const char* dims) const {
   if (!t.defined()) fail(ErrorCode::kInvalidArgument, name, ": required tensor ", dims, " is undefined");

@@ -73,7 +73,7 @@ class Validator {
   // overlap is an error.
   void in_place_or_separate(const char* out_name, const TensorView& out, const char* in_name,
                             const TensorView& in) const;
-  // The GLU spec is usable with F gate/linear columns.
+  // The activation spec is usable with F features (check_glu_spec).
   void glu_spec(const GluSpec& spec, int64_t ffn) const;
   // The workspace can hold `bytes` on the device.
   void workspace(const Workspace& ws, size_t bytes, const char* size_function) const;
@@ -108,6 +108,22 @@ class Validator {
   int64_t num_groups_ = 0;
   int64_t capacity_ = -1;
 };
+
+// FC1's output width for an activation spec (fc1_width: 2F gated, F not) and the names of the shapes
+// that have it, for the messages.
+struct Fc1Dims {
+  int64_t width;
+  const char* rows;            // h, dL/dh: "[T, 2F]" or "[T, F]"
+  const char* weight;          // "[2F, H]"
+  const char* bias;            // "[2F]"
+  const char* packed_weight;   // the FP8 weight: "[G, 2F, H]"
+  const char* packed_weight_t; // and its transposed copy: "[G, H, 2F]"
+  const char* row_scales;      // the FP8 rows' scales: "[ceil(2F/128), S]"
+};
+inline Fc1Dims fc1_dims(const GluSpec& spec, int64_t ffn) {
+  if (spec.gated()) return {2 * ffn, "[T, 2F]", "[2F, H]", "[2F]", "[G, 2F, H]", "[G, H, 2F]", "[ceil(2F/128), S]"};
+  return {ffn, "[T, F]", "[F, H]", "[F]", "[G, F, H]", "[G, H, F]", "[ceil(F/128), S]"};
+}
 
 // Splits scratch buffers off a workspace; with no data it only adds up their sizes, so an op's
 // *_workspace_size and the op itself share one description of the layout.

@@ -1,10 +1,12 @@
 // Naive float64 reference. Deliberately shares no code with src/cpu: plain triple loops, its own
-// column mapping per GLU layout and its own activation formulas.
+// column mapping per GLU layout and its own activation formulas (GELU from its textbook tanh form,
+// where the backends compute it through a sigmoid).
 #include "oracle/oracle.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numbers>
 
 #include "moe_engine/error.hpp"
 
@@ -49,7 +51,7 @@ Columns glu_columns(const GluLayout& layout, int64_t j, int64_t ffn) {
 }
 
 double activation(const GluSpec& spec, double gate, double linear) {
-  if (spec.activation == GluActivation::kSwiGLU) return gate * sigmoid(gate) * linear;
+  if (spec.activation == Activation::kSwiGLU) return gate * sigmoid(gate) * linear;
   const double limit = spec.limit;
   const double g = std::min(gate, limit);
   const double l = std::min(std::max(linear, -limit), limit) + spec.offset;
@@ -59,7 +61,7 @@ double activation(const GluSpec& spec, double gate, double linear) {
 // Partial derivatives of activation() w.r.t. gate and linear.
 void activation_grad(const GluSpec& spec, double gate, double linear, double& d_gate,
                      double& d_linear) {
-  if (spec.activation == GluActivation::kSwiGLU) {
+  if (spec.activation == Activation::kSwiGLU) {
     const double s = sigmoid(gate);
     d_gate = (s + gate * s * (1.0 - s)) * linear;
     d_linear = gate * s;
@@ -71,6 +73,20 @@ void activation_grad(const GluSpec& spec, double gate, double linear, double& d_
   const double s = sigmoid(alpha * g);
   d_gate = gate > limit ? 0.0 : (s + alpha * g * s * (1.0 - s)) * l;
   d_linear = std::abs(linear) > limit ? 0.0 : g * s;
+}
+
+// The non-gated activations and their derivatives (NaN stays NaN).
+double elementwise(Activation act, double h) {
+  if (act == Activation::kSReLU) return h < 0.0 ? 0.0 : h * h;
+  const double k = std::sqrt(2.0 / std::numbers::pi);
+  return 0.5 * h * (1.0 + std::tanh(k * (h + 0.044715 * h * h * h)));
+}
+
+double elementwise_grad(Activation act, double h) {
+  if (act == Activation::kSReLU) return h < 0.0 ? 0.0 : 2.0 * h;
+  const double k = std::sqrt(2.0 / std::numbers::pi);
+  const double t = std::tanh(k * (h + 0.044715 * h * h * h));
+  return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * h * h);
 }
 
 double read(const TensorView& t, int64_t offset) {
@@ -323,33 +339,45 @@ Vector linear_dscales(const Matrix& dy, const Matrix& bias, const Splits& splits
 }
 
 Matrix glu_forward(const Matrix& h, const Vector& probs, const GluSpec& spec) {
-  const int64_t F = h.cols / 2;
+  const bool gated = is_gated(spec.activation);
+  const int64_t F = gated ? h.cols / 2 : h.cols;
   Matrix out(h.rows, F);
   for (int64_t r = 0; r < h.rows; ++r)
     for (int64_t j = 0; j < F; ++j) {
+      const double p = probs.empty() ? 1.0 : probs[size_t(r)];
+      if (!gated) {
+        out(r, j) = elementwise(spec.activation, h(r, j)) * p;
+        continue;
+      }
       const Columns c = glu_columns(spec.layout, j, F);
-      out(r, j) =
-          activation(spec, h(r, c.gate), h(r, c.linear)) * (probs.empty() ? 1.0 : probs[size_t(r)]);
+      out(r, j) = activation(spec, h(r, c.gate), h(r, c.linear)) * p;
     }
   return out;
 }
 
 GluGrads glu_backward(const Matrix& h, const Vector& probs, const Matrix& d_out,
                       const GluSpec& spec) {
-  const int64_t F = h.cols / 2;
+  const bool gated = is_gated(spec.activation);
+  const int64_t F = gated ? h.cols / 2 : h.cols;
   GluGrads g;
   g.dh = Matrix(d_out.rows, h.cols);
   if (!probs.empty()) g.dprobs.assign(size_t(d_out.rows), 0.0);
   for (int64_t r = 0; r < d_out.rows; ++r)
     for (int64_t j = 0; j < F; ++j) {
-      const Columns c = glu_columns(spec.layout, j, F);
       const double p = probs.empty() ? 1.0 : probs[size_t(r)];
-      double d_gate = 0, d_linear = 0;
-      activation_grad(spec, h(r, c.gate), h(r, c.linear), d_gate, d_linear);
-      g.dh(r, c.gate) = d_out(r, j) * p * d_gate;
-      g.dh(r, c.linear) = d_out(r, j) * p * d_linear;
-      if (!probs.empty())
-        g.dprobs[size_t(r)] += activation(spec, h(r, c.gate), h(r, c.linear)) * d_out(r, j);
+      double act = 0;
+      if (gated) {
+        const Columns c = glu_columns(spec.layout, j, F);
+        double d_gate = 0, d_linear = 0;
+        activation_grad(spec, h(r, c.gate), h(r, c.linear), d_gate, d_linear);
+        g.dh(r, c.gate) = d_out(r, j) * p * d_gate;
+        g.dh(r, c.linear) = d_out(r, j) * p * d_linear;
+        act = activation(spec, h(r, c.gate), h(r, c.linear));
+      } else {
+        g.dh(r, j) = d_out(r, j) * p * elementwise_grad(spec.activation, h(r, j));
+        act = elementwise(spec.activation, h(r, j));
+      }
+      if (!probs.empty()) g.dprobs[size_t(r)] += act * d_out(r, j);
     }
   return g;
 }

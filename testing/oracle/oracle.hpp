@@ -62,7 +62,7 @@ std::vector<Matrix> linear_wgrad(const Matrix& dy, const Matrix& x, const Splits
 Matrix linear_dbias(const Matrix& dy, const Splits& splits, const Vector& row_scale);
 Vector linear_dscales(const Matrix& dy, const Matrix& bias, const Splits& splits);
 
-// ---- GLU (section 3); probs empty = 1 ----
+// ---- activations (section 3): GLUs on h [rows, 2F], non-gated ones on h [rows, F]; probs empty = 1 ----
 Matrix glu_forward(const Matrix& h, const Vector& probs, const GluSpec& spec);
 struct GluGrads {
   Matrix dh;
@@ -73,8 +73,8 @@ GluGrads glu_backward(const Matrix& h, const Vector& probs, const Matrix& d_out,
 
 // ---- expert MLP (section 3) ----
 struct MlpParams {
-  std::vector<Matrix> w1, w2;  // [2F, H] and [H, F] per expert
-  Matrix b1, b2;               // [G, 2F] and [G, H]; empty = no bias
+  std::vector<Matrix> w1, w2;  // [2F, H] ([F, H] non-gated) and [H, F] per expert
+  Matrix b1, b2;               // [G, 2F] ([G, F] non-gated) and [G, H]; empty = no bias
 };
 struct MlpForward {
   Matrix h;  // FC1 output incl. b1 (pre-activation)

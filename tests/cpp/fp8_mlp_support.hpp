@@ -11,7 +11,7 @@ namespace moe::test {
 
 // Inputs on the CPU; weights and activations in `dt`.
 struct Fp8MlpCase {
-  int64_t T, G, H, F;
+  int64_t T, G, H, F;  // FC1 has W() rows: 2F for a GLU, F for a non-gated activation
   DType dt;
   GluSpec glu;
   Tensor x, w1, b1, w2, b2, p, dy;  // b1/b2/p undefined when absent
@@ -19,15 +19,16 @@ struct Fp8MlpCase {
   Fp8MlpCase(Rng& rng, int64_t T, int64_t G, int64_t H, int64_t F, DType dt, GluSpec glu, bool bias, bool probs)
       : T(T), G(G), H(H), F(F), dt(dt), glu(glu) {
     x = random_tensor({T, H}, dt, rng);
-    w1 = random_tensor({G, 2 * F, H}, dt, rng, 1.0 / std::sqrt(double(H)));
+    w1 = random_tensor({G, W(), H}, dt, rng, 1.0 / std::sqrt(double(H)));
     w2 = random_tensor({G, H, F}, dt, rng, 1.0 / std::sqrt(double(F)));
     if (bias) {
-      b1 = random_tensor({G, 2 * F}, dt, rng, 0.5);
+      b1 = random_tensor({G, W()}, dt, rng, 0.5);
       b2 = random_tensor({G, H}, dt, rng, 0.5);
     }
     if (probs) p = uniform_tensor({T}, DType::kFloat32, rng, 0.05, 1.0);
     dy = random_tensor({T, H}, dt, rng);
   }
+  int64_t W() const { return fc1_width(glu, F); }
 };
 
 // One forward + backward's results, on the device they were computed on.
@@ -45,7 +46,7 @@ struct Fp8MlpWeights {
   OwnedWeight fc1, fc2;
   Tensor b1, b2;
   Fp8MlpWeights(const Fp8MlpCase& c, Device device, Stream stream = nullptr)
-      : fc1(c.G, 2 * c.F, c.H, device), fc2(c.G, c.H, c.F, device), b1(on(c.b1, device)), b2(on(c.b2, device)) {
+      : fc1(c.G, c.W(), c.H, device), fc2(c.G, c.H, c.F, device), b1(on(c.b1, device)), b2(on(c.b2, device)) {
     const ExecContext ctx{stream, {}};
     quantize_fp8_weight(GroupedParam::packed(on(c.w1, device)), fc1.view(), {}, ctx);
     quantize_fp8_weight(GroupedParam::packed(on(c.w2, device)), fc2.view(), {}, ctx);
@@ -68,15 +69,16 @@ struct Fp8MlpBuffers {
     out.y = poisoned_on({c.T, c.H}, c.dt, device);
     out.dx = poisoned_on({c.T, c.H}, c.dt, device);
     if (c.p.defined()) out.dprobs = poisoned_on({c.T}, DType::kFloat32, device);
-    out.dw1 = poisoned_on({c.G, 2 * c.F, c.H}, DType::kFloat32, device);
+    out.dw1 = poisoned_on({c.G, c.W(), c.H}, DType::kFloat32, device);
     out.dw2 = poisoned_on({c.G, c.H, c.F}, DType::kFloat32, device);
-    if (c.b1.defined()) out.db1 = poisoned_on({c.G, 2 * c.F}, DType::kFloat32, device);
+    if (c.b1.defined()) out.db1 = poisoned_on({c.G, c.W()}, DType::kFloat32, device);
     if (c.b2.defined()) out.db2 = poisoned_on({c.G, c.H}, DType::kFloat32, device);
-    out.saved_h = OwnedRows(c.T, 2 * c.F, device);
+    out.saved_h = OwnedRows(c.T, c.W(), device);
     if (x_rows) out.saved_x_rows = OwnedRows(c.T, c.H, device);
     else out.saved_x = OwnedColumns(c.T, c.G, c.H, device);
-    fws = Tensor::empty({int64_t(expert_mlp_fp8_forward_workspace_size(c.T, c.H, c.F, c.dt))}, DType::kUInt8, device);
-    bws = Tensor::empty({int64_t(expert_mlp_fp8_backward_workspace_size(c.T, c.G, c.H, c.F, c.dt, x_rows))},
+    fws = Tensor::empty({int64_t(expert_mlp_fp8_forward_workspace_size(c.T, c.H, c.F, c.dt, {c.glu}))}, DType::kUInt8,
+                        device);
+    bws = Tensor::empty({int64_t(expert_mlp_fp8_backward_workspace_size(c.T, c.G, c.H, c.F, c.dt, {c.glu}, x_rows))},
                         DType::kUInt8, device);
   }
   ExpertMlpFp8Saved saved() const {

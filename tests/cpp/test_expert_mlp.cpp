@@ -1,5 +1,6 @@
-// The expert MLP on the CPU backend: against the float64 oracle, finite differences, recompute vs
-// saved pre-activation, per-expert vs packed weights, gradient modes, workspace sizing.
+// The expert MLP on the CPU backend, GLU and non-gated activations: against the float64 oracle,
+// finite differences, recompute vs saved pre-activation, per-expert vs packed weights, gradient
+// modes, workspace sizing.
 #include <cmath>
 
 #include "test_support.hpp"
@@ -35,10 +36,10 @@ MlpProblem make_problem(Rng& rng, std::vector<int64_t> splits, int64_t T, int64_
   MlpProblem m{Routing(std::move(splits), T), H, F, dt, glu, {}, {}, {}, {}, {}, {}, {}};
   const int64_t G = m.G();
   m.x = random_tensor({T, H}, dt, rng);
-  m.w1 = random_tensor({G, 2 * F, H}, dt, rng, fc1_scale / std::sqrt(double(H)));
+  m.w1 = random_tensor({G, fc1_width(glu, F), H}, dt, rng, fc1_scale / std::sqrt(double(H)));
   m.w2 = random_tensor({G, H, F}, dt, rng, 1.0 / std::sqrt(double(F)));
   if (bias) {
-    m.b1 = random_tensor({G, 2 * F}, dt, rng, 0.5);
+    m.b1 = random_tensor({G, fc1_width(glu, F)}, dt, rng, 0.5);
     m.b2 = random_tensor({G, H}, dt, rng, 0.5);
   }
   if (probs)
@@ -60,7 +61,7 @@ ExecContext ctx_with(const Tensor& ws) {
 
 // Forward + backward; gradients in float32 (write mode), stored packed or per expert.
 MlpRun run(const MlpProblem& m, bool per_expert, bool save_fc1_out) {
-  const int64_t T = m.T(), G = m.G(), H = m.H, F = m.F;
+  const int64_t T = m.T(), G = m.G(), H = m.H, F = m.F, W = fc1_width(m.glu, F);
   const DType gdt = m.dt == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
   OwnedParam w1(m.w1, per_expert), w2(m.w2, per_expert);
   OwnedParam b1 = m.b1.defined() ? OwnedParam(m.b1, per_expert) : OwnedParam();
@@ -69,15 +70,15 @@ MlpRun run(const MlpProblem& m, bool per_expert, bool save_fc1_out) {
   const ExpertMlpSpec spec{m.glu};
   MlpRun r;
   r.y = poisoned({T, H}, m.dt);
-  if (save_fc1_out) r.fc1_out = poisoned({T, 2 * F}, m.dt);
-  Tensor fws = workspace_for(expert_mlp_forward_workspace_size(T, H, F, m.dt, save_fc1_out));
+  if (save_fc1_out) r.fc1_out = poisoned({T, W}, m.dt);
+  Tensor fws = workspace_for(expert_mlp_forward_workspace_size(T, H, F, m.dt, save_fc1_out, spec));
   expert_mlp_forward(m.x, m.p, weights, m.routing.layout, r.y, r.fc1_out, spec, ctx_with(fws));
 
   r.dx = poisoned({T, H}, m.dt);
   if (m.p.defined()) r.dprobs = poisoned({T}, m.p.dtype());
-  r.dw1 = OwnedParam(poisoned({G, 2 * F, H}, gdt), per_expert);
+  r.dw1 = OwnedParam(poisoned({G, W, H}, gdt), per_expert);
   r.dw2 = OwnedParam(poisoned({G, H, F}, gdt), per_expert);
-  if (m.b1.defined()) r.db1 = OwnedParam(poisoned({G, 2 * F}, gdt), per_expert);
+  if (m.b1.defined()) r.db1 = OwnedParam(poisoned({G, W}, gdt), per_expert);
   if (m.b2.defined()) r.db2 = OwnedParam(poisoned({G, H}, gdt), per_expert);
   ExpertMlpGrads grads;
   grads.dx = r.dx;
@@ -86,7 +87,7 @@ MlpRun run(const MlpProblem& m, bool per_expert, bool save_fc1_out) {
   grads.fc2_weight = {r.dw2.param, GradMode::kWrite};
   grads.fc1_bias = {r.db1.param, GradMode::kWrite};
   grads.fc2_bias = {r.db2.param, GradMode::kWrite};
-  Tensor bws = workspace_for(expert_mlp_backward_workspace_size(T, H, F, m.dt, !save_fc1_out, spec.fusion));
+  Tensor bws = workspace_for(expert_mlp_backward_workspace_size(T, H, F, m.dt, !save_fc1_out, spec));
   expert_mlp_backward(m.dy, m.x, m.p, weights, m.routing.layout, r.fc1_out, grads, spec,
                       ctx_with(bws));
   return r;
@@ -126,7 +127,7 @@ void expect_matches_oracle(const MlpProblem& m, const MlpRun& r) {
   if (r.dprobs.defined()) EXPECT_TRUE(tail_untouched(r.dprobs, rows)) << "dprobs tail";
 }
 
-GluSpec glu(GluActivation act, GluLayout layout) {
+GluSpec glu(Activation act, GluLayout layout) {
   GluSpec s;
   s.activation = act;
   s.layout = layout;
@@ -138,11 +139,9 @@ class ExpertMlp : public ::testing::TestWithParam<DType> {};
 TEST_P(ExpertMlp, MatchesOracleForEveryActivationLayoutBiasAndProbs) {
   const DType dt = GetParam();
   Rng rng;
-  for (GluActivation act : {GluActivation::kSwiGLU, GluActivation::kClampedQGeGLU})
-    for (const GluLayout& layout : {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(8)})
+  for (const GluSpec& spec : activation_specs({GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(8)}))
       for (bool bias : {false, true})
         for (bool probs : {false, true}) {
-          const GluSpec spec = glu(act, layout);
           SCOPED_TRACE(describe(spec) + (bias ? ", bias" : "") + (probs ? ", probs" : ""));
           // bf16/fp16 round the pre-activation, so values near the clamp could land on its
           // other side; past-the-clamp values are exercised in float32/float64.
@@ -156,7 +155,7 @@ TEST_P(ExpertMlp, MatchesOracleForEveryActivationLayoutBiasAndProbs) {
 TEST_P(ExpertMlp, SingleExpertAndManyExperts) {
   const DType dt = GetParam();
   Rng rng;
-  const GluSpec spec = glu(GluActivation::kSwiGLU, GluLayout::halves());
+  const GluSpec spec = glu(Activation::kSwiGLU, GluLayout::halves());
   {
     SCOPED_TRACE("G = 1");
     const MlpProblem m = make_problem(rng, {37}, 40, 24, 16, dt, spec, true, true);
@@ -175,7 +174,9 @@ TEST_P(ExpertMlp, SingleExpertAndManyExperts) {
 TEST_P(ExpertMlp, RecomputeAndPerExpertAreBitIdentical) {
   const DType dt = GetParam();
   Rng rng;
-  const GluSpec spec = glu(GluActivation::kClampedQGeGLU, GluLayout::blocks(4));
+  for (const GluSpec& spec : {glu(Activation::kClampedQGeGLU, GluLayout::blocks(4)), spec_of(Activation::kSReLU),
+                              spec_of(Activation::kGeluTanh)}) {
+  SCOPED_TRACE(describe(spec));
   const MlpProblem m = make_problem(rng, {9, 0, 1, 30}, 48, 32, 16, dt, spec, true, true);
   const MlpRun base = run(m, false, true);
   for (auto [per_expert, save] :
@@ -194,6 +195,7 @@ TEST_P(ExpertMlp, RecomputeAndPerExpertAreBitIdentical) {
   const MlpRun again = run(m, false, true);  // run to run
   EXPECT_TRUE(bitwise_equal(again.dw1.param, base.dw1.param));
   EXPECT_TRUE(bitwise_equal(again.y, base.y));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, ExpertMlp,
@@ -204,16 +206,16 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, ExpertMlp,
 // Accumulating twice into a zeroed main_grad gives exactly 2x one write; overwrite replaces.
 TEST(ExpertMlpGradModes, AccumulateTwiceIsTwiceAndOverwriteReplaces) {
   Rng rng;
-  const GluSpec spec = glu(GluActivation::kSwiGLU, GluLayout::halves());
+  const GluSpec spec = glu(Activation::kSwiGLU, GluLayout::halves());
   const MlpProblem m = make_problem(rng, {6, 0, 11}, 20, 16, 8, DType::kBFloat16, spec, true, true);
   const MlpRun once = run(m, false, true);
   const int64_t G = m.G(), T = m.T(), H = m.H, F = m.F;
   const ExpertMlpWeights weights{GroupedParam::packed(m.w1), GroupedParam::packed(m.b1),
                                  GroupedParam::packed(m.w2), GroupedParam::packed(m.b2)};
   Tensor fc1_out = poisoned({T, 2 * F}, m.dt), y = poisoned({T, H}, m.dt);
-  Tensor fws = workspace_for(expert_mlp_forward_workspace_size(T, H, F, m.dt, true));
+  Tensor fws = workspace_for(expert_mlp_forward_workspace_size(T, H, F, m.dt, true, {spec}));
   expert_mlp_forward(m.x, m.p, weights, m.routing.layout, y, fc1_out, {spec}, ctx_with(fws));
-  Tensor bws = workspace_for(expert_mlp_backward_workspace_size(T, H, F, m.dt, false, MlpFusion::kForward));
+  Tensor bws = workspace_for(expert_mlp_backward_workspace_size(T, H, F, m.dt, false, {spec}));
   for (GradMode mode : {GradMode::kAccumulate, GradMode::kOverwrite}) {
     SCOPED_TRACE(grad_mode_name(mode));
     Tensor mg1 = Tensor::zeros({G, 2 * F, H}, DType::kFloat32),
@@ -246,22 +248,22 @@ TEST(ExpertMlpGradModes, AccumulateTwiceIsTwiceAndOverwriteReplaces) {
   }
 }
 
-// The acceptance check: float64 central differences of L = <y, R> for every input and parameter.
+// The acceptance check: float64 central differences of L = <y, R> for every input and parameter,
+// for every activation (the GLUs in two layouts).
 TEST(ExpertMlpBackward, AgreesWithFiniteDifferences) {
   Rng rng;
   const int64_t H = 5, F = 4, T = 6;
-  for (GluActivation act : {GluActivation::kSwiGLU, GluActivation::kClampedQGeGLU})
-    for (const GluLayout& layout : {GluLayout::halves(), GluLayout::pairs()}) {
-      const GluSpec spec = glu(act, layout);
+  for (const GluSpec& spec : activation_specs({GluLayout::halves(), GluLayout::pairs()})) {
       SCOPED_TRACE(describe(spec));
+      const int64_t W = fc1_width(spec, F);
       MlpProblem m = make_problem(rng, {2, 0, 3}, T, H, F, DType::kFloat64, spec, true, true,
-                                  act == GluActivation::kClampedQGeGLU ? 5.0 : 1.0);
+                                  spec.activation == Activation::kClampedQGeGLU ? 5.0 : 1.0);
       const ExpertMlpWeights weights{GroupedParam::packed(m.w1), GroupedParam::packed(m.b1),
                                      GroupedParam::packed(m.w2), GroupedParam::packed(m.b2)};
-      Tensor fws = workspace_for(expert_mlp_forward_workspace_size(T, H, F, m.dt, true));
+      Tensor fws = workspace_for(expert_mlp_forward_workspace_size(T, H, F, m.dt, true, {spec}));
       auto loss = [&](Tensor* fc1_out) {
         Tensor y = Tensor::zeros({T, H}, DType::kFloat64);
-        Tensor h = Tensor::zeros({T, 2 * F}, DType::kFloat64);
+        Tensor h = Tensor::zeros({T, W}, DType::kFloat64);
         expert_mlp_forward(m.x, m.p, weights, m.routing.layout, y, h, {spec}, ctx_with(fws));
         if (fc1_out) *fc1_out = h;
         double l = 0;
@@ -271,9 +273,12 @@ TEST(ExpertMlpBackward, AgreesWithFiniteDifferences) {
       };
       Tensor h;
       loss(&h);
-      for (int64_t i = 0; i < m.routing.rows() * 2 * F; ++i)  // stay clear of the clamp kinks
-        ASSERT_GT(std::abs(std::abs(h.data_as<double>()[i]) - spec.limit), 1e-4)
-            << "resample: kink";
+      for (int64_t i = 0; i < m.routing.rows() * W; ++i) {  // stay clear of the kinks
+        const double v = h.data_as<double>()[i];
+        if (spec.activation == Activation::kClampedQGeGLU)
+          ASSERT_GT(std::abs(std::abs(v) - spec.limit), 1e-4) << "resample: clamp kink";
+        if (spec.activation == Activation::kSReLU) ASSERT_GT(std::abs(v), 1e-4) << "resample: kink at 0";
+      }
       const MlpRun r = run(m, false, true);
       const double eps = 1e-6;
       int64_t checked = 0;
@@ -299,17 +304,17 @@ TEST(ExpertMlpBackward, AgreesWithFiniteDifferences) {
       check(m.w2, r.dw2.param.packed_view(), m.w2.numel(), "dw2");
       check(m.b2, r.db2.param.packed_view(), m.b2.numel(), "db2");
       check(m.p, r.dprobs, m.routing.rows(), "dprobs");
-      EXPECT_GT(checked, 200);
+      EXPECT_EQ(checked, m.routing.rows() * (H + 1) + m.w1.numel() + m.b1.numel() + m.w2.numel() + m.b2.numel());
     }
 }
 
 TEST(ExpertMlpWorkspace, ExactSizeWorksOneByteLessIsAClearError) {
   Rng rng;
-  const GluSpec spec = glu(GluActivation::kSwiGLU, GluLayout::halves());
+  const GluSpec spec = glu(Activation::kSwiGLU, GluLayout::halves());
   const MlpProblem m = make_problem(rng, {3, 4}, 8, 16, 8, DType::kBFloat16, spec, false, false);
   const ExpertMlpWeights weights{GroupedParam::packed(m.w1), {}, GroupedParam::packed(m.w2), {}};
-  const size_t need = expert_mlp_forward_workspace_size(8, 16, 8, DType::kBFloat16, false);
-  EXPECT_GT(need, expert_mlp_forward_workspace_size(8, 16, 8, DType::kBFloat16, true));
+  const size_t need = expert_mlp_forward_workspace_size(8, 16, 8, DType::kBFloat16, false, {spec});
+  EXPECT_GT(need, expert_mlp_forward_workspace_size(8, 16, 8, DType::kBFloat16, true, {spec}));
   Tensor ws = workspace_for(need);
   Tensor y = poisoned({8, 16}, DType::kBFloat16);
   EXPECT_NO_THROW(
@@ -319,6 +324,24 @@ TEST(ExpertMlpWorkspace, ExactSizeWorksOneByteLessIsAClearError) {
                    ErrorCode::kWorkspace, "size it with expert_mlp_forward_workspace_size");
   EXPECT_MOE_ERROR(expert_mlp_forward(m.x, {}, weights, m.routing.layout, y, {}, {spec}, {}),
                    ErrorCode::kWorkspace, "holds 0 bytes");
+}
+
+// FC1's width follows the activation: F per row for srelu / gelu_tanh where a GLU takes 2F.
+TEST(ExpertMlpWorkspace, SizedByTheActivationsFc1Width) {
+  const int64_t T = 64, H = 32, F = 256;  // multiples of the carver's 256-byte alignment
+  const DType dt = DType::kBFloat16;
+  const ExpertMlpSpec glu_spec{glu(Activation::kSwiGLU, GluLayout::halves())};
+  for (Activation act : kElementwiseActivations) {
+    SCOPED_TRACE(activation_name(act));
+    const ExpertMlpSpec spec{spec_of(act)};
+    // forward: [T, F] act, + [T, F] h when not kept (a GLU's h: [T, 2F])
+    EXPECT_EQ(expert_mlp_forward_workspace_size(T, H, F, dt, true, spec), size_t(T * F * 2));
+    EXPECT_EQ(expert_mlp_forward_workspace_size(T, H, F, dt, false, spec), size_t(2 * T * F * 2));
+    EXPECT_EQ(expert_mlp_forward_workspace_size(T, H, F, dt, false, glu_spec), size_t(3 * T * F * 2));
+    // backward: d_act [T, F] and dh [T, F] (a GLU's: [T, 2F])
+    EXPECT_EQ(expert_mlp_backward_workspace_size(T, H, F, dt, false, spec), size_t(2 * T * F * 2));
+    EXPECT_EQ(expert_mlp_backward_workspace_size(T, H, F, dt, false, glu_spec), size_t(3 * T * F * 2));
+  }
 }
 
 }  // namespace

@@ -22,17 +22,17 @@ const RoutingCase kRoutings[] = {
 class Fp8MlpCpu : public ::testing::TestWithParam<DType> {};
 
 // H and F multiples of 16 but not of 128 (partial scale blocks along every contraction), biases
-// and probs on and off, both GLU activations.
+// and probs on and off, every activation (the non-gated ones with FC1 of F rows).
 TEST_P(Fp8MlpCpu, ForwardAndBackwardMatchTheFloat64MlpWithinFp8Error) {
   const DType dt = GetParam();
   Rng rng;
   for (const RoutingCase& rc : kRoutings) {
-    for (const bool bias : {false, true}) {
-      const GluActivation act = bias ? GluActivation::kClampedQGeGLU : GluActivation::kSwiGLU;
-      SCOPED_TRACE(std::string(rc.name) + (bias ? " with biases and probs" : " without"));
+    for (const auto& [act, bias] : {std::pair{Activation::kSwiGLU, false}, {Activation::kClampedQGeGLU, true},
+                                    {Activation::kSReLU, true}, {Activation::kGeluTanh, false}}) {
+      SCOPED_TRACE(std::string(rc.name) + ", " + activation_name(act) + (bias ? " with biases and probs" : " without"));
       const Routing r(rc.splits, rc.capacity);
-      const Fp8MlpCase c(rng, rc.capacity, r.num_groups(), 144, 80, dt, spec_of(act, GluLayout::pairs()), bias,
-                         bias);
+      const Fp8MlpCase c(rng, rc.capacity, r.num_groups(), 144, 80, dt,
+                         spec_of(act, is_gated(act) ? GluLayout::pairs() : GluLayout::halves()), bias, bias);
       const Fp8MlpWeights w(c, Device::cpu());
       const Fp8MlpBuffers b(c, Device::cpu());
       b.step(c, w, r.layout);
@@ -52,7 +52,7 @@ TEST_P(Fp8MlpCpu, KeepsTheQuantizedPreActivationAndTheColumnsOfX) {
   const DType dt = GetParam();
   Rng rng;
   const Routing r({21, 0, 64, 3}, 96);
-  const Fp8MlpCase c(rng, 96, 4, 128, 64, dt, spec_of(GluActivation::kSwiGLU, GluLayout::halves()), true, true);
+  const Fp8MlpCase c(rng, 96, 4, 128, 64, dt, spec_of(Activation::kSwiGLU, GluLayout::halves()), true, true);
   const Fp8MlpWeights w(c, Device::cpu());
   const Fp8MlpBuffers b(c, Device::cpu());
   b.step(c, w, r.layout);
@@ -80,7 +80,7 @@ TEST_P(Fp8MlpCpu, KeepingTheRowsOfXInsteadOfItsColumns) {
   const Routing r({3, 0, 1, 20, 2, 0, 5, 9}, 48);
   EXPECT_TRUE(expert_mlp_fp8_keeps_x_rows(48, 8));   // columns: round_up(48 + 127 * 8, 128) = 1152
   EXPECT_FALSE(expert_mlp_fp8_keeps_x_rows(4096, 8));
-  const Fp8MlpCase c(rng, 48, 8, 128, 64, dt, spec_of(GluActivation::kSwiGLU, GluLayout::blocks(32)), false, true);
+  const Fp8MlpCase c(rng, 48, 8, 128, 64, dt, spec_of(Activation::kSwiGLU, GluLayout::blocks(32)), false, true);
   const Fp8MlpWeights w(c, Device::cpu());
   const Fp8MlpBuffers rows(c, Device::cpu(), /*x_rows=*/true), columns(c, Device::cpu());
   rows.step(c, w, r.layout);
@@ -95,7 +95,7 @@ TEST_P(Fp8MlpCpu, KeepingTheRowsOfXInsteadOfItsColumns) {
   EXPECT_LE(oracle::similarity_diff(experts_of(rows.out.dw1), experts_of(columns.out.dw1)), 1e-3);
   // The workspace without the room for x's columns is too small.
   const ExpertMlpFp8Saved saved = rows.saved();
-  const size_t small = expert_mlp_fp8_backward_workspace_size(c.T, c.G, c.H, c.F, dt);
+  const size_t small = expert_mlp_fp8_backward_workspace_size(c.T, c.G, c.H, c.F, dt, {c.glu});
   try {
     expert_mlp_backward(c.dy, saved, c.p, w.view(), r.layout, rows.grads(), {c.glu}, {},
                         {nullptr, {rows.bws.data(), small, Device::cpu()}});
@@ -124,7 +124,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, Fp8MlpCpu, ::testing::Values(DType::kBFloat16, 
 TEST(Fp8MlpCpuModes, AccumulateAndOverwriteAgreeWithWrite) {
   Rng rng;
   const Routing r({30, 0, 17}, 50);
-  const Fp8MlpCase c(rng, 50, 3, 128, 48, DType::kBFloat16, spec_of(GluActivation::kSwiGLU, GluLayout::pairs()),
+  const Fp8MlpCase c(rng, 50, 3, 128, 48, DType::kBFloat16, spec_of(Activation::kSwiGLU, GluLayout::pairs()),
                      true, true);
   const Fp8MlpWeights w(c, Device::cpu());
   const Fp8MlpBuffers written(c, Device::cpu()), accumulated(c, Device::cpu()), overwritten(c, Device::cpu());
@@ -147,12 +147,12 @@ TEST(Fp8MlpCpuModes, AccumulateAndOverwriteAgreeWithWrite) {
 TEST(Fp8MlpCpuModes, KeptTensorsAreOptionalWhereNothingNeedsThem) {
   Rng rng;
   const Routing r({9, 40}, 64);
-  const Fp8MlpCase c(rng, 64, 2, 64, 32, DType::kBFloat16, spec_of(GluActivation::kSwiGLU, GluLayout::pairs()),
+  const Fp8MlpCase c(rng, 64, 2, 64, 32, DType::kBFloat16, spec_of(Activation::kSwiGLU, GluLayout::pairs()),
                      false, false);
   const Fp8MlpWeights w(c, Device::cpu());
   const Fp8MlpBuffers full(c, Device::cpu());
   full.step(c, w, r.layout);
-  Tensor fws = Tensor::empty({int64_t(expert_mlp_fp8_forward_workspace_size(64, 64, 32, c.dt))}, DType::kUInt8);
+  Tensor fws = Tensor::empty({int64_t(expert_mlp_fp8_forward_workspace_size(64, 64, 32, c.dt, {c.glu}))}, DType::kUInt8);
   const ExecContext fctx{nullptr, {fws.data(), fws.nbytes(), Device::cpu()}};
   Tensor y = poisoned({64, 64}, c.dt);
   expert_mlp_forward(c.x, {}, w.view(), r.layout, y, {}, {c.glu}, {}, fctx);
@@ -160,7 +160,8 @@ TEST(Fp8MlpCpuModes, KeptTensorsAreOptionalWhereNothingNeedsThem) {
 
   OwnedRows h(c.T, 2 * c.F);
   expert_mlp_forward(c.x, {}, w.view(), r.layout, y, {{}, h.view()}, {c.glu}, {}, fctx);
-  Tensor bws = Tensor::empty({int64_t(expert_mlp_fp8_backward_workspace_size(64, 2, 64, 32, c.dt))}, DType::kUInt8);
+  Tensor bws = Tensor::empty({int64_t(expert_mlp_fp8_backward_workspace_size(64, 2, 64, 32, c.dt, {c.glu}))},
+                             DType::kUInt8);
   Tensor dx = poisoned({64, 64}, c.dt);
   ExpertMlpGrads g;
   g.dx = dx;
@@ -173,7 +174,7 @@ TEST(Fp8MlpCpuModes, KeptTensorsAreOptionalWhereNothingNeedsThem) {
 TEST(Fp8MlpCpuValidation, BadInputFailsBeforeAnythingIsWritten) {
   Rng rng;
   const Routing r({10, 20}, 32);
-  const Fp8MlpCase c(rng, 32, 2, 64, 32, DType::kBFloat16, spec_of(GluActivation::kSwiGLU, GluLayout::pairs()),
+  const Fp8MlpCase c(rng, 32, 2, 64, 32, DType::kBFloat16, spec_of(Activation::kSwiGLU, GluLayout::pairs()),
                      false, false);
   const Fp8MlpWeights w(c, Device::cpu());
   const Fp8MlpBuffers b(c, Device::cpu());

@@ -1,5 +1,6 @@
-// GLU activations: every activation x layout x probs against the oracle, layout equivalence,
-// the clamp, and finite-difference checks of the backward.
+// The activations: every GLU x layout and every non-gated activation, x probs, against the oracle;
+// layout equivalence, the clamp, the non-gated functions' values and NaN, and finite-difference
+// checks of the backward.
 #include <cmath>
 
 #include "test_support.hpp"
@@ -33,11 +34,77 @@ TEST(GluLayout, ColumnMapsAndNames) {
                    "expected halves, pairs or blocks:S");
   EXPECT_MOE_ERROR(GluLayout::parse("interleaved"), ErrorCode::kInvalidArgument,
                    "unknown GLU layout 'interleaved'");
-  EXPECT_EQ(parse_activation("clamped_qgeglu"), GluActivation::kClampedQGeGLU);
+  EXPECT_EQ(parse_activation("clamped_qgeglu"), Activation::kClampedQGeGLU);
   EXPECT_MOE_ERROR(parse_activation("gelu"), ErrorCode::kInvalidArgument,
-                   "expected swiglu or clamped_qgeglu");
-  EXPECT_EQ(describe(spec_of(GluActivation::kClampedQGeGLU, GluLayout::blocks(32))),
+                   "expected swiglu, clamped_qgeglu, srelu or gelu_tanh");
+  EXPECT_EQ(describe(spec_of(Activation::kClampedQGeGLU, GluLayout::blocks(32))),
             "clamped_qgeglu(limit=7, alpha=1.702, offset=1), blocks:32");
+}
+
+TEST(Activation, NamesGatingAndFc1Width) {
+  EXPECT_EQ(parse_activation("srelu"), Activation::kSReLU);
+  EXPECT_EQ(parse_activation("gelu_tanh"), Activation::kGeluTanh);
+  EXPECT_STREQ(activation_name(Activation::kGeluTanh), "gelu_tanh");
+  for (Activation a : kGluActivations) {
+    EXPECT_TRUE(is_gated(a));
+    EXPECT_EQ(fc1_width(spec_of(a, GluLayout::pairs()), 24), 48);
+  }
+  for (Activation a : kElementwiseActivations) {
+    EXPECT_FALSE(is_gated(a));
+    EXPECT_EQ(fc1_width(spec_of(a), 24), 24);
+    EXPECT_EQ(describe(spec_of(a)), activation_name(a));  // no layout: it has none
+  }
+  // A layout other than the default for a non-gated activation is a mistake, not ignored.
+  EXPECT_NO_THROW(check_glu_spec(spec_of(Activation::kSReLU), 24, "test"));
+  EXPECT_MOE_ERROR(check_glu_spec(spec_of(Activation::kSReLU, GluLayout::pairs()), 24, "test"),
+                   ErrorCode::kInvalidArgument,
+                   "test: GLU layout pairs given for srelu, which is not gated (FC1 has F columns, no "
+                   "gate/linear pairs); expected the default layout halves");
+}
+
+// The non-gated functions at known points (float64 and float32), their derivatives, and NaN.
+TEST(Elementwise, ValuesDerivativesAndNaN) {
+  Routing r({1}, 1);
+  const double points[] = {-30.0, -6.0, -3.0, -1.0, -0.25, 0.0, 0.5, 1.0, 3.0, 12.0};
+  const int64_t F = std::size(points);
+  for (DType dt : {DType::kFloat64, DType::kFloat32})
+    for (Activation a : kElementwiseActivations) {
+      SCOPED_TRACE(std::string(activation_name(a)) + " " + dtype_name(dt));
+      Tensor h = Tensor::empty({1, F}, dt);
+      oracle::assign(h, oracle::Vector(std::begin(points), std::end(points)));
+      Tensor out = poisoned({1, F}, dt), dh = poisoned({1, F}, dt), ones = Tensor::empty({1, F}, dt);
+      oracle::assign(ones, oracle::Vector(size_t(F), 1.0));
+      glu_forward(h, {}, r.layout, out, spec_of(a));
+      glu_backward(h, {}, ones, r.layout, {dh, {}, {}}, spec_of(a));
+      const auto o = oracle::to_matrix(out), d = oracle::to_matrix(dh);
+      const double tol = dt == DType::kFloat64 ? 1e-14 : 1e-6;
+      for (int64_t j = 0; j < F; ++j) {
+        const double x = points[j];
+        double f, df;
+        if (a == Activation::kSReLU) {
+          f = x > 0 ? x * x : 0.0;
+          df = x > 0 ? 2 * x : 0.0;
+        } else {  // the textbook form
+          const double k = 0.7978845608028654, t = std::tanh(k * (x + 0.044715 * x * x * x));
+          f = 0.5 * x * (1 + t);
+          df = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x);
+        }
+        // Relative to the value (GELU's tail far below 1 included: no cancellation), or absolute
+        // near 0.
+        EXPECT_NEAR(o(0, j), f, tol * std::max(1.0, std::abs(f)) + (std::abs(f) < 1e-3 ? tol * 1e-3 : 0))
+            << "f(" << x << ")";
+        EXPECT_NEAR(d(0, j), df, tol * std::max(1.0, std::abs(df)) * 4) << "f'(" << x << ")";
+      }
+      // GELU's negative tail: relative accuracy where 1 + tanh(u) cancels (f(-3) ~ -3.6e-3).
+      if (a == Activation::kGeluTanh)
+        EXPECT_NEAR(o(0, 2) / -0.0036373920817, 1.0, dt == DType::kFloat64 ? 1e-10 : 1e-5);
+      // NaN stays NaN, forward and backward.
+      oracle::assign(h, oracle::Vector(size_t(F), std::nan("")));
+      glu_forward(h, {}, r.layout, out, spec_of(a));
+      glu_backward(h, {}, ones, r.layout, {dh, {}, {}}, spec_of(a));
+      EXPECT_TRUE(std::isnan(oracle::to_matrix(out)(0, 0)));
+      EXPECT_TRUE(std::isnan(oracle::to_matrix(dh)(0, 0)));
+    }
 }
 
 class Glu : public ::testing::TestWithParam<DType> {};
@@ -50,12 +117,11 @@ TEST_P(Glu, ForwardAndBackwardMatchOracle) {
   Rng rng;
   const int64_t F = 64, T = 45;
   Routing r({0, 17, 1, 20}, T);  // 38 rows used, 7 past the end
-  for (GluActivation act : kActivations)
-    for (const GluLayout& layout : layouts())
+  for (const GluSpec& spec : activation_specs(layouts()))
       for (bool with_probs : {false, true}) {
-        SCOPED_TRACE(describe(spec_of(act, layout)) + (with_probs ? ", probs" : ""));
-        const GluSpec spec = spec_of(act, layout);
-        Tensor h = wide_tensor({T, 2 * F}, dt, rng);
+        SCOPED_TRACE(describe(spec) + (with_probs ? ", probs" : ""));
+        const int64_t W = fc1_width(spec, F);
+        Tensor h = wide_tensor({T, W}, dt, rng);
         Tensor d_out = random_tensor({T, F}, dt, rng);
         Tensor p = uniform_tensor({T}, DType::kFloat32, rng, 0.0, 1.0);
         const TensorView probs = with_probs ? TensorView(p) : TensorView();
@@ -71,7 +137,7 @@ TEST_P(Glu, ForwardAndBackwardMatchOracle) {
         EXPECT_LE(oracle::rel_error(oracle::to_matrix(out), out_ref), tolerance(dt));
         EXPECT_TRUE(tail_untouched(out, r.rows()));
 
-        Tensor dh = poisoned({T, 2 * F}, dt);
+        Tensor dh = poisoned({T, W}, dt);
         Tensor dprobs = poisoned({T}, DType::kFloat32);
         Tensor out2 = poisoned({T, F}, dt);
         glu_backward(h, probs, d_out, r.layout,
@@ -99,7 +165,7 @@ TEST(GluLayouts, IdenticalAfterColumnPermutation) {
   Rng rng;
   const int64_t F = 96, T = 33;
   Routing r({11, 0, 22}, T);
-  for (GluActivation act : kActivations) {
+  for (Activation act : kGluActivations) {
     Tensor h = wide_tensor({T, 2 * F}, DType::kBFloat16, rng);
     Tensor d_out = random_tensor({T, F}, DType::kBFloat16, rng);
     Tensor p = uniform_tensor({T}, DType::kFloat32, rng, 0.0, 1.0);
@@ -145,7 +211,7 @@ TEST(GluLayouts, IdenticalAfterColumnPermutation) {
 TEST(GluClamp, GradientsVanishExactlyPastTheLimit) {
   const int64_t F = 4, T = 1;
   Routing r({1}, T);
-  GluSpec spec = spec_of(GluActivation::kClampedQGeGLU, GluLayout::halves());
+  GluSpec spec = spec_of(Activation::kClampedQGeGLU, GluLayout::halves());
   Tensor h = Tensor::empty({T, 2 * F}, DType::kFloat32);
   // gate: below, at, above the limit, far above; linear: inside, at +limit, above, below -limit
   const float v[8] = {3.f, 7.f, 7.5f, 40.f, 1.f, 7.f, 9.f, -8.f};
@@ -178,11 +244,9 @@ TEST(GluBackward, InPlaceEqualsSeparateBuffers) {
   const int64_t F = 64, T = 21;
   Routing r({7, 0, 1, 9}, T);
   for (DType dt : {DType::kBFloat16, DType::kFloat32})
-    for (GluActivation act : kActivations)
-      for (const GluLayout& layout : layouts()) {
-        const GluSpec spec = spec_of(act, layout);
+      for (const GluSpec& spec : activation_specs(layouts())) {
         SCOPED_TRACE(describe(spec) + " " + dtype_name(dt));
-        const Tensor h = wide_tensor({T, 2 * F}, dt, rng), d_out = random_tensor({T, F}, dt, rng);
+        const Tensor h = wide_tensor({T, fc1_width(spec, F)}, dt, rng), d_out = random_tensor({T, F}, dt, rng);
         const Tensor p = uniform_tensor({T}, DType::kFloat32, rng, 0.05, 1.0);
         const Tensor dh = h.to(Device::cpu()), out = d_out.to(Device::cpu());
         const Tensor hi = h.to(Device::cpu()), di = d_out.to(Device::cpu());
@@ -199,15 +263,13 @@ TEST(GluBackward, AgreesWithFiniteDifferences) {
   Rng rng;
   const int64_t F = 6, T = 5;
   Routing r({2, 0, 3}, T);
-  for (GluActivation act : kActivations)
-    for (const GluLayout& layout :
-         {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(2)}) {
-      SCOPED_TRACE(describe(spec_of(act, layout)));
-      const GluSpec spec = spec_of(act, layout);
-      Tensor h = wide_tensor({T, 2 * F}, DType::kFloat64, rng);
-      for (int64_t i = 0; i < h.numel(); ++i) {  // keep 1e-3 away from +-limit
+  for (const GluSpec& spec : activation_specs({GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(2)})) {
+      SCOPED_TRACE(describe(spec));
+      const int64_t W = fc1_width(spec, F);
+      Tensor h = wide_tensor({T, W}, DType::kFloat64, rng);
+      for (int64_t i = 0; i < h.numel(); ++i) {  // keep 1e-3 away from +-limit and srelu's kink at 0
         double& v = h.data_as<double>()[i];
-        if (std::abs(std::abs(v) - 7.0) < 1e-3) v += 0.01;
+        if (std::abs(std::abs(v) - 7.0) < 1e-3 || std::abs(v) < 1e-3) v += 0.01;
       }
       Tensor p = uniform_tensor({T}, DType::kFloat64, rng, 0.1, 1.0);
       Tensor R = random_tensor({T, F}, DType::kFloat64, rng);
@@ -219,7 +281,7 @@ TEST(GluBackward, AgreesWithFiniteDifferences) {
           l += out.data_as<double>()[i] * R.data_as<double>()[i];
         return l;
       };
-      Tensor dh = Tensor::zeros({T, 2 * F}, DType::kFloat64);
+      Tensor dh = Tensor::zeros({T, W}, DType::kFloat64);
       Tensor dp = Tensor::zeros({T}, DType::kFloat64);
       glu_backward(h, p, R, r.layout, {dh, dp, {}}, spec);
       const double eps = 1e-6;
@@ -233,7 +295,7 @@ TEST(GluBackward, AgreesWithFiniteDifferences) {
         const double numeric = (up - down) / (2 * eps);
         EXPECT_NEAR(analytic, numeric, 1e-6 * (1 + std::abs(numeric))) << what << "[" << i << "]";
       };
-      for (int64_t i = 0; i < r.rows() * 2 * F; ++i)
+      for (int64_t i = 0; i < r.rows() * W; ++i)
         check(h.data_as<double>() + i, dh.data_as<double>()[i], "dh", i);
       for (int64_t i = 0; i < r.rows(); ++i)
         check(p.data_as<double>() + i, dp.data_as<double>()[i], "dprobs", i);

@@ -1,8 +1,8 @@
-// GPU GLU kernels and the expert MLP, fused and unfused (label "gpu"): against the CPU backend on
-// the same inputs for both activations (values past the clamp limit), every GLU layout, with and
-// without biases and probs, saved or recomputed pre-activation; poisoned tails; CUDA-graph replay
-// of the whole forward + backward with new routings, bit-identical to eager runs. Skips without a
-// GPU.
+// GPU activation kernels and the expert MLP, fused and unfused (label "gpu"): against the CPU
+// backend on the same inputs for every activation (GLUs with values past the clamp limit, in every
+// GLU layout; srelu and gelu_tanh, elementwise), with and without biases and probs, saved or
+// recomputed pre-activation; poisoned tails; which paths ran fused; CUDA-graph replay of the whole
+// forward + backward with new routings, bit-identical to eager runs. Skips without a GPU.
 #include <cuda_runtime_api.h>
 
 #include <cmath>
@@ -44,13 +44,12 @@ TEST_P(GpuGlu, ForwardAndBackwardMatchTheCpuForEveryActivationLayoutAndProbs) {
   const int64_t T = 300, F = 200;
   DualRouting r({0, 1, 37, 0, 150, 40}, T);  // 228 routed rows
   const int64_t rows = r.cpu.rows();
-  for (GluActivation act : kActivations)
-    for (const GluLayout& layout : kLayouts)
+  for (const GluSpec& spec : activation_specs({std::begin(kLayouts), std::end(kLayouts)}))
       for (bool with_probs : {false, true}) {
-        const GluSpec spec = spec_of(act, layout);
         SCOPED_TRACE(describe(spec) + (with_probs ? ", probs" : ""));
+        const int64_t W = fc1_width(spec, F);
         // Scale 4: some gate and linear values lie past the clamp limit (7).
-        const Tensor h = random_tensor({T, 2 * F}, dt, rng, 4.0);
+        const Tensor h = random_tensor({T, W}, dt, rng, 4.0);
         const Tensor d_out = random_tensor({T, F}, dt, rng);
         const Tensor p = with_probs ? uniform_tensor({T}, DType::kFloat32, rng, 0.05, 1.0) : Tensor();
         const Tensor hd = to_gpu(h), dd = to_gpu(d_out), pd = with_probs ? to_gpu(p) : Tensor();
@@ -60,7 +59,7 @@ TEST_P(GpuGlu, ForwardAndBackwardMatchTheCpuForEveryActivationLayoutAndProbs) {
         glu_forward(hd, pd, r.gpu, out_g, spec);
         expect_close(out_g, out_c, rows, tolerance(dt), "out");
 
-        Tensor dh_c = poisoned({T, 2 * F}, dt), dh_g = poisoned_gpu({T, 2 * F}, dt);
+        Tensor dh_c = poisoned({T, W}, dt), dh_g = poisoned_gpu({T, W}, dt);
         Tensor re_c = poisoned({T, F}, dt), re_g = poisoned_gpu({T, F}, dt);
         Tensor dp_c = with_probs ? poisoned({T}, DType::kFloat32) : Tensor();
         Tensor dp_g = with_probs ? poisoned_gpu({T}, DType::kFloat32) : Tensor();
@@ -88,22 +87,78 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, GpuGlu,
                          ::testing::Values(DType::kBFloat16, DType::kFloat16, DType::kFloat32),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
+// The non-gated activations in float32, element by element, over [-12, 12] (GELU's negative tail,
+// where 1 + tanh(u) cancels, included). GELU on both backends against float64 (h sigmoid(2u) in
+// double, accurate in the tail): each within float's error of evaluating it, whose argument 2u
+// carries |2u| rounding errors of ~2^-24 into exp: 5e-7 |2u| + 2e-6 relative (a tanh.approx
+// GELU is off by 1e-3 and more at h = -3); the derivative relative to max(|f'|, 1) x |d_out p|.
+// srelu is the same float operations on both backends: bit for bit.
+TEST(GpuElementwise, Float32IsWithinFloatErrorElementByElement) {
+  if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
+  Rng rng;
+  const int64_t T = 40, F = 1000;
+  DualRouting r({0, 17, 1, 20}, T);  // 38 routed rows
+  const int64_t rows = r.cpu.rows();
+  const Tensor h = uniform_tensor({T, F}, DType::kFloat32, rng, -12.0, 12.0);
+  const Tensor d_out = random_tensor({T, F}, DType::kFloat32, rng);
+  const Tensor p = uniform_tensor({T}, DType::kFloat32, rng, 0.05, 1.0);
+  for (Activation act : kElementwiseActivations) {
+    SCOPED_TRACE(activation_name(act));
+    const GluSpec spec = spec_of(act);
+    Tensor out_c = poisoned({T, F}, DType::kFloat32), out_g = poisoned_gpu({T, F}, DType::kFloat32);
+    Tensor dh_c = poisoned({T, F}, DType::kFloat32), dh_g = poisoned_gpu({T, F}, DType::kFloat32);
+    glu_forward(h, p, r.cpu.layout, out_c, spec);
+    glu_forward(to_gpu(h), to_gpu(p), r.gpu, out_g, spec);
+    glu_backward(h, p, d_out, r.cpu.layout, {dh_c, {}, {}}, spec);
+    glu_backward(to_gpu(h), to_gpu(p), to_gpu(d_out), r.gpu, {dh_g, {}, {}}, spec);
+    const Tensor og = to_host(out_g), dg = to_host(dh_g);
+    EXPECT_TRUE(tail_untouched(og, rows));
+    EXPECT_TRUE(tail_untouched(dg, rows));
+    if (act == Activation::kSReLU) {
+      EXPECT_TRUE(std::memcmp(og.data(), out_c.data(), size_t(rows * F) * 4) == 0) << "out";
+      EXPECT_TRUE(std::memcmp(dg.data(), dh_c.data(), size_t(rows * F) * 4) == 0) << "dh";
+      continue;
+    }
+    double worst[2][2] = {};  // [cpu, gpu][out, dh], in units of the bound
+    for (int64_t i = 0; i < rows * F; ++i) {
+      const double x = h.data_as<float>()[i], pr = p.data_as<float>()[i / F], d = d_out.data_as<float>()[i];
+      const double two_u = 1.5957691216057308 * (x + 0.044715 * x * x * x), s = 1.0 / (1.0 + std::exp(-two_u));
+      const double f = x * s * pr, df = (s + x * s * (1 - s) * 1.5957691216057308 * (1 + 3 * 0.044715 * x * x)) * d * pr;
+      const double bound = 5e-7 * std::abs(two_u) + 2e-6;
+      const float* outs[2] = {out_c.data_as<float>(), og.data_as<float>()};
+      const float* dhs[2] = {dh_c.data_as<float>(), dg.data_as<float>()};
+      for (int b = 0; b < 2; ++b) {
+        // (Below 1e-30 relative errors do not matter: the GPU's sigmoid flushes results under 2^-126.)
+        worst[b][0] = std::max(worst[b][0], std::abs(outs[b][i] - f) / std::max(std::abs(f), 1e-30) / bound);
+        worst[b][1] = std::max(worst[b][1], std::abs(dhs[b][i] - df) / std::max(std::abs(df), std::abs(d * pr)) / bound);
+      }
+    }
+    EXPECT_LE(worst[1][0], 1.0) << "GPU out: worst error per element, in units of the bound";
+    EXPECT_LE(worst[1][1], 1.0) << "GPU dh: worst error per element, in units of the bound";
+    EXPECT_LE(worst[0][0], 1.0) << "CPU out: worst error per element, in units of the bound";
+    EXPECT_LE(worst[0][1], 1.0) << "CPU dh: worst error per element, in units of the bound";
+    std::printf("gelu_tanh float32 vs float64, worst per element in units of the bound: CPU out %.2f dh %.2f, "
+                "GPU out %.2f dh %.2f\n", worst[0][0], worst[0][1], worst[1][0], worst[1][1]);
+  }
+  EXPECT_NO_THROW(r.flag.check());
+}
+
 // One expert MLP problem: host inputs, and its forward + backward outputs on a device.
 struct MlpCase {
-  int64_t T, H, F;
+  int64_t T, H, F, W;  // W: FC1's rows (2F for a GLU, F for a non-gated activation)
   DType dt;
   GluSpec glu;
   Tensor x, w1, b1, w2, b2, p, dy;  // host; b1, b2, p undefined when absent
 
   MlpCase(Rng& rng, int64_t G, int64_t T_, int64_t H_, int64_t F_, DType dt_, GluSpec glu_, bool bias,
           bool probs)
-      : T(T_), H(H_), F(F_), dt(dt_), glu(glu_) {
+      : T(T_), H(H_), F(F_), W(fc1_width(glu_, F_)), dt(dt_), glu(glu_) {
     x = random_tensor({T, H}, dt, rng);
     // 3 / sqrt(H): the pre-activation reaches past the clamp limit.
-    w1 = random_tensor({G, 2 * F, H}, dt, rng, 3.0 / std::sqrt(double(H)));
+    w1 = random_tensor({G, W, H}, dt, rng, 3.0 / std::sqrt(double(H)));
     w2 = random_tensor({G, H, F}, dt, rng, 1.0 / std::sqrt(double(F)));
     if (bias) {
-      b1 = random_tensor({G, 2 * F}, dt, rng, 0.5);
+      b1 = random_tensor({G, W}, dt, rng, 0.5);
       b2 = random_tensor({G, H}, dt, rng, 0.5);
     }
     if (probs) p = uniform_tensor({T}, DType::kFloat32, rng, 0.05, 1.0);
@@ -113,12 +168,13 @@ struct MlpCase {
 
 struct MlpOutputs {
   Tensor y, fc1_out, dx, dprobs, dw1, db1, dw2, db2;  // on the device it ran on
+  bool forward_fused = false, backward_fused = false;  // which activation steps ran in GEMM epilogues
 };
 
 // Forward + backward on `device`; weight and bias gradients in float32, written.
 MlpOutputs run_mlp(const MlpCase& c, const GroupLayout& groups, Device device, bool save_fc1_out,
                    MlpFusion fusion = MlpFusion::kForwardBackward) {
-  const int64_t G = c.w1.size(0), T = c.T, H = c.H, F = c.F;
+  const int64_t G = c.w1.size(0), T = c.T, H = c.H, F = c.F, W = c.W;
   auto on = [&](const Tensor& t) { return t.defined() ? t.to(device) : Tensor(); };
   auto poison = [&](Shape s, DType d) { return poisoned(s, d).to(device); };
   const Tensor x = on(c.x), w1 = on(c.w1), b1 = on(c.b1), w2 = on(c.w2), b2 = on(c.b2), p = on(c.p),
@@ -129,16 +185,17 @@ MlpOutputs run_mlp(const MlpCase& c, const GroupLayout& groups, Device device, b
   spec.fusion = fusion;
   MlpOutputs o;
   o.y = poison({T, H}, c.dt);
-  if (save_fc1_out) o.fc1_out = poison({T, 2 * F}, c.dt);
-  Tensor fws = Tensor::empty({int64_t(expert_mlp_forward_workspace_size(T, H, F, c.dt, save_fc1_out))},
+  if (save_fc1_out) o.fc1_out = poison({T, W}, c.dt);
+  Tensor fws = Tensor::empty({int64_t(expert_mlp_forward_workspace_size(T, H, F, c.dt, save_fc1_out, spec))},
                              DType::kUInt8, device);
-  expert_mlp_forward(x, p, weights, groups, o.y, o.fc1_out, spec, {nullptr, {fws.data(), fws.nbytes(), device}});
+  expert_mlp_forward(x, p, weights, groups, o.y, o.fc1_out, spec, {nullptr, {fws.data(), fws.nbytes(), device}},
+                     &o.forward_fused);
 
   o.dx = poison({T, H}, c.dt);
   if (p.defined()) o.dprobs = poison({T}, DType::kFloat32);
-  o.dw1 = poison({G, 2 * F, H}, DType::kFloat32);
+  o.dw1 = poison({G, W, H}, DType::kFloat32);
   o.dw2 = poison({G, H, F}, DType::kFloat32);
-  if (b1.defined()) o.db1 = poison({G, 2 * F}, DType::kFloat32);
+  if (b1.defined()) o.db1 = poison({G, W}, DType::kFloat32);
   if (b2.defined()) o.db2 = poison({G, H}, DType::kFloat32);
   ExpertMlpGrads grads;
   grads.dx = o.dx;
@@ -147,10 +204,10 @@ MlpOutputs run_mlp(const MlpCase& c, const GroupLayout& groups, Device device, b
   grads.fc2_weight = {param(o.dw2), GradMode::kWrite};
   grads.fc1_bias = {param(o.db1), GradMode::kWrite};
   grads.fc2_bias = {param(o.db2), GradMode::kWrite};
-  Tensor bws = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(T, H, F, c.dt, !save_fc1_out, spec.fusion))},
+  Tensor bws = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(T, H, F, c.dt, !save_fc1_out, spec))},
                              DType::kUInt8, device);
   expert_mlp_backward(dy, x, p, weights, groups, o.fc1_out, grads, spec,
-                      {nullptr, {bws.data(), bws.nbytes(), device}});
+                      {nullptr, {bws.data(), bws.nbytes(), device}}, &o.backward_fused);
   return o;
 }
 
@@ -177,85 +234,105 @@ void expect_mlp_close(const MlpOutputs& gpu, const MlpOutputs& cpu, int64_t rows
 
 class GpuExpertMlp : public GpuGlu {};
 
-// Every CUDA path against the CPU backend: fused forward + backward (GLU in FC1's epilogue, dGLU +
-// dprobs in FC2 dgrad's; layouts pairs and blocks of 8..128), fused forward only, and unfused
-// (grouped GEMMs + GLU kernels; every layout). halves with F = 200 has no fused kernel: all runs
-// take the unfused path there.
+bool on_hopper() {
+  int major = 0;
+  EXPECT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  return major == 9;
+}
+
+// Every CUDA path against the CPU backend: fused forward + backward (the activation in FC1's
+// epilogue, its backward + dprobs in FC2 dgrad's; GLU layouts pairs and blocks of 8..128, and the
+// non-gated activations), fused forward only, and unfused (grouped GEMMs + activation kernels; every
+// layout). halves with F = 200 has no fused GLU kernel: all runs take the unfused path there.
 TEST_P(GpuExpertMlp, MatchesTheCpuForEveryActivationLayoutBiasAndProbs) {
   const DType dt = GetParam();
   Rng rng;
   const int64_t T = 400, H = 264;
   DualRouting r({0, 1, 37, 0, 150, 40, 129}, T);  // 357 routed rows
-  struct LayoutCase {
-    GluLayout layout;
+  struct Case {
+    GluSpec spec;
     int64_t F;
     bool fusable;
   };
-  // F not a multiple of 256 everywhere: FC1's last tile and FC2 dgrad's are partial. F = 196
-  // (not a multiple of 8: 392-byte rows of act, which TMA cannot address) takes no Hopper kernel
-  // for the steps that read or write act: the fused forward falls back to the unfused path.
-  const LayoutCase cases[] = {{GluLayout::halves(), 200, false}, {GluLayout::pairs(), 200, true},
-                              {GluLayout::blocks(8), 200, true},  {GluLayout::blocks(64), 320, true},
-                              {GluLayout::blocks(128), 384, true}, {GluLayout::halves(), 64, true},
-                              {GluLayout::pairs(), 196, false}};
+  // F not a multiple of 256 everywhere: FC1's last tile and FC2 dgrad's are partial (F = 384 for a
+  // non-gated FC1: its second tile has only a first batch of columns). F = 196 (not a multiple of 8:
+  // 392-byte rows of act, which TMA cannot address) takes no Hopper kernel for the steps that read
+  // or write act: the fused forward falls back to the unfused path.
+  std::vector<Case> cases;
+  for (Activation act : kGluActivations)
+    for (const auto& [layout, F, fusable] :
+         {std::tuple{GluLayout::halves(), 200, false}, {GluLayout::pairs(), 200, true}, {GluLayout::blocks(8), 200, true},
+          {GluLayout::blocks(64), 320, true}, {GluLayout::blocks(128), 384, true}, {GluLayout::halves(), 64, true},
+          {GluLayout::pairs(), 196, false}})
+      cases.push_back({spec_of(act, layout), F, fusable});
+  for (Activation act : kElementwiseActivations)
+    for (const auto& [F, fusable] : {std::pair{200, true}, {384, true}, {64, true}, {196, false}})
+      cases.push_back({spec_of(act), F, fusable});
+  const bool hopper = on_hopper();
   bool save = false;
-  for (GluActivation act : kActivations)
-    for (const LayoutCase& lc : cases)
-      for (bool bias_and_probs : {false, true}) {
-        save = !save;  // alternate saved and recomputed pre-activation
-        const GluSpec glu = spec_of(act, lc.layout);
-        SCOPED_TRACE(describe(glu) + ", F = " + std::to_string(lc.F) + (bias_and_probs ? ", biases and probs" : "") +
-                     (save ? ", fc1_out saved" : ", recomputed"));
-        const MlpCase c(rng, r.cpu.num_groups(), T, H, lc.F, dt, glu, bias_and_probs, bias_and_probs);
-        const MlpOutputs cpu = run_mlp(c, r.cpu.layout, Device::cpu(), save);
-        const MlpOutputs fused = run_mlp(c, r.gpu, Device::cuda(0), save, MlpFusion::kForwardBackward);
-        const MlpOutputs forward_fused = run_mlp(c, r.gpu, Device::cuda(0), save, MlpFusion::kForward);
-        const MlpOutputs unfused = run_mlp(c, r.gpu, Device::cuda(0), save, MlpFusion::kNone);
-        {
-          SCOPED_TRACE("fused forward and backward");
-          expect_mlp_close(fused, cpu, r.cpu.rows(), dt);
-        }
-        {
-          SCOPED_TRACE("fused forward");
-          expect_mlp_close(forward_fused, cpu, r.cpu.rows(), dt);
-        }
-        {
-          SCOPED_TRACE("unfused");
-          expect_mlp_close(unfused, cpu, r.cpu.rows(), dt);
-        }
-        if (bias_and_probs) {
-          // The fused path sums dprobs per 256-feature tile, then over tiles: where it ran, its
-          // bits differ from the unfused per-row tree (this catches a silent fallback).
-          const Tensor a = to_host(fused.dprobs), b = to_host(unfused.dprobs);
-          const bool same = std::memcmp(a.data(), b.data(), size_t(r.cpu.rows()) * 4) == 0;
-          int major = 0;
-          CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
-          EXPECT_EQ(same, !(lc.fusable && major == 9)) << "dprobs of the fused and unfused runs "
-                                       << (same ? "agree bit for bit: the fused path did not run"
-                                                : "differ: the fused path ran where it should not");
-        }
+  for (const Case& c : cases)
+    for (bool bias_and_probs : {false, true}) {
+      save = !save;  // alternate saved and recomputed pre-activation
+      SCOPED_TRACE(describe(c.spec) + ", F = " + std::to_string(c.F) + (bias_and_probs ? ", biases and probs" : "") +
+                   (save ? ", fc1_out saved" : ", recomputed"));
+      const MlpCase m(rng, r.cpu.num_groups(), T, H, c.F, dt, c.spec, bias_and_probs, bias_and_probs);
+      const MlpOutputs cpu = run_mlp(m, r.cpu.layout, Device::cpu(), save);
+      const MlpOutputs fused = run_mlp(m, r.gpu, Device::cuda(0), save, MlpFusion::kForwardBackward);
+      const MlpOutputs forward_fused = run_mlp(m, r.gpu, Device::cuda(0), save, MlpFusion::kForward);
+      const MlpOutputs unfused = run_mlp(m, r.gpu, Device::cuda(0), save, MlpFusion::kNone);
+      {
+        SCOPED_TRACE("fused forward and backward");
+        expect_mlp_close(fused, cpu, r.cpu.rows(), dt);
       }
+      {
+        SCOPED_TRACE("fused forward");
+        expect_mlp_close(forward_fused, cpu, r.cpu.rows(), dt);
+      }
+      {
+        SCOPED_TRACE("unfused");
+        expect_mlp_close(unfused, cpu, r.cpu.rows(), dt);
+      }
+      // What ran fused: exactly where the Hopper kernel takes the problem and the fusion asks.
+      const bool can = c.fusable && hopper;
+      EXPECT_EQ(fused.forward_fused, can);
+      EXPECT_EQ(fused.backward_fused, can);
+      EXPECT_EQ(forward_fused.forward_fused, can);
+      EXPECT_FALSE(forward_fused.backward_fused);
+      EXPECT_FALSE(unfused.forward_fused || unfused.backward_fused);
+      if (bias_and_probs) {
+        // The fused path sums dprobs per 256-feature tile, then over tiles: where it ran, its
+        // bits differ from the unfused per-row tree (this catches a silent fallback).
+        const Tensor a = to_host(fused.dprobs), b = to_host(unfused.dprobs);
+        const bool same = std::memcmp(a.data(), b.data(), size_t(r.cpu.rows()) * 4) == 0;
+        EXPECT_EQ(same, !can) << "dprobs of the fused and unfused runs "
+                              << (same ? "agree bit for bit: the fused path did not run"
+                                       : "differ: the fused path ran where it should not");
+      }
+    }
   EXPECT_NO_THROW(r.flag.check());
 }
 
-TEST_P(GpuExpertMlp, ManyExpertsAndOneExpertTakingAll) {
+TEST_P(GpuExpertMlp, ManyExpertsOneExpertTakingAllAndOneExpert) {
   const DType dt = GetParam();
   Rng rng;
-  const GluSpec glu = spec_of(GluActivation::kClampedQGeGLU, GluLayout::pairs());
   std::vector<int64_t> many = random_splits(rng, 256, 12);
   int64_t sum = 0;
   for (int64_t v : many) sum += v;
   std::vector<int64_t> all(8, 0);
   all[3] = 500;
-  for (const auto& [name, splits, T] : {std::tuple<const char*, std::vector<int64_t>, int64_t>{"G = 256", many, sum + 7},
-                                        {"one expert takes all", all, 512}}) {
-    SCOPED_TRACE(name);
-    DualRouting r(splits, T);
-    const MlpCase c(rng, r.cpu.num_groups(), T, 128, 64, dt, glu, true, true);
-    expect_mlp_close(run_mlp(c, r.gpu, Device::cuda(0), true), run_mlp(c, r.cpu.layout, Device::cpu(), true),
-                     r.cpu.rows(), dt);
-    EXPECT_NO_THROW(r.flag.check());
-  }
+  for (const GluSpec& glu : {spec_of(Activation::kClampedQGeGLU, GluLayout::pairs()), spec_of(Activation::kSReLU),
+                             spec_of(Activation::kGeluTanh)})
+    for (const auto& [name, splits, T] :
+         {std::tuple<const char*, std::vector<int64_t>, int64_t>{"G = 256", many, sum + 7},
+          {"one expert takes all", all, 512}, {"G = 1", {301}, 333}}) {
+      SCOPED_TRACE(describe(glu) + ", " + name);
+      DualRouting r(splits, T);
+      const MlpCase c(rng, r.cpu.num_groups(), T, 128, 64, dt, glu, true, true);
+      const MlpOutputs gpu = run_mlp(c, r.gpu, Device::cuda(0), true);
+      expect_mlp_close(gpu, run_mlp(c, r.cpu.layout, Device::cpu(), true), r.cpu.rows(), dt);
+      EXPECT_EQ(gpu.forward_fused, on_hopper());
+      EXPECT_NO_THROW(r.flag.check());
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, GpuExpertMlp, ::testing::Values(DType::kBFloat16, DType::kFloat16),
@@ -272,10 +349,11 @@ class GpuExpertMlpGraph : public ::testing::TestWithParam<MlpFusion> {
 // captured once; replayed with new routings, each replay equal bit for bit to eager runs (which are
 // deterministic), and right.
 TEST_P(GpuExpertMlpGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
+  for (const GluSpec& glu : {spec_of(Activation::kClampedQGeGLU, GluLayout::pairs()), spec_of(Activation::kGeluTanh)}) {
+  SCOPED_TRACE(describe(glu));
   Rng rng;
   const DType dt = DType::kBFloat16;
-  const int64_t G = 16, T = 1024, H = 256, F = 192;
-  const GluSpec glu = spec_of(GluActivation::kClampedQGeGLU, GluLayout::pairs());
+  const int64_t G = 16, T = 1024, H = 256, F = 192, W = fc1_width(glu, F);
   ExpertMlpSpec spec{glu};
   spec.fusion = GetParam();
   const MlpCase c(rng, G, T, H, F, dt, glu, true, true);
@@ -287,14 +365,14 @@ TEST_P(GpuExpertMlpGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
   const ExpertMlpWeights weights{GroupedParam::packed(w1), GroupedParam::packed(b1), GroupedParam::packed(w2),
                                  GroupedParam::packed(b2)};
   Tensor splits = Tensor::empty({G}, DType::kInt64, dev), offsets = Tensor::empty({G + 1}, DType::kInt64, dev);
-  Tensor y = poisoned_gpu({T, H}, dt), fc1_out = poisoned_gpu({T, 2 * F}, dt), dx = poisoned_gpu({T, H}, dt);
+  Tensor y = poisoned_gpu({T, H}, dt), fc1_out = poisoned_gpu({T, W}, dt), dx = poisoned_gpu({T, H}, dt);
   Tensor dprobs = poisoned_gpu({T}, DType::kFloat32);
-  const Tensor start_w1 = random_tensor({G, 2 * F, H}, DType::kFloat32, rng),
+  const Tensor start_w1 = random_tensor({G, W, H}, DType::kFloat32, rng),
                start_w2 = random_tensor({G, H, F}, DType::kFloat32, rng);
   Tensor mg1 = to_gpu(start_w1), mg2 = to_gpu(start_w2);  // main_grad buffers: accumulated into
-  Tensor db1 = Tensor::empty({G, 2 * F}, DType::kFloat32, dev), db2 = Tensor::empty({G, H}, DType::kFloat32, dev);
-  Tensor fws = Tensor::empty({int64_t(expert_mlp_forward_workspace_size(T, H, F, dt, true))}, DType::kUInt8, dev);
-  Tensor bws = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(T, H, F, dt, false, spec.fusion))}, DType::kUInt8, dev);
+  Tensor db1 = Tensor::empty({G, W}, DType::kFloat32, dev), db2 = Tensor::empty({G, H}, DType::kFloat32, dev);
+  Tensor fws = Tensor::empty({int64_t(expert_mlp_forward_workspace_size(T, H, F, dt, true, spec))}, DType::kUInt8, dev);
+  Tensor bws = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(T, H, F, dt, false, spec))}, DType::kUInt8, dev);
   DeviceErrorFlag flag(dev);
   ExpertMlpGrads grads;
   grads.dx = dx;
@@ -342,6 +420,7 @@ TEST_P(GpuExpertMlpGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
     EXPECT_NO_THROW(flag.check(stream));
   }
   cudaStreamDestroy(stream);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Fusions, GpuExpertMlpGraph,

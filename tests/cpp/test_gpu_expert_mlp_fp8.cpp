@@ -52,12 +52,13 @@ TEST_F(GpuFp8Mlp, MatchesTheFloat64MlpAndTheCpuBackend) {
                              {"single_expert", {513}, 520}};
   cases.push_back({"256_experts", random_splits(rng, 256, 12), 256 * 12});
   for (const Case& k : cases) {
-    for (const bool bias : {false, true}) {
-      SCOPED_TRACE(std::string(k.name) + (bias ? " with biases and probs" : ""));
+    // Every activation; the non-gated ones (FC1 of F rows) take the separate steps around them.
+    for (const auto& [act, bias] : {std::pair{Activation::kSwiGLU, false}, {Activation::kClampedQGeGLU, true},
+                                    {Activation::kSReLU, true}, {Activation::kGeluTanh, false}}) {
+      SCOPED_TRACE(std::string(k.name) + ", " + activation_name(act) + (bias ? " with biases and probs" : ""));
       DualRouting r(k.splits, k.T);
-      const GluActivation act = bias ? GluActivation::kClampedQGeGLU : GluActivation::kSwiGLU;
-      const Fp8MlpCase c(rng, k.T, r.cpu.num_groups(), 272, 208, DType::kBFloat16, spec_of(act, GluLayout::pairs()),
-                         bias, bias);
+      const Fp8MlpCase c(rng, k.T, r.cpu.num_groups(), 272, 208, DType::kBFloat16,
+                         spec_of(act, is_gated(act) ? GluLayout::pairs() : GluLayout::halves()), bias, bias);
       const Fp8MlpWeights wg(c, Device::cuda(0)), wc(c, Device::cpu());
       const Fp8MlpBuffers gpu(c, Device::cuda(0)), cpu(c, Device::cpu());
       gpu.step(c, wg, r.gpu);
@@ -81,7 +82,7 @@ TEST_F(GpuFp8Mlp, MatchesTheFloat64MlpAndTheCpuBackend) {
 TEST_F(GpuFp8Mlp, RunsAreBitIdentical) {
   Rng rng;
   DualRouting r(random_splits(rng, 8, 300), 8 * 300);
-  const Fp8MlpCase c(rng, 8 * 300, 8, 256, 128, DType::kBFloat16, spec_of(GluActivation::kSwiGLU, GluLayout::pairs()),
+  const Fp8MlpCase c(rng, 8 * 300, 8, 256, 128, DType::kBFloat16, spec_of(Activation::kSwiGLU, GluLayout::pairs()),
                      true, true);
   const Fp8MlpWeights w(c, Device::cuda(0));
   const Fp8MlpBuffers a(c, Device::cuda(0)), b(c, Device::cuda(0));
@@ -114,7 +115,7 @@ TEST_F(GpuFp8Mlp, FusedStepsEqualTheUnfusedOps) {
     SCOPED_TRACE(std::string(k.layout) + " F=" + std::to_string(k.F) + " " + dtype_name(k.dt) +
                  (k.pow2 ? " pow2" : ""));
     DualRouting r({150, 0, 1, 300, 129}, 640);
-    const Fp8MlpCase c(rng, 640, 5, 160, k.F, k.dt, spec_of(GluActivation::kSwiGLU, GluLayout::parse(k.layout)), false,
+    const Fp8MlpCase c(rng, 640, 5, 160, k.F, k.dt, spec_of(Activation::kSwiGLU, GluLayout::parse(k.layout)), false,
                        true);
     const Fp8MlpWeights w(c, Device::cuda(0));
     const Fp8MlpBuffers fused(c, Device::cuda(0)), unfused(c, Device::cuda(0));
@@ -143,7 +144,7 @@ TEST_F(GpuFp8Mlp, KeepingTheRowsOfXInsteadOfItsColumns) {
   const int64_t G = 256, T = 256 * 4;
   ASSERT_TRUE(expert_mlp_fp8_keeps_x_rows(T, G));
   DualRouting r(random_splits(rng, G, 8), T);
-  const Fp8MlpCase c(rng, T, G, 256, 128, DType::kBFloat16, spec_of(GluActivation::kSwiGLU, GluLayout::blocks(32)),
+  const Fp8MlpCase c(rng, T, G, 256, 128, DType::kBFloat16, spec_of(Activation::kSwiGLU, GluLayout::blocks(32)),
                      false, true);
   const Fp8MlpWeights w(c, Device::cuda(0));
   const Fp8MlpBuffers rows(c, Device::cuda(0), /*x_rows=*/true), columns(c, Device::cuda(0));
@@ -164,7 +165,7 @@ TEST_F(GpuFp8Mlp, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
   Rng rng;
   const int64_t G = 16, T = 1024;
   const Fp8MlpCase c(rng, T, G, 256, 192, DType::kBFloat16,
-                     spec_of(GluActivation::kClampedQGeGLU, GluLayout::pairs()), true, true);
+                     spec_of(Activation::kClampedQGeGLU, GluLayout::pairs()), true, true);
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const Device dev = Device::cuda(0);

@@ -103,22 +103,28 @@ struct MlpDeviceRun {
 
 constexpr int64_t kH = 136, kF = 64;
 
+GluSpec clamped_pairs() {
+  GluSpec glu;
+  glu.activation = Activation::kClampedQGeGLU;
+  glu.limit = 1.5f;
+  glu.layout = GluLayout::pairs();
+  return glu;
+}
+
 MlpDeviceRun run_mlp(Device device, ExpertLayout layout, bool delay, bool recompute, const Tensor& x_host,
-                     const Tensor& dy_host, const Tensor& probs_host) {
+                     const Tensor& dy_host, const Tensor& probs_host, const GluSpec& glu = clamped_pairs()) {
   GroupedMLPOptions o;
   o.layout = layout;
   o.device = device;
   o.seed = 5;
   o.bias = true;
-  o.glu.activation = GluActivation::kClampedQGeGLU;
-  o.glu.limit = 1.5f;
-  o.glu.layout = GluLayout::pairs();
+  o.glu = glu;
   o.recompute_fc1 = recompute;
   o.accumulate_into_main_grad = true;
   o.delay_wgrad_compute = delay;
   GroupedMLP m(kG, kH, kF, o);
   MlpDeviceRun r;
-  r.main_grad1 = Tensor::zeros({kG, 2 * kF, kH}, DType::kFloat32, device);
+  r.main_grad1 = Tensor::zeros({kG, fc1_width(glu, kF), kH}, DType::kFloat32, device);
   r.main_grad2 = Tensor::zeros({kG, kH, kF}, DType::kFloat32, device);
   m.fc1_weight().set_main_grad(GroupedParam::packed(r.main_grad1));
   m.fc2_weight().set_main_grad(GroupedParam::packed(r.main_grad2));
@@ -150,15 +156,18 @@ MlpDeviceRun run_mlp(Device device, ExpertLayout layout, bool delay, bool recomp
 
 class GpuGroupedMlpModule : public ::testing::TestWithParam<ExpertLayout> {};
 
+// For the GLU of the module tests and the non-gated activations (FC1 of F rows).
 TEST_P(GpuGroupedMlpModule, MatchesTheCpuModuleAndDelayedEqualsImmediate) {
   if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
+  for (const GluSpec& glu : {clamped_pairs(), spec_of(Activation::kSReLU), spec_of(Activation::kGeluTanh)}) {
+  SCOPED_TRACE(describe(glu));
   Rng rng;
   const Tensor x = random_tensor({kT, kH}, DType::kBFloat16, rng);
   const Tensor dy = random_tensor({kT, kH}, DType::kBFloat16, rng);
   const Tensor probs = uniform_tensor({kT}, DType::kFloat32, rng, 0.05, 1.0);
-  const MlpDeviceRun cpu = run_mlp(Device::cpu(), GetParam(), false, false, x, dy, probs);
-  const MlpDeviceRun now = run_mlp(Device::cuda(0), GetParam(), false, false, x, dy, probs);
-  const MlpDeviceRun later = run_mlp(Device::cuda(0), GetParam(), true, true, x, dy, probs);
+  const MlpDeviceRun cpu = run_mlp(Device::cpu(), GetParam(), false, false, x, dy, probs, glu);
+  const MlpDeviceRun now = run_mlp(Device::cuda(0), GetParam(), false, false, x, dy, probs, glu);
+  const MlpDeviceRun later = run_mlp(Device::cuda(0), GetParam(), true, true, x, dy, probs, glu);
   const double tol = oracle::mlp_tolerance(DType::kBFloat16);
   auto rel = [](const TensorView& a, const TensorView& b) { return oracle::rel_error(oracle::to_matrix(a), oracle::to_matrix(b)); };
   auto flat = [](const Tensor& t) { return t.view().reshape({t.numel() / t.size(t.dim() - 1), t.size(t.dim() - 1)}); };
@@ -179,6 +188,7 @@ TEST_P(GpuGroupedMlpModule, MatchesTheCpuModuleAndDelayedEqualsImmediate) {
   EXPECT_EQ(later.hooks, 1);
   EXPECT_EQ(later.flag1, std::optional<bool>(true));
   EXPECT_EQ(later.flag2, std::optional<bool>(true));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, GpuGroupedMlpModule,
@@ -311,7 +321,7 @@ GroupedMLPOptions fp8_mlp_options(Device device, ExpertLayout layout) {
   o.device = device;
   o.seed = 5;
   o.bias = true;
-  o.glu.activation = GluActivation::kClampedQGeGLU;  // default clamp, as the FP8 MLP op's GPU test
+  o.glu.activation = Activation::kClampedQGeGLU;  // default clamp, as the FP8 MLP op's GPU test
   o.glu.layout = GluLayout::pairs();
   o.fp8 = Fp8ModuleRecipe{};
   return o;

@@ -29,7 +29,7 @@ GroupedMLPOptions options(ExpertLayout layout = ExpertLayout::kPacked) {
   GroupedMLPOptions o;
   o.layout = layout;
   o.bias = true;
-  o.glu.activation = GluActivation::kClampedQGeGLU;
+  o.glu.activation = Activation::kClampedQGeGLU;
   o.glu.limit = 1.5f;  // the initialized pre-activation reaches past it
   o.glu.layout = GluLayout::pairs();
   o.seed = 7;
@@ -62,17 +62,18 @@ Reference reference(GroupedMLP& m, const Batch& b, DType wdtype) {
   const ExpertMlpWeights w{m.fc1_weight().value(), m.fc1_bias().value(), m.fc2_weight().value(),
                            m.fc2_bias().value()};
   const ExpertMlpSpec spec{m.options().glu};
+  const int64_t W = fc1_width(spec.glu, kF);
   Reference r;
   r.y = Tensor::zeros({kT, kH}, DType::kBFloat16);
-  Tensor h = Tensor::zeros({kT, 2 * kF}, DType::kBFloat16);
-  Tensor fws = Tensor::empty({int64_t(expert_mlp_forward_workspace_size(kT, kH, kF, DType::kBFloat16, true)) + 1},
+  Tensor h = Tensor::zeros({kT, W}, DType::kBFloat16);
+  Tensor fws = Tensor::empty({int64_t(expert_mlp_forward_workspace_size(kT, kH, kF, DType::kBFloat16, true, spec)) + 1},
                              DType::kUInt8);
   expert_mlp_forward(b.x, b.probs, w, b.routing.layout, r.y, h, spec, {nullptr, {fws.data(), fws.nbytes(), Device::cpu()}});
   r.dx = Tensor::zeros({kT, kH}, DType::kBFloat16);
   r.dprobs = Tensor::zeros({kT}, DType::kFloat32);
-  r.dw1 = Tensor::zeros({kG, 2 * kF, kH}, wdtype);
+  r.dw1 = Tensor::zeros({kG, W, kH}, wdtype);
   r.dw2 = Tensor::zeros({kG, kH, kF}, wdtype);
-  r.db1 = Tensor::zeros({kG, 2 * kF}, DType::kBFloat16);
+  r.db1 = Tensor::zeros({kG, W}, DType::kBFloat16);
   r.db2 = Tensor::zeros({kG, kH}, DType::kBFloat16);
   ExpertMlpGrads g;
   g.dx = r.dx;
@@ -81,7 +82,7 @@ Reference reference(GroupedMLP& m, const Batch& b, DType wdtype) {
   g.fc2_weight = {GroupedParam::packed(r.dw2), GradMode::kWrite};
   g.fc1_bias = {GroupedParam::packed(r.db1), GradMode::kWrite};
   g.fc2_bias = {GroupedParam::packed(r.db2), GradMode::kWrite};
-  Tensor bws = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(kT, kH, kF, DType::kBFloat16, false, spec.fusion)) + 1},
+  Tensor bws = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(kT, kH, kF, DType::kBFloat16, false, spec)) + 1},
                              DType::kUInt8);
   expert_mlp_backward(b.dy, b.x, b.probs, w, b.routing.layout, h, g, spec, {nullptr, {bws.data(), bws.nbytes(), Device::cpu()}});
   return r;
@@ -109,6 +110,57 @@ TEST(GroupedMlpModule, EqualsTheOpAndLayoutsAreBitIdentical) {
       EXPECT_TRUE(bitwise_equal(packed_of(got->grad.view()), *want)) << name;
     }
     EXPECT_EQ(r.fc1_weight.grad.layout(), m->options().layout);
+  }
+}
+
+// srelu and gelu_tanh: FC1 of F rows; the module equals the op in both expert layouts, keeps
+// 2 (H + F) + 4 bytes per token, delays its weight gradients bit for bit, round-trips its state
+// dict and refuses a GLU layout conversion.
+TEST(GroupedMlpModule, NonGatedActivationsEqualTheOpAndKeepFColumns) {
+  Rng rng;
+  Batch b(rng);
+  for (Activation act : kElementwiseActivations) {
+    SCOPED_TRACE(activation_name(act));
+    GroupedMLPOptions o = options();
+    o.glu = spec_of(act);
+    GroupedMLPOptions o_per = o, o_delay = o;
+    o_per.layout = ExpertLayout::kPerExpert;
+    o_delay.delay_wgrad_compute = true;
+    GroupedMLP packed(kG, kH, kF, o), per(kG, kH, kF, o_per), delayed(kG, kH, kF, o_delay);
+    EXPECT_EQ(packed.fc1_weight().expert_shape(), (Shape{kF, kH}));
+    EXPECT_EQ(packed.fc1_bias().expert_shape(), (Shape{kF}));
+    const Reference ref = reference(packed, b, DType::kBFloat16);
+    for (GroupedMLP* m : {&packed, &per, &delayed}) {
+      SCOPED_TRACE(m == &packed ? "packed" : m == &per ? "per-expert" : "delayed wgrad");
+      MlpForwardResult f = m->forward(b.x, b.routing.layout, b.probs);
+      EXPECT_TRUE(bitwise_equal(f.y, ref.y));
+      EXPECT_EQ(f.ctx.saved_bytes(), kT * (2 * (kH + kF) + 4));
+      MlpBackwardResult r = m->backward(f.ctx, b.dy);
+      EXPECT_TRUE(bitwise_equal(r.dx, ref.dx));
+      EXPECT_TRUE(bitwise_equal(r.dprobs, ref.dprobs));
+      EXPECT_TRUE(bitwise_equal(packed_of(r.fc1_bias.grad.view()), ref.db1));
+      if (m == &delayed) {
+        EXPECT_EQ(r.fc1_weight.kind, GradKind::kNone);
+        m->backward_dw();
+        continue;
+      }
+      EXPECT_TRUE(bitwise_equal(packed_of(r.fc1_weight.grad.view()), ref.dw1));
+      EXPECT_TRUE(bitwise_equal(packed_of(r.fc2_weight.grad.view()), ref.dw2));
+    }
+    // The state dict round-trips across expert layouts; a GLU layout conversion is refused.
+    const std::map<std::string, Tensor> sd = packed.state_dict("mlp.");
+    EXPECT_EQ(sd.at("mlp.fc1.weight").shape(), (Shape{kG, kF, kH}));
+    GroupedMLPOptions o_other = o_per;
+    o_other.seed = 99;
+    GroupedMLP other(kG, kH, kF, o_other);
+    other.load_state_dict(sd, "mlp.");
+    EXPECT_TRUE(bitwise_equal(other.fc1_weight().value(), packed.fc1_weight().value()));
+    EXPECT_MOE_ERROR(other.load_state_dict(sd, "mlp.", GluLayout::halves()), ErrorCode::kInvalidArgument,
+                     "GroupedMLP.load_state_dict: glu_from = halves given, but the module's activation " +
+                         std::string(activation_name(act)) + " is not gated (FC1's rows have no GLU layout)");
+    // A GLU-sized checkpoint (2F rows) does not load.
+    GroupedMLP glu_module(kG, kH, kF, options());
+    EXPECT_MOE_ERROR(other.load_state_dict(glu_module.state_dict("mlp."), "mlp."), ErrorCode::kShape, "fc1.weight");
   }
 }
 

@@ -447,7 +447,7 @@ GroupedMLPOptions mlp_options(DType dt = DType::kBFloat16, ExpertLayout layout =
   o.dtype = dt;
   o.layout = layout;
   o.bias = true;
-  o.glu.activation = GluActivation::kClampedQGeGLU;
+  o.glu.activation = Activation::kClampedQGeGLU;
   o.glu.limit = 1.5f;  // the initialized pre-activation reaches past it
   o.glu.layout = GluLayout::pairs();
   o.seed = 7;
@@ -467,10 +467,10 @@ struct MlpReference {
 
 MlpReference mlp_reference(GroupedMLP& m, const Batch& b, DType wdtype, bool probs = true,
                            std::optional<bool> x_rows = std::nullopt) {
-  const int64_t G = m.num_groups(), H = m.hidden(), F = m.ffn(), T = b.T();
+  const int64_t G = m.num_groups(), H = m.hidden(), F = m.ffn(), T = b.T(), W = fc1_width(m.options().glu, F);
   const DType dt = m.options().dtype;
   const Fp8Recipe& recipe = m.options().fp8->quantizer;
-  OwnedWeight w1(G, 2 * F, H), w2(G, H, F);
+  OwnedWeight w1(G, W, H), w2(G, H, F);
   quantize_fp8_weight(m.fc1_weight().value(), w1.view(), recipe);
   quantize_fp8_weight(m.fc2_weight().value(), w2.view(), recipe);
   ExpertMlpFp8Weights w{w1.view(), w2.view(), {}, {}};
@@ -479,17 +479,18 @@ MlpReference mlp_reference(GroupedMLP& m, const Batch& b, DType wdtype, bool pro
   const bool rows = x_rows.value_or(expert_mlp_fp8_keeps_x_rows(T, G));
   if (rows) r.x_rows = OwnedRows(T, H);
   else r.x_columns = OwnedColumns(T, G, H);
-  r.h_rows = OwnedRows(T, 2 * F);
+  r.h_rows = OwnedRows(T, W);
   const ExpertMlpFp8Saved saved{r.x_columns.view(), r.h_rows.view(), r.x_rows.view()};
   const ExpertMlpSpec spec{m.options().glu};
   const TensorView p = probs ? TensorView(b.scales) : TensorView();
-  Tensor fws = Tensor::empty({int64_t(expert_mlp_fp8_forward_workspace_size(T, H, F, dt))}, DType::kUInt8);
-  Tensor bws = Tensor::empty({int64_t(expert_mlp_fp8_backward_workspace_size(T, G, H, F, dt, rows))}, DType::kUInt8);
+  Tensor fws = Tensor::empty({int64_t(expert_mlp_fp8_forward_workspace_size(T, H, F, dt, spec))}, DType::kUInt8);
+  Tensor bws = Tensor::empty({int64_t(expert_mlp_fp8_backward_workspace_size(T, G, H, F, dt, spec, rows))},
+                             DType::kUInt8);
   r.y = Tensor::zeros({T, H}, dt);
   expert_mlp_forward(b.x, p, w, b.groups(), r.y, saved, spec, recipe,
                      {nullptr, {fws.data(), fws.nbytes(), Device::cpu()}});
   r.dx = Tensor::zeros({T, H}, dt);
-  r.dw1 = Tensor::zeros({G, 2 * F, H}, wdtype);
+  r.dw1 = Tensor::zeros({G, W, H}, wdtype);
   r.dw2 = Tensor::zeros({G, H, F}, wdtype);
   ExpertMlpGrads g;
   g.dx = r.dx;
@@ -497,7 +498,7 @@ MlpReference mlp_reference(GroupedMLP& m, const Batch& b, DType wdtype, bool pro
   g.fc1_weight = {GroupedParam::packed(r.dw1), GradMode::kWrite};
   g.fc2_weight = {GroupedParam::packed(r.dw2), GradMode::kWrite};
   if (m.has_bias()) {
-    r.db1 = Tensor::zeros({G, 2 * F}, dt);
+    r.db1 = Tensor::zeros({G, W}, dt);
     r.db2 = Tensor::zeros({G, H}, dt);
     g.fc1_bias = {GroupedParam::packed(r.db1), GradMode::kWrite};
     g.fc2_bias = {GroupedParam::packed(r.db2), GradMode::kWrite};
@@ -595,6 +596,32 @@ TEST_P(Fp8GroupedMlp, EqualsTheFp8OpAndLayoutsAreBitIdentical) {
   }
 }
 
+// srelu and gelu_tanh: FC1 of F rows, the pre-activation's FP8 rows [T, F]; the module gives the
+// op's bits.
+TEST_P(Fp8GroupedMlp, NonGatedActivationsEqualTheFp8Op) {
+  const DType dt = GetParam();
+  Rng rng;
+  const MlpRouting mr = mlp_routings()[2];  // x kept as columns
+  const Batch b(rng, mr.splits, mr.capacity, kH, kH, dt);
+  for (Activation act : kElementwiseActivations) {
+    SCOPED_TRACE(activation_name(act));
+    GroupedMLPOptions o = mlp_options(dt);
+    o.glu = spec_of(act);
+    GroupedMLP m(mr.G(), kH, kF, o);
+    EXPECT_EQ(m.fc1_weight().expert_shape(), (Shape{kF, kH}));
+    const MlpReference ref = mlp_reference(m, b, dt);
+    MlpForwardResult f = m.forward(b.x, b.groups(), b.scales);
+    EXPECT_TRUE(bitwise_equal(f.y, ref.y));
+    EXPECT_EQ(f.ctx.fp8_saved().fc1_out.data.shape(), (Shape{mr.capacity, kF}));
+    EXPECT_TRUE(same_rows(f.ctx.fp8_saved().fc1_out, ref.h_rows.view(), b.routing.rows()));
+    MlpBackwardResult r = m.backward(f.ctx, b.dy);
+    EXPECT_TRUE(bitwise_equal(r.dx, ref.dx));
+    EXPECT_TRUE(bitwise_equal(r.dprobs, ref.dprobs));
+    EXPECT_TRUE(bitwise_equal(packed_of(r.fc1_weight.grad.view()), ref.dw1));
+    EXPECT_TRUE(bitwise_equal(packed_of(r.fc1_bias.grad.view()), ref.db1));
+  }
+}
+
 // The module against the float64 MLP of the unquantized inputs (fp8_mlp_support.hpp's bound).
 TEST_P(Fp8GroupedMlp, MatchesTheFloat64MlpWithinFp8Error) {
   const DType dt = GetParam();
@@ -603,7 +630,7 @@ TEST_P(Fp8GroupedMlp, MatchesTheFloat64MlpWithinFp8Error) {
   // The activation's default clamp (7): the other tests' 1.5 puts many pre-activations at the clamp,
   // where FP8's rounding of the kept pre-activation moves the derivative's jump (more than the bound).
   GroupedMLPOptions o = mlp_options(dt, ExpertLayout::kPerExpert);
-  o.glu = spec_of(GluActivation::kClampedQGeGLU, GluLayout::pairs());
+  o.glu = spec_of(Activation::kClampedQGeGLU, GluLayout::pairs());
   const Fp8MlpCase c(rng, kMlpT, kG, kH, kF, dt, o.glu, /*bias=*/true, /*probs=*/true);
   GroupedMLP m(kG, kH, kF, o);
   m.load_state_dict({{"fc1.weight", c.w1}, {"fc1.bias", c.b1}, {"fc2.weight", c.w2}, {"fc2.bias", c.b2}});

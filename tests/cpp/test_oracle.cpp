@@ -28,7 +28,7 @@ TEST(Oracle, HandComputedValues) {
   h.data = {1, 9, 2, 8};  // halves: gates {1, 9}, linears {2, 8}
   GluSpec swiglu;
   EXPECT_NEAR(oracle::glu_forward(h, {}, swiglu)(0, 0), 2.0 / (1.0 + std::exp(-1.0)), 1e-15);
-  GluSpec gptoss{GluActivation::kClampedQGeGLU};
+  GluSpec gptoss{Activation::kClampedQGeGLU};
   const double alpha = 1.702f;  // the spec holds float parameters, as the kernels do
   EXPECT_NEAR(oracle::glu_forward(h, {}, gptoss)(0, 1), 7.0 / (1.0 + std::exp(-alpha * 7.0)) * 8.0,
               1e-12);

@@ -33,15 +33,25 @@ inline uint64_t test_seed() {
   return base ^ std::hash<std::string>{}(name);
 }
 
-// A GLU spec with default activation parameters.
-inline GluSpec spec_of(GluActivation activation, GluLayout layout) {
+// An activation spec with default activation parameters (a non-gated activation takes halves).
+inline GluSpec spec_of(Activation activation, GluLayout layout = GluLayout::halves()) {
   GluSpec s;
   s.activation = activation;
   s.layout = layout;
   return s;
 }
 
-inline constexpr GluActivation kActivations[] = {GluActivation::kSwiGLU, GluActivation::kClampedQGeGLU};
+inline constexpr Activation kGluActivations[] = {Activation::kSwiGLU, Activation::kClampedQGeGLU};
+inline constexpr Activation kElementwiseActivations[] = {Activation::kSReLU, Activation::kGeluTanh};
+
+// Every valid spec over `layouts`: each GLU in each layout, each non-gated activation once.
+inline std::vector<GluSpec> activation_specs(const std::vector<GluLayout>& layouts) {
+  std::vector<GluSpec> specs;
+  for (Activation a : kGluActivations)
+    for (const GluLayout& l : layouts) specs.push_back(spec_of(a, l));
+  for (Activation a : kElementwiseActivations) specs.push_back(spec_of(a));
+  return specs;
+}
 
 struct Rng {
   std::mt19937_64 gen{test_seed()};

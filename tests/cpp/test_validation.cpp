@@ -148,7 +148,7 @@ TEST_F(Validation, ArgumentCombinations) {
   spec.layout = GluLayout::blocks(3);
   EXPECT_MOE_ERROR(glu_forward(h, {}, r.layout, d, spec), ErrorCode::kShape,
                    "GLU layout blocks:3 needs F divisible by 3, got F = 4");
-  spec = GluSpec{GluActivation::kClampedQGeGLU, 0.0f};
+  spec = GluSpec{Activation::kClampedQGeGLU, 0.0f};
   EXPECT_MOE_ERROR(glu_forward(h, {}, r.layout, d, spec), ErrorCode::kInvalidArgument,
                    "clamped_qgeglu limit must be > 0, got 0");
 }
@@ -200,6 +200,56 @@ TEST_F(Validation, ExpertMlpArguments) {
   ExpertMlpGrads dx_only;
   dx_only.dx = dx;
   EXPECT_NO_THROW(expert_mlp_backward(out, {}, {}, weights, r.layout, fc1_out, dx_only, {}, ctx));
+}
+
+// A non-gated activation's FC1 has F rows: a GLU-sized FC1 (the usual mistake) names the shape it
+// expected; its pre-activation is [T, F]; a GLU layout for it is refused; so is the activation op
+// on a [T, 2F] h.
+TEST_F(Validation, NonGatedActivationShapes) {
+  const int64_t H = 8, F = 4;
+  Tensor w1 = random_tensor({3, F, H}, DType::kBFloat16, rng);
+  Tensor w1_glu = random_tensor({3, 2 * F, H}, DType::kBFloat16, rng);
+  Tensor w2 = random_tensor({3, H, F}, DType::kBFloat16, rng);
+  Tensor out = Tensor::empty({10, H}, DType::kBFloat16);
+  Tensor ws = Tensor::empty({1 << 16}, DType::kUInt8);
+  const ExecContext ctx{nullptr, {ws.data(), ws.nbytes(), Device::cpu()}};
+  for (Activation act : kElementwiseActivations) {
+    SCOPED_TRACE(activation_name(act));
+    const ExpertMlpSpec spec{spec_of(act)};
+    EXPECT_MOE_ERROR(expert_mlp_forward(x, {}, {GroupedParam::packed(w1_glu), {}, GroupedParam::packed(w2), {}},
+                                        r.layout, out, {}, spec, ctx),
+                     ErrorCode::kShape,
+                     "expert_mlp_forward: fc1_weight: expected G x [F, H] = 3 x [4, 8], got packed bfloat16[3, 8, 8]");
+    Tensor b1_glu = random_tensor({3, 2 * F}, DType::kBFloat16, rng);
+    EXPECT_MOE_ERROR(expert_mlp_forward(x, {}, {GroupedParam::packed(w1), GroupedParam::packed(b1_glu),
+                                                GroupedParam::packed(w2), {}},
+                                        r.layout, out, {}, spec, ctx),
+                     ErrorCode::kShape, "fc1_bias: expected G x [F] = 3 x [4]");
+    const ExpertMlpWeights weights{GroupedParam::packed(w1), {}, GroupedParam::packed(w2), {}};
+    Tensor h_glu = Tensor::empty({10, 2 * F}, DType::kBFloat16);
+    EXPECT_MOE_ERROR(expert_mlp_forward(x, {}, weights, r.layout, out, h_glu, spec, ctx), ErrorCode::kShape,
+                     "expert_mlp_forward: fc1_out: expected [T, F] = [10, 4], got bfloat16[10, 8]");
+    EXPECT_NO_THROW(expert_mlp_forward(x, {}, weights, r.layout, out, Tensor::empty({10, F}, DType::kBFloat16),
+                                       spec, ctx));
+    EXPECT_MOE_ERROR(expert_mlp_forward(x, {}, weights, r.layout, out, {}, {spec_of(act, GluLayout::pairs())}, ctx),
+                     ErrorCode::kInvalidArgument,
+                     "expert_mlp_forward: GLU layout pairs given for " + std::string(activation_name(act)) +
+                         ", which is not gated");
+    EXPECT_MOE_ERROR(glu_forward(h_glu, {}, r.layout, Tensor::empty({10, F}, DType::kBFloat16), spec.glu),
+                     ErrorCode::kShape, "glu_forward: h: expected [T, F] = [10, 4], got bfloat16[10, 8]");
+    ExpertMlpGrads dw1;
+    dw1.fc1_weight = {GroupedParam::packed(Tensor::zeros({3, 2 * F, H}, DType::kFloat32)), GradMode::kWrite};
+    EXPECT_MOE_ERROR(expert_mlp_backward(out, x, {}, weights, r.layout, {}, dw1, spec, ctx), ErrorCode::kShape,
+                     "expert_mlp_backward: fc1_weight: expected G x [F, H] = 3 x [4, 8], got packed float32[3, 8, 8]");
+  }
+  // The module: FC1 of F rows; a GLU layout is refused there too.
+  GroupedMLPOptions o;
+  o.glu = spec_of(Activation::kGeluTanh);
+  GroupedMLP mlp(3, H, F, o);
+  EXPECT_EQ(mlp.fc1_weight().expert_shape(), (Shape{F, H}));
+  o.glu.layout = GluLayout::blocks(2);
+  EXPECT_MOE_ERROR(GroupedMLP(3, H, F, o), ErrorCode::kInvalidArgument,
+                   "GroupedMLP: GLU layout blocks:2 given for gelu_tanh, which is not gated");
 }
 
 TEST_F(Validation, OutputsMustNotAliasInputs) {

@@ -68,6 +68,12 @@ def glu_columns(layout, ffn):
 
 
 def glu_ref(h, layout, activation, limit=7.0, alpha=1.702, offset=1.0):
+    """The activation of FC1's output h: a GLU over h's [T, 2F] gate/linear columns in ``layout``, or
+    a non-gated activation elementwise over h [T, F] (PyTorch's own functions)."""
+    if activation == "srelu":
+        return torch.relu(h) ** 2
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(h, approximate="tanh")
     ffn = h.shape[1] // 2
     gi, li = glu_columns(layout, ffn)
     gate, lin = h[:, gi], h[:, li]
@@ -82,7 +88,8 @@ def glu_ref(h, layout, activation, limit=7.0, alpha=1.702, offset=1.0):
 
 def expert_mlp_ref(x, w1, w2, splits, probs=None, b1=None, b2=None, layout="halves", activation="swiglu",
                    storage=None, **act):
-    """Float64, differentiable: y = FC2(act(FC1 x + b1) * p) + p * b2, per expert. ``storage``: the
+    """Float64, differentiable: y = FC2(act(FC1 x + b1) * p) + p * b2, per expert (glu_ref's
+    activations: FC1 has 2F rows for a GLU, F for srelu / gelu_tanh). ``storage``: the
     dtype the kernels keep the pre-activation and the activation in; the reference rounds them the
     same way (straight-through), since the clamp makes the gradient jump at the limit."""
 

@@ -49,9 +49,12 @@ CASES = {
     "off_tiles": ([129, 3, 120], 260, 128, 192),
     "all_empty": ([0, 0, 0], 9, 128, 64),
     "many_small": ([0, 3, 2, 1] * 8, 64, 128, 128),
+    "srelu": ([37, 0, 1, 150], 200, 128, 128),
+    "gelu_tanh": ([129, 3, 120], 260, 128, 192),
 }
 GLU = {"mixed": ("swiglu", "blocks:32"), "g1": ("clamped_qgeglu", "pairs"), "off_tiles": ("swiglu", "halves"),
-       "all_empty": ("swiglu", "halves"), "many_small": ("swiglu", "pairs")}
+       "all_empty": ("swiglu", "halves"), "many_small": ("swiglu", "pairs"), "srelu": ("srelu", "halves"),
+       "gelu_tanh": ("gelu_tanh", "halves")}  # the non-gated activations: FC1 of F rows
 # (case, x_form) of the MLP tests that run both forms of x kept (force_x_form): the columns forced
 # on a case whose rule keeps rows, and the rule on the many small experts' case.
 FORM_CASES = [("mixed", "columns"), ("mixed", "rule"), ("many_small", "rule")]
@@ -801,18 +804,19 @@ def test_fake_shapes_follow_the_cpp_functions():
             fake = ops.expert_mlp_fp8(*[mode.from_tensor(t) for t in (x, p, w1.data, w1.scales, w2.data, w2.scales)],
                                       [mode.from_tensor(b1)], [mode.from_tensor(b2)], mode.from_tensor(s), glu, *args)
         assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
-        shapes = _C.expert_mlp_fp8_saved_shapes(T, 3, H, F)
+        shapes = _C.expert_mlp_fp8_saved_shapes(T, 3, H, F, _C.GluSpec.parse(glu))
         kept = SAVED_KEYS[form] + ("fc1_out_data", "fc1_out_scales")
         assert [list(t.shape) for t in real[1:8]] == [shapes[k] if k in kept else [0] for k in SAVED_ORDER]
     with pytest.raises(ValueError, match=r"expert_mlp_fp8: save_x: expected one of none, columns, rows, got 'both'"):
         ops.expert_mlp_fp8(x, p, w1.data, w1.scales, w2.data, w2.scales, [b1], [b2], s, glu, "forward", "both", True,
                            False, 0.0)
-    for T in (1, 5, 64, 300):
-        for G in (1, 3, 32, 64):
-            want = _C.expert_mlp_fp8_saved_shapes(T, G, 128, 192)
+    for activation, fc1_rows in (("swiglu", 384), ("srelu", 192)):  # FC1's rows: 2F for a GLU, F otherwise
+        spec = _C.GluSpec(activation)
+        for T, G in ((T, G) for T in (1, 5, 64, 300) for G in (1, 3, 32, 64)):
+            want = _C.expert_mlp_fp8_saved_shapes(T, G, 128, 192, spec)
             for form in ("columns", "rows"):
                 got = fp8_impl._mlp_saved_outputs(torch.empty(T, 128, device="meta"), torch.empty(G, device="meta"),
-                                                  384, form, True)
+                                                  fc1_rows, form, True)
                 kept = SAVED_KEYS[form] + ("fc1_out_data", "fc1_out_scales")
                 assert [list(t.shape) for t in got] == [want[k] if k in kept else [0] for k in SAVED_ORDER]
     # the rule: C++'s, around C = 2T (not monotonic in T: C grows in steps of 128)
@@ -820,10 +824,12 @@ def test_fake_shapes_follow_the_cpp_functions():
         for T in list(range(0, 40)) + list(range(120, 140)) + list(range(250, 260)) + list(range(500, 520)) + [4096]:
             assert fp8_impl.expert_mlp_fp8_keeps_x_rows(T, G) == _C.expert_mlp_fp8_keeps_x_rows(T, G), (T, G)
     assert _C.expert_mlp_fp8_keeps_x_rows(127, 1) and not _C.expert_mlp_fp8_keeps_x_rows(128, 1)  # C = 256
-    assert _C.expert_mlp_fp8_forward_workspace_size(300, 128, 192, "bfloat16") > 0
-    plain = _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32")
-    assert plain > 0 and _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", False) == plain
-    assert _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", x_rows=True) > plain
+    swiglu, srelu = _C.GluSpec("swiglu"), _C.GluSpec("srelu")
+    assert _C.expert_mlp_fp8_forward_workspace_size(300, 128, 192, "bfloat16", swiglu) > \
+        _C.expert_mlp_fp8_forward_workspace_size(300, 128, 192, "bfloat16", srelu) > 0
+    plain = _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", swiglu)
+    assert plain > 0 and _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", swiglu, False) == plain
+    assert _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", swiglu, x_rows=True) > plain
 
 
 # ---- errors ----

@@ -290,6 +290,49 @@ def test_mlp_checkpoint_glu_layout_conversion(device):
     assert_close(pairs(x, s), halves(x, s), DTYPE[device.type], "halves vs pairs")
 
 
+@pytest.mark.parametrize("activation", ["srelu", "gelu_tanh"])
+def test_non_gated_mlp_module(device, activation):
+    """FC1 of F rows; the module matches plain PyTorch; its state dict round-trips; a GLU layout
+    (in the constructor or as glu_from) is refused; the repr names no GLU layout."""
+    dtype = DTYPE[device.type]
+    torch.manual_seed(13)
+    splits_list, T = ROUTINGS["mixed"]
+    G, H, F = len(splits_list), 32, 24
+    mlp = me.GroupedMLP(G, H, F, bias=True, activation=activation, layout="per-expert", device=device, dtype=dtype)
+    assert mlp.fc1.weights()[0].shape == (F, H) and mlp.fc1.biases()[0].shape == (F,)
+    assert "glu_layout" not in repr(mlp) and activation in repr(mlp)
+    x = torch.randn(T, H, dtype=dtype, device=device, requires_grad=True)
+    p = torch.rand(T, device=device, requires_grad=True)
+    splits = make_splits(splits_list, device)
+    y = mlp(x, splits, p)
+    dy = torch.randn(T, H, dtype=dtype, device=device)
+    y.backward(dy)
+
+    def stacked(ps):
+        return torch.stack([t.detach() for t in ps]).double().requires_grad_(True)
+
+    w1, b1, w2, b2 = (stacked(ps) for ps in (mlp.fc1.weights(), mlp.fc1.biases(), mlp.fc2.weights(), mlp.fc2.biases()))
+    x64, p64 = x.detach().double().requires_grad_(True), p.detach().double().requires_grad_(True)
+    ref = expert_mlp_ref(x64, w1, w2, splits_list, p64, b1, b2, "halves", activation, storage=dtype)
+    ref.backward(dy.double())
+    rows = sum(splits_list)
+    assert_close(y[:rows], ref[:rows], dtype, "y")
+    assert_close(x.grad[:rows], x64.grad[:rows], dtype, "dx")
+    assert_close(p.grad[:rows], p64.grad[:rows], dtype, "dprobs")
+    assert_close(torch.stack([t.grad for t in mlp.fc1.weights()]), w1.grad, dtype, "dW1")
+    assert_close(torch.stack([t.grad for t in mlp.fc2.weights()]), w2.grad, dtype, "dW2")
+    assert_close(torch.stack([t.grad for t in mlp.fc1.biases()]), b1.grad, dtype, "db1")
+
+    packed = me.GroupedMLP(G, H, F, bias=True, activation=activation, device=device, dtype=dtype)
+    packed.load_state_dict(mlp.state_dict())
+    assert torch.equal(packed.fc1.weights()[0], torch.stack(mlp.fc1.weights()))
+    with pytest.raises(ValueError, match=f"glu_from = 'halves' given, but the module's activation {activation} is "
+                                         r"not gated \(FC1's rows have no GLU layout\)"):
+        packed.load_state_dict(mlp.state_dict(), glu_from="halves")
+    with pytest.raises(ValueError, match=f"GroupedMLP: GLU layout pairs given for {activation}, which is not gated"):
+        me.GroupedMLP(G, H, F, activation=activation, glu_layout="pairs", device=device, dtype=dtype)
+
+
 def test_compile_of_a_module_forward(device):
     m = build("mlp", device)
     x = torch.randn(40, 32, dtype=DTYPE[device.type], device=device)

@@ -73,15 +73,21 @@ def test_grouped_linear_forward_and_backward(device, routing, packed, bias_mode)
                 assert torch.all(grads_of(w)[g] == 0)
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "clamped_qgeglu"])
-@pytest.mark.parametrize("layout", ["halves", "pairs", "blocks:8"])
+GATED = {"swiglu": True, "clamped_qgeglu": True, "srelu": False, "gelu_tanh": False}
+# Every GLU in every layout; the non-gated activations in the default layout (they have no other).
+ACTIVATION_LAYOUTS = [(a, layout) for a in ("swiglu", "clamped_qgeglu") for layout in ("halves", "pairs", "blocks:8")]
+ACTIVATION_LAYOUTS += [("srelu", "halves"), ("gelu_tanh", "halves")]
+
+
+@pytest.mark.parametrize("activation,layout", ACTIVATION_LAYOUTS)
 def test_glu_forward_and_backward(device, activation, layout):
     torch.manual_seed(3)
     splits_list, T = ROUTINGS["mixed"]
     F = 32
+    W = 2 * F if GATED[activation] else F
     for dtype in DTYPES[device.type]:
         # Values well past the clamp limit on both sides, so the clamps' zero gradients show.
-        h = leaf(rand(T, 2 * F, dtype=dtype, device=device, scale=5.0))
+        h = leaf(rand(T, W, dtype=dtype, device=device, scale=5.0))
         p = leaf(torch.rand(T, device=device))
         splits = make_splits(splits_list, device)
         out = me.glu(h, splits, p, activation=activation, layout=layout)
@@ -104,6 +110,10 @@ MLP_CASES = [
     ("clamped_qgeglu", "pairs", True, True, False, "all", True),
     ("clamped_qgeglu", "pairs", True, False, True, "none", True),
     ("swiglu", "blocks:8", True, True, True, "forward", False),
+    ("srelu", "halves", True, True, False, "forward", True),
+    ("srelu", "halves", False, True, True, "all", False),
+    ("gelu_tanh", "halves", True, True, False, "all", True),
+    ("gelu_tanh", "halves", True, False, True, "none", False),
 ]
 
 
@@ -116,9 +126,10 @@ def test_expert_mlp_forward_and_backward(device, case, routing):
     G, H, F = len(splits_list), 64, 64
     for dtype in DTYPES[device.type]:
         x = leaf(rand(T, H, dtype=dtype, device=device))
-        w1 = weights(G, (2 * F, H), dtype, device, packed, H**-0.5 * 3)  # pre-activations past the clamp too
+        W = 2 * F if GATED[activation] else F  # FC1's rows
+        w1 = weights(G, (W, H), dtype, device, packed, H**-0.5 * 3)  # pre-activations past the clamp too
         w2 = weights(G, (H, F), dtype, device, packed, F**-0.5)
-        b1 = weights(G, (2 * F,), dtype, device, packed, 1.0) if bias else None
+        b1 = weights(G, (W,), dtype, device, packed, 1.0) if bias else None
         b2 = weights(G, (H,), dtype, device, packed, 1.0) if bias else None
         p = leaf(torch.rand(T, device=device)) if with_probs else None
         splits = make_splits(splits_list, device)
@@ -145,6 +156,52 @@ def test_expert_mlp_forward_and_backward(device, case, routing):
             assert_close(p.grad[:rows], p64.grad[:rows], dtype, "dprobs")
             assert torch.all(p.grad[rows:] == 0)
         assert torch.all(y[rows:] == 0) and torch.all(x.grad[rows:] == 0)
+
+
+@pytest.mark.parametrize("activation", ["srelu", "gelu_tanh"])
+def test_non_gated_mlp_and_activation_pass_gradcheck_in_float64(activation):
+    """torch.autograd.gradcheck (float64 finite differences) of the activation op and of the whole
+    expert MLP, every input and parameter, on the CPU backend (which computes in float64)."""
+    torch.manual_seed(5)
+    splits_list, T = [2, 0, 3], 6
+    G, H, F = 3, 5, 4
+    splits = make_splits(splits_list, torch.device("cpu"))
+
+    def away_from_zero(t):  # srelu's kink at 0: keep the pre-activations off it
+        return torch.where(t.abs() < 0.05, t + 0.1, t)
+
+    h = away_from_zero(torch.randn(T, F, dtype=torch.float64)).requires_grad_(True)
+    p = torch.rand(T, dtype=torch.float64).add(0.1).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda h, p: me.glu(h, splits, p, activation=activation), (h, p))
+    x = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+    w1 = (torch.randn(G, F, H, dtype=torch.float64) * 0.5).requires_grad_(True)
+    w2 = (torch.randn(G, H, F, dtype=torch.float64) * 0.5).requires_grad_(True)
+    b1 = (torch.randn(G, F, dtype=torch.float64) * 0.5).requires_grad_(True)
+    b2 = (torch.randn(G, H, dtype=torch.float64) * 0.5).requires_grad_(True)
+    with torch.no_grad():  # FC1's pre-activations stay off srelu's kink too
+        pre = torch.cat([x[a:b] @ w1[g].T + b1[g] for g, (a, b) in enumerate([(0, 2), (2, 2), (2, 5)])])
+    assert pre.abs().min() > 1e-3, "resample: a pre-activation sits on srelu's kink at 0"
+    for recompute in (False, True):
+        assert torch.autograd.gradcheck(
+            lambda x, p, w1, b1, w2, b2: me.expert_mlp(x, w1, w2, splits, p, b1, b2, activation=activation,
+                                                       recompute_fc1=recompute),
+            (x, p, w1, b1, w2, b2))
+
+
+def test_non_gated_fc1_must_have_f_rows(device):
+    """A non-gated activation's FC1 has F rows: a GLU-sized one is named with the shape expected,
+    and a GLU layout is refused."""
+    dtype = DTYPES[device.type][0]
+    s = make_splits([4, 0, 5], device)
+    x = torch.zeros(9, 8, dtype=dtype, device=device)
+    w2 = torch.zeros(3, 8, 4, dtype=dtype, device=device)
+    with pytest.raises(ValueError, match=r"expert_mlp_forward: fc1_weight: expected G x \[F, H\] = 3 x \[4, 8\]"):
+        me.expert_mlp(x, torch.zeros(3, 8, 8, dtype=dtype, device=device), w2, s, activation="srelu")
+    with pytest.raises(ValueError, match=r"GLU layout pairs given for gelu_tanh, which is not gated"):
+        me.expert_mlp(x, torch.zeros(3, 4, 8, dtype=dtype, device=device), w2, s, activation="gelu_tanh",
+                      layout="pairs")
+    y = me.expert_mlp(x, torch.zeros(3, 4, 8, dtype=dtype, device=device), w2, s, activation="gelu_tanh")
+    assert y.shape == (9, 8)
 
 
 def test_int32_splits_and_determinism(device):
@@ -188,6 +245,16 @@ def test_opcheck_of_every_op():
         (ops.expert_mlp_routed, (x, p, [w1], [], [w2], [], s, me.glu_text(), "forward", False)),
         (ops.expert_mlp_backward_, (torch.randn(12, 8), x, p, [w1], [], [w2], [], s, None, me.glu_text(), "none", True,
                                     True, False, [torch.zeros(3, 16, 8)], "accumulate", [], "write")),
+    ]
+    # A non-gated activation: h and FC1's rows [.., F] (the fake implementations read the spec).
+    srelu, w1f = me.glu_text("srelu"), torch.randn(3, 8, 8)
+    cases += [
+        (ops.glu_routed, (h[:, :8].contiguous(), p, s, srelu)),
+        (ops.glu_backward, (h[:, :8].contiguous(), p, torch.randn(12, 8), s, srelu)),
+        (ops.expert_mlp_routed, (x, p, [w1f], [torch.randn(3, 8)], [w2], [], s, srelu, "forward", True)),
+        (ops.expert_mlp_backward_, (torch.randn(12, 8), x, p, [w1f], [torch.randn(3, 8)], [w2], [torch.randn(3, 8)], s,
+                                    torch.randn(12, 8), srelu, "none", True, True, True, [torch.zeros(3, 8, 8)],
+                                    "write", [], "write")),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

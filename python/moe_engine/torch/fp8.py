@@ -530,7 +530,7 @@ def _expert_mlp_fp8(x: Tensor, probs: Optional[Tensor], w1_data: Tensor, w1_scal
     saved = _mlp_saved_outputs(x, splits, _extent(w1_data, 1), save_x, save_fc1_out)
     stream = stream_of(x)
     r = routing_of("expert_mlp_fp8_forward", "x", x, splits, stream)
-    ws = _workspace(_C.expert_mlp_fp8_forward_workspace_size(T, H, F, dtype_name(x.dtype)), x.device)
+    ws = _workspace(_C.expert_mlp_fp8_forward_workspace_size(T, H, F, dtype_name(x.dtype), _glu_spec(glu)), x.device)
     xd, xs, xo, xrd, xrs = kept_x(save_x, saved[:5])
     hd, hs = saved[5:] if save_fc1_out else (None, None)
     _C.expert_mlp_fp8_forward(x, probs, w1_data, w1_scales, w2_data, w2_scales, grouped(b1, 1), grouped(b2, 1), r, y,
@@ -556,7 +556,7 @@ def _expert_mlp_fp8_backward_(
     need_bias_grads: bool, w1_grad: List[Tensor], w1_mode: str, w2_grad: List[Tensor], w2_mode: str,
     routing: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx [T, H], dprobs [T] float32, db1 [G, 2F], db2 [G, H]); those not asked for (or without
+    """(dx [T, H], dprobs [T] float32, db1 [G, W], db2 [G, H]) (W: FC1's rows); those not asked for (or without
     their bias) are empty. The weight gradients go into w1_grad / w2_grad (empty lists: not
     computed) per their modes; the FC1 weight gradient reads what forward kept of x: its columns
     (x_data, x_scales, x_offsets), or its rows (x_rows_data, x_rows_scales), from which backward
@@ -567,7 +567,8 @@ def _expert_mlp_fp8_backward_(
     r = routing_of("expert_mlp_fp8_backward", "dy", dy, splits, stream, routing)
     x_from_rows = len(w1_grad) > 0 and x_data is None and x_rows_data is not None
     ws = _workspace(_C.expert_mlp_fp8_backward_workspace_size(T, _extent(splits, 0), H, _extent(w2_data, 2),
-                                                              dtype_name(dy.dtype), x_from_rows), dy.device)
+                                                              dtype_name(dy.dtype), _glu_spec(glu), x_from_rows),
+                    dy.device)
     _C.expert_mlp_fp8_backward(dy, x_data, x_scales, x_offsets, x_rows_data, x_rows_scales, h_data, h_scales, probs,
                                w1_data, w1_scales, w1_data_t, w1_scales_t, w2_data, w2_scales, w2_data_t,
                                w2_scales_t, grouped(b1, 1), grouped(b2, 1), r, dx if need_dx else None,
@@ -704,7 +705,8 @@ def expert_mlp_fp8(x: Tensor, fc1_weight: Union[Fp8Weight, Experts], fc2_weight:
     (``docs/design.md``, "The FP8 expert MLP"); differentiable.
 
     x ``[T, H]`` bfloat16 or float32 (y, dx and the activations between the GEMMs in its dtype);
-    fc1 ``G x [2F, H]`` (rows in ``layout``), fc2 ``G x [H, F]``; biases unquantized, ``[G, 2F]`` /
+    fc1 ``G x [2F, H]`` (rows in ``layout``) for a GLU activation, ``G x [F, H]`` for a non-gated one
+    (``srelu``, ``gelu_tanh``), fc2 ``G x [H, F]``; biases unquantized, ``[G, 2F]`` (``[G, F]``) /
     ``[G, H]`` or G tensors; probs ``[T]`` float32. Each weight is either
 
     - the weight itself (a tensor or G tensors): quantized here with ``recipe`` (both copies), and
@@ -718,7 +720,7 @@ def expert_mlp_fp8(x: Tensor, fc1_weight: Union[Fp8Weight, Experts], fc2_weight:
     would be more than twice their bytes: many experts of few tokens; backward makes the columns).
     ``recipe``: ``Fp8Recipe`` (default: plain scales); overrides are refused.
     ``fusion``: ``none`` runs every step as its own op; ``forward`` / ``all`` fuse the steps around
-    the GLU on CUDA (the same bytes).
+    a GLU on CUDA (the same bytes; a non-gated activation runs them as separate ops).
     """
     who = "expert_mlp_fp8"
     recipe = check_recipe(who, recipe, all_fp8=True, name="recipe")

@@ -549,12 +549,15 @@ class GroupedMLP(nn.Module):
     """The expert MLP ``y = FC2(act(FC1(x) + b1) * p) + p * b2`` (Megatron's ``p * (W2 act + b2)``)
     for G experts, with GroupedLinear's training contract for both weights.
 
-    Parameters live in ``fc1`` (``weight`` ``[G, 2F, H]``, rows in ``glu_layout``; ``bias``
-    ``[G, 2F]``) and ``fc2`` (``weight`` ``[G, H, F]``; ``bias`` ``[G, H]``), packed or per expert
-    (``fc1.weight0`` ..). ``activation``: ``swiglu`` or ``clamped_qgeglu`` (``limit``, ``alpha``,
-    ``offset``: GPT-OSS's 7, 1.702, 1). ``glu_layout``: ``halves``, ``pairs`` or ``blocks:s``; on
-    Hopper the FC1 epilogue fuses the GLU for ``pairs`` and ``blocks:s`` (``fusion``).
-    ``recompute_fc1`` keeps only x for backward instead of the ``[T, 2F]`` pre-activation.
+    Parameters live in ``fc1`` (``weight`` ``[G, W, H]``; ``bias`` ``[G, W]``) and ``fc2``
+    (``weight`` ``[G, H, F]``; ``bias`` ``[G, H]``), packed or per expert (``fc1.weight0`` ..).
+    ``activation``: a GLU, ``swiglu`` or ``clamped_qgeglu`` (``limit``, ``alpha``, ``offset``:
+    GPT-OSS's 7, 1.702, 1), whose FC1 has W = 2F rows in ``glu_layout`` (``halves``, ``pairs`` or
+    ``blocks:s``); or a non-gated activation, ``srelu`` (relu(h)^2) or ``gelu_tanh`` (GELU, tanh
+    approximation), whose FC1 has W = F rows (``glu_layout`` stays ``halves``). On Hopper the FC1
+    epilogue fuses the activation for the non-gated ones and for ``pairs`` and ``blocks:s``
+    (``fusion``). ``recompute_fc1`` keeps only x for backward instead of the ``[T, W]``
+    pre-activation.
     ``fp8_recipe``: an ``Fp8Recipe`` to run all six GEMMs in FP8 (no override may be set; backward
     keeps the pre-activation's rows and x's columns in FP8, x's rows instead of its columns where
     those would be more than twice the bytes; ``fusion`` other than ``none`` fuses the
@@ -574,9 +577,9 @@ class GroupedMLP(nn.Module):
         self._fp8_weights = (Fp8WeightCache(), Fp8WeightCache())
         self._glu = _C.GluSpec(activation, glu_layout, float(limit), float(alpha), float(offset))
         self._glu_text = self._glu.text  # what the custom ops take
-        _C.glu_row_permutation(self._glu.layout, self._glu.layout, ffn)  # F must suit the layout
+        self._glu.check(ffn, "GroupedMLP")  # F must suit the layout; a non-gated activation takes none
         self.num_groups, self.hidden, self.ffn = num_groups, hidden, ffn
-        self.fc1 = _ExpertParams(num_groups, 2 * ffn, hidden, bias, layout, device, dtype)
+        self.fc1 = _ExpertParams(num_groups, self._glu.fc1_width(ffn), hidden, bias, layout, device, dtype)
         self.fc2 = _ExpertParams(num_groups, hidden, ffn, bias, layout, device, dtype)
         self.fusion = _C.fusion_name(fusion)
         self.delay_wgrad_compute = delay_wgrad_compute
@@ -653,7 +656,11 @@ class GroupedMLP(nn.Module):
                         glu_from: Optional[str] = None):
         """As nn.Module's (with the packed / per-expert key normalization); ``glu_from`` names the
         GLU layout of the checkpoint's FC1 rows (e.g. ``halves`` for Megatron), converted to the
-        module's."""
+        module's. A module with a non-gated activation takes no ``glu_from`` (its FC1 rows have no
+        GLU layout)."""
+        if glu_from is not None and not self._glu.gated:
+            raise ValueError(f"GroupedMLP.load_state_dict: glu_from = {glu_from!r} given, but the module's activation "
+                             f"{self._glu.activation} is not gated (FC1's rows have no GLU layout); expected no glu_from")
         if glu_from is not None and _C.glu_layout_name(glu_from) != self.glu_layout:
             perm = torch.tensor(_C.glu_row_permutation(glu_from, self.glu_layout, self.ffn))
             state_dict = dict(state_dict)
@@ -669,8 +676,9 @@ class GroupedMLP(nn.Module):
         act, limit, alpha, offset, layout = g.activation, g.limit, g.alpha, g.offset, g.layout
         extra = f"(limit={limit:g}, alpha={alpha:g}, offset={offset:g})" if act == "clamped_qgeglu" else ""
         fp8_text = "" if self._fp8_recipe is None else f", fp8_recipe={self._fp8_recipe}"
+        layout_text = f"glu_layout={layout}, " if g.gated else ""
         return (f"num_groups={self.num_groups}, hidden={self.hidden}, ffn={self.ffn}, activation={act}{extra}, "
-                f"glu_layout={layout}, fusion={self.fusion}, recompute_fc1={self.recompute_fc1}" + fp8_text)
+                f"{layout_text}fusion={self.fusion}, recompute_fc1={self.recompute_fc1}" + fp8_text)
 
 
 def _init_device(p: Tensor) -> None:

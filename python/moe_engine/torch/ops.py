@@ -14,8 +14,8 @@ Called without a routing tensor (or with one that is not the live routing of the
 backward op computes the offsets itself.
 
 Weights and biases are passed as lists: ``[w]`` with ``w`` packed ``[G, N, K]`` (``[G, N]`` for a
-bias), or G per-expert tensors ``[N, K]`` (``[N]``). A GLU activation crosses as one string,
-``GluSpec.text`` (``glu_text`` makes it). The differentiable functions at the end
+bias), or G per-expert tensors ``[N, K]`` (``[N]``). The activation (a GLU, or a non-gated one:
+``srelu``, ``gelu_tanh``) crosses as one string, ``GluSpec.text`` (``glu_text`` makes it). The differentiable functions at the end
 (``grouped_linear``, ``glu``, ``expert_mlp``) return plain gradients; the modules in
 ``moe_engine.torch.modules`` add the main_grad contract on top of the same ops.
 """
@@ -63,7 +63,7 @@ _GLU_TEXTS: dict = {}
 @torch.compiler.assume_constant_result  # a pure function of its arguments: torch.compile runs it, traces nothing
 def glu_text(activation: str = "swiglu", layout: str = "halves", limit: float = 7.0, alpha: float = 1.702,
              offset: float = 1.0) -> str:
-    """The one-string form of a GLU activation that the custom ops take (``_C.GluSpec.text``);
+    """The one-string form of an activation that the custom ops take (``_C.GluSpec.text``);
     checks the names and the layout."""
     key = (activation, layout, float(limit), float(alpha), float(offset))
     text = _GLU_TEXTS.get(key)
@@ -173,10 +173,17 @@ def _(dy, bias, splits, routing=None):
 # ---- GLU activations ----
 
 
+def _act_features(h: Tensor, glu: str) -> int:
+    """F of the activation's output for FC1's output h: half h's columns for a GLU, all of them
+    for a non-gated activation."""
+    cols = _rows_cols(h)[1]
+    return cols // 2 if _glu_spec(glu).gated else cols
+
+
 @torch.library.custom_op("moe_engine::glu_routed", mutates_args=())
 def _glu(h: Tensor, probs: Optional[Tensor], splits: Tensor, glu: str) -> Tuple[Tensor, Tensor]:
     """glu, and the routing tensor of the offsets it computed."""
-    out = torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype, device=h.device)
+    out = torch.empty(h.shape[0], _act_features(h, glu), dtype=h.dtype, device=h.device)
     stream = stream_of(h)
     r = routing_of("glu_forward", "h", h, splits, stream)
     _C.glu_forward(h, probs, r, out, _glu_spec(glu), stream)
@@ -185,7 +192,7 @@ def _glu(h: Tensor, probs: Optional[Tensor], splits: Tensor, glu: str) -> Tuple[
 
 @_glu.register_fake
 def _(h, probs, splits, glu):
-    return h.new_empty(h.shape[0], h.shape[1] // 2), routing_like(splits)
+    return h.new_empty(h.shape[0], _act_features(h, glu)), routing_like(splits)
 
 
 _composite("glu(Tensor h, Tensor? probs, Tensor splits, str glu) -> Tensor",
@@ -195,7 +202,7 @@ _composite("glu(Tensor h, Tensor? probs, Tensor splits, str glu) -> Tensor",
 @torch.library.custom_op("moe_engine::glu_backward", mutates_args=())
 def _glu_backward(h: Tensor, probs: Optional[Tensor], d_out: Tensor, splits: Tensor, glu: str,
                   routing: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """dh [T, 2F] and dprobs [T] float32 (empty without probs)."""
+    """dh (h's shape: [T, 2F] for a GLU, [T, F] otherwise) and dprobs [T] float32 (empty without probs)."""
     dh = torch.empty_like(h)
     dprobs = torch.empty(h.shape[0] if probs is not None else 0, dtype=torch.float32, device=h.device)
     stream = stream_of(h)
@@ -220,14 +227,16 @@ def _workspace(nbytes: int, device: torch.device) -> Optional[Tensor]:
 def _expert_mlp(x: Tensor, probs: Optional[Tensor], w1: List[Tensor], b1: List[Tensor], w2: List[Tensor],
                 b2: List[Tensor], splits: Tensor, glu: str, fusion: str,
                 save_fc1_out: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """y [T, H], the pre-activation fc1_out [T, 2F] ([0, 2F] when not saved) and the routing tensor."""
+    """y [T, H], the pre-activation fc1_out [T, W] ([0, W] when not saved; W = FC1's rows: 2F for a
+    GLU, F otherwise) and the routing tensor."""
     T, H = _rows_cols(x)
-    F = _expert_shape(w1, 2)[0] // 2
+    W, F = _expert_shape(w1, 2)[0], _expert_shape(w2, 2)[1]
     y = torch.empty(T, H, dtype=x.dtype, device=x.device)
-    fc1_out = torch.empty(T if save_fc1_out else 0, 2 * F, dtype=x.dtype, device=x.device)
+    fc1_out = torch.empty(T if save_fc1_out else 0, W, dtype=x.dtype, device=x.device)
     stream = stream_of(x)
     r = routing_of("expert_mlp_forward", "x", x, splits, stream)
-    ws = _workspace(_C.expert_mlp_forward_workspace_size(T, H, F, dtype_name(x.dtype), save_fc1_out), x.device)
+    ws = _workspace(_C.expert_mlp_forward_workspace_size(T, H, F, dtype_name(x.dtype), save_fc1_out, _glu_spec(glu)),
+                    x.device)
     _C.expert_mlp_forward(x, probs, grouped(w1, 2), grouped(b1, 1), grouped(w2, 2), grouped(b2, 1), r, y,
                           fc1_out if save_fc1_out else None, _glu_spec(glu), fusion, ws, stream)
     return y, fc1_out, routing_tensor(r)
@@ -252,21 +261,23 @@ def _expert_mlp_backward_(
     need_dx: bool, need_dprobs: bool, need_bias_grads: bool, w1_grad: List[Tensor], w1_mode: str,
     w2_grad: List[Tensor], w2_mode: str, routing: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx [T, H], dprobs [T] float32, db1 [G, 2F], db2 [G, H]); those not asked for are empty.
-    The weight gradients go into w1_grad / w2_grad (empty lists: not computed) per their modes."""
+    """(dx [T, H], dprobs [T] float32, db1 [G, W], db2 [G, H]); those not asked for are empty (W:
+    FC1's rows). The weight gradients go into w1_grad / w2_grad (empty lists: not computed) per their
+    modes."""
     T, H = _rows_cols(dy)
-    F2 = _expert_shape(w1, 2)[0]
+    W, F = _expert_shape(w1, 2)[0], _expert_shape(w2, 2)[1]
     G = _num_groups(w1, 2)
     dev, dt = dy.device, dy.dtype
     dx = torch.empty(T if need_dx else 0, H, dtype=dt, device=dev)
     dprobs = torch.empty(T if need_dprobs else 0, dtype=torch.float32, device=dev)
     bias = need_bias_grads and len(b1) > 0
-    db1 = torch.empty(G if bias else 0, F2, dtype=dt, device=dev)
+    db1 = torch.empty(G if bias else 0, W, dtype=dt, device=dev)
     db2 = torch.empty(G if bias else 0, H, dtype=dt, device=dev)
     stream = stream_of(dy)
     r = routing_of("expert_mlp_backward", "dy", dy, splits, stream, routing)
     recompute = fc1_out is None
-    ws = _workspace(_C.expert_mlp_backward_workspace_size(T, H, F2 // 2, dtype_name(dt), recompute, fusion), dev)
+    ws = _workspace(_C.expert_mlp_backward_workspace_size(T, H, F, dtype_name(dt), recompute, _glu_spec(glu), fusion),
+                    dev)
     _C.expert_mlp_backward(dy, x, probs, grouped(w1, 2), grouped(b1, 1), grouped(w2, 2), grouped(b2, 1), r, fc1_out,
                            dx if need_dx else None, dprobs if need_dprobs else None,
                            grouped(w1_grad, 2), w1_mode, grouped([db1] if bias else [], 1),
@@ -279,11 +290,11 @@ def _expert_mlp_backward_(
 def _(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, glu, fusion, need_dx, need_dprobs, need_bias_grads,
       w1_grad, w1_mode, w2_grad, w2_mode, routing=None):
     T, H = _rows_cols(dy)
-    F2 = _expert_shape(w1, 2)[0]
+    W = _expert_shape(w1, 2)[0]
     G = _num_groups(w1, 2)
     bias = need_bias_grads and len(b1) > 0
     return (dy.new_empty(T if need_dx else 0, H), dy.new_empty(T if need_dprobs else 0, dtype=torch.float32),
-            dy.new_empty(G if bias else 0, F2), dy.new_empty(G if bias else 0, H))
+            dy.new_empty(G if bias else 0, W), dy.new_empty(G if bias else 0, H))
 
 
 # ---- helpers shared with the modules ----
@@ -357,10 +368,14 @@ torch.library.register_autograd("moe_engine::grouped_linear_routed", _grouped_li
 
 def glu(h: Tensor, splits: Tensor, probs: Optional[Tensor] = None, activation: str = "swiglu",
         layout: str = "halves", limit: float = 7.0, alpha: float = 1.702, offset: float = 1.0) -> Tensor:
-    """``out[r, j] = act(gate_j(h[r]), linear_j(h[r])) * probs[r]`` for the routed rows.
+    """The expert MLP's activation times the router probs, for the routed rows: a GLU's
+    ``out[r, j] = act(gate_j(h[r]), linear_j(h[r])) * probs[r]``, or a non-gated activation's
+    ``out[r, j] = f(h[r, j]) * probs[r]``.
 
-    h ``[T, 2F]`` with gate/linear columns in ``layout`` (``halves``, ``pairs``, ``blocks:s``);
-    activation ``swiglu`` or ``clamped_qgeglu`` (limit, alpha, offset). Differentiable in h, probs.
+    activation ``swiglu`` or ``clamped_qgeglu`` (limit, alpha, offset): h ``[T, 2F]`` with gate/linear
+    columns in ``layout`` (``halves``, ``pairs``, ``blocks:s``); ``srelu`` (relu(h)^2) or
+    ``gelu_tanh`` (GELU, tanh approximation): h ``[T, F]``, layout ``halves`` (the default).
+    Differentiable in h, probs.
     """
     return _glu(h, probs, splits, glu_text(activation, layout, limit, alpha, offset))[0]
 
@@ -387,9 +402,11 @@ def expert_mlp(x: Tensor, fc1_weight: Experts, fc2_weight: Experts, splits: Tens
                recompute_fc1: bool = False) -> Tensor:
     """The expert MLP ``y = FC2(act(FC1(x) + b1) * p) + p * b2`` (Megatron's ``p * (W2 act + b2)``).
 
-    x ``[T, H]``; fc1_weight ``[G, 2F, H]`` (rows in ``layout``) or G tensors; fc2_weight
-    ``[G, H, F]`` or G tensors; probs ``[T]`` float32. ``fusion``: ``forward`` (GLU in FC1's
-    epilogue on Hopper), ``none`` or ``all``. ``recompute_fc1`` keeps only x for backward.
+    x ``[T, H]``; fc1_weight ``[G, 2F, H]`` (rows in ``layout``) for a GLU activation (``swiglu``,
+    ``clamped_qgeglu``), ``[G, F, H]`` for a non-gated one (``srelu``, ``gelu_tanh``), or G tensors;
+    fc2_weight ``[G, H, F]`` or G tensors; probs ``[T]`` float32. ``fusion``: ``forward`` (the
+    activation in FC1's epilogue on Hopper), ``none`` or ``all``. ``recompute_fc1`` keeps only x for
+    backward.
     Differentiable in x, probs, the weights and the biases.
     """
     return _expert_mlp(x, probs, _as_list(fc1_weight), _as_list(fc1_bias), _as_list(fc2_weight),
@@ -462,7 +479,7 @@ def grouped_linear_dscales(dy: Tensor, bias: Experts, splits: Tensor) -> Tensor:
 def glu_backward(h: Tensor, d_out: Tensor, splits: Tensor, probs: Optional[Tensor] = None,
                  activation: str = "swiglu", layout: str = "halves", limit: float = 7.0, alpha: float = 1.702,
                  offset: float = 1.0) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(dh [T, 2F], dprobs [T] float32 or None)`` from ``d_out = dL/d(glu(h) * probs)``."""
+    """``(dh, dprobs [T] float32 or None)`` from ``d_out = dL/d(glu(h) * probs)``; dh has h's shape."""
     dh, dprobs = _glu_backward(h, probs, d_out.contiguous(), splits, glu_text(activation, layout, limit, alpha, offset))
     return dh, (dprobs if probs is not None else None)
 

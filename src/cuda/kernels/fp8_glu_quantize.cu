@@ -546,6 +546,7 @@ LayoutCase layout_case(int64_t s) {
 bool fp8_glu_quantize(const TensorView& h, const TensorView& probs, const GroupLayout& groups, const Fp8Rows& h_rows,
                       const Fp8Rows& act_rows, const GluSpec& spec, const Fp8Recipe& recipe, Stream stream) {
   const int64_t F = act_rows.data.size(1), T = groups.capacity();
+  if (!spec.gated()) return false;  // GLUs only: a non-gated activation takes the separate steps
   if (h.dtype() != DType::kBFloat16 && h.dtype() != DType::kFloat32) return false;
   if (F % 16 != 0 || F >= (int64_t(1) << 30)) return false;
   const int64_t s = F > 0 ? spec.layout.block_size(F) : 1;
@@ -604,6 +605,7 @@ bool fp8_glu_backward_quantize(const Fp8Rows& h, const TensorView& d_act, const 
                                const Fp8Columns& dh_columns, const Fp8Columns& act_columns, const TensorView& dprobs,
                                const TensorView& scratch, const GluSpec& spec, const Fp8Recipe& recipe, Stream stream) {
   const int64_t F = d_act.size(1), T = groups.capacity(), G = groups.num_groups();
+  if (!spec.gated()) return false;  // GLUs only: a non-gated activation takes the separate steps
   if (d_act.dtype() != DType::kBFloat16 && d_act.dtype() != DType::kFloat32) return false;
   if (F % 16 != 0 || F >= (int64_t(1) << 30) || F == 0) return false;
   const LayoutCase layout = layout_case(spec.layout.block_size(F));

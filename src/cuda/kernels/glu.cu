@@ -1,6 +1,6 @@
-// GLU activations on CUDA: elementwise over the FC1 output, one block per row (grid-striding over
-// the routed rows, whose count the kernels read from the device offsets), the same math as the CPU
-// backend (common/glu_math.hpp). dprobs is reduced per row by one block in a fixed tree: the
+// The activations on CUDA (GLUs and non-gated ones): elementwise over the FC1 output, one block per
+// row (grid-striding over the routed rows, whose count the kernels read from the device offsets),
+// the same math as the CPU backend (common/glu_math.hpp). dprobs is reduced per row by one block in a fixed tree: the
 // result does not depend on timing.
 #include <algorithm>
 #include <type_traits>
@@ -21,19 +21,95 @@ constexpr int64_t kMaxBlocks = 2048;
 // Gate column j of an "s gate, s linear" block layout; its linear partner is s columns later.
 __device__ __forceinline__ int32_t gate_column(int32_t j, int32_t s) { return (j / s) * 2 * s + j % s; }
 
+// Where the kernels find feature j in a row of h, and what they compute from it: the activation of
+// the feature (forward), or act and the gradient columns written into the row dhr of dh (backward).
+// A GLU's feature is a gate/linear pair in blocks of s columns; a non-gated one is column j.
 template <class T>
+struct GluColumns {
+  int32_t block;
+  detail::GluMath<float> math;
+  __device__ __forceinline__ float forward(const T* hr, int32_t j) const {
+    const int32_t g = gate_column(j, block);
+    return math.forward(to_float(hr[g]), to_float(hr[g + block]));
+  }
+  __device__ __forceinline__ float backward(const T* hr, int32_t j, float d_act, T* dhr) const {
+    const int32_t g = gate_column(j, block);
+    float act, d_gate, d_linear;
+    math.backward(to_float(hr[g]), to_float(hr[g + block]), d_act, act, d_gate, d_linear);
+    from_float(d_gate, dhr + g);
+    from_float(d_linear, dhr + g + block);
+    return act;
+  }
+};
+
+template <class T, class Act>
+struct ElementwiseColumns {
+  Act fn;
+  __device__ __forceinline__ float forward(const T* hr, int32_t j) const { return fn.forward(to_float(hr[j])); }
+  __device__ __forceinline__ float backward(const T* hr, int32_t j, float d_act, T* dhr) const {
+    float act, dh;
+    fn.backward(to_float(hr[j]), d_act, act, dh);
+    from_float(dh, dhr + j);
+    return act;
+  }
+};
+
+// The 16-bit backward's two features (j, j + 1), j even, as above: adjacent in d_out, out and,
+// non-gated, in h; for a GLU with blocks of an even size adjacent among the gate and among the
+// linear columns, and with pairs the four values g(j), l(j), g(j + 1), l(j + 1) are one 64-bit word.
+template <class T, bool kPairs>
+struct GluColumnsX2 {
+  int32_t block;
+  detail::GluMath<float> math;
+  __device__ __forceinline__ float2 backward(const T* hr, int32_t j, float2 d_act, T* dhr) const {
+    using P = Pair16<T>;
+    float2 gate, linear;
+    int32_t g = 0;
+    if constexpr (kPairs) {
+      const uint2 v = *reinterpret_cast<const uint2*>(hr + 2 * j);
+      gate = P::unpack(__byte_perm(v.x, v.y, 0x5410));
+      linear = P::unpack(__byte_perm(v.x, v.y, 0x7632));
+    } else {
+      g = gate_column(j, block);
+      gate = P::unpack(*reinterpret_cast<const uint32_t*>(hr + g));
+      linear = P::unpack(*reinterpret_cast<const uint32_t*>(hr + g + block));
+    }
+    float act0, dg0, dl0, act1, dg1, dl1;
+    math.backward(gate.x, linear.x, d_act.x, act0, dg0, dl0);
+    math.backward(gate.y, linear.y, d_act.y, act1, dg1, dl1);
+    if constexpr (kPairs) {
+      *reinterpret_cast<uint2*>(dhr + 2 * j) = make_uint2(P::pack(dg0, dl0), P::pack(dg1, dl1));
+    } else {
+      *reinterpret_cast<uint32_t*>(dhr + g) = P::pack(dg0, dg1);
+      *reinterpret_cast<uint32_t*>(dhr + g + block) = P::pack(dl0, dl1);
+    }
+    return make_float2(act0, act1);
+  }
+};
+
+template <class T, class Act>
+struct ElementwiseColumnsX2 {
+  Act fn;
+  __device__ __forceinline__ float2 backward(const T* hr, int32_t j, float2 d_act, T* dhr) const {
+    using P = Pair16<T>;
+    const float2 h = P::unpack(*reinterpret_cast<const uint32_t*>(hr + j));
+    float act0, dh0, act1, dh1;
+    fn.backward(h.x, d_act.x, act0, dh0);
+    fn.backward(h.y, d_act.y, act1, dh1);
+    *reinterpret_cast<uint32_t*>(dhr + j) = P::pack(dh0, dh1);
+    return make_float2(act0, act1);
+  }
+};
+
+template <class T, class Columns>
 __global__ void glu_forward_kernel(const T* __restrict__ h, int64_t ldh, const float* __restrict__ probs,
                                    const int64_t* __restrict__ offsets, int64_t num_groups, int32_t ffn,
-                                   int32_t block, detail::GluMath<float> math, T* __restrict__ out,
-                                   int64_t ldo) {
+                                   Columns columns, T* __restrict__ out, int64_t ldo) {
   const int64_t rows = offsets[num_groups];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float p = probs ? probs[r] : 1.f;
     const T* hr = h + r * ldh;
-    for (int32_t j = threadIdx.x; j < ffn; j += kThreads) {
-      const int32_t g = gate_column(j, block);
-      from_float(math.forward(to_float(hr[g]), to_float(hr[g + block])) * p, out + r * ldo + j);
-    }
+    for (int32_t j = threadIdx.x; j < ffn; j += kThreads) from_float(columns.forward(hr, j) * p, out + r * ldo + j);
   }
 }
 
@@ -54,10 +130,10 @@ __device__ __forceinline__ void reduce_row(float dp, float (&warp_sums)[kThreads
 
 // The backward kernels may run in place (dh = h, out = d_out): every element is read and then
 // written by the same thread, so those four pointers are not __restrict__.
-template <class T>
+template <class T, class Columns>
 __global__ void glu_backward_kernel(const T* h, int64_t ldh, const float* __restrict__ probs,
                                     const T* d_out, int64_t ldd, const int64_t* __restrict__ offsets,
-                                    int64_t num_groups, int32_t ffn, int32_t block, detail::GluMath<float> math,
+                                    int64_t num_groups, int32_t ffn, Columns columns,
                                     T* dh, int64_t lddh, float* __restrict__ dprobs,
                                     T* out, int64_t ldo) {
   __shared__ float warp_sums[kThreads / 32];
@@ -67,12 +143,8 @@ __global__ void glu_backward_kernel(const T* h, int64_t ldh, const float* __rest
     const T* hr = h + r * ldh;
     float dp = 0.f;
     for (int32_t j = threadIdx.x; j < ffn; j += kThreads) {
-      const int32_t g = gate_column(j, block);
       const float d = to_float(d_out[r * ldd + j]);
-      float act, d_gate, d_linear;
-      math.backward(to_float(hr[g]), to_float(hr[g + block]), d * p, act, d_gate, d_linear);
-      from_float(d_gate, dh + r * lddh + g);
-      from_float(d_linear, dh + r * lddh + g + block);
+      const float act = columns.backward(hr, j, d * p, dh + r * lddh);
       dp += act * d;
       if (out) from_float(act * p, out + r * ldo + j);
     }
@@ -80,15 +152,13 @@ __global__ void glu_backward_kernel(const T* h, int64_t ldh, const float* __rest
   }
 }
 
-// The 16-bit backward two features per thread: (j, j + 1) with j even are adjacent in d_out, out
-// and, for blocks of an even size, among the gate and the linear columns; with pairs the four
-// values g(j), l(j), g(j + 1), l(j + 1) are one 64-bit word. Same math and order per row as the
+// The 16-bit backward two features per thread (ColumnsX2). Same math and order per row as the
 // scalar kernel except that dprobs adds the two features' terms in one step.
-template <class T, bool kPairs>
+template <class T, class ColumnsX2>
 __global__ void glu_backward_x2_kernel(const T* h, int64_t ldh, const float* __restrict__ probs,
                                        const T* d_out, int64_t ldd,
                                        const int64_t* __restrict__ offsets, int64_t num_groups, int32_t ffn,
-                                       int32_t block, detail::GluMath<float> math, T* dh,
+                                       ColumnsX2 columns, T* dh,
                                        int64_t lddh, float* __restrict__ dprobs, T* out, int64_t ldo) {
   using P = Pair16<T>;
   __shared__ float warp_sums[kThreads / 32];
@@ -99,28 +169,9 @@ __global__ void glu_backward_x2_kernel(const T* h, int64_t ldh, const float* __r
     float dp = 0.f;
     for (int32_t j = 2 * threadIdx.x; j < ffn; j += 2 * kThreads) {
       const float2 d = P::unpack(*reinterpret_cast<const uint32_t*>(d_out + r * ldd + j));
-      float2 gate, linear;
-      int32_t g = 0;
-      if constexpr (kPairs) {
-        const uint2 v = *reinterpret_cast<const uint2*>(hr + 2 * j);
-        gate = P::unpack(__byte_perm(v.x, v.y, 0x5410));
-        linear = P::unpack(__byte_perm(v.x, v.y, 0x7632));
-      } else {
-        g = gate_column(j, block);
-        gate = P::unpack(*reinterpret_cast<const uint32_t*>(hr + g));
-        linear = P::unpack(*reinterpret_cast<const uint32_t*>(hr + g + block));
-      }
-      float act0, dg0, dl0, act1, dg1, dl1;
-      math.backward(gate.x, linear.x, d.x * p, act0, dg0, dl0);
-      math.backward(gate.y, linear.y, d.y * p, act1, dg1, dl1);
-      if constexpr (kPairs) {
-        *reinterpret_cast<uint2*>(dh + r * lddh + 2 * j) = make_uint2(P::pack(dg0, dl0), P::pack(dg1, dl1));
-      } else {
-        *reinterpret_cast<uint32_t*>(dh + r * lddh + g) = P::pack(dg0, dg1);
-        *reinterpret_cast<uint32_t*>(dh + r * lddh + g + block) = P::pack(dl0, dl1);
-      }
-      dp += act0 * d.x + act1 * d.y;
-      if (out) *reinterpret_cast<uint32_t*>(out + r * ldo + j) = P::pack(act0 * p, act1 * p);
+      const float2 act = columns.backward(hr, j, make_float2(d.x * p, d.y * p), dh + r * lddh);
+      dp += act.x * d.x + act.y * d.y;
+      if (out) *reinterpret_cast<uint32_t*>(out + r * ldo + j) = P::pack(act.x * p, act.y * p);
     }
     if (dprobs) reduce_row(dp, warp_sums, dprobs + r);  // uniform: the whole block reduces
   }
@@ -157,19 +208,38 @@ void glu_dprobs_reduce(const float* partial, int64_t stride, int64_t tiles, cons
   MOE_CUDA_CHECK_LAUNCH("glu_dprobs_reduce_kernel");
 }
 
+// fn(columns) with the spec's columns: GluColumns<T> / GluColumnsX2<T, pairs> for a GLU, the
+// elementwise ones for the others. x2: the 16-bit two-features-per-thread kernel's columns.
+template <class T, bool kX2, class Fn>
+void with_columns(const GluSpec& spec, int64_t ffn, Fn&& fn) {
+  if (spec.gated()) {
+    const int32_t block = int32_t(ffn > 0 ? spec.layout.block_size(ffn) : 1);
+    const auto math = detail::GluMath<float>::from(spec);
+    if constexpr (!kX2) return fn(GluColumns<T>{block, math});
+    else if (block == 1) return fn(GluColumnsX2<T, true>{block, math});
+    else return fn(GluColumnsX2<T, false>{block, math});
+  } else {
+    detail::with_elementwise<float>(spec.activation, [&](auto f) {
+      if constexpr (kX2) fn(ElementwiseColumnsX2<T, decltype(f)>{f});
+      else fn(ElementwiseColumns<T, decltype(f)>{f});
+    });
+  }
+}
+
 void glu_forward(const TensorView& h, const TensorView& probs, const GroupLayout& groups,
                  const TensorView& out, const GluSpec& spec, Stream stream) {
   const int64_t F = out.size(1), T = groups.capacity();
   check_ffn(F);
   if (T == 0 || F == 0) return;
-  const auto math = detail::GluMath<float>::from(spec);
   with_cuda_type(h.dtype(), "glu_forward", [&](auto type) {
     using T_ = decltype(type);
-    glu_forward_kernel<T_><<<grid_for(T), kThreads, 0, stream>>>(
-        h.data_as<T_>(), h.stride(0), probs.defined() ? probs.data_as<float>() : nullptr,
-        groups.offsets().data_as<int64_t>(), groups.num_groups(), int32_t(F),
-        int32_t(spec.layout.block_size(F)), math, out.data_as<T_>(), out.stride(0));
-    MOE_CUDA_CHECK_LAUNCH("glu_forward_kernel");
+    with_columns<T_, false>(spec, F, [&](auto columns) {
+      glu_forward_kernel<<<grid_for(T), kThreads, 0, stream>>>(
+          h.data_as<T_>(), h.stride(0), probs.defined() ? probs.data_as<float>() : nullptr,
+          groups.offsets().data_as<int64_t>(), groups.num_groups(), int32_t(F), columns, out.data_as<T_>(),
+          out.stride(0));
+      MOE_CUDA_CHECK_LAUNCH("glu_forward_kernel");
+    });
   });
 }
 
@@ -179,40 +249,36 @@ void glu_backward(const TensorView& h, const TensorView& probs, const TensorView
   const int64_t F = d_out.size(1), T = groups.capacity();
   check_ffn(F);
   if (T == 0) return;
-  const auto math = detail::GluMath<float>::from(spec);
-  const int64_t block = F > 0 ? spec.layout.block_size(F) : 1;
-  // Two features per thread where the layout and alignment allow (16-bit data).
+  // Two features per thread where the layout and alignment allow (16-bit data): h's and dh's
+  // words hold two features non-gated, two gate and two linear values in blocks of an even size,
+  // and g, l, g, l (8 bytes) with pairs.
+  const int64_t block = spec.gated() && F > 0 ? spec.layout.block_size(F) : 2;
   const bool pairs = block == 1;
   const bool x2 = h.dtype() != DType::kFloat32 && F % 2 == 0 && (pairs || block % 2 == 0) &&
                   h.stride(0) % (pairs ? 4 : 2) == 0 && o.dh.stride(0) % (pairs ? 4 : 2) == 0 &&
                   d_out.stride(0) % 2 == 0 && (!o.out.defined() || o.out.stride(0) % 2 == 0) &&
                   is_aligned(h.data(), pairs ? 8 : 4) && is_aligned(o.dh.data(), pairs ? 8 : 4) &&
                   is_aligned(d_out.data(), 4) && (!o.out.defined() || is_aligned(o.out.data(), 4));
-  if (x2) {
-    with_cuda_type(h.dtype(), "glu_backward", [&](auto type) {
-      using T_ = decltype(type);
-      if constexpr (!std::is_same_v<T_, float>) {
-        auto kernel = pairs ? glu_backward_x2_kernel<T_, true> : glu_backward_x2_kernel<T_, false>;
-        kernel<<<grid_for(T), kThreads, 0, stream>>>(
-            h.data_as<T_>(), h.stride(0), probs.defined() ? probs.data_as<float>() : nullptr,
-            d_out.data_as<T_>(), d_out.stride(0), groups.offsets().data_as<int64_t>(), groups.num_groups(),
-            int32_t(F), int32_t(block), math, o.dh.data_as<T_>(), o.dh.stride(0),
-            o.dprobs.defined() ? o.dprobs.data_as<float>() : nullptr,
-            o.out.defined() ? o.out.data_as<T_>() : nullptr, o.out.defined() ? o.out.stride(0) : 0);
-        MOE_CUDA_CHECK_LAUNCH("glu_backward_x2_kernel");
-      }
-    });
-    return;
-  }
   with_cuda_type(h.dtype(), "glu_backward", [&](auto type) {
     using T_ = decltype(type);
-    glu_backward_kernel<T_><<<grid_for(T), kThreads, 0, stream>>>(
-        h.data_as<T_>(), h.stride(0), probs.defined() ? probs.data_as<float>() : nullptr,
-        d_out.data_as<T_>(), d_out.stride(0), groups.offsets().data_as<int64_t>(), groups.num_groups(),
-        int32_t(F), int32_t(F > 0 ? spec.layout.block_size(F) : 1), math, o.dh.data_as<T_>(), o.dh.stride(0),
-        o.dprobs.defined() ? o.dprobs.data_as<float>() : nullptr,
-        o.out.defined() ? o.out.data_as<T_>() : nullptr, o.out.defined() ? o.out.stride(0) : 0);
-    MOE_CUDA_CHECK_LAUNCH("glu_backward_kernel");
+    auto launch = [&](auto kernel, auto columns, const char* name) {
+      kernel<<<grid_for(T), kThreads, 0, stream>>>(
+          h.data_as<T_>(), h.stride(0), probs.defined() ? probs.data_as<float>() : nullptr,
+          d_out.data_as<T_>(), d_out.stride(0), groups.offsets().data_as<int64_t>(), groups.num_groups(),
+          int32_t(F), columns, o.dh.data_as<T_>(), o.dh.stride(0),
+          o.dprobs.defined() ? o.dprobs.data_as<float>() : nullptr,
+          o.out.defined() ? o.out.data_as<T_>() : nullptr, o.out.defined() ? o.out.stride(0) : 0);
+      MOE_CUDA_CHECK_LAUNCH(name);
+    };
+    if constexpr (!std::is_same_v<T_, float>) {
+      if (x2)
+        return with_columns<T_, true>(spec, F, [&](auto columns) {
+          launch(glu_backward_x2_kernel<T_, decltype(columns)>, columns, "glu_backward_x2_kernel");
+        });
+    }
+    with_columns<T_, false>(spec, F, [&](auto columns) {
+      launch(glu_backward_kernel<T_, decltype(columns)>, columns, "glu_backward_kernel");
+    });
   });
 }
 

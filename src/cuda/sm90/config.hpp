@@ -15,6 +15,8 @@ enum class Epilogue : int {
   kStore = 0,        // D (+ bias / scaled bias), TMA stores (every form)
   kGluForward = 1,   // forward only: h = D + b1 -> GLU(h) * p, h stored too if asked (epilogue_glu.cuh)
   kGluBackward = 2,  // dgrad only: D = d(act * p) -> dh, act * p, dprobs shares (epilogue_glu.cuh)
+  kActForward = 3,   // forward only, non-gated: h = D + b1 -> f(h) * p, h stored too if asked
+  kActBackward = 4,  // dgrad only, non-gated: D = d(act * p) -> dh, act * p, dprobs shares
 };
 
 // The tile geometry and thread layout, the same for every instance.

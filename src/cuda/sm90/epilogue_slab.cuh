@@ -1,7 +1,7 @@
 // The per-tile machinery of the Hopper grouped GEMM's epilogues: a math warpgroup's 64-row slab
 // of a tile (EpilogueSlab: addresses in the 128-byte-swizzled epilogue buffers, bias and row
 // scales) and the batches that send accumulators out through those buffers with TMA stores
-// (with_store_batches). The store epilogue (epilogue_store.cuh) and FC1's GLU epilogue
+// (with_store_batches). The store epilogue (epilogue_store.cuh) and FC1's activation epilogues
 // (epilogue_glu.cuh) are built on them.
 #pragma once
 
@@ -124,9 +124,10 @@ struct EpilogueSlab {
 // defines the batch steps over it and calls finish(slab, run_batch, store_batch, batch_live).
 //   run_batch(stage, issue): once the previous batch's (or tile's) stores have read the buffers,
 //     `stage` fills them and `issue` (one thread) sends them out.
-//   store_batch(batch, with_bias): batch `batch` of D's chunks: accumulators (+ bias) -> 16- or
-//     32-bit values in the swizzled buffers -> TMA stores. The bias path is a separate copy: its
-//     shared loads and FMAs tripled the staging when merely predicated off.
+//   store_batch(batch, with_bias[, map]): batch `batch` of D's chunks: accumulators (+ bias) -> 16-
+//     or 32-bit values in the swizzled buffers -> TMA stores, through D's map or (M-grouped forms)
+//     `map`, a map of D's shape (the non-gated FC1 epilogue's act). The bias path is a separate
+//     copy: its shared loads and FMAs tripled the staging when merely predicated off.
 //   batch_live(batch): batch `batch` has columns inside D (uniform).
 // The steps are lambdas over locals, defined here: so they compile as they did written out in the
 // kernel. As member functions of the slab, or as lambdas over its fields or made in a function of
@@ -164,7 +165,7 @@ __device__ __forceinline__ void with_store_batches(const GemmParams& p, const Sh
     }
     probe.step(6);
   };
-  auto store_batch = [&](int batch, auto with_bias) {
+  auto store_batch = [&](int batch, auto with_bias, const CUtensorMap* map = nullptr) {
     auto stage = [&] {
 #pragma unroll
       for (int c = 0; c < kBatch; ++c) {
@@ -207,7 +208,7 @@ __device__ __forceinline__ void with_store_batches(const GemmParams& p, const Sh
           else
             ptx::tma_store_3d<false>(md, buffer, col0, tile_row0, gd);
         } else {
-          ptx::tma_store_4d(&map_d, buffer, col0, ragged_row(t, tile_row0), ragged_end(t),
+          ptx::tma_store_4d(map != nullptr ? map : &map_d, buffer, col0, ragged_row(t, tile_row0), ragged_end(t),
                             int32_t(Config::kRaggedRows));
         }
       }

@@ -1,5 +1,6 @@
-// GLU epilogues of the Hopper grouped GEMM: the fused expert MLP (docs/design.md). This file holds
-// their per-row math; the epilogue types the kernel picks are in epilogue_glu.cuh.
+// Activation epilogues of the Hopper grouped GEMM: the fused expert MLP (docs/design.md section 4).
+// This file holds their per-row math; the epilogue types the kernel picks are in epilogue_glu.cuh.
+// The GLUs':
 //   forward (FC1): the caller has turned the accumulators into h = x W1^T + b1 rounded to the
 //     input dtype (the values the unfused path stores); this computes act(gate, linear) * p
 //     [T, F] into registers, 64 features at a time, and stages it for TMA stores. The epilogue
@@ -7,7 +8,10 @@
 //   backward (FC2 dgrad): the accumulators hold d(act * p) for 256 features; with the saved h this
 //     writes dh = dL/dh [T, 2F], the recomputed act * p (FC2's wgrad input) and, per row, the
 //     tile's share of dprobs (reduced over the tiles in a fixed order by a separate kernel).
-// Both compute exactly what the unfused GLU kernels compute (common/glu_math.hpp, same roundings).
+// Non-gated activations (srelu, gelu_tanh) do the same over FC1's F columns, one feature per column:
+// act_in_place (forward) and backward_tile_elementwise.
+// All compute exactly what the unfused activation kernels compute (common/glu_math.hpp, same
+// roundings).
 //
 // Accumulators of a math warpgroup (64 x 256 fp32 over 128 threads): acc[4j + 2h + e] holds row
 // lane / 4 + 8h of the warp's 16 and column 8j + 2q + e, q = lane % 4, j < 32.
@@ -32,6 +36,32 @@ struct Rows {
   bool ok[2];     // inside the group
   float p[2];     // router probs (1 without probs)
 };
+
+// The Rows of a thread whose first row is `in_slab` of the math warpgroup's slab, which starts at
+// row `slab_row0` of a tile of `tile_rows` rows (its group's part) starting at global row `row_begin`.
+__device__ __forceinline__ Rows rows_of(const GluEpilogueParams& g, int64_t row_begin, int32_t tile_rows,
+                                        int32_t slab_row0, uint32_t in_slab) {
+  Rows rows;
+  rows.row = row_begin + slab_row0 + int32_t(in_slab);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    rows.ok[h] = slab_row0 + int32_t(in_slab + 8 * h) < tile_rows;
+    rows.p[h] = rows.ok[h] && g.probs != nullptr ? __ldg(g.probs + rows.row + 8 * h) : 1.f;
+  }
+  return rows;
+}
+
+// The dprobs shares of a 256-feature tile: the quad holds each row's 256 features; a fixed
+// butterfly, then lane q = 0 writes.
+__device__ __forceinline__ void store_dprobs_shares(float (&dp)[2], const GluEpilogueParams& g, const Rows& rows,
+                                                    int32_t tile_index, uint32_t q) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    dp[h] += __shfl_xor_sync(0xffffffffu, dp[h], 1);
+    dp[h] += __shfl_xor_sync(0xffffffffu, dp[h], 2);
+    if (q == 0 && rows.ok[h]) g.dprobs_partial[(rows.row + 8 * h) * g.partial_stride + tile_index] = dp[h];
+  }
+}
 
 // Forward: act * p for one 64-feature chunk of the tile (kChunk = 0 or 1), layout with block size
 // kBlock (1: pairs), packed in 16-bit pairs for stage_act. A live warp's rows past the group's end
@@ -150,15 +180,63 @@ __device__ __forceinline__ void backward_tile(const float (&acc)[128], const Glu
             Pair16<T>::pack(act0 * rows.p[h], act1 * rows.p[h]);
     }
   }
-  if (g.dprobs_partial != nullptr) {  // uniform
+  if (g.dprobs_partial != nullptr) store_dprobs_shares(dp, g, rows, tile_index, q);  // uniform
+}
+
+// Non-gated: act = f(h) * p for the tile's 64-column chunk kChunk (0..3) in place in the
+// accumulators (which hold h rounded to the input dtype): the chunk's 8 accumulator groups, both
+// rows, both columns. The store batches then stage them as they staged h.
+template <int kChunk, class Fn>
+__device__ __forceinline__ void act_in_place(float (&acc)[128], const Fn& fn, const Rows& rows) {
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& v = acc[4 * (8 * kChunk + jj) + 2 * h + e];
+        v = fn.forward(v) * rows.p[h];
+      }
+}
+
+// Non-gated backward over one 64 x 256 slab of d(act * p): features f0 + 8j + 2q + e, which are
+// also h's and dh's columns (h prefetched into L2 when the tile started). As backward_tile: the
+// unfused activation backward's values and roundings, dprobs shares per tile.
+template <class T, class Fn>
+__device__ __forceinline__ void backward_tile_elementwise(const float (&acc)[128], const GluEpilogueParams& g,
+                                                          const Fn& fn, const Rows& rows, int32_t f0, int32_t ffn,
+                                                          int32_t tile_index, uint32_t q) {
+  float dp[2] = {0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int32_t f = f0 + 8 * j + 2 * int32_t(q);
+    uint32_t hv[2];  // packed (f, f + 1) pairs
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      // The quad holds the row's 256 features: a fixed butterfly, then lane q = 0 writes.
-      dp[h] += __shfl_xor_sync(0xffffffffu, dp[h], 1);
-      dp[h] += __shfl_xor_sync(0xffffffffu, dp[h], 2);
-      if (q == 0 && rows.ok[h]) g.dprobs_partial[(rows.row + 8 * h) * g.partial_stride + tile_index] = dp[h];
+      hv[h] = 0u;
+      if (rows.ok[h] && f < ffn)
+        hv[h] = *reinterpret_cast<const uint32_t*>(static_cast<const T*>(g.h) + (rows.row + 8 * h) * g.h_stride + f);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // d(act * p) rounded to T, as the unfused path stores it.
+      float d0 = acc[4 * j + 2 * h], d1 = acc[4 * j + 2 * h + 1];
+      round_pair<T>(d0, d1);
+      if (!rows.ok[h] || f >= ffn) continue;
+      const float2 x = Pair16<T>::unpack(hv[h]);
+      float act0, dh0, act1, dh1;
+      fn.backward(x.x, d0 * rows.p[h], act0, dh0);
+      fn.backward(x.y, d1 * rows.p[h], act1, dh1);
+      dp[h] += act0 * d0;
+      dp[h] += act1 * d1;
+      const int64_t r = rows.row + 8 * h;
+      *reinterpret_cast<uint32_t*>(static_cast<T*>(g.dh) + r * g.dh_stride + f) = Pair16<T>::pack(dh0, dh1);
+      if (g.act != nullptr)
+        *reinterpret_cast<uint32_t*>(static_cast<T*>(g.act) + r * g.act_stride + f) =
+            Pair16<T>::pack(act0 * rows.p[h], act1 * rows.p[h]);
     }
   }
+  if (g.dprobs_partial != nullptr) store_dprobs_shares(dp, g, rows, tile_index, q);  // uniform
 }
 
 }  // namespace glu

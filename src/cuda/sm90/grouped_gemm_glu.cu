@@ -1,5 +1,6 @@
 // Launcher and instantiations of the Hopper grouped GEMM with GLU epilogues (the fused expert
-// MLP): a translation unit of its own so that it compiles beside the plain instances.
+// MLP): a translation unit of its own so that it compiles beside the plain instances. The
+// non-gated activations' instances are in grouped_gemm_act.cu.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -17,7 +18,22 @@ bool can_run_glu(const GroupedGemmProblem& p, const GluEpilogueParams& g, std::s
     return false;
   };
   if (!can_run(p, why)) return false;
-  if (p.out_dtype != p.in_dtype) return no("the GLU epilogues write the input dtype");
+  if (p.out_dtype != p.in_dtype) return no("the activation epilogues write the input dtype");
+  if (!is_gated(g.activation)) {  // non-gated: one column per feature, no layout
+    if (p.form == Form::kForward) {
+      if (p.row_scale != nullptr) return no("FC1 has no scaled bias");
+      if (g.act == nullptr || !is_aligned(g.act, 16) || (g.act_stride * 2) % 16)
+        return no("act must be 16-byte aligned rows");
+      return true;
+    }
+    if (p.form == Form::kDgrad) {
+      if (!is_aligned(g.h, 16) || (g.h_stride * 2) % 16) return no("h must be 16-byte aligned rows");
+      if (!is_aligned(g.dh, 4) || g.dh_stride % 2) return no("dh must be 4-byte aligned rows");
+      if (g.act != nullptr && (!is_aligned(g.act, 4) || g.act_stride % 2)) return no("act must be 4-byte aligned rows");
+      return true;
+    }
+    return no("activation epilogues exist for FC1's forward and FC2's dgrad only");
+  }
   const int32_t s = g.block;
   if (p.form == Form::kForward) {
     if (!(s == 1 || s == 8 || s == 16 || s == 32 || s == 64 || s == 128))
@@ -36,7 +52,7 @@ bool can_run_glu(const GroupedGemmProblem& p, const GluEpilogueParams& g, std::s
     if (g.act != nullptr && (!is_aligned(g.act, 4) || g.act_stride % 2)) return no("act must be 4-byte aligned rows");
     return true;
   }
-  return no("GLU epilogues exist for FC1's forward and FC2's dgrad only");
+  return no("activation epilogues exist for FC1's forward and FC2's dgrad only");
 }
 
 void run_glu(const GroupedGemmProblem& pr, const GluEpilogueParams& glu, Stream stream) {
@@ -45,22 +61,12 @@ void run_glu(const GroupedGemmProblem& pr, const GluEpilogueParams& glu, Stream 
             "sm90 GLU GEMM called for a problem it cannot run: ", why);
   Prepared r = prepare(pr, stream);
   r.params.glu = glu;
+  const bool gated = is_gated(glu.activation);
   if (pr.form == Form::kForward)  // act [T, F]: 64-row x 64-feature boxes, clipped at each group's end
-    r.e = make_ragged_tensor_map(glu.act, pr.in_dtype, pr.n / 2, glu.act_stride, 64, 64);
+    r.e = make_ragged_tensor_map(glu.act, pr.in_dtype, gated ? pr.n / 2 : pr.n, glu.act_stride, 64, 64);
+  if (!gated) return launch_elementwise(pr, r, stream);
   static_assert(glu_pipeline() == PipelineShape::kDeepRing, "the GLU instances are built with DeepRing");
-  using Pipe = DeepRing;
-  const bool fp16 = pr.in_dtype == DType::kFloat16;
-  if (pr.form == Form::kForward) {
-    if (fp16)
-      launch_detail::launch<Form::kForward, __half, __half, Epilogue::kGluForward, Pipe>(pr, r, stream);
-    else
-      launch_detail::launch<Form::kForward, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluForward, Pipe>(pr, r, stream);
-  } else {
-    if (fp16)
-      launch_detail::launch<Form::kDgrad, __half, __half, Epilogue::kGluBackward, Pipe>(pr, r, stream);
-    else
-      launch_detail::launch<Form::kDgrad, __nv_bfloat16, __nv_bfloat16, Epilogue::kGluBackward, Pipe>(pr, r, stream);
-  }
+  launch_detail::launch_activation<Epilogue::kGluForward, Epilogue::kGluBackward>(pr, r, stream);
 }
 
 }  // namespace moe::cuda::sm90

@@ -3,7 +3,7 @@
 // shared-memory stages guarded by full/empty mbarriers: producer.cuh, ring.cuh); warpgroups 1 and
 // 2 each multiply 64 rows of the 128 x 256 tile with wgmma (the mainloop: mainloop_16bit.cuh) and
 // store their results through swizzled shared memory with TMA (the epilogue: epilogue_store.cuh,
-// epilogue_glu.cuh). Blocks run in clusters of two that work on pairs of tiles (scheduler.cuh).
+// epilogue_glu.cuh for the fused MLP's activations). Blocks run in clusters of two that work on pairs of tiles (scheduler.cuh).
 //
 // Group boundaries need no padding: token-indexed operands use "ragged" tensor maps (see
 // tensor_maps.hpp) whose bounds end at the group's last row, so TMA zero-fills loads and clips
@@ -57,15 +57,22 @@ struct ProducerFor<__nv_fp8_e4m3, kForm, Pipe> {
 template <Epilogue kEpi, Form kForm, class In, class Out, class Pipe>
 using EpilogueFor = std::conditional_t<
     kEpi == Epilogue::kStore, StoreEpilogue<kForm, In, Out, Pipe>,
-    std::conditional_t<kEpi == Epilogue::kGluForward, GluForwardEpilogue<In, Pipe>, GluBackwardEpilogue<In, Pipe>>>;
+    std::conditional_t<kEpi == Epilogue::kGluForward || kEpi == Epilogue::kActForward,
+                       ForwardActivationEpilogue<In, Pipe, kEpi == Epilogue::kGluForward>,
+                       BackwardActivationEpilogue<In, Pipe, kEpi == Epilogue::kGluBackward>>>;
+
+// The activation epilogues run on FC1's forward (kGluForward, kActForward) or FC2's dgrad.
+constexpr bool epilogue_fits(Epilogue epi, Form form) {
+  if (epi == Epilogue::kGluForward || epi == Epilogue::kActForward) return form == Form::kForward;
+  if (epi == Epilogue::kGluBackward || epi == Epilogue::kActBackward) return form == Form::kDgrad;
+  return true;
+}
 
 template <Form kForm, class In, class Out, Epilogue kEpi, class Pipe>
 __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, const CUtensorMap& map_b,
                                                   const CUtensorMap& map_d, const CUtensorMap& map_e,
                                                   const GemmParams& p) {
-  static_assert(kEpi == Epilogue::kStore || (kEpi == Epilogue::kGluForward && kForm == Form::kForward) ||
-                    (kEpi == Epilogue::kGluBackward && kForm == Form::kDgrad),
-                "GLU epilogues: forward on FC1, backward on FC2's dgrad");
+  static_assert(epilogue_fits(kEpi, kForm), "activation epilogues: forward on FC1, backward on FC2's dgrad");
   using Mainloop = typename MainloopFor<In, kForm, Pipe>::type;
   using Cfg = typename Pipe::Cfg;
   using Epi = EpilogueFor<kEpi, kForm, In, Out, Pipe>;
@@ -91,7 +98,7 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
     ptx::prefetch_tensor_map(&map_a);
     ptx::prefetch_tensor_map(&map_b);
     ptx::prefetch_tensor_map(&map_d);
-    if constexpr (kEpi == Epilogue::kGluForward) ptx::prefetch_tensor_map(&map_e);
+    if constexpr (kEpi == Epilogue::kGluForward || kEpi == Epilogue::kActForward) ptx::prefetch_tensor_map(&map_e);
   }
   auto make_scheduler = [&] {
     if constexpr (kKGrouped)

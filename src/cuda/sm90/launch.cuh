@@ -24,6 +24,9 @@ struct Prepared {
   GemmParams params;
 };
 Prepared prepare(const GroupedGemmProblem& problem, Stream stream);
+// The fused MLP's GEMMs with a non-gated activation's epilogue (grouped_gemm_act.cu): r prepared
+// by run_glu (grouped_gemm_glu.cu), which checked the problem.
+void launch_elementwise(const GroupedGemmProblem& problem, const Prepared& r, Stream stream);
 
 namespace launch_detail {
 
@@ -116,6 +119,25 @@ void launch(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
   Probe::before_launch();
   MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, r.a, r.b, r.d, r.e, r.params), "launching grouped_gemm_kernel");
   Probe::after_launch(kForm);
+}
+
+// The fused MLP's two 16-bit GEMMs with activation epilogues: FC1's forward with kForwardEpi, FC2's
+// dgrad with kBackwardEpi (the GLU's or the non-gated activations' pair), on DeepRing.
+template <Epilogue kForwardEpi, Epilogue kBackwardEpi>
+void launch_activation(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
+  using Pipe = DeepRing;
+  const bool fp16 = pr.in_dtype == DType::kFloat16;
+  if (pr.form == Form::kForward) {
+    if (fp16)
+      launch<Form::kForward, __half, __half, kForwardEpi, Pipe>(pr, r, stream);
+    else
+      launch<Form::kForward, __nv_bfloat16, __nv_bfloat16, kForwardEpi, Pipe>(pr, r, stream);
+  } else {
+    if (fp16)
+      launch<Form::kDgrad, __half, __half, kBackwardEpi, Pipe>(pr, r, stream);
+    else
+      launch<Form::kDgrad, __nv_bfloat16, __nv_bfloat16, kBackwardEpi, Pipe>(pr, r, stream);
+  }
 }
 
 }  // namespace launch_detail
