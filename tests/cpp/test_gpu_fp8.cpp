@@ -582,13 +582,13 @@ TEST_F(GpuFp8Graph, QuantizersReplayedWithNewRoutingsEqualEagerAndCpu) {
     for (const Tensor* t : {&rows.data, &rows.scales, &cols.data, &cols.scales, &cols.offsets})
       fill_bytes(*t, kPoison, stream);
   };
-  copy_tensor(splits, splits_tensor_for(random_splits(rng, G, 2 * T / G)), stream);
+  copy_tensor(splits, splits_tensor_for(random_splits_within(rng, G, T)), stream);
   step();
   CUDA_OK(cudaStreamSynchronize(stream));
   CapturedGraph graph(stream, step);
   for (int replay = 0; replay < 4; ++replay) {
     SCOPED_TRACE("routing " + std::to_string(replay));
-    std::vector<int64_t> s = random_splits(rng, G, 2 * T / G);
+    std::vector<int64_t> s = random_splits_within(rng, G, T);
     if (replay == 2) s.assign(size_t(G), 0), s[5] = T - 3;
     if (replay == 3) s.assign(size_t(G), 0);
     copy_tensor(splits, splits_tensor_for(s), stream);
@@ -637,13 +637,13 @@ TEST_F(GpuFp8Graph, DequantizeReplayedWithNewRoutingsEqualsEagerAndCpu) {
     const GroupLayout groups = GroupLayout::compute(splits, T, offsets, &flag, stream);
     dequantize_fp8(rows_d.view(), groups, out, ctx);
   };
-  copy_tensor(splits, splits_tensor_for(random_splits(rng, G, 2 * T / G)), stream);
+  copy_tensor(splits, splits_tensor_for(random_splits_within(rng, G, T)), stream);
   step();  // eager first: one-time setup outside the capture
   CUDA_OK(cudaStreamSynchronize(stream));
   CapturedGraph graph(stream, step);
   for (int replay = 0; replay < 4; ++replay) {
     SCOPED_TRACE("routing " + std::to_string(replay));
-    std::vector<int64_t> s = random_splits(rng, G, 2 * T / G);
+    std::vector<int64_t> s = random_splits_within(rng, G, T);
     if (replay == 2) s.assign(size_t(G), 0), s[5] = T - 3;
     if (replay == 3) s.assign(size_t(G), 0);
     copy_tensor(splits, splits_tensor_for(s), stream);
@@ -866,13 +866,13 @@ TEST_F(GpuFp8Graph, QuantizeAndGemmsCapturedOnceReplayedEqualEager) {
     fill_bytes(dx, kPoison, stream);
     copy_tensor(dw, start, stream);
   };
-  copy_tensor(splits, splits_tensor_for(random_splits(rng, G, 2 * T / G)), stream);
+  copy_tensor(splits, splits_tensor_for(random_splits_within(rng, G, T)), stream);
   step();  // eager first: one-time setup outside the capture
   CUDA_OK(cudaStreamSynchronize(stream));
   CapturedGraph graph(stream, step);
   for (int replay = 0; replay < 4; ++replay) {
     SCOPED_TRACE("routing " + std::to_string(replay));
-    std::vector<int64_t> s = random_splits(rng, G, 2 * T / G);
+    std::vector<int64_t> s = random_splits_within(rng, G, T);
     if (replay == 2) s.assign(size_t(G), 0), s[5] = T - 3;
     copy_tensor(splits, splits_tensor_for(s), stream);
     reset();

@@ -235,7 +235,7 @@ TEST_F(GpuGroupedLinearGraph, CapturedOnceReplayedWithNewRoutingsEqualsEager) {
   CapturedGraph graph(stream, step);
   for (int replay = 0; replay < 5; ++replay) {
     SCOPED_TRACE("routing " + std::to_string(replay));
-    std::vector<int64_t> s = random_splits(rng, G, 2 * T / G);
+    std::vector<int64_t> s = random_splits_within(rng, G, T);
     if (replay == 2) s.assign(size_t(G), 0), s[5] = T - 3;  // one expert takes (almost) all
     const Tensor host_splits = splits_tensor_for(s);
     copy_tensor(splits, host_splits, stream);
@@ -312,7 +312,7 @@ TEST_F(GpuGroupedLinearGraph, PerExpertTensorsEqualPackedBitForBitAlsoWhenReplay
   CapturedGraph graph(stream, [&] { step(true); });
   for (int replay = 0; replay < 3; ++replay) {
     SCOPED_TRACE("routing " + std::to_string(replay));
-    copy_tensor(splits, splits_tensor_for(random_splits(rng, G, 2 * T / G)), stream);
+    copy_tensor(splits, splits_tensor_for(random_splits_within(rng, G, T)), stream);
     reset();
     step(false);
     graph.launch();

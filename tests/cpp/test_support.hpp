@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -169,6 +170,20 @@ inline std::vector<int64_t> random_splits(Rng& rng, int64_t G, int64_t max_per_e
   for (auto& v : s) {
     const int64_t kind = rng.integer(0, 5);
     v = kind == 0 ? 0 : kind == 1 ? 1 : rng.integer(2, max_per_expert);
+  }
+  return s;
+}
+
+// Skewed random splits (up to 2T/G rows per expert, some experts empty or of one row) that fit a
+// buffer of T rows: where the draw sums past T, experts are cut from the last one back.
+inline std::vector<int64_t> random_splits_within(Rng& rng, int64_t G, int64_t T) {
+  std::vector<int64_t> s = random_splits(rng, G, 2 * T / G);
+  int64_t excess = -T;
+  for (int64_t v : s) excess += v;
+  for (size_t i = s.size(); i-- > 0 && excess > 0;) {
+    const int64_t cut = std::min(excess, s[i]);
+    s[i] -= cut;
+    excess -= cut;
   }
   return s;
 }
