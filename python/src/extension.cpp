@@ -971,10 +971,13 @@ void bind_ops(nb::module_& m) {
       arg("capacity"), arg("hidden"), arg("ffn"), arg("dtype"), arg("spec"));
   m.def(
       "expert_mlp_fp8_backward_workspace_size",
-      [](int64_t T, int64_t G, int64_t H, int64_t F, const std::string& dtype, const GluSpec& glu, bool x_rows) {
-        return expert_mlp_fp8_backward_workspace_size(T, G, H, F, dtype_from_name(dtype), {glu}, x_rows);
+      [](int64_t T, int64_t G, int64_t H, int64_t F, const std::string& dtype, const GluSpec& glu,
+         const std::string& fusion, bool x_rows) {
+        return expert_mlp_fp8_backward_workspace_size(T, G, H, F, dtype_from_name(dtype), {glu, parse_fusion(fusion)},
+                                                      x_rows);
       },
-      arg("capacity"), arg("num_groups"), arg("hidden"), arg("ffn"), arg("dtype"), arg("spec"), arg("x_rows") = false,
+      arg("capacity"), arg("num_groups"), arg("hidden"), arg("ffn"), arg("dtype"), arg("spec"), arg("fusion"),
+      arg("x_rows") = false,
       "x_rows: forward kept x's rows and the FC1 weight gradient is asked for (backward makes x's columns).");
   m.def("expert_mlp_fp8_keeps_x_rows", &expert_mlp_fp8_keeps_x_rows, arg("capacity"), arg("num_groups"),
         "True where x's columns would take more than twice the bytes of its rows, fp8_columns_capacity(T, G) > 2 T "

@@ -49,15 +49,18 @@ ForwardBuffers forward_buffers(ops::WorkspaceCarver& c, int64_t T, int64_t H, in
 }
 
 // The activation's backward runs in place: d_fc1 over the dequantized h, the recomputed act over d_act.
+// dL/dh's FP8 copies and x's columns are made after FC2's weight gradient, when dy's copies, d_act
+// and act's columns are dead: they reuse that memory (4F or more bytes per token), except with the
+// fused backward pass, which writes dL/dh's copies beside dy's and act's columns.
 struct BackwardBuffers {
-  Fp8Rows dy_rows;        // FC2 dgrad's operand
-  Fp8Columns dy_columns;  // FC2 wgrad's
-  TensorView d_act;       // dL/d(act), then act recomputed (FC2 wgrad's other operand)
-  TensorView h;           // the kept pre-activation dequantized, then dL/d(h)
+  TensorView h;              // the kept pre-activation dequantized, then dL/d(h)
+  TensorView dprobs_shares;  // the fused step's dprobs per 128 features [T, ceil(F/128)]
+  Fp8Rows dy_rows;           // FC2 dgrad's operand
+  Fp8Columns dy_columns;     // FC2 wgrad's
+  TensorView d_act;          // dL/d(act), then act recomputed (FC2 wgrad's other operand)
   Fp8Columns act_columns;
   Fp8Rows d_fc1_rows;        // FC1 dgrad's operand
   Fp8Columns d_fc1_columns;  // FC1 wgrad's
-  TensorView dprobs_shares;  // the fused step's dprobs per 128 features [T, ceil(F/128)]
   TensorView x;              // x dequantized from its kept rows, then
   Fp8Columns x_columns;      // its columns (FC1 wgrad's), when forward kept the rows
 };
@@ -66,14 +69,16 @@ BackwardBuffers backward_buffers(ops::WorkspaceCarver& c, int64_t T, int64_t G, 
                                  const ExpertMlpSpec& spec, bool x_rows) {
   const int64_t W = fc1_width(spec.glu, F);
   BackwardBuffers b;
+  b.h = c.take({T, W}, dtype);
+  b.dprobs_shares = c.take({T, blocks_of(F)}, DType::kFloat32);
+  const size_t fc2_phase = c.mark();
   b.dy_rows = take_rows(c, T, H);
   b.dy_columns = take_columns(c, T, G, H);
   b.d_act = c.take({T, F}, dtype);
-  b.h = c.take({T, W}, dtype);
   b.act_columns = take_columns(c, T, G, F);
+  if (spec.fusion != MlpFusion::kForwardBackward) c.rewind(fc2_phase);
   b.d_fc1_rows = take_rows(c, T, W);
   b.d_fc1_columns = take_columns(c, T, G, W);
-  b.dprobs_shares = c.take({T, blocks_of(F)}, DType::kFloat32);
   if (x_rows) {
     b.x = c.take({T, H}, dtype);
     b.x_columns = take_columns(c, T, G, H);

@@ -283,4 +283,10 @@ TensorView WorkspaceCarver::take(Shape shape, DType dtype) {
   return TensorView(static_cast<char*>(ws_.data) + begin, shape, dtype, ws_.device);
 }
 
+void WorkspaceCarver::rewind(size_t mark) {
+  MOE_CHECK(mark <= used_, ErrorCode::kInternal, "workspace carver rewound past its end");
+  high_ = used();
+  used_ = mark;
+}
+
 }  // namespace moe::ops

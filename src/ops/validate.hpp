@@ -131,11 +131,16 @@ class WorkspaceCarver {
  public:
   explicit WorkspaceCarver(const Workspace& ws = {}) : ws_(ws) {}
   TensorView take(Shape shape, DType dtype);
-  size_t used() const { return used_; }
+  // Buffers taken after rewind(m), m = mark() before some earlier takes, reuse those buffers'
+  // memory: for buffers whose lifetimes do not overlap theirs. used() stays the high-water mark.
+  size_t mark() const { return used_; }
+  void rewind(size_t mark);
+  size_t used() const { return used_ > high_ ? used_ : high_; }
 
  private:
   Workspace ws_;
   size_t used_ = 0;
+  size_t high_ = 0;
 };
 
 // Runs `cpu` for CPU tensors and `cuda` (with the tensors' device made current) for CUDA tensors.

@@ -78,7 +78,9 @@ struct Fp8MlpBuffers {
     else out.saved_x = OwnedColumns(c.T, c.G, c.H, device);
     fws = Tensor::empty({int64_t(expert_mlp_fp8_forward_workspace_size(c.T, c.H, c.F, c.dt, {c.glu}))}, DType::kUInt8,
                         device);
-    bws = Tensor::empty({int64_t(expert_mlp_fp8_backward_workspace_size(c.T, c.G, c.H, c.F, c.dt, {c.glu}, x_rows))},
+    // Sized for every fusion `step` may run (the fused backward pass needs the most).
+    bws = Tensor::empty({int64_t(expert_mlp_fp8_backward_workspace_size(
+                            c.T, c.G, c.H, c.F, c.dt, {c.glu, MlpFusion::kForwardBackward}, x_rows))},
                         DType::kUInt8, device);
   }
   ExpertMlpFp8Saved saved() const {

@@ -827,9 +827,12 @@ def test_fake_shapes_follow_the_cpp_functions():
     swiglu, srelu = _C.GluSpec("swiglu"), _C.GluSpec("srelu")
     assert _C.expert_mlp_fp8_forward_workspace_size(300, 128, 192, "bfloat16", swiglu) > \
         _C.expert_mlp_fp8_forward_workspace_size(300, 128, 192, "bfloat16", srelu) > 0
-    plain = _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", swiglu)
-    assert plain > 0 and _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", swiglu, False) == plain
-    assert _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", swiglu, x_rows=True) > plain
+    plain = _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", swiglu, "forward")
+    assert plain > 0
+    assert _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", swiglu, "forward", False) == plain
+    assert _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", swiglu, "forward", x_rows=True) > plain
+    # dL/dh's FP8 copies reuse dy's and act's buffers, except with the fused backward pass (fusion all)
+    assert _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", swiglu, "all") > plain
 
 
 # ---- errors ----

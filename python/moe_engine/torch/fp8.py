@@ -567,7 +567,8 @@ def _expert_mlp_fp8_backward_(
     r = routing_of("expert_mlp_fp8_backward", "dy", dy, splits, stream, routing)
     x_from_rows = len(w1_grad) > 0 and x_data is None and x_rows_data is not None
     ws = _workspace(_C.expert_mlp_fp8_backward_workspace_size(T, _extent(splits, 0), H, _extent(w2_data, 2),
-                                                              dtype_name(dy.dtype), _glu_spec(glu), x_from_rows),
+                                                              dtype_name(dy.dtype), _glu_spec(glu), fusion,
+                                                              x_from_rows),
                     dy.device)
     _C.expert_mlp_fp8_backward(dy, x_data, x_scales, x_offsets, x_rows_data, x_rows_scales, h_data, h_scales, probs,
                                w1_data, w1_scales, w1_data_t, w1_scales_t, w2_data, w2_scales, w2_data_t,
