@@ -14,6 +14,24 @@ unpack_deps() {
   done
 }
 
+# install_package PYTHON: `pip install .` into PYTHON's environment as scripts/python-test does with
+# MOE_PY_GPU=1: the build tools from .deps/wheels (the GPU machine has no registry), then the
+# package, CUDA on, for sm_90a. The log goes to $OUT/install.log; on failure its tail is printed
+# and the function returns 1.
+install_package() {
+  local py=$1
+  local pip_flags=(-q --disable-pip-version-check)
+  unpack_deps
+  if ! { "$py" -m pip install "${pip_flags[@]}" --no-index --find-links .deps/wheels scikit-build-core nanobind &&
+    "$py" -m pip install "${pip_flags[@]}" --no-build-isolation --no-deps -Ccmake.define.MOE_ENGINE_CUDA=ON \
+      -Ccmake.define.MOE_ENGINE_CUDA_ARCHITECTURES=90a "-Ccmake.define.CMAKE_PREFIX_PATH=$PWD/.deps/root/usr" .; } \
+    >"$OUT/install.log" 2>&1; then
+    tail -30 "$OUT/install.log"
+    echo "pip install failed: see $OUT/install.log" >&2
+    return 1
+  fi
+}
+
 # configure SOURCE_DIR BUILD_DIR [cmake options...]: a Release build with Ninja against .deps,
 # configured once (an existing build.ninja is kept, with its options).
 configure() {

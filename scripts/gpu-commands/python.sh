@@ -43,16 +43,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   tail -25 "$OUT/pytest.log"
   "$MOE_PY" examples/train_tiny_moe.py --device cuda 2>&1 | tee "$OUT/example.log" || status=1
 elif [ "${INSTALL:-1}" = 1 ]; then
-  # The install lines of scripts/python-test with MOE_PY_GPU=1, without the test suite.
-  pip_flags=(-q --disable-pip-version-check)
-  if ! { "$MOE_PY" -m pip install "${pip_flags[@]}" --no-index --find-links .deps/wheels scikit-build-core nanobind &&
-    "$MOE_PY" -m pip install "${pip_flags[@]}" --no-build-isolation --no-deps -Ccmake.define.MOE_ENGINE_CUDA=ON \
-      -Ccmake.define.MOE_ENGINE_CUDA_ARCHITECTURES=90a "-Ccmake.define.CMAKE_PREFIX_PATH=$PWD/.deps/root/usr" .; } \
-    >"$OUT/install.log" 2>&1; then
-    tail -30 "$OUT/install.log"
-    echo "pip install failed: see $OUT/install.log" >&2
-    exit 1
-  fi
+  install_package "$MOE_PY" || exit 1
 fi
 [ -z "$cli" ] || wait $cli || { tail -30 "$OUT/cli-build.log"; exit 1; }
 if [ "${OFFLOAD:-0}" = 1 ]; then

@@ -18,18 +18,7 @@ set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 py=${MOE_PY:-$(command -v python3)}
 if [ "${INSTALL:-1}" = 1 ]; then
-  unpack_deps
-  # The install lines of scripts/python-test with MOE_PY_GPU=1: build tools from .deps/wheels (the
-  # GPU machine has no registry), then the package, CUDA on, for sm_90a.
-  pip_flags=(-q --disable-pip-version-check)
-  if ! { "$py" -m pip install "${pip_flags[@]}" --no-index --find-links .deps/wheels scikit-build-core nanobind &&
-    "$py" -m pip install "${pip_flags[@]}" --no-build-isolation --no-deps -Ccmake.define.MOE_ENGINE_CUDA=ON \
-      -Ccmake.define.MOE_ENGINE_CUDA_ARCHITECTURES=90a "-Ccmake.define.CMAKE_PREFIX_PATH=$PWD/.deps/root/usr" .; } \
-    >"$OUT/install.log" 2>&1; then
-    tail -30 "$OUT/install.log"
-    echo "pip install failed: see $OUT/install.log" >&2
-    exit 1
-  fi
+  install_package "$py" || exit 1
 fi
 prefix="$OUT/$(date +%Y-%m-%d)-step-$(gpu_tag)"
 PYTHONUNBUFFERED=1 "$py" bench/drivers/step-bench.py --device cuda --out "$prefix.json" "$@" 2>&1 |
