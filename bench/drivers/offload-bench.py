@@ -153,24 +153,10 @@ class EmulatedOffload:
             self.reloaded_bytes += rec["copy"].numel() * rec["copy"].element_size()
         return rec["copy"]
 
-    def _hold(self, t):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        entry = self._storages.get(key)
-        if entry is None:
-            self._storages[key] = [1, storage.nbytes()]
-            self.saved_bytes += storage.nbytes()
-            self.peak_saved_bytes = max(self.peak_saved_bytes, self.saved_bytes)
-        else:
-            entry[0] += 1
-        return key
-
-    def _unhold(self, key):
-        entry = self._storages[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            del self._storages[key]
-            self.saved_bytes -= entry[1]
+    # The accounting is ActivationOffload's own (same _storages / saved_bytes / peak_saved_bytes
+    # fields), so the emulation counts exactly as the real offload does.
+    _hold = me.ActivationOffload._hold
+    _unhold = me.ActivationOffload._unhold
 
     def pinned_bytes(self):
         return 0
