@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "common/ieee_math.hpp"  // ieee_div
 #include "moe_engine/dtype.hpp"  // MOE_HOST_DEVICE, float_bits / bits_float
 #include "moe_engine/fp8.hpp"    // kFp8E4M3Max, kFp8Block
 
@@ -16,16 +17,6 @@ inline constexpr uint8_t kE4M3Nan = 0x7f;           // E4M3 has no infinity; 0x7
 inline constexpr uint32_t kFloatInfBits = 0x7f800000u;
 inline constexpr uint32_t kFloatQuietNanBits = 0x7fc00000u;
 inline constexpr uint32_t kFp8MaxMultiplierBits = 0x7e800000u;  // 2^126: 1 / m is never a denormal
-
-// a / b rounded to nearest even, on the host and on the device (nvcc's `/` is IEEE too unless
-// -prec-div=false; the intrinsic makes it independent of the flags).
-MOE_HOST_DEVICE inline float ieee_div(float a, float b) {
-#ifdef __CUDA_ARCH__
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
 
 // float -> E4M3 (exponent bias 7, 3 mantissa bits): round to nearest even; magnitudes from 448 up
 // (infinity included) saturate to +-448, since everything in (448, 464] rounds to 448 and above

@@ -10,6 +10,7 @@
 #include "moe_engine/grad_mode.hpp"
 #include "moe_engine/group_layout.hpp"
 #include "moe_engine/grouped_param.hpp"
+#include "moe_engine/router_spec.hpp"
 #include "moe_engine/tensor.hpp"
 
 namespace moe::cpu {
@@ -46,5 +47,15 @@ void grouped_linear_dgrad(const Fp8Rows& dy, const Fp8Weight& weight, const Grou
                           const TensorView& dx);
 void grouped_linear_wgrad(const Fp8Columns& dy, const Fp8Columns& x, const GroupLayout& groups,
                           const GroupedParam& dweight, GradMode mode);
+
+// The router (router.cpp; docs/design.md section 13). The choice and the probabilities are the CUDA
+// backend's bits for the same logits (common/router_math.hpp); sums over tokens run in token order.
+// router_backward writes dL/dlogits into d_logits (the workspace, [T, E] in the accumulator type).
+void router_forward(const TensorView& x, const TensorView& weight, const TensorView& expert_bias,
+                    const RouterOutputs& out, const RouterSpec& spec);
+void router_backward(const RouterOutputGrads& d_out, const TensorView& x, const TensorView& weight,
+                     const TensorView& logits, const TensorView& indices, const TensorView& aux_loss_counts,
+                     const RouterGrads& grads, const RouterSpec& spec, const TensorView& d_logits);
+void router_update_expert_bias(const TensorView& expert_bias, const TensorView& counts, float rate);
 
 }  // namespace moe::cpu

@@ -12,6 +12,7 @@
 #include "moe_engine/grad_mode.hpp"
 #include "moe_engine/group_layout.hpp"
 #include "moe_engine/grouped_param.hpp"
+#include "moe_engine/router_spec.hpp"
 #include "moe_engine/tensor.hpp"
 
 namespace moe::cuda {
@@ -101,5 +102,30 @@ void grouped_linear_dgrad(const Fp8Rows& dy, const Fp8Weight& weight, const Grou
                           const TensorView& dx, Stream stream);
 void grouped_linear_wgrad(const Fp8Columns& dy, const Fp8Columns& x, const GroupLayout& groups,
                           const GroupedParam& dweight, GradMode mode, Stream stream);
+
+// The router (kernels/router.cu, kernels/router_linear.cu; docs/design.md section 13): the logits
+// by a float32 SIMT GEMM, then one warp per token; the sums over tokens in a fixed order, through
+// per-64-token partial sums. kNotImplemented beyond E = 512 experts or topk = 32.
+struct RouterPartials {  // carved from the forward's workspace, one row per 64 tokens
+  TensorView scores;      // [chunks, E] float32: the load-balancing loss's scores, summed
+  TensorView counts;      // [chunks, E] int32: the routing's counts
+  TensorView aux_counts;  // [chunks, E] int32: the load-balancing loss's own top-k counts
+  TensorView z_terms;     // [chunks] float32: sum of logsumexp^2
+};
+void router_forward(const TensorView& x, const TensorView& weight, const TensorView& expert_bias,
+                    const RouterOutputs& out, const RouterSpec& spec, const RouterPartials& partials, Stream stream);
+// d_logits: the workspace's [T, E] float32.
+void router_backward(const RouterOutputGrads& d_out, const TensorView& x, const TensorView& weight,
+                     const TensorView& logits, const TensorView& indices, const TensorView& aux_loss_counts,
+                     const RouterGrads& grads, const RouterSpec& spec, const TensorView& d_logits, Stream stream);
+void router_update_expert_bias(const TensorView& expert_bias, const TensorView& counts, float rate, Stream stream);
+
+// The router's float32 products (kernels/router_linear.cu), each output summed by one thread over
+// the contraction in order (CUDA-graph safe, deterministic; no tensor cores yet):
+//   logits [T, E] = x W^T;  dx [T, H] = d_logits W (x's dtype);  dweight [E, H] = d_logits^T x (per mode).
+void router_logits(const TensorView& x, const TensorView& weight, const TensorView& logits, Stream stream);
+void router_dgrad(const TensorView& d_logits, const TensorView& weight, const TensorView& dx, Stream stream);
+void router_wgrad(const TensorView& d_logits, const TensorView& x, const TensorView& dweight, GradMode mode,
+                  Stream stream);
 
 }  // namespace moe::cuda

@@ -19,6 +19,10 @@ namespace moe {
 
 namespace {
 
+using ops::check_outputs;
+using ops::check_pair;
+using ops::NamedTensor;
+
 int64_t blocks_of(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -43,15 +47,6 @@ void check_columns(const ops::Validator& v, const char* data_name, const char* s
   v.fp8_matrix(data_name, columns.data, features, C, data_dims);
   v.scale_matrix(scales_name, columns.scales, C / kFp8Block, features, scales_dims);
   v.int64_vector(offsets_name, columns.offsets, v.num_groups() + 1, "[G + 1]");
-}
-
-// Whether a pair of tensors is given together: both, or neither.
-void check_pair(const ops::Validator& v, const char* a_name, const TensorView& a, const char* b_name,
-                const TensorView& b) {
-  if (a.defined() && !b.defined())
-    v.fail(ErrorCode::kInvalidArgument, b_name, ": required with ", a_name, ", got an undefined tensor");
-  if (b.defined() && !a.defined())
-    v.fail(ErrorCode::kInvalidArgument, a_name, ": required with ", b_name, ", got an undefined tensor");
 }
 
 void check_recipe(const ops::Validator& v, const Fp8Recipe& recipe) {
@@ -107,21 +102,6 @@ void check_dequantized(const ops::Validator& v, const char* name, const TensorVi
   v.matrix(name, t, v.capacity(), cols, dims);
 }
 
-// Outputs of a quantizer: none overlaps an input or another output.
-struct Output {
-  const char* name;
-  const TensorView& t;
-};
-template <size_t N>
-void check_outputs(const ops::Validator& v, const Output (&outputs)[N], std::initializer_list<Output> inputs) {
-  for (size_t i = 0; i < N; ++i) {
-    if (!outputs[i].t.defined()) continue;
-    for (const Output& in : inputs) v.no_overlap(outputs[i].name, outputs[i].t, in.name, in.t);
-    for (size_t j = 0; j < i; ++j)
-      if (outputs[j].t.defined()) v.distinct_outputs(outputs[j].name, outputs[j].t, outputs[i].name, outputs[i].t);
-  }
-}
-
 // Forward (y = x W^T, over weight.data) and dgrad (dx = dy W, over weight.data_t) multiply FP8 rows
 // by one of the weight's copies. The weight sets the widths, so an activation of the wrong width is
 // named as the culprit. Returns the output's width.
@@ -148,8 +128,8 @@ int64_t check_rows_times_weight(const ops::Validator& v, const RowsTimesWeight& 
   check_weight_blocks(v, "weight", weight, g.transposed, N, K);
   check_rows(v, g.rows_data, g.rows_scales, rows, in_cols, g.rows_dims, g.rows_scale_dims);
   check_output(v, g.out, out, out_cols, g.out_dims);
-  for (const Output& in : {Output{g.rows_data, rows.data}, Output{g.rows_scales, rows.scales},
-                           Output{data_name, data}, Output{scales_name, scales}})
+  for (const NamedTensor& in : {NamedTensor{g.rows_data, rows.data}, NamedTensor{g.rows_scales, rows.scales},
+                                NamedTensor{data_name, data}, NamedTensor{scales_name, scales}})
     v.no_overlap(g.out, out, in.name, in.t);
   return out_cols;
 }
@@ -192,11 +172,11 @@ void quantize_fp8(const TensorView& x, const GroupLayout& groups, const Fp8Rows&
   if (rows.data.defined()) check_rows(v, "rows.data", "rows.scales", rows, K, "[T, K]", "[ceil(K/128), S]");
   if (columns.data.defined())
     check_columns(v, "columns.data", "columns.scales", "columns.offsets", columns, K, "[K, C]", "[C/128, K]");
-  const Output outputs[] = {{"rows.data", rows.data},
-                            {"rows.scales", rows.scales},
-                            {"columns.data", columns.data},
-                            {"columns.scales", columns.scales},
-                            {"columns.offsets", columns.offsets}};
+  const NamedTensor outputs[] = {{"rows.data", rows.data},
+                                 {"rows.scales", rows.scales},
+                                 {"columns.data", columns.data},
+                                 {"columns.scales", columns.scales},
+                                 {"columns.offsets", columns.offsets}};
   check_outputs(v, outputs, {{"x", x}, {"the routing's offsets", groups.offsets()}});
   ops::dispatch(
       v, [&] { cpu::quantize_fp8(x, groups, rows, columns, recipe); },
@@ -210,8 +190,8 @@ void dequantize_fp8(const Fp8Rows& rows, const GroupLayout& groups, const Tensor
   const int64_t K = rows.data.size(1);
   check_rows(v, "rows.data", "rows.scales", rows, K, "[T, K]", "[ceil(K/128), S]");
   check_dequantized(v, "out", out, K, "[T, K]");
-  for (const Output& in : {Output{"rows.data", rows.data}, Output{"rows.scales", rows.scales},
-                           Output{"the routing's offsets", groups.offsets()}})
+  for (const NamedTensor& in : {NamedTensor{"rows.data", rows.data}, NamedTensor{"rows.scales", rows.scales},
+                                NamedTensor{"the routing's offsets", groups.offsets()}})
     v.no_overlap("out", out, in.name, in.t);
   ops::dispatch(
       v, [&] { cpu::dequantize_fp8(rows, groups, out); },
@@ -238,12 +218,12 @@ void quantize_fp8_weight(const GroupedParam& weight, const Fp8Weight& out, const
   check_pair(v, "out.data_t", out.data_t, "out.scales_t", out.scales_t);
   if (out.data.defined()) check_weight_blocks(v, "out", out, false, N, K);
   if (out.data_t.defined()) check_weight_blocks(v, "out", out, true, N, K);
-  const Output outputs[] = {{"out.data", out.data},
-                            {"out.scales", out.scales},
-                            {"out.data_t", out.data_t},
-                            {"out.scales_t", out.scales_t}};
+  const NamedTensor outputs[] = {{"out.data", out.data},
+                                 {"out.scales", out.scales},
+                                 {"out.data_t", out.data_t},
+                                 {"out.scales_t", out.scales_t}};
   check_outputs(v, outputs, {});
-  for (const Output& o : outputs)
+  for (const NamedTensor& o : outputs)
     if (o.t.defined()) v.no_overlap(o.name, o.t, "weight", weight);
   ops::dispatch(
       v, [&] { cpu::quantize_fp8_weight(weight, out, recipe); },

@@ -16,8 +16,8 @@ Validator::Validator(const char* op, const GroupLayout& groups) : op_(op) {
   capacity_ = groups.capacity();
 }
 
-Validator::Validator(const char* op, Device device, int64_t num_groups)
-    : op_(op), device_(device), num_groups_(num_groups) {}
+Validator::Validator(const char* op, Device device, int64_t num_groups, const char* device_owner)
+    : op_(op), device_owner_(device_owner), device_(device), num_groups_(num_groups) {}
 
 void Validator::float_dtype(const char* name, DType dtype) const {
   if (is_floating(dtype)) return;
@@ -37,7 +37,7 @@ void Validator::float_dtype(const char* name, DType dtype) const {
 void Validator::on_device(const char* name, const TensorView& t) const {
   if (!(t.device() == device_))
     fail(ErrorCode::kDevice, name, " is on ", to_string(t.device()),
-         "; expected the group layout's device ", to_string(device_));
+         "; expected ", device_owner_, " ", to_string(device_));
 }
 
 void Validator::aligned(const char* name, const TensorView& t) const {
@@ -161,7 +161,7 @@ void Validator::param(const char* name, const GroupedParam& p, const Shape& expe
   float_dtype(name, p.dtype());
   if (!(p.device() == device_))
     fail(ErrorCode::kDevice, name, " is on ", to_string(p.device()),
-         "; expected the group layout's device ", to_string(device_));
+         "; expected ", device_owner_, " ", to_string(device_));
   if (p.is_packed())
     aligned(name, p.packed_view());
   else
@@ -187,7 +187,41 @@ void Validator::workspace(const Workspace& ws, size_t bytes, const char* size_fu
          bytes, " are needed; size it with ", size_function, "(...)");
   if (!(ws.device == device_))
     fail(ErrorCode::kDevice, "the workspace is on ", to_string(ws.device),
-         "; expected the group layout's device ", to_string(device_));
+         "; expected ", device_owner_, " ", to_string(device_));
+}
+
+void Validator::scalar(const char* name, const TensorView& t, DType dtype) const {
+  defined(name, t, "[]");
+  if (t.dim() != 0) fail(ErrorCode::kShape, name, ": expected a scalar (a 0-d tensor), got ", t.describe());
+  dtype_is(name, t, dtype);
+  on_device(name, t);
+  aligned(name, t);
+}
+
+void Validator::index_matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols,
+                             const char* dims) const {
+  defined(name, t, dims);
+  if (t.dim() != 2 || t.size(0) != rows || t.size(1) != cols)
+    fail(ErrorCode::kShape, name, ": expected ", dims, " = [", rows, ", ", cols, "], got ", t.describe());
+  if (t.dtype() != DType::kInt32 && t.dtype() != DType::kInt64)
+    fail(ErrorCode::kDType, name, ": expected int32 or int64, got ", dtype_name(t.dtype()));
+  on_device(name, t);
+  if (t.size(1) > 1 && t.stride(1) != 1)
+    fail(ErrorCode::kShape, name, ": expected unit column stride (rows may be strided), got ", t.describe());
+  aligned(name, t);
+}
+
+void Validator::grad_target(const char* name, const TensorView& t, GradMode mode) const {
+  if (mode != GradMode::kWrite && t.dtype() != DType::kFloat32)
+    fail(ErrorCode::kDType, name, ": ", grad_mode_name(mode), " mode writes a float32 main_grad, got ",
+         dtype_name(t.dtype()));
+}
+
+void check_pair(const Validator& v, const char* a_name, const TensorView& a, const char* b_name, const TensorView& b) {
+  if (a.defined() && !b.defined())
+    v.fail(ErrorCode::kInvalidArgument, b_name, ": required with ", a_name, ", got an undefined tensor");
+  if (b.defined() && !a.defined())
+    v.fail(ErrorCode::kInvalidArgument, a_name, ": required with ", b_name, ", got an undefined tensor");
 }
 
 void Validator::glu_spec(const GluSpec& spec, int64_t ffn) const { check_glu_spec(spec, ffn, op_); }

@@ -10,6 +10,7 @@
 #include "moe_engine/config.hpp"
 #include "moe_engine/error.hpp"
 #include "moe_engine/glu.hpp"
+#include "moe_engine/grad_mode.hpp"
 #include "moe_engine/group_layout.hpp"
 #include "moe_engine/grouped_linear.hpp"
 #include "moe_engine/grouped_param.hpp"
@@ -29,8 +30,10 @@ class Validator {
  public:
   // All tensors must live on the group layout's device.
   Validator(const char* op, const GroupLayout& groups);
-  // An op without a routing (weight quantization): every tensor on `device`, G experts.
-  Validator(const char* op, Device device, int64_t num_groups);
+  // An op without a routing (weight quantization, the router): every tensor on `device`, G experts.
+  // `device_owner` names the device in messages ("expected <device_owner> cuda:0").
+  Validator(const char* op, Device device, int64_t num_groups,
+            const char* device_owner = "the group layout's device");
 
   Device device() const { return device_; }
   int64_t capacity() const { return capacity_; }
@@ -77,6 +80,14 @@ class Validator {
   void glu_spec(const GluSpec& spec, int64_t ffn) const;
   // The workspace can hold `bytes` on the device.
   void workspace(const Workspace& ws, size_t bytes, const char* size_function) const;
+  // `t` has `dtype` (after its shape was checked).
+  void dtype_is(const char* name, const TensorView& t, DType dtype) const;
+  // A scalar: a 0-d tensor of `dtype` on the device.
+  void scalar(const char* name, const TensorView& t, DType dtype) const;
+  // A 2-D [rows, cols] int32 or int64 tensor (expert indices), unit column stride, on the device.
+  void index_matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols, const char* dims) const;
+  // A plain weight gradient's target for `mode`: float32 for accumulate / overwrite.
+  void grad_target(const char* name, const TensorView& t, GradMode mode) const;
 
   // FP8 operands (moe_engine/fp8.hpp), read by the kernels with TMA: 16-byte aligned data and rows.
   // A 2-D [rows, cols] float8_e4m3 matrix (cols < 0: any), rows strided by a multiple of 16 bytes
@@ -99,11 +110,11 @@ class Validator {
   void on_device(const char* name, const TensorView& t) const;
   void aligned(const char* name, const TensorView& t) const;
   void defined(const char* name, const TensorView& t, const char* dims) const;
-  void dtype_is(const char* name, const TensorView& t, DType dtype) const;
   void aligned_16(const char* name, const TensorView& t) const;
   void row_stride(const char* name, const TensorView& t, int64_t multiple_of) const;
 
   const char* op_;
+  const char* device_owner_ = "the group layout's device";
   Device device_;
   int64_t num_groups_ = 0;
   int64_t capacity_ = -1;
@@ -124,6 +135,27 @@ inline Fc1Dims fc1_dims(const GluSpec& spec, int64_t ffn) {
   if (spec.gated()) return {2 * ffn, "[T, 2F]", "[2F, H]", "[2F]", "[G, 2F, H]", "[G, H, 2F]", "[ceil(2F/128), S]"};
   return {ffn, "[T, F]", "[F, H]", "[F]", "[G, F, H]", "[G, H, F]", "[ceil(F/128), S]"};
 }
+
+// A tensor with the name messages give it.
+struct NamedTensor {
+  const char* name;
+  const TensorView& t;
+};
+
+// Outputs given: none overlaps an input or another output.
+template <size_t N>
+void check_outputs(const Validator& v, const NamedTensor (&outputs)[N], std::initializer_list<NamedTensor> inputs) {
+  for (size_t i = 0; i < N; ++i) {
+    if (!outputs[i].t.defined()) continue;
+    for (const NamedTensor& in : inputs)
+      if (in.t.defined()) v.no_overlap(outputs[i].name, outputs[i].t, in.name, in.t);
+    for (size_t j = 0; j < i; ++j)
+      if (outputs[j].t.defined()) v.distinct_outputs(outputs[j].name, outputs[j].t, outputs[i].name, outputs[i].t);
+  }
+}
+
+// Tensors that go together are given together: both, or neither.
+void check_pair(const Validator& v, const char* a_name, const TensorView& a, const char* b_name, const TensorView& b);
 
 // Splits scratch buffers off a workspace; with no data it only adds up their sizes, so an op's
 // *_workspace_size and the op itself share one description of the layout.

@@ -16,9 +16,9 @@ from pathlib import Path
 # take (its ops are declared beside them, over the vocabulary only).
 VOCABULARY = {
     "export", "config", "error", "enum_names", "dtype", "device", "tensor", "workspace", "runtime",
-    "grouped_param", "group_layout", "glu_spec", "grad_mode", "bias_epilogue", "fp8",
+    "grouped_param", "group_layout", "glu_spec", "grad_mode", "bias_epilogue", "fp8", "router_spec",
 }
-OP_HEADERS = {"grouped_linear", "glu", "expert_mlp", "expert_mlp_fp8"}
+OP_HEADERS = {"grouped_linear", "glu", "expert_mlp", "expert_mlp_fp8", "router"}
 TRAINING_HEADERS = {"modules", "offload", "checkpoint", "safetensors"}
 
 # (layer name, rank, predicate on the path relative to the repository root). First match wins.

@@ -1,0 +1,216 @@
+// The router ops (moe_engine/router.hpp): validation, the workspace layout, then dispatch by
+// device.
+#include "moe_engine/router.hpp"
+
+#include <cmath>
+
+#include "common/router_math.hpp"
+#include "cpu/backend.hpp"
+#include "moe_engine/config.hpp"
+#if MOE_ENGINE_WITH_CUDA
+#include "cuda/backend.hpp"
+#endif
+#include "ops/validate.hpp"
+
+namespace moe {
+namespace {
+
+// The router's float type: float32, or float64 for float64 inputs (CPU backend).
+DType acc_dtype(DType x) { return x == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
+
+// The CUDA forward's partial sums, one row per 64 tokens (kernels/router.cu): each expert's
+// load-balancing scores, token counts and the loss's own counts, and the z-loss terms.
+struct ForwardPartials {
+  TensorView scores, counts, aux_counts, z_terms;
+};
+
+ForwardPartials forward_partials(ops::WorkspaceCarver& c, int64_t tokens, int64_t num_experts) {
+  const int64_t chunks = (tokens + detail::kRouterChunkTokens - 1) / detail::kRouterChunkTokens;
+  if (chunks == 0) return {};
+  return {c.take({chunks, num_experts}, DType::kFloat32),
+          c.take({chunks, num_experts}, DType::kInt32),
+          c.take({chunks, num_experts}, DType::kInt32), c.take({chunks}, DType::kFloat32)};
+}
+
+TensorView backward_logits_grad(ops::WorkspaceCarver& c, int64_t tokens, int64_t num_experts,
+                                DType dtype) {
+  return tokens == 0 ? TensorView() : c.take({tokens, num_experts}, acc_dtype(dtype));
+}
+
+void check_sizes(const char* who, int64_t tokens, int64_t num_experts) {
+  MOE_CHECK(tokens >= 0 && num_experts >= 1, ErrorCode::kInvalidArgument, who,
+            ": expected tokens >= 0 and num_experts >= 1, got ", tokens, " and ", num_experts);
+}
+
+// x [T, H] and weight [E, H] in x's dtype, and the spec for E experts; returns {T, H, E}.
+struct Dims {
+  int64_t tokens, hidden, experts;
+};
+Dims check_inputs(const ops::Validator& v, const TensorView& x, const TensorView& weight,
+                  const RouterSpec& spec, const char* op) {
+  v.matrix("x", x, -1, -1, "[T, H]");
+  v.matrix("weight", weight, -1, x.size(1), "[E, H]");
+  v.same_dtype("weight", weight.dtype(), "x", x.dtype());
+  check_router_spec(spec, weight.size(0), op);
+  return {x.size(0), x.size(1), weight.size(0)};
+}
+
+// A float tensor of the router's float type, after its shape was checked.
+void check_matrix(const ops::Validator& v, const char* name, const TensorView& t, int64_t rows,
+                  int64_t cols, const char* dims, DType acc) {
+  v.matrix(name, t, rows, cols, dims);
+  v.dtype_is(name, t, acc);
+}
+
+}  // namespace
+
+size_t router_forward_workspace_size(int64_t tokens, int64_t num_experts) {
+  check_sizes("router_forward_workspace_size", tokens, num_experts);
+  ops::WorkspaceCarver sizes;
+  forward_partials(sizes, tokens, num_experts);
+  return sizes.used();
+}
+
+size_t router_backward_workspace_size(int64_t tokens, int64_t num_experts, DType dtype) {
+  check_sizes("router_backward_workspace_size", tokens, num_experts);
+  ops::WorkspaceCarver sizes;
+  backward_logits_grad(sizes, tokens, num_experts, dtype);
+  return sizes.used();
+}
+
+void router_forward(const TensorView& x, const TensorView& weight, const TensorView& expert_bias,
+                    const RouterOutputs& out, const RouterSpec& spec,
+                    [[maybe_unused]] const ExecContext& ctx) {
+  if (!x.defined())
+    throw_error(ErrorCode::kInvalidArgument,
+                "router_forward: x: required tensor [T, H] is undefined");
+  const ops::Validator v("router_forward", x.device(), /*num_groups (no per-expert parameters)=*/0,
+                         "x's device");
+  const auto [T, H, E] = check_inputs(v, x, weight, spec, "router_forward");
+  const int64_t k = spec.topk;
+  const DType acc = acc_dtype(x.dtype());
+  if (expert_bias.defined()) {
+    v.vector("expert_bias", expert_bias, E, "[E]");
+    v.dtype_is("expert_bias", expert_bias, acc);
+  }
+  check_matrix(v, "out.logits", out.logits, T, E, "[T, E]", acc);
+  v.index_matrix("out.indices", out.indices, T, k, "[T, k]");
+  check_matrix(v, "out.probs", out.probs, T, k, "[T, k]", acc);
+  v.int64_vector("out.counts", out.counts, E, "[E]");
+  ops::check_pair(v, "out.aux_loss", out.aux_loss, "out.aux_loss_counts", out.aux_loss_counts);
+  if (out.aux_loss.defined()) {
+    v.scalar("out.aux_loss", out.aux_loss, acc);
+    v.int64_vector("out.aux_loss_counts", out.aux_loss_counts, E, "[E]");
+  }
+  if (out.z_loss.defined()) v.scalar("out.z_loss", out.z_loss, acc);
+  const ops::NamedTensor outputs[] = {
+      {"out.logits", out.logits},     {"out.indices", out.indices},
+      {"out.probs", out.probs},       {"out.counts", out.counts},
+      {"out.aux_loss", out.aux_loss}, {"out.aux_loss_counts", out.aux_loss_counts},
+      {"out.z_loss", out.z_loss}};
+  ops::check_outputs(v, outputs, {{"x", x}, {"weight", weight}, {"expert_bias", expert_bias}});
+  v.workspace(ctx.workspace, router_forward_workspace_size(T, E), "router_forward_workspace_size");
+  ops::dispatch(
+      v, [&] { cpu::router_forward(x, weight, expert_bias, out, spec); },
+      [&] {
+        MOE_CUDA_ONLY({
+          ops::WorkspaceCarver carver(ctx.workspace);
+          const ForwardPartials p = forward_partials(carver, T, E);
+          cuda::router_forward(x, weight, expert_bias, out, spec,
+                               {p.scores, p.counts, p.aux_counts, p.z_terms}, ctx.stream);
+        });
+      });
+}
+
+void router_backward(const RouterOutputGrads& d_out, const TensorView& x, const TensorView& weight,
+                     const TensorView& logits, const TensorView& indices,
+                     const TensorView& aux_loss_counts, const RouterGrads& grads,
+                     const RouterSpec& spec, [[maybe_unused]] const ExecContext& ctx) {
+  if (!x.defined())
+    throw_error(ErrorCode::kInvalidArgument,
+                "router_backward: x: required tensor [T, H] is undefined");
+  const ops::Validator v("router_backward", x.device(), /*num_groups (no per-expert parameters)=*/0,
+                         "x's device");
+  const auto [T, H, E] = check_inputs(v, x, weight, spec, "router_backward");
+  const int64_t k = spec.topk;
+  const DType acc = acc_dtype(x.dtype());
+  check_matrix(v, "logits", logits, T, E, "[T, E]", acc);
+  v.index_matrix("indices", indices, T, k, "[T, k]");
+  if (d_out.d_probs.defined()) check_matrix(v, "d_out.d_probs", d_out.d_probs, T, k, "[T, k]", acc);
+  if (d_out.d_aux_loss.defined()) {
+    v.scalar("d_out.d_aux_loss", d_out.d_aux_loss, acc);
+    if (!aux_loss_counts.defined())
+      v.fail(ErrorCode::kInvalidArgument,
+             "aux_loss_counts: required with d_out.d_aux_loss (router_forward's "
+             "out.aux_loss_counts), got an "
+             "undefined tensor");
+    v.int64_vector("aux_loss_counts", aux_loss_counts, E, "[E]");
+  }
+  if (d_out.d_z_loss.defined()) v.scalar("d_out.d_z_loss", d_out.d_z_loss, acc);
+  if (!grads.dx.defined() && !grads.dweight.defined())
+    v.fail(ErrorCode::kInvalidArgument,
+           "neither grads.dx nor grads.dweight is requested: the call would do nothing");
+  if (grads.dx.defined()) {
+    v.matrix("grads.dx", grads.dx, T, H, "[T, H]");
+    v.same_dtype("grads.dx", grads.dx.dtype(), "x", x.dtype());
+  }
+  if (grads.dweight.defined()) {
+    v.matrix("grads.dweight", grads.dweight, E, H, "[E, H]");
+    v.grad_target("grads.dweight", grads.dweight, grads.dweight_mode);
+  }
+  const ops::NamedTensor outputs[] = {{"grads.dx", grads.dx}, {"grads.dweight", grads.dweight}};
+  ops::check_outputs(v, outputs,
+                     {{"x", x},
+                      {"weight", weight},
+                      {"logits", logits},
+                      {"indices", indices},
+                      {"aux_loss_counts", aux_loss_counts},
+                      {"d_out.d_probs", d_out.d_probs},
+                      {"d_out.d_aux_loss", d_out.d_aux_loss},
+                      {"d_out.d_z_loss", d_out.d_z_loss}});
+  v.workspace(ctx.workspace, router_backward_workspace_size(T, E, x.dtype()),
+              "router_backward_workspace_size");
+  ops::WorkspaceCarver carver(ctx.workspace);
+  const TensorView d_logits = backward_logits_grad(carver, T, E, x.dtype());
+  ops::dispatch(
+      v,
+      [&] {
+        cpu::router_backward(d_out, x, weight, logits, indices, aux_loss_counts, grads, spec,
+                             d_logits);
+      },
+      [&] {
+        MOE_CUDA_ONLY(cuda::router_backward(d_out, x, weight, logits, indices, aux_loss_counts,
+                                            grads, spec, d_logits, ctx.stream));
+      });
+}
+
+void router_update_expert_bias(const TensorView& expert_bias, const TensorView& counts, float rate,
+                               [[maybe_unused]] const ExecContext& ctx) {
+  constexpr const char* kOp = "router_update_expert_bias";
+  if (!expert_bias.defined())
+    throw_error(ErrorCode::kInvalidArgument, kOp,
+                ": expert_bias: required tensor [E] is undefined");
+  const ops::Validator v(kOp, expert_bias.device(), /*num_groups (no per-expert parameters)=*/0,
+                         "expert_bias's device");
+  if (expert_bias.dim() != 1)
+    v.fail(ErrorCode::kShape, "expert_bias: expected a 1-D [E] tensor, got ",
+           expert_bias.describe());
+  const int64_t E = expert_bias.size(0);
+  v.vector("expert_bias", expert_bias, E, "[E]");
+  const bool f64_on_cpu = expert_bias.device().is_cpu() && expert_bias.dtype() == DType::kFloat64;
+  if (expert_bias.dtype() != DType::kFloat32 && !f64_on_cpu)
+    v.fail(ErrorCode::kDType, "expert_bias: expected float32",
+           expert_bias.device().is_cpu() ? " (or float64)" : "", ", got ",
+           dtype_name(expert_bias.dtype()));
+  v.int64_vector("counts", counts, E, "[E]");
+  if (!std::isfinite(rate))
+    v.fail(ErrorCode::kInvalidArgument, "rate: expected a finite value, got ", rate);
+  v.no_overlap("expert_bias", expert_bias, "counts", counts);
+  ops::dispatch(
+      v, [&] { cpu::router_update_expert_bias(expert_bias, counts, rate); },
+      [&] {
+        MOE_CUDA_ONLY(cuda::router_update_expert_bias(expert_bias, counts, rate, ctx.stream));
+      });
+}
+
+}  // namespace moe

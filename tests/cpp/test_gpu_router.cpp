@@ -1,0 +1,271 @@
+// The router on CUDA (label "gpu") against the CPU backend on the same inputs: bit for bit the
+// logits (16-bit inputs, or float32 inputs whose products and sums are exact), the choices, the
+// probabilities and the counts; the losses and the gradients within float32 rounding. E = 8, 64,
+// 256 and the limits (512 experts, topk 32); T = 0, 1, 3 and sizes that are multiples of nothing;
+// both score functions, expert bias, group-limited routing; rows past every output untouched;
+// CUDA-graph replay with new inputs, bit-identical to eager runs; the expert-bias update. Skips
+// without a GPU.
+#include <cuda_runtime_api.h>
+
+#include <tuple>
+
+#include "gpu_support.hpp"
+#include "router_support.hpp"
+
+namespace moe::test {
+namespace {
+
+RouterSpec router_spec(RouterScore score, int64_t topk, int64_t groups, int64_t topk_groups,
+                       bool norm, float scaling) {
+  RouterSpec s;
+  s.score = score;
+  s.topk = topk;
+  s.num_groups = groups;
+  s.topk_groups = topk_groups;
+  s.norm_topk_prob = norm;
+  s.scaling_factor = scaling;
+  s.aux_loss_coeff = 0.01f;
+  s.z_loss_coeff = 0.001f;
+  return s;
+}
+
+// Plain softmax top-2; softmax with groups, unnormalized; DeepSeek-V3's sigmoid routing.
+std::vector<RouterSpec> specs_for(int64_t E) {
+  return {router_spec(RouterScore::kSoftmax, 2, 1, 1, true, 1.f),
+          router_spec(RouterScore::kSoftmax, std::min<int64_t>(6, E / 2), 4, 2, false, 1.f),
+          router_spec(RouterScore::kSigmoid, std::min<int64_t>(8, E / 2), 8, 4, true, 2.5f)};
+}
+
+// Inputs on the host: 16-bit normal values, or float32 ones whose logits are exact (dyadic_tensor).
+struct Inputs {
+  Tensor x, w, bias;
+  Inputs(Rng& rng, int64_t T, int64_t H, int64_t E, DType dt) {
+    if (dt == DType::kFloat32) {
+      x = dyadic_tensor({T, H}, dt, rng, 0.25);
+      w = dyadic_tensor({E, H}, dt, rng, 0.125);
+    } else {
+      x = random_tensor({T, H}, dt, rng);
+      w = random_tensor({E, H}, dt, rng, 1.0 / std::sqrt(double(H)));
+    }
+    bias = random_tensor({E}, DType::kFloat32, rng, 0.05);
+  }
+};
+
+void expect_same_forward(const RouterRun& gpu, const RouterRun& cpu) {
+  EXPECT_TRUE(gpu.tails_untouched()) << "an output was written past its end";
+  EXPECT_TRUE(bitwise_equal(gpu.logits.values(), cpu.logits.values())) << "logits";
+  EXPECT_EQ(gpu.host_indices(), cpu.host_indices());
+  EXPECT_TRUE(bitwise_equal(gpu.probs.values(), cpu.probs.values())) << "probs";
+  EXPECT_EQ(RouterRun::int64s(gpu.counts), RouterRun::int64s(cpu.counts));
+  EXPECT_EQ(RouterRun::int64s(gpu.aux_counts), RouterRun::int64s(cpu.aux_counts));
+  for (const auto& [name, g, c] : {std::tuple{"aux_loss", &gpu.aux_loss, &cpu.aux_loss},
+                                   std::tuple{"z_loss", &gpu.z_loss, &cpu.z_loss}}) {
+    // Sums of T terms in float32, in another order on each backend.
+    const double want = scalar_value(c->view), got = scalar_value(g->view);
+    EXPECT_NEAR(got, want, 1e-4 * std::abs(want)) << name;
+  }
+}
+
+class GpuRouter : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+TEST_F(GpuRouter, ForwardIsTheCpusBitsForEveryShapeAndSpec) {
+  Rng rng;
+  const int64_t H = 72;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32})
+    for (int64_t E : {8, 64, 256})
+      for (int64_t T : {0, 1, 3, 1000, 4099}) {
+        const Inputs in(rng, T, H, E, dt);
+        const Tensor xd = to_gpu(in.x), wd = to_gpu(in.w), bd = to_gpu(in.bias);
+        for (const RouterSpec& spec : specs_for(E))
+          for (bool with_bias : {false, true}) {
+            const DType index_dtype = with_bias ? DType::kInt32 : DType::kInt64;
+            SCOPED_TRACE(std::string(dtype_name(dt)) + ", E = " + std::to_string(E) + ", T = " +
+                         std::to_string(T) + ", " + describe(spec) + (with_bias ? ", bias" : ""));
+            const RouterRun cpu = run_router_forward(
+                in.x, in.w, with_bias ? TensorView(in.bias) : TensorView(), spec, index_dtype);
+            const RouterRun gpu = run_router_forward(
+                xd, wd, with_bias ? TensorView(bd) : TensorView(), spec, index_dtype);
+            expect_same_forward(gpu, cpu);
+          }
+      }
+}
+
+// The largest shapes the kernels take: 512 experts (16 per lane), 32 choices (one per lane).
+TEST_F(GpuRouter, LargestExpertCountAndTopk) {
+  Rng rng;
+  const int64_t T = 301, H = 40, E = 512;
+  const Inputs in(rng, T, H, E, DType::kBFloat16);
+  for (const RouterSpec& spec : {router_spec(RouterScore::kSoftmax, 32, 1, 1, true, 1.f),
+                                 router_spec(RouterScore::kSigmoid, 32, 16, 4, true, 2.5f),
+                                 router_spec(RouterScore::kSigmoid, 8, 512, 64, false, 1.f)}) {
+    SCOPED_TRACE(describe(spec));
+    const RouterRun cpu = run_router_forward(in.x, in.w, in.bias, spec);
+    const RouterRun gpu = run_router_forward(to_gpu(in.x), to_gpu(in.w), to_gpu(in.bias), spec);
+    expect_same_forward(gpu, cpu);
+  }
+}
+
+TEST_F(GpuRouter, BackwardMatchesTheCpuInEveryGradientMode) {
+  Rng rng;
+  const int64_t H = 72;
+  for (DType dt : {DType::kBFloat16, DType::kFloat32})
+    for (int64_t E : {8, 256})
+      for (int64_t T : {0, 3, 1000}) {
+        const Inputs in(rng, T, H, E, dt);
+        const Tensor xd = to_gpu(in.x), wd = to_gpu(in.w), bd = to_gpu(in.bias);
+        for (const RouterSpec& spec : specs_for(E)) {
+          SCOPED_TRACE(std::string(dtype_name(dt)) + ", E = " + std::to_string(E) +
+                       ", T = " + std::to_string(T) + ", " + describe(spec));
+          const RouterRun fc = run_router_forward(in.x, in.w, in.bias, spec);
+          const RouterRun fg = run_router_forward(xd, wd, bd, spec);
+          const Tensor g = random_tensor({T, spec.topk}, DType::kFloat32, rng);
+          const Tensor a = scalar_tensor(30, DType::kFloat32),
+                       z = scalar_tensor(-20, DType::kFloat32);
+          const Tensor gd = to_gpu(g), ad = to_gpu(a), zd = to_gpu(z);
+          const RouterBackwardRun bc =
+              run_router_backward({g, a, z}, in.x, in.w, fc, spec, DType::kFloat32);
+          const RouterBackwardRun bg =
+              run_router_backward({gd, ad, zd}, xd, wd, fg, spec, DType::kFloat32);
+          EXPECT_TRUE(bg.dx.tail_untouched());
+          EXPECT_TRUE(bg.dweight.tail_untouched());
+          if (T == 0) continue;
+          EXPECT_LE(oracle::rel_error(oracle::to_matrix(bg.dx.values()),
+                                      oracle::to_matrix(bc.dx.values())),
+                    std::max(tolerance(dt), 1e-5))
+              << "dx";
+          const oracle::Matrix dw = oracle::to_matrix(bc.dweight.values());
+          EXPECT_LE(oracle::rel_error(oracle::to_matrix(bg.dweight.values()), dw), 1e-5)
+              << "dweight";
+          // Into a float32 main_grad: added, or written over it.
+          const Tensor start = random_tensor({E, H}, DType::kFloat32, rng);
+          for (GradMode mode : {GradMode::kAccumulate, GradMode::kOverwrite}) {
+            const Tensor main_grad = to_gpu(start);
+            const Tensor ws =
+                workspace_tensor(router_backward_workspace_size(T, E, dt), Device::cuda(0));
+            router_backward({gd, {}, {}}, xd, wd, fg.logits.view, fg.indices.view,
+                            fg.aux_counts.view, {{}, main_grad, mode}, spec,
+                            {nullptr, workspace_of(ws, Device::cuda(0))});
+            const RouterBackwardRun probs_only =
+                run_router_backward({g, {}, {}}, in.x, in.w, fc, spec, DType::kFloat32);
+            oracle::Matrix want = oracle::to_matrix(probs_only.dweight.values());
+            if (mode == GradMode::kAccumulate)
+              for (size_t i = 0; i < want.data.size(); ++i)
+                want.data[i] += start.data_as<float>()[i];
+            EXPECT_LE(oracle::rel_error(oracle::to_matrix(to_host(main_grad)), want), 1e-5)
+                << grad_mode_name(mode);
+          }
+        }
+      }
+  // No tokens: a main_grad is left as it was, bit for bit; a written dweight is zeros.
+  const Inputs in(rng, 0, 16, 8, DType::kBFloat16);
+  const RouterSpec spec = specs_for(8)[0];
+  const Tensor xd = to_gpu(in.x), wd = to_gpu(in.w);
+  const RouterRun f = run_router_forward(xd, wd, {}, spec);
+  const Tensor start = random_tensor({8, 16}, DType::kFloat32, rng), main_grad = to_gpu(start);
+  const Tensor g = Tensor::empty({0, spec.topk}, DType::kFloat32, Device::cuda(0));
+  router_backward({g, {}, {}}, xd, wd, f.logits.view, f.indices.view, {},
+                  {{}, main_grad, GradMode::kAccumulate}, spec, {});
+  EXPECT_TRUE(bitwise_equal(to_host(main_grad), start));
+  const RouterBackwardRun written =
+      run_router_backward({g, {}, {}}, xd, wd, f, spec, DType::kBFloat16);
+  for (double v : oracle::to_matrix(written.dweight.values()).data) EXPECT_EQ(v, 0.0);
+}
+
+// Forward and backward captured once, replayed with new inputs written into the same buffers:
+// the bits of eager runs on those inputs.
+TEST_F(GpuRouter, GraphReplayWithNewInputsMatchesEagerRuns) {
+  Rng rng;
+  const int64_t T = 777, H = 64, E = 64;
+  const RouterSpec spec = router_spec(RouterScore::kSigmoid, 6, 8, 4, true, 2.5f);
+  const Device gpu = Device::cuda(0);
+  const Inputs first(rng, T, H, E, DType::kBFloat16), second(rng, T, H, E, DType::kBFloat16);
+  const Tensor x = to_gpu(first.x), w = to_gpu(first.w), bias = to_gpu(first.bias);
+  const Tensor g = to_gpu(random_tensor({T, spec.topk}, DType::kFloat32, rng));
+  const Tensor a = scalar_tensor(3, DType::kFloat32, gpu),
+               z = scalar_tensor(-2, DType::kFloat32, gpu);
+  RouterRun out;
+  out.logits = Padded({T, E}, DType::kFloat32, gpu);
+  out.indices = Padded({T, spec.topk}, DType::kInt32, gpu);
+  out.probs = Padded({T, spec.topk}, DType::kFloat32, gpu);
+  out.counts = Padded({E}, DType::kInt64, gpu);
+  out.aux_loss = Padded({}, DType::kFloat32, gpu);
+  out.aux_counts = Padded({E}, DType::kInt64, gpu);
+  out.z_loss = Padded({}, DType::kFloat32, gpu);
+  const Padded dx({T, H}, DType::kBFloat16, gpu), dweight({E, H}, DType::kFloat32, gpu);
+  const Tensor fws = workspace_tensor(router_forward_workspace_size(T, E), gpu);
+  const Tensor bws = workspace_tensor(router_backward_workspace_size(T, E, DType::kBFloat16), gpu);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  auto step = [&] {
+    router_forward(x, w, bias, out.outputs(), spec, {stream, workspace_of(fws, gpu)});
+    router_backward({g, a, z}, x, w, out.logits.view, out.indices.view, out.aux_counts.view,
+                    {dx.view, dweight.view}, spec, {stream, workspace_of(bws, gpu)});
+  };
+  auto snapshot = [&] {
+    return std::vector<Tensor>{out.logits.host(), out.indices.host(),  out.probs.host(),
+                               out.counts.host(), out.aux_loss.host(), out.aux_counts.host(),
+                               out.z_loss.host(), dx.host(),           dweight.host()};
+  };
+  std::vector<std::vector<Tensor>> eager;
+  for (const Inputs* in : {&first, &second}) {
+    copy_tensor(x, in->x);
+    copy_tensor(w, in->w);
+    copy_tensor(bias, in->bias);
+    step();
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    eager.push_back(snapshot());
+  }
+  CapturedGraph graph(stream, step);
+  for (int replay = 0; replay < 4; ++replay) {
+    const Inputs* in = replay % 2 == 0 ? &first : &second;
+    copy_tensor(x, in->x);
+    copy_tensor(w, in->w);
+    copy_tensor(bias, in->bias);
+    synchronize(nullptr);
+    graph.launch();
+    const std::vector<Tensor> got = snapshot();
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(got[i], eager[size_t(replay % 2)][i]))
+          << "replay " << replay << ", output " << i;
+  }
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+TEST_F(GpuRouter, ExpertBiasUpdateIsTheCpusBits) {
+  Rng rng;
+  const int64_t E = 300;
+  const Tensor bias = random_tensor({E}, DType::kFloat32, rng, 0.1);
+  Tensor counts = Tensor::empty({E}, DType::kInt64);
+  for (int64_t e = 0; e < E; ++e)
+    counts.data_as<int64_t>()[e] = rng.integer(0, 3) == 0 ? 7 : rng.integer(0, 20);
+  Tensor cpu = Tensor::empty({E}, DType::kFloat32);
+  copy_tensor(cpu, bias);
+  const Tensor gpu = to_gpu(bias);
+  router_update_expert_bias(cpu, counts, 0.001f);
+  router_update_expert_bias(gpu, to_gpu(counts), 0.001f);
+  EXPECT_TRUE(bitwise_equal(to_host(gpu), cpu));
+}
+
+TEST_F(GpuRouter, BeyondTheKernelsLimitsIsNotImplemented) {
+  Rng rng;
+  const Tensor x = to_gpu(random_tensor({4, 8}, DType::kBFloat16, rng));
+  EXPECT_MOE_ERROR(run_router_forward(x, to_gpu(random_tensor({513, 8}, DType::kBFloat16, rng)), {},
+                                      router_spec(RouterScore::kSoftmax, 2, 1, 1, true, 1.f)),
+                   ErrorCode::kNotImplemented,
+                   "router_forward on CUDA: E = 513 experts (at most 512)");
+  EXPECT_MOE_ERROR(run_router_forward(x, to_gpu(random_tensor({64, 8}, DType::kBFloat16, rng)), {},
+                                      router_spec(RouterScore::kSoftmax, 33, 1, 1, true, 1.f)),
+                   ErrorCode::kNotImplemented, "router_forward on CUDA: topk = 33 (at most 32)");
+  EXPECT_MOE_ERROR(run_router_forward(to_gpu(random_tensor({4, 8}, DType::kFloat64, rng)),
+                                      to_gpu(random_tensor({8, 8}, DType::kFloat64, rng)), {},
+                                      router_spec(RouterScore::kSoftmax, 2, 1, 1, true, 1.f)),
+                   ErrorCode::kNotImplemented, "router_forward on CUDA: float64 inputs");
+}
+
+}  // namespace
+}  // namespace moe::test
