@@ -47,6 +47,35 @@ __device__ void report_entry(DeviceErrorRecord* record, uint32_t bit, DeviceErro
   *details = DeviceErrorEntry{position / topk, position % topk, value, bound};
 }
 
+// A block's chunk: assignments [chunk_begin(), chunk_end(n)), walked in tiles of one per thread.
+__device__ __forceinline__ int64_t chunk_begin() {
+  return int64_t(blockIdx.x) * detail::kPlanChunk;
+}
+__device__ __forceinline__ int64_t chunk_end(int64_t assignments) {
+  const int64_t end = chunk_begin() + detail::kPlanChunk;
+  return end < assignments ? end : assignments;
+}
+
+// The assignment a thread takes in a tile (none past the chunk's end), and the lanes of its warp
+// that hold the same expert (the lowest of them leads; out-of-range and absent ones match each
+// other and lead nothing). Called by whole warps.
+template <class Index>
+struct TileAssignment {
+  int64_t i, e;
+  bool valid, in_range;
+  unsigned same;
+  __device__ __forceinline__ TileAssignment(const Index* __restrict__ indices, int64_t tile,
+                                            int64_t end, int32_t num_experts)
+      : i(tile + threadIdx.x),
+        e(i < end ? int64_t(indices[i]) : -1),
+        valid(i < end),
+        in_range(e >= 0 && e < num_experts),
+        same(__match_any_sync(kFullWarp, in_range ? int32_t(e) : -1)) {}
+  __device__ __forceinline__ bool leader() const {
+    return in_range && int(threadIdx.x % 32) == __ffs(same) - 1;
+  }
+};
+
 // Each block counts its chunk's assignments per expert into chunk_counts[e][chunk]. Counts are
 // sums, the same in any order, so shared-memory atomics (one per expert per warp) are
 // deterministic.
@@ -60,16 +89,11 @@ __global__ void __launch_bounds__(kPlanThreads)
   for (int32_t e = threadIdx.x; e < num_experts; e += kPlanThreads) count[e] = 0;
   if (threadIdx.x == 0) first_bad = LLONG_MAX;
   __syncthreads();
-  const int64_t begin = int64_t(blockIdx.x) * detail::kPlanChunk;
-  const int64_t end =
-      begin + detail::kPlanChunk < assignments ? begin + detail::kPlanChunk : assignments;
-  for (int64_t tile = begin; tile < end; tile += kPlanThreads) {  // uniform: whole warps match
-    const int64_t i = tile + threadIdx.x;
-    const int64_t e = i < end ? int64_t(indices[i]) : -1;
-    const bool in_range = e >= 0 && e < num_experts;
-    if (i < end && !in_range) atomicMin(&first_bad, (long long)i);
-    const unsigned same = __match_any_sync(kFullWarp, in_range ? int32_t(e) : -1);
-    if (in_range && int(threadIdx.x % 32) == __ffs(same) - 1) atomicAdd(&count[e], __popc(same));
+  const int64_t end = chunk_end(assignments);
+  for (int64_t tile = chunk_begin(); tile < end; tile += kPlanThreads) {  // uniform: whole warps
+    const TileAssignment a(indices, tile, end, num_experts);
+    if (a.valid && !a.in_range) atomicMin(&first_bad, (long long)a.i);
+    if (a.leader()) atomicAdd(&count[a.e], __popc(a.same));
   }
   __syncthreads();
   for (int32_t e = threadIdx.x; e < num_experts; e += kPlanThreads)
@@ -145,32 +169,26 @@ __global__ void __launch_bounds__(kPlanThreads)
     for (int w = 0; w < kPlanWarps; ++w) warp_count[w * num_experts + e] = 0;
   }
   __syncthreads();
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const unsigned lower_lanes = (1u << lane) - 1;
-  const int64_t begin = int64_t(blockIdx.x) * detail::kPlanChunk;
-  const int64_t end =
-      begin + detail::kPlanChunk < assignments ? begin + detail::kPlanChunk : assignments;
-  for (int64_t tile = begin; tile < end; tile += kPlanThreads) {  // uniform: whole warps match
-    const int64_t i = tile + threadIdx.x;
-    const int64_t e = i < end ? int64_t(indices[i]) : -1;
-    const bool in_range = e >= 0 && e < num_experts;
-    const unsigned same = __match_any_sync(kFullWarp, in_range ? int32_t(e) : -1);
-    const bool leader = in_range && lane == __ffs(same) - 1;
-    if (leader) warp_count[warp * num_experts + e] = uint8_t(__popc(same));
+  const int warp = threadIdx.x / 32;
+  const unsigned lower_lanes = (1u << (threadIdx.x % 32)) - 1;
+  const int64_t end = chunk_end(assignments);
+  for (int64_t tile = chunk_begin(); tile < end; tile += kPlanThreads) {  // uniform: whole warps
+    const TileAssignment a(indices, tile, end, num_experts);
+    if (a.leader()) warp_count[warp * num_experts + a.e] = uint8_t(__popc(a.same));
     __syncthreads();
-    if (i < end) {
+    if (a.valid) {
       int32_t row = -1;
-      if (in_range) {
-        int32_t rank = next_rank[e] + __popc(same & lower_lanes);
-        for (int w = 0; w < warp; ++w) rank += warp_count[w * num_experts + e];
-        if (rank < expert_capacity) row = first_row[e] + rank;
+      if (a.in_range) {
+        int32_t rank = next_rank[a.e] + __popc(a.same & lower_lanes);
+        for (int w = 0; w < warp; ++w) rank += warp_count[w * num_experts + a.e];
+        if (rank < expert_capacity) row = first_row[a.e] + rank;
       }
-      row_of[i] = row;
+      row_of[a.i] = row;
     }
     __syncthreads();  // every rank of this tile is read before the counters move on
-    if (leader) {
-      atomicAdd(&next_rank[e], __popc(same));  // a sum: the same in any order
-      warp_count[warp * num_experts + e] = 0;
+    if (a.leader()) {
+      atomicAdd(&next_rank[a.e], __popc(a.same));  // a sum: the same in any order
+      warp_count[warp * num_experts + a.e] = 0;
     }
     __syncthreads();
   }
