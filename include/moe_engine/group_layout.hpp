@@ -15,16 +15,29 @@ namespace moe {
 // What kernels report about their inputs. Lives in device memory; written by kernels, read by
 // DeviceErrorFlag::check on the host outside graph capture.
 enum DeviceErrorBits : uint32_t {
-  kNegativeSplit = 1u << 0,         // some splits[g] < 0
-  kSplitsExceedCapacity = 1u << 1,  // sum(splits) > capacity T
+  kNegativeSplit = 1u << 0,          // some splits[g] < 0
+  kSplitsExceedCapacity = 1u << 1,   // sum(splits) > capacity T
+  kExpertIndexOutOfRange = 1u << 2,  // some routing index (permute_plan's indices) not in [0, E)
+  kRowOutOfRange = 1u << 3,          // some row_of entry (the permute ops) neither -1 nor a routed row
 };
 
+// One bad entry [token, choice] of a [T, k] routing tensor.
+struct DeviceErrorEntry {
+  int64_t token;   // t
+  int64_t choice;  // j
+  int64_t value;   // the entry
+  int64_t bound;   // what it must be below: E for an index, offsets[G] for a row
+};
+
+// Each kind of error keeps the details of the first report of that kind.
 struct DeviceErrorRecord {
   uint32_t bits;     // DeviceErrorBits of every error since the last check
-  int32_t group;     // details of the first error recorded: the offending expert (or -1)
+  int32_t group;     // splits errors: the first negative split's expert (or -1)
   int64_t value;     //   its split value
   int64_t total;     //   sum of the non-negative splits (saturated at INT64_MAX)
   int64_t capacity;  //   the buffer capacity T
+  DeviceErrorEntry index;  // kExpertIndexOutOfRange: an index outside [0, E)
+  DeviceErrorEntry row;    // kRowOutOfRange: a row_of entry outside [0, offsets[G]), not -1
 };
 
 // Owns one DeviceErrorRecord on a device (host memory for the CPU).

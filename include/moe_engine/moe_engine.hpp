@@ -16,6 +16,7 @@
 #include "moe_engine/modules.hpp"
 #include "moe_engine/offload.hpp"
 #include "moe_engine/router.hpp"
+#include "moe_engine/permute.hpp"
 #include "moe_engine/runtime.hpp"
 #include "moe_engine/safetensors.hpp"
 #include "moe_engine/tensor.hpp"

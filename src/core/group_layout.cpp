@@ -49,7 +49,19 @@ std::string describe_device_errors(const DeviceErrorRecord& r) {
           "written)";
     sep = "; ";
   }
-  const uint32_t known = kNegativeSplit | kSplitsExceedCapacity;
+  if (r.bits & kExpertIndexOutOfRange) {
+    os << sep << "indices[" << r.index.token << ", " << r.index.choice << "] = " << r.index.value
+       << " is not an expert in [0, E = " << r.index.bound
+       << ") (expected every index in range; the assignment was dropped: its row_of is -1)";
+    sep = "; ";
+  }
+  if (r.bits & kRowOutOfRange) {
+    os << sep << "row_of[" << r.row.token << ", " << r.row.choice << "] = " << r.row.value
+       << " is neither -1 nor a routed row in [0, offsets[G] = " << r.row.bound
+       << ") (expected the row map of permute_plan; the assignment was skipped)";
+    sep = "; ";
+  }
+  const uint32_t known = kNegativeSplit | kSplitsExceedCapacity | kExpertIndexOutOfRange | kRowOutOfRange;
   if (r.bits & ~known) os << sep << "unknown device error bits 0x" << std::hex << (r.bits & ~known);
   return os.str();
 }

@@ -33,6 +33,25 @@ void glu_backward(const TensorView& h, const TensorView& probs, const TensorView
                   const GroupLayout& groups, const GluBackwardOutputs& outputs,
                   const GluSpec& spec);
 
+// Permute and unpermute (permute.cpp; docs/design.md section 13). The routing values arrive
+// checked too (indices in [0, E); row_of entries -1 or below offsets[G]).
+//   row_of[t, j] = the row of assignment (t, j) in expert order, or -1 past the first
+//   `expert_capacity` assignments of its expert; splits = kept counts, dropped (optional) = the rest.
+void permute_plan(const TensorView& indices, int64_t expert_capacity, const TensorView& row_of,
+                  const TensorView& splits, const TensorView& dropped);
+//   x_sorted[row(t, j)] = x[t]; probs_sorted[row(t, j)] = probs[t, j] (both or neither defined).
+void permute(const TensorView& x, const TensorView& probs, const TensorView& row_of, const GroupLayout& groups,
+             const TensorView& x_sorted, const TensorView& probs_sorted);
+//   y[t] = sum_j p[t, j] out[row(t, j)] (p = 1 undefined; dropped: no term), float32 additions in j
+//   order; with sorted_probs defined also gathered[t, j] = sorted_probs[row(t, j)] (0 dropped).
+void unpermute(const TensorView& out, const TensorView& probs, const TensorView& row_of, const GroupLayout& groups,
+               const TensorView& y, const TensorView& sorted_probs, const TensorView& gathered);
+//   d_out[row(t, j)] = p[t, j] dy[t] (p = 1 undefined); d_probs (optional) [t, j] = <dy[t], out[row(t, j)]>
+//   in the order of common/permute_order.hpp (0 dropped).
+void unpermute_backward(const TensorView& dy, const TensorView& out, const TensorView& probs,
+                        const TensorView& row_of, const GroupLayout& groups, const TensorView& d_out,
+                        const TensorView& d_probs);
+
 // FP8 block scaling (moe_engine/fp8.hpp; fp8.cpp): the quantizers and the dequantizer give the
 // bytes and scales the CUDA kernels give (common/fp8_math.hpp); the GEMMs sum each 128-long block
 // of the contraction in float32 and add it, times the two blocks' scales, into a float32

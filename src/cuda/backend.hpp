@@ -53,6 +53,23 @@ void glu_backward(const TensorView& h, const TensorView& probs, const TensorView
 void glu_dprobs_reduce(const float* partial, int64_t stride, int64_t tiles, const GroupLayout& groups,
                        const TensorView& dprobs, Stream stream);
 
+// Permute and unpermute (kernels/permute.cu; docs/design.md section 13): the CPU backend's
+// functions, with the same bits. Bad routing values cannot throw on the device: an index outside
+// [0, E) is dropped (row -1) and a row_of entry neither -1 nor below offsets[G] is skipped, both
+// reported in the error record (the plan's `record`, the permute ops' groups.error_record());
+// nothing is read or written out of bounds. Fixed grids from T, k and E.
+//   Scratch from the workspace: chunk_counts [E, detail::plan_chunks(T k)] and expert_rows [E], int32.
+void permute_plan(const TensorView& indices, int64_t expert_capacity, const TensorView& row_of,
+                  const TensorView& splits, const TensorView& dropped, const TensorView& chunk_counts,
+                  const TensorView& expert_rows, DeviceErrorRecord* record, Stream stream);
+void permute(const TensorView& x, const TensorView& probs, const TensorView& row_of, const GroupLayout& groups,
+             const TensorView& x_sorted, const TensorView& probs_sorted, Stream stream);
+void unpermute(const TensorView& out, const TensorView& probs, const TensorView& row_of, const GroupLayout& groups,
+               const TensorView& y, const TensorView& sorted_probs, const TensorView& gathered, Stream stream);
+void unpermute_backward(const TensorView& dy, const TensorView& out, const TensorView& probs,
+                        const TensorView& row_of, const GroupLayout& groups, const TensorView& d_out,
+                        const TensorView& d_probs, Stream stream);
+
 // The fused expert MLP's two activation GEMMs (Hopper kernel, sm90/glu_epilogue.cuh), for a GLU or
 // a non-gated activation. Each returns false without doing anything where the kernel cannot run the
 // problem; the caller then composes the unfused path. Inputs arrive validated (ops/expert_mlp.cpp).

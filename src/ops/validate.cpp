@@ -1,5 +1,6 @@
 #include "ops/validate.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <utility>
@@ -128,13 +129,70 @@ void Validator::no_overlap(const char* out_name, const GroupedParam& out, const 
   for (int64_t g = 0; g < out.num_groups(); ++g) no_overlap(out_name, out.expert(g), in_name, in);
 }
 
-void Validator::row_scale(const char* name, const TensorView& t) const {
-  vector(name, t, capacity(), "[T]");
-  const bool ok =
-      t.dtype() == DType::kFloat32 || (device_.is_cpu() && t.dtype() == DType::kFloat64);
+void Validator::probs_dtype(const char* name, DType dtype) const {
+  const bool ok = dtype == DType::kFloat32 || (device_.is_cpu() && dtype == DType::kFloat64);
   if (!ok)
-    fail(ErrorCode::kDType, name, ": expected float32",
-         device_.is_cpu() ? " (or float64 on the CPU)" : "", ", got ", dtype_name(t.dtype()));
+    fail(ErrorCode::kDType, name, ": expected float32", device_.is_cpu() ? " (or float64 on the CPU)" : "",
+         ", got ", dtype_name(dtype));
+}
+
+void Validator::row_scale(const char* name, const TensorView& t, const char* dims) const {
+  vector(name, t, capacity(), dims);
+  probs_dtype(name, t.dtype());
+}
+
+void Validator::probs_matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols,
+                             const char* dims) const {
+  matrix(name, t, rows, cols, dims);
+  probs_dtype(name, t.dtype());
+  if (!t.is_contiguous()) fail(ErrorCode::kShape, name, ": expected a contiguous tensor, got ", t.describe());
+}
+
+void Validator::index_matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols, const char* dims,
+                             std::initializer_list<DType> dtypes) const {
+  defined(name, t, dims);
+  if (t.dim() != 2 || (rows >= 0 && t.size(0) != rows) || (cols >= 0 && t.size(1) != cols))
+    fail(ErrorCode::kShape, name, ": expected a 2-D ", dims, " = [", rows >= 0 ? std::to_string(rows) : "*", ", ",
+         cols >= 0 ? std::to_string(cols) : "*", "] tensor, got ", t.describe());
+  if (std::find(dtypes.begin(), dtypes.end(), t.dtype()) == dtypes.end()) {
+    std::string names;
+    for (DType d : dtypes) names += std::string(names.empty() ? "" : " or ") + dtype_name(d);
+    fail(ErrorCode::kDType, name, ": expected ", names, ", got ", dtype_name(t.dtype()));
+  }
+  on_device(name, t);
+  if (!t.is_contiguous()) fail(ErrorCode::kShape, name, ": expected a contiguous tensor, got ", t.describe());
+  aligned(name, t);
+}
+
+namespace {
+// The first entry of a contiguous [T, k] int32 / int64 tensor that `bad` flags, as (flat position,
+// value); position -1 if none.
+template <class Bad>
+std::pair<int64_t, int64_t> first_bad_entry(const TensorView& t, Bad bad) {
+  const int64_t n = t.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t v = t.dtype() == DType::kInt32 ? int64_t(t.data_as<int32_t>()[i]) : t.data_as<int64_t>()[i];
+    if (bad(v)) return {i, v};
+  }
+  return {-1, 0};
+}
+}  // namespace
+
+void Validator::expert_index_values(const char* name, const TensorView& indices, int64_t num_experts) const {
+  if (!device_.is_cpu()) return;
+  const auto [at, value] = first_bad_entry(indices, [&](int64_t v) { return v < 0 || v >= num_experts; });
+  if (at >= 0)
+    fail(ErrorCode::kInvalidArgument, name, "[", at / indices.size(1), ", ", at % indices.size(1), "] = ", value,
+         " is not an expert in [0, E = ", num_experts, ") (expected every index in range)");
+}
+
+void Validator::row_map_values(const char* name, const TensorView& row_of, int64_t routed_rows) const {
+  if (!device_.is_cpu()) return;
+  const auto [at, value] = first_bad_entry(row_of, [&](int64_t v) { return v < -1 || v >= routed_rows; });
+  if (at >= 0)
+    fail(ErrorCode::kInvalidArgument, name, "[", at / row_of.size(1), ", ", at % row_of.size(1), "] = ", value,
+         " is neither -1 nor a routed row in [0, offsets[G] = ", routed_rows,
+         ") (expected the row map of permute_plan)");
 }
 
 Shape Validator::expert_shape(const char* name, const GroupedParam& p, int rank, const char* dims) const {

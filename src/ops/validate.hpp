@@ -50,8 +50,20 @@ class Validator {
               const char* dims) const;
   // A contiguous 1-D [n] tensor of a compute float dtype on the device.
   void vector(const char* name, const TensorView& t, int64_t n, const char* dims) const;
-  // A per-row scale (router probs): [T], float32 (float64 too on the CPU backend).
-  void row_scale(const char* name, const TensorView& t) const;
+  // A per-row scale (router probs): [T] (`dims` names it), float32 (float64 too on the CPU backend).
+  void row_scale(const char* name, const TensorView& t, const char* dims = "[T]") const;
+  // Router probs per assignment: a contiguous 2-D [rows, cols] float32 tensor (float64 too on the
+  // CPU backend) on the device.
+  void probs_matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols, const char* dims) const;
+  // A contiguous 2-D [rows, cols] integer tensor of one of `dtypes` on the device (routing indices,
+  // row maps). rows/cols < 0: any extent.
+  void index_matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols, const char* dims,
+                    std::initializer_list<DType> dtypes) const;
+  // The values of a routing tensor ([T, k] int32 or int64), on the CPU: expert indices in
+  // [0, num_experts); row map entries -1 or in [0, routed_rows). On CUDA nothing (the kernels
+  // report bad values through the device error flag).
+  void expert_index_values(const char* name, const TensorView& indices, int64_t num_experts) const;
+  void row_map_values(const char* name, const TensorView& row_of, int64_t routed_rows) const;
   // The expert shape of a per-expert tensor that must be given, with G experts of rank `rank`
   // (`dims`, e.g. "[N, K]"): where a parameter sets the sizes the activations are checked against.
   Shape expert_shape(const char* name, const GroupedParam& p, int rank, const char* dims) const;
@@ -107,6 +119,7 @@ class Validator {
 
  private:
   void float_dtype(const char* name, DType dtype) const;
+  void probs_dtype(const char* name, DType dtype) const;
   void on_device(const char* name, const TensorView& t) const;
   void aligned(const char* name, const TensorView& t) const;
   void defined(const char* name, const TensorView& t, const char* dims) const;

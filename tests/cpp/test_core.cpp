@@ -209,6 +209,20 @@ TEST(DeviceErrorFlag, CpuRecordDescribesAndClears) {
   EXPECT_NE(text.find("sum(splits) = 130 exceeds the buffer capacity T = 128"), std::string::npos);
 }
 
+TEST(DeviceErrorFlag, DescribesBadRoutingEntries) {
+  DeviceErrorRecord r{};
+  r.bits = kExpertIndexOutOfRange | kRowOutOfRange;
+  r.index = {3, 1, 300, 256};
+  r.row = {7, 0, 4096, 1000};
+  const std::string text = describe_device_errors(r);
+  EXPECT_NE(text.find("indices[3, 1] = 300 is not an expert in [0, E = 256)"), std::string::npos)
+      << text;
+  EXPECT_NE(
+      text.find("row_of[7, 0] = 4096 is neither -1 nor a routed row in [0, offsets[G] = 1000)"),
+      std::string::npos)
+      << text;
+}
+
 TEST(Runtime, BuildInfoAndGpuQueryNeverThrow) {
   const BuildInfo b = build_info();
   EXPECT_EQ(b.version, MOE_ENGINE_VERSION);

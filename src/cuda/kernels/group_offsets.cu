@@ -57,8 +57,8 @@ __global__ void __launch_bounds__(kThreads)
   if (first_negative != LLONG_MAX) bits |= kNegativeSplit;
   if (carry > capacity) bits |= kSplitsExceedCapacity;
   if (bits == 0) return;
-  // The first kernel to report fills in the details; later ones only add their bits.
-  if (atomicOr(&record->bits, bits) == 0) {
+  // The first kernel to report a splits error fills in the details; later ones only add their bits.
+  if ((atomicOr(&record->bits, bits) & (kNegativeSplit | kSplitsExceedCapacity)) == 0) {
     record->group = first_negative != LLONG_MAX ? int32_t(first_negative) : -1;
     record->value = first_negative != LLONG_MAX ? int64_t(splits[first_negative]) : 0;
     record->total = carry;
