@@ -1,4 +1,4 @@
-// Permute and unpermute (docs/design.md section 13): a router's choice of k experts for each of T
+// Permute and unpermute (docs/design.md section 14): a router's choice of k experts for each of T
 // tokens ([T, k] indices) turns the token matrix [T, H] into the expert-sorted buffer [R, H] that
 // the expert ops take, and the experts' outputs back into [T, H], weighted by the router probs. The
 // routing stays on the device: no host sync, fixed launch shapes (CUDA-graph safe), deterministic.

@@ -1,5 +1,5 @@
 // The fixed orders of the permute ops, shared by the CPU backend and the CUDA kernels so that both
-// give the same bits (docs/design.md section 13), and the chunking of the CUDA plan, which sizes
+// give the same bits (docs/design.md section 14), and the chunking of the CUDA plan, which sizes
 // its workspace.
 #pragma once
 

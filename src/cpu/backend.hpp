@@ -33,7 +33,7 @@ void glu_backward(const TensorView& h, const TensorView& probs, const TensorView
                   const GroupLayout& groups, const GluBackwardOutputs& outputs,
                   const GluSpec& spec);
 
-// Permute and unpermute (permute.cpp; docs/design.md section 13). The routing values arrive
+// Permute and unpermute (permute.cpp; docs/design.md section 14). The routing values arrive
 // checked too (indices in [0, E); row_of entries -1 or below offsets[G]).
 //   row_of[t, j] = the row of assignment (t, j) in expert order, or -1 past the first
 //   `expert_capacity` assignments of its expert; splits = kept counts, dropped (optional) = the rest.

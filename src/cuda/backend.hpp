@@ -53,7 +53,7 @@ void glu_backward(const TensorView& h, const TensorView& probs, const TensorView
 void glu_dprobs_reduce(const float* partial, int64_t stride, int64_t tiles, const GroupLayout& groups,
                        const TensorView& dprobs, Stream stream);
 
-// Permute and unpermute (kernels/permute.cu; docs/design.md section 13): the CPU backend's
+// Permute and unpermute (kernels/permute.cu; docs/design.md section 14): the CPU backend's
 // functions, with the same bits. Bad routing values cannot throw on the device: an index outside
 // [0, E) is dropped (row -1) and a row_of entry neither -1 nor below offsets[G] is skipped, both
 // reported in the error record (the plan's `record`, the permute ops' groups.error_record());

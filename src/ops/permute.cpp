@@ -1,4 +1,4 @@
-// The permute ops (docs/design.md section 13): the plan's sizes, validation, then dispatch by
+// The permute ops (docs/design.md section 14): the plan's sizes, validation, then dispatch by
 // device.
 #include "moe_engine/permute.hpp"
 

@@ -1,4 +1,4 @@
-// The float64 oracle of permute and unpermute (moe_engine/permute.hpp, docs/design.md section 13):
+// The float64 oracle of permute and unpermute (moe_engine/permute.hpp, docs/design.md section 14):
 // the routing as host vectors, the plan walked expert by expert (where the backends count and
 // scan), the row moves and sums in float64. Shares nothing with the backends.
 #pragma once

@@ -1,4 +1,4 @@
-// Permute and unpermute on CUDA (docs/design.md section 13), with the CPU backend's bits.
+// Permute and unpermute on CUDA (docs/design.md section 14), with the CPU backend's bits.
 //
 // The plan is a stable counting sort of the T k assignments in three kernels over chunks of
 // detail::kPlanChunk assignments in token order: count each chunk's assignments per expert, scan
