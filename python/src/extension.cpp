@@ -770,6 +770,183 @@ GluSpec parse_glu_spec(const std::string& text) {
   return s;
 }
 
+// ---- the MoE layer's ops: router (moe_engine/router.hpp), permute (moe_engine/permute.hpp) ----
+
+// The spec crosses as its fields (a custom op's arguments are plain values).
+RouterSpec router_spec_of(const std::string& score, int64_t topk, int64_t num_groups, int64_t topk_groups,
+                          bool norm_topk_prob, double scaling_factor, double aux_loss_coeff, double z_loss_coeff) {
+  RouterSpec spec;
+  spec.score = parse_router_score(score);
+  spec.topk = topk;
+  spec.num_groups = num_groups;
+  spec.topk_groups = topk_groups;
+  spec.norm_topk_prob = norm_topk_prob;
+  spec.scaling_factor = float(scaling_factor);
+  spec.aux_loss_coeff = float(aux_loss_coeff);
+  spec.z_loss_coeff = float(z_loss_coeff);
+  return spec;
+}
+
+void router_forward_py(const TensorArg& x_arg, const TensorArg& weight_arg, const std::optional<TensorArg>& bias_arg,
+                       const TensorArg& logits, const TensorArg& indices, const TensorArg& probs,
+                       const TensorArg& counts, const std::optional<TensorArg>& aux_loss,
+                       const std::optional<TensorArg>& aux_loss_counts, const std::optional<TensorArg>& z_loss,
+                       const RouterSpec& spec, const std::optional<TensorArg>& workspace_arg, uintptr_t stream) {
+  const Call c{"router_forward", stream_of(stream)};
+  const TensorView x = c("x", x_arg), weight = c("weight", weight_arg), bias = c("expert_bias", bias_arg),
+                   workspace = c("workspace", workspace_arg);
+  const RouterOutputs out{c("logits", logits), c("indices", indices),          c("probs", probs),
+                          c("counts", counts), c("aux_loss", aux_loss),        c("aux_loss_counts", aux_loss_counts),
+                          c("z_loss", z_loss)};
+  nb::gil_scoped_release release;
+  router_forward(x, weight, bias, out, spec, with_workspace(ExecContext{c.stream, {}}, workspace));
+}
+
+void router_backward_py(const std::optional<TensorArg>& d_probs, const std::optional<TensorArg>& d_aux_loss,
+                        const std::optional<TensorArg>& d_z_loss, const TensorArg& x_arg, const TensorArg& weight_arg,
+                        const TensorArg& logits_arg, const TensorArg& indices_arg,
+                        const std::optional<TensorArg>& aux_loss_counts_arg, const std::optional<TensorArg>& dx,
+                        const std::optional<TensorArg>& dweight, const std::string& dweight_mode,
+                        const RouterSpec& spec, const std::optional<TensorArg>& workspace_arg, uintptr_t stream) {
+  const Call c{"router_backward", stream_of(stream)};
+  const RouterOutputGrads d_out{c("d_probs", d_probs), c("d_aux_loss", d_aux_loss), c("d_z_loss", d_z_loss)};
+  const TensorView x = c("x", x_arg), weight = c("weight", weight_arg), logits = c("logits", logits_arg),
+                   indices = c("indices", indices_arg), aux_loss_counts = c("aux_loss_counts", aux_loss_counts_arg),
+                   workspace = c("workspace", workspace_arg);
+  const RouterGrads grads{c("dx", dx), c("dweight", dweight), parse_grad_mode(dweight_mode)};
+  nb::gil_scoped_release release;
+  router_backward(d_out, x, weight, logits, indices, aux_loss_counts, grads, spec,
+                  with_workspace(ExecContext{c.stream, {}}, workspace));
+}
+
+void router_update_expert_bias_py(const TensorArg& bias_arg, const TensorArg& counts_arg, double rate,
+                                  uintptr_t stream) {
+  const Call c{"router_update_expert_bias", stream_of(stream)};
+  const TensorView bias = c("expert_bias", bias_arg), counts = c("counts", counts_arg);
+  nb::gil_scoped_release release;
+  router_update_expert_bias(bias, counts, float(rate), ExecContext{c.stream, {}});
+}
+
+// The plan's group layout becomes a Routing over the plan's splits and offsets, so the permute ops
+// (and any op given its routing tensor) use the layout the plan computed.
+nb::object permute_plan_py(const TensorArg& indices_arg, const TensorArg& row_of, const TensorArg& splits_arg,
+                           const TensorArg& offsets_arg, const std::optional<TensorArg>& dropped,
+                           std::optional<double> capacity_factor, const std::optional<TensorArg>& workspace_arg,
+                           uintptr_t stream) {
+  const Call c{"permute_plan", stream_of(stream)};
+  const TensorView indices = c("indices", indices_arg), workspace = c("workspace", workspace_arg);
+  const PermutePlanOutputs out{c("row_of", row_of), c("splits", splits_arg), c("offsets", offsets_arg),
+                               c("dropped", dropped)};
+  DeviceErrorFlag* errors = indices.device().is_cuda() ? &error_flag(indices.device()) : nullptr;
+  GroupLayout layout;
+  {
+    nb::gil_scoped_release release;
+    layout = permute_plan(indices, out, capacity_factor, errors, with_workspace(ExecContext{c.stream, {}}, workspace));
+  }
+  ++layout_computations;
+  return nb::cast(new Routing(splits_arg.array, offsets_arg.array, layout), nb::rv_policy::take_ownership);
+}
+
+// Fresh sorted buffers get zeros past the routed rows (no op writes them), as the expert ops' outputs do.
+void permute_py(const TensorArg& x_arg, const std::optional<TensorArg>& probs_arg, const TensorArg& row_of_arg,
+                const Routing& routing, const TensorArg& x_sorted_arg, const std::optional<TensorArg>& probs_sorted_arg,
+                uintptr_t stream) {
+  const Call c{"permute", stream_of(stream)};
+  const TensorView x = c("x", x_arg), probs = c("probs", probs_arg), row_of = c("row_of", row_of_arg),
+                   x_sorted = c("x_sorted", x_sorted_arg), probs_sorted = c("probs_sorted", probs_sorted_arg);
+  c.run(routing, {x_sorted, probs_sorted}, [&](const GroupLayout& g, const ExecContext& e) {
+    permute(x, probs, row_of, g, x_sorted, probs_sorted, e);
+  });
+}
+
+void unpermute_py(const TensorArg& out_arg, const std::optional<TensorArg>& probs_arg, const TensorArg& row_of_arg,
+                  const Routing& routing, const TensorArg& y_arg, uintptr_t stream) {
+  const Call c{"unpermute", stream_of(stream)};
+  const TensorView out = c("out", out_arg), probs = c("probs", probs_arg), row_of = c("row_of", row_of_arg),
+                   y = c("y", y_arg);
+  c.run(routing, {}, [&](const GroupLayout& g, const ExecContext& e) { unpermute(out, probs, row_of, g, y, e); });
+}
+
+void permute_backward_py(const TensorArg& d_sorted_arg, const std::optional<TensorArg>& d_probs_sorted_arg,
+                         const TensorArg& row_of_arg, const Routing& routing, const TensorArg& dx_arg,
+                         const std::optional<TensorArg>& d_probs_arg, uintptr_t stream) {
+  const Call c{"permute_backward", stream_of(stream)};
+  const TensorView d_sorted = c("d_sorted", d_sorted_arg), d_probs_sorted = c("d_probs_sorted", d_probs_sorted_arg),
+                   row_of = c("row_of", row_of_arg), dx = c("dx", dx_arg), d_probs = c("d_probs", d_probs_arg);
+  c.run(routing, {}, [&](const GroupLayout& g, const ExecContext& e) {
+    permute_backward(d_sorted, d_probs_sorted, row_of, g, dx, d_probs, e);
+  });
+}
+
+void unpermute_backward_py(const TensorArg& dy_arg, const std::optional<TensorArg>& out_arg,
+                           const std::optional<TensorArg>& probs_arg, const TensorArg& row_of_arg,
+                           const Routing& routing, const TensorArg& d_out_arg,
+                           const std::optional<TensorArg>& d_probs_arg, uintptr_t stream) {
+  const Call c{"unpermute_backward", stream_of(stream)};
+  const TensorView dy = c("dy", dy_arg), out = c("out", out_arg), probs = c("probs", probs_arg),
+                   row_of = c("row_of", row_of_arg), d_out = c("d_out", d_out_arg), d_probs = c("d_probs", d_probs_arg);
+  c.run(routing, {d_out}, [&](const GroupLayout& g, const ExecContext& e) {
+    unpermute_backward(dy, out, probs, row_of, g, d_out, d_probs, e);
+  });
+}
+
+void bind_layer_ops(nb::module_& m) {
+  using nb::arg;
+  nb::class_<RouterSpec>(m, "RouterSpec", "One routing of T tokens over E experts (moe::RouterSpec).")
+      .def(
+          "__init__",
+          [](RouterSpec* self, const std::string& score, int64_t topk, int64_t num_groups, int64_t topk_groups,
+             bool norm, double scaling, double aux, double z) {
+            new (self) RouterSpec(router_spec_of(score, topk, num_groups, topk_groups, norm, scaling, aux, z));
+          },
+          arg("score") = "softmax", arg("topk") = 2, arg("num_groups") = 1, arg("topk_groups") = 1,
+          arg("norm_topk_prob") = true, arg("scaling_factor") = 1.0, arg("aux_loss_coeff") = 0.0,
+          arg("z_loss_coeff") = 0.0)
+      .def("check", [](const RouterSpec& s, int64_t num_experts, const std::string& who) {
+        check_router_spec(s, num_experts, who);
+      }, arg("num_experts"), arg("who"), "Raises ValueError where the spec cannot route over num_experts experts.")
+      .def_prop_ro("score", [](const RouterSpec& s) { return std::string(router_score_name(s.score)); })
+      .def_ro("topk", &RouterSpec::topk)
+      .def_ro("num_groups", &RouterSpec::num_groups)
+      .def_ro("topk_groups", &RouterSpec::topk_groups)
+      .def_ro("norm_topk_prob", &RouterSpec::norm_topk_prob)
+      .def_ro("scaling_factor", &RouterSpec::scaling_factor)
+      .def_ro("aux_loss_coeff", &RouterSpec::aux_loss_coeff)
+      .def_ro("z_loss_coeff", &RouterSpec::z_loss_coeff)
+      .def("__repr__", [](const RouterSpec& s) { return "RouterSpec(" + describe(s) + ")"; });
+  m.def("router_forward_workspace_size", &router_forward_workspace_size, arg("tokens"), arg("num_experts"));
+  m.def(
+      "router_backward_workspace_size",
+      [](int64_t tokens, int64_t num_experts, const std::string& dtype) {
+        return router_backward_workspace_size(tokens, num_experts, dtype_from_name(dtype));
+      },
+      arg("tokens"), arg("num_experts"), arg("dtype"));
+  m.def("router_forward", &router_forward_py, arg("x"), arg("weight"), arg("expert_bias").none(), arg("logits"),
+        arg("indices"), arg("probs"), arg("counts"), arg("aux_loss").none(), arg("aux_loss_counts").none(),
+        arg("z_loss").none(), arg("spec"), arg("workspace").none(), arg("stream"));
+  m.def("router_backward", &router_backward_py, arg("d_probs").none(), arg("d_aux_loss").none(),
+        arg("d_z_loss").none(), arg("x"), arg("weight"), arg("logits"), arg("indices"),
+        arg("aux_loss_counts").none(), arg("dx").none(), arg("dweight").none(), arg("dweight_mode"), arg("spec"),
+        arg("workspace").none(), arg("stream"));
+  m.def("router_update_expert_bias", &router_update_expert_bias_py, arg("expert_bias"), arg("counts"), arg("rate"),
+        arg("stream"));
+  m.def("permuted_rows", &permuted_rows, arg("tokens"), arg("topk"), arg("num_experts"),
+        arg("capacity_factor").none() = nb::none(), "The rows R of the expert-sorted buffer (moe::permuted_rows).");
+  m.def("expert_capacity", &expert_capacity, arg("tokens"), arg("topk"), arg("num_experts"), arg("capacity_factor"));
+  m.def("permute_plan_workspace_size", &permute_plan_workspace_size, arg("tokens"), arg("topk"), arg("num_experts"));
+  m.def("permute_plan", &permute_plan_py, arg("indices"), arg("row_of"), arg("splits"), arg("offsets"),
+        arg("dropped").none(), arg("capacity_factor").none(), arg("workspace").none(), arg("stream"),
+        "Runs moe::permute_plan and returns its group layout as a Routing over `splits` and `offsets`.");
+  m.def("permute", &permute_py, arg("x"), arg("probs").none(), arg("row_of"), arg("routing"), arg("x_sorted"),
+        arg("probs_sorted").none(), arg("stream"));
+  m.def("unpermute", &unpermute_py, arg("out"), arg("probs").none(), arg("row_of"), arg("routing"), arg("y"),
+        arg("stream"));
+  m.def("permute_backward", &permute_backward_py, arg("d_sorted"), arg("d_probs_sorted").none(), arg("row_of"),
+        arg("routing"), arg("dx"), arg("d_probs").none(), arg("stream"));
+  m.def("unpermute_backward", &unpermute_backward_py, arg("dy"), arg("out").none(), arg("probs").none(),
+        arg("row_of"), arg("routing"), arg("d_out"), arg("d_probs").none(), arg("stream"));
+}
+
 // ---- errors ----
 
 // Reads and clears the error flag of GPU `device` (waits for `stream`); raises if a kernel
@@ -1106,5 +1283,6 @@ NB_MODULE(_C, m) {
   m.def("fusion_name", [](const std::string& text) { return std::string(fusion_name(parse_fusion(text))); });
 
   moe_python::bind_ops(m);
+  moe_python::bind_layer_ops(m);
   moe_python::bind_contract(m);
 }

@@ -126,7 +126,7 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs,
   // fc1_glu(act) runs FC1 + the activation fused into act (and fc1_out) and returns true, or does
   // nothing.
   const auto compose = [&](auto&& fc1_glu) {
-    ops::WorkspaceCarver carver(ctx.workspace);
+    ops::WorkspaceCarver carver(ctx.workspace, v.device());
     const ForwardBuffers b = forward_buffers(carver, T, F, x.dtype(), fc1_out.defined(), spec);
     const bool fused = fc1_glu(b.act);
     if (ran_fused) *ran_fused = fused;
@@ -184,7 +184,7 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
   // dgrad_glu(h, b, act) runs FC2's dgrad + the activation's backward fused (act: the recomputed
   // act * p, when FC2's weight gradient needs it) and returns true, or does nothing.
   const auto compose = [&](auto&& dgrad_glu) {
-    ops::WorkspaceCarver carver(ctx.workspace);
+    ops::WorkspaceCarver carver(ctx.workspace, v.device());
     const BackwardBuffers b = backward_buffers(carver, T, F, dtype, recompute, spec);
     const TensorView h = recompute ? b.fc1_out : fc1_out;
     if (recompute)

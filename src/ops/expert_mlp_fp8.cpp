@@ -214,7 +214,7 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs, const Expe
   v.workspace(ctx.workspace, expert_mlp_fp8_forward_workspace_size(T, H, F, x.dtype(), spec),
               "expert_mlp_fp8_forward_workspace_size");
 
-  ops::WorkspaceCarver carver(ctx.workspace);
+  ops::WorkspaceCarver carver(ctx.workspace, v.device());
   const ForwardBuffers b = forward_buffers(carver, T, H, F, x.dtype(), spec);
   // x's rows: FC1's operand, written straight into what backward keeps when it keeps them.
   const Fp8Rows x_rows = saved.x_rows.data.defined() ? saved.x_rows : b.x_rows;
@@ -278,7 +278,7 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
               make_x_columns ? "expert_mlp_fp8_backward_workspace_size(x_rows = true)"
                              : "expert_mlp_fp8_backward_workspace_size");
 
-  ops::WorkspaceCarver carver(ctx.workspace);
+  ops::WorkspaceCarver carver(ctx.workspace, v.device());
   const BackwardBuffers b = backward_buffers(carver, T, G, H, F, dy.dtype(), spec, make_x_columns);
   quantize_fp8(dy, groups, b.dy_rows, fc2_wgrad ? b.dy_columns : Fp8Columns{}, recipe, ctx);
   grouped_linear_dgrad(b.dy_rows, weights.fc2, groups, b.d_act, ctx);

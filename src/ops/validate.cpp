@@ -370,6 +370,7 @@ TensorView WorkspaceCarver::take(Shape shape, DType dtype) {
   const size_t begin = (used_ + kAlign - 1) / kAlign * kAlign;
   const size_t bytes = size_t(shape.numel()) * dtype_size(dtype);
   used_ = begin + bytes;
+  if (bytes == 0) return TensorView(ws_.data, shape, dtype, device_);  // nothing to address
   if (ws_.data == nullptr) return {};
   MOE_CHECK(used_ <= ws_.bytes, ErrorCode::kInternal, "workspace carver overran its buffer");
   return TensorView(static_cast<char*>(ws_.data) + begin, shape, dtype, ws_.device);

@@ -174,7 +174,10 @@ void check_pair(const Validator& v, const char* a_name, const TensorView& a, con
 // *_workspace_size and the op itself share one description of the layout.
 class WorkspaceCarver {
  public:
-  explicit WorkspaceCarver(const Workspace& ws = {}) : ws_(ws) {}
+  // Without a workspace (ws.data null) it only sizes: take() returns undefined views. `device`: the
+  // op's, for the empty buffers of an op over zero rows, which need no workspace bytes.
+  explicit WorkspaceCarver(const Workspace& ws = {}) : ws_(ws), device_(ws.device) {}
+  WorkspaceCarver(const Workspace& ws, Device device) : ws_(ws), device_(device) {}
   TensorView take(Shape shape, DType dtype);
   // Buffers taken after rewind(m), m = mark() before some earlier takes, reuse those buffers'
   // memory: for buffers whose lifetimes do not overlap theirs. used() stays the high-water mark.
@@ -184,6 +187,7 @@ class WorkspaceCarver {
 
  private:
   Workspace ws_;
+  Device device_;
   size_t used_ = 0;
   size_t high_ = 0;
 };

@@ -1,5 +1,5 @@
 """PyTorch integration: custom ops (``torch.ops.moe_engine.*``), the functional API, the FP8
-operands and ops, and the ``GroupedLinear`` / ``GroupedMLP`` modules. See ``ops``, ``fp8`` and
+operands and ops, the ``GroupedLinear`` / ``GroupedMLP`` modules and the whole ``MoELayer``. See ``ops``, ``fp8`` and
 ``modules`` for the contracts."""
 
 import torch as _torch  # noqa: F401  (fails early with a clear ImportError when PyTorch is missing)
@@ -19,6 +19,7 @@ from .fp8 import (
     quantize_fp8,
     quantize_fp8_weight,
 )
+from .layer import Dispatched, MoELayer, Router, RouterOutput, combine, dispatch, permuted_rows
 from .modules import GroupedLinear, GroupedMLP, normalize_grouped_keys
 from .offload import ActivationOffload, mark_as_weight, mark_not_offload, no_offload
 from .ops import (
@@ -48,6 +49,13 @@ __all__ = [
     "no_offload",
     "GroupedLinear",
     "GroupedMLP",
+    "Dispatched",
+    "MoELayer",
+    "Router",
+    "RouterOutput",
+    "combine",
+    "dispatch",
+    "permuted_rows",
     "check_errors",
     "expert_mlp",
     "expert_mlp_backward",

@@ -1,0 +1,280 @@
+"""The whole MoE layer (moe_engine.torch.MoELayer): router, dispatch, experts, combine, against a
+float64 reference written here in plain PyTorch (choices, probs, capacity drops, losses, every
+gradient); expert bias; main_grad; determinism; CUDA graphs and no host sync on the GPU."""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+
+import moe_engine.torch as me
+from reference import TOL, assert_close, expert_mlp_ref
+
+# (name, layer options, T): odd token counts, k = 1 and k > 1, groups, bias, drops, losses.
+CASES = [
+    ("softmax_k2", dict(num_experts=8, topk=2, aux_loss_coeff=1e-2, z_loss_coeff=1e-3), 37),
+    ("sigmoid_groups_bias", dict(num_experts=8, topk=3, score="sigmoid", expert_bias=True, num_groups=4,
+                                 topk_groups=2, scaling_factor=2.5, aux_loss_coeff=1e-2), 29),
+    ("softmax_k1_drops", dict(num_experts=4, topk=1, capacity_factor=0.5, norm_topk_prob=False), 33),
+    ("k2_drops_unnormalized", dict(num_experts=6, topk=2, capacity_factor=0.75, norm_topk_prob=False,
+                                   z_loss_coeff=1e-2), 41),
+    ("one_expert", dict(num_experts=1, topk=1), 5),
+    ("no_tokens", dict(num_experts=4, topk=2, aux_loss_coeff=1e-2), 0),
+]
+H, F = 64, 32
+
+
+def make_layer(opts, device, dtype, seed=0, **extra):
+    torch.manual_seed(seed)
+    layer = me.MoELayer(H, F, device=device, dtype=dtype, **opts, **extra)
+    with torch.no_grad():
+        layer.router.weight.normal_(0, 0.5)  # spread logits: clear choices
+        if layer.router.expert_bias is not None:
+            layer.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, layer.num_experts))
+    return layer
+
+
+def reference(layer, x, g, indices):
+    """Float64: y, aux_loss and the gradients of (y g).sum() + aux_loss for the layer's weights and
+    x, with the layer's choice `indices` (the choice has no gradient)."""
+    r, opts = layer.router, layer
+    E, k = layer.num_experts, layer.topk
+    spec = r.spec
+    x64 = x.detach().double().requires_grad_()
+    wr = r.weight.detach().cpu().double().requires_grad_()
+    w1 = layer.experts.fc1.weight.detach().cpu().double().requires_grad_()
+    w2 = layer.experts.fc2.weight.detach().cpu().double().requires_grad_()
+    T = x.shape[0]
+    logits = x64 @ wr.T
+    s = torch.softmax(logits, -1) if spec.score == "softmax" else torch.sigmoid(logits)
+    p = s.gather(1, indices)
+    if spec.norm_topk_prob:
+        p = p / (p.sum(-1, keepdim=True) + 1e-20)
+    p = p * spec.scaling_factor
+    # Stable expert order of the flattened (t, j); each expert keeps its first C.
+    flat = indices.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    cap = T * k if opts.capacity_factor is None else math.ceil(T * k / E * opts.capacity_factor)
+    kept, splits = [], []
+    for e in range(E):
+        rows = order[flat[order] == e][:cap]
+        kept.append(rows)
+        splits.append(len(rows))
+    rows = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.int64)
+    xs = x64[rows // k] if T else x64[:0]
+    ps = p.reshape(-1)[rows]
+    out = expert_mlp_ref(xs, w1, w2, splits, ps, layout=layer.experts.glu_layout)
+    y = torch.zeros(T, H, dtype=torch.float64).index_add(0, rows // k, out) if T else x64 * 0
+    aux = torch.zeros((), dtype=torch.float64)
+    if spec.aux_loss_coeff > 0 and T:
+        q = torch.softmax(logits, -1) if spec.score == "softmax" else s / (s.sum(-1, keepdim=True) + 1e-20)
+        n = torch.zeros(E, dtype=torch.float64).index_add(0, torch.topk(q.detach(), k, -1).indices.reshape(-1),
+                                                          torch.ones(T * k, dtype=torch.float64))
+        aux = aux + spec.aux_loss_coeff * E / (k * T * T) * (q.sum(0) * n).sum()
+    if spec.z_loss_coeff > 0 and T:
+        aux = aux + spec.z_loss_coeff / T * (torch.logsumexp(logits, -1) ** 2).sum()
+    ((y * g.double()).sum() + aux).backward()
+    return y, p, aux, {"x": x64.grad, "router": wr.grad, "fc1": w1.grad, "fc2": w2.grad}
+
+
+def chosen_reference(layer, x):
+    """The reference's choice from float64 logits: top-k of the scores plus bias (groups: the best
+    topk_groups groups by the sum of their two best), ties to the lower index."""
+    spec = layer.router.spec
+    logits = x.double() @ layer.router.weight.detach().cpu().double().T
+    s = torch.softmax(logits, -1) if spec.score == "softmax" else torch.sigmoid(logits)
+    if layer.router.expert_bias is not None:
+        s = s + layer.router.expert_bias.cpu().double()
+    if spec.num_groups > 1:
+        T, E = s.shape
+        grp = s.reshape(T, spec.num_groups, -1)
+        gscore = grp.topk(min(2, grp.shape[-1]), -1).values.sum(-1)
+        keep = gscore.topk(spec.topk_groups, -1).indices
+        mask = torch.zeros(T, spec.num_groups, dtype=torch.bool).scatter_(1, keep, True)
+        s = s.masked_fill(~mask.repeat_interleave(E // spec.num_groups, 1), -math.inf)
+    return s.topk(spec.topk, -1).indices
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name,opts,T", CASES, ids=[c[0] for c in CASES])
+def test_layer_matches_float64_reference(device, dtype, name, opts, T):
+    layer = make_layer(opts, device, dtype)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=gen).to(device, dtype).requires_grad_()
+    g = torch.randn(T, H, generator=gen).to(device, dtype)
+    r = layer.route(x.detach())
+    assert r.indices.dtype == torch.int64 and r.indices.shape == (T, layer.topk)
+    assert torch.equal(r.indices.cpu(), chosen_reference(layer, x.detach().cpu().float())), "choice"
+    counts = torch.bincount(r.indices.reshape(-1).cpu(), minlength=layer.num_experts)
+    assert torch.equal(r.counts.cpu(), counts), "counts"
+
+    y = layer(x)
+    ((y.float() * g.float()).sum() + layer.aux_loss).backward()
+    ref_y, ref_p, ref_aux, ref = reference(layer, x.detach().cpu(), g.cpu(), r.indices.cpu())
+    tol = TOL[dtype]
+    assert_close(r.probs, ref_p, torch.float32, "probs")
+    if T:
+        assert_close(y, ref_y, dtype, "y")
+        assert_close(x.grad, ref["x"], dtype, "dx")
+        assert_close(layer.router.weight.grad, ref["router"], dtype, "router weight grad")
+        assert_close(layer.experts.fc1.weight.grad, ref["fc1"], dtype, "fc1 grad")
+        assert_close(layer.experts.fc2.weight.grad, ref["fc2"], dtype, "fc2 grad")
+        assert abs(layer.aux_loss.item() - ref_aux.item()) <= tol * max(abs(ref_aux.item()), 1e-6)
+    else:
+        assert y.shape == (0, H) and x.grad.shape == (0, H)
+
+
+def test_dispatch_drops_past_capacity_and_keeps_token_order(device):
+    layer = make_layer(dict(num_experts=4, topk=2, capacity_factor=0.5), device, torch.float32)
+    x = torch.randn(23, H, device=device)
+    r = layer.route(x)
+    d = layer.dispatch(x, r)
+    C = math.ceil(23 * 2 / 4 * 0.5)
+    assert d.x.shape == (me.permuted_rows(23, 2, 4, 0.5), H) == (4 * C, H)
+    flat = r.indices.reshape(-1).cpu()
+    for e in range(4):
+        want = (flat == e).nonzero().reshape(-1)
+        assert d.splits[e].item() == min(len(want), C)
+        assert d.dropped[e].item() == max(len(want) - C, 0)
+        kept = want[:C]
+        start = int(d.splits[:e].sum())
+        assert torch.equal(d.x[start:start + len(kept)].cpu(), x[kept // 2].cpu()), f"expert {e} rows"
+    assert ((d.row_of.cpu() == -1).sum() == d.dropped.sum().cpu()).item()
+
+
+def test_layer_is_deterministic(device):
+    outs = []
+    for _ in range(2):
+        layer = make_layer(dict(num_experts=8, topk=2, aux_loss_coeff=1e-2), device, torch.bfloat16)
+        x = torch.randn(57, H, generator=torch.Generator().manual_seed(3)).to(device, torch.bfloat16)
+        x.requires_grad_()
+        y = layer(x)
+        (y.float().square().sum() + layer.aux_loss).backward()
+        outs.append([y, x.grad, layer.router.weight.grad, layer.experts.fc1.weight.grad])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_expert_bias_update(device):
+    layer = make_layer(dict(num_experts=4, topk=1, expert_bias=True), device, torch.float32)
+    with torch.no_grad():
+        layer.router.expert_bias.zero_()
+    x = torch.randn(40, H, device=device)
+    layer(x)
+    layer(x)
+    counts = layer.tokens_per_expert.cpu()
+    assert torch.equal(layer.router.counts_since_update.cpu(), 2 * counts)
+    layer.update_expert_bias(0.01)
+    mean = counts.double().mean()
+    want = 0.01 * torch.sign(mean - counts.double())
+    assert torch.equal(layer.router.expert_bias.cpu(), want.float())
+    assert layer.router.counts_since_update.sum().item() == 0
+    layer.eval()
+    layer(x)
+    assert layer.router.counts_since_update.sum().item() == 0, "eval forwards do not count"
+
+
+def test_router_weight_main_grad_contract(device):
+    opts = dict(num_experts=4, topk=2)
+    ref_layer = make_layer(opts, device, torch.bfloat16)
+    layer = make_layer(opts, device, torch.bfloat16, accumulate_into_main_grad=True)
+    for p in layer.parameters():
+        p.main_grad = torch.full(p.shape, 0.5, dtype=torch.float32, device=device)
+    x = torch.randn(31, H, device=device, dtype=torch.bfloat16)
+    for m in (ref_layer, layer):
+        m(x).float().square().sum().backward()
+    for name, p in layer.named_parameters():
+        ref_grad = dict(ref_layer.named_parameters())[name].grad.float()
+        assert_close(p.main_grad - 0.5, ref_grad, torch.bfloat16, name)
+        assert p.grad is None or p.grad.is_sparse, name
+
+
+def test_state_dict_keys_and_round_trip(device):
+    layer = make_layer(dict(num_experts=4, topk=2, expert_bias=True), device, torch.float32)
+    sd = layer.state_dict()
+    assert set(sd) == {"router.weight", "router.expert_bias", "experts.fc1.weight", "experts.fc2.weight"}
+    other = make_layer(dict(num_experts=4, topk=2, expert_bias=True), device, torch.float32, seed=5)
+    other.load_state_dict(sd)
+    x = torch.randn(9, H, device=device)
+    assert torch.equal(other(x), layer(x))
+
+
+def test_bad_arguments_name_the_layer(device):
+    layer = make_layer(dict(num_experts=4, topk=2), device, torch.float32)
+    with pytest.raises(ValueError, match="MoELayer"):
+        layer(torch.randn(3, H, device=device, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"x must be \[T, 64\]"):
+        layer.router(torch.randn(3, H + 1, device=device))
+    with pytest.raises(ValueError, match="capacity_factor"):
+        me.MoELayer(H, F, 4, 2, capacity_factor=0.0, device=device)
+    with pytest.raises(ValueError, match="topk_groups"):
+        me.MoELayer(H, F, 4, 2, num_groups=2, device=device)
+    with pytest.raises(ValueError, match="topk"):
+        me.MoELayer(H, F, 4, 5, device=device)
+    with pytest.raises(ValueError, match="expert bias"):
+        layer.update_expert_bias(0.1)
+
+
+def test_graph_replay_with_new_routings_is_bit_identical(cuda):
+    T = 96
+    layer = make_layer(dict(num_experts=8, topk=2, aux_loss_coeff=1e-2, capacity_factor=1.25, expert_bias=True),
+                       cuda, torch.bfloat16, accumulate_into_main_grad=True)
+    for p in layer.parameters():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=cuda)
+    static_x = torch.zeros(T, H, dtype=torch.bfloat16, device=cuda, requires_grad=True)
+    static_g = torch.zeros(T, H, dtype=torch.bfloat16, device=cuda)
+
+    def step():
+        y = layer(static_x)
+        ((y.float() * static_g.float()).sum() + layer.aux_loss).backward()
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            static_x.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    static_x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="global"):
+        static_y = step()
+    for i in range(4):
+        gen = torch.Generator().manual_seed(10 + i)
+        x = (torch.randn(T, H, generator=gen) * (1 + i)).to(cuda, torch.bfloat16)
+        g = torch.randn(T, H, generator=gen).to(cuda, torch.bfloat16)
+        for p in layer.parameters():
+            p.main_grad.zero_()
+        xe = x.clone().requires_grad_()
+        ye = layer(xe)
+        ((ye.float() * g.float()).sum() + layer.aux_loss).backward()
+        eager = [p.main_grad.clone() for p in layer.parameters()]
+        for p in layer.parameters():
+            p.main_grad.zero_()
+        with torch.no_grad():
+            static_x.copy_(x)
+            static_g.copy_(g)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, ye), f"input {i}: y"
+        assert torch.equal(static_x.grad, xe.grad), f"input {i}: dx"
+        for p, e in zip(layer.parameters(), eager):
+            assert torch.equal(p.main_grad, e), f"input {i}: main_grad"
+    me.check_errors()
+
+
+def test_no_host_sync_in_a_step(cuda):
+    layer = make_layer(dict(num_experts=8, topk=2, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, capacity_factor=1.0),
+                       cuda, torch.bfloat16)
+    x = torch.randn(64, H, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    layer(x).float().sum().backward()  # warm-up: first-use setup may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = layer(x)
+        (y.float().sum() + layer.aux_loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    me.check_errors()
