@@ -278,3 +278,48 @@ def test_no_host_sync_in_a_step(cuda):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     me.check_errors()
+
+
+def test_opcheck_of_the_layer_ops():
+    """Schemas and fake implementations of the router and permute ops agree with the real ops."""
+    torch.manual_seed(7)
+    ops = torch.ops.moe_engine
+    x, wr = torch.randn(13, 16), torch.randn(6, 16)
+    spec = ("softmax", 2, 1, 1, True, 1.0, 1e-2, 1e-3)
+    logits, indices, probs, counts, aux, aux_counts, z = ops.router_forward(x, wr, None, *spec)
+    row_of, splits, routing, dropped = ops.permute_plan(indices, 6, 0.75)
+    rows = me.permuted_rows(13, 2, 6, 0.75)
+    x_sorted, probs_sorted = ops.permute(x, probs, row_of, splits, routing, rows)
+    cases = [
+        (ops.router_forward, (x, wr, torch.zeros(6), "sigmoid", 3, 3, 2, False, 2.5, 1e-2, 0.0)),
+        (ops.router_backward_, (torch.randn(13, 2), torch.tensor(1.0), torch.tensor(1.0), x, wr, logits, indices,
+                                aux_counts, True, [torch.zeros(6, 16)], "write", *spec)),
+        (ops.permute_plan, (indices, 6, None)),
+        (ops.permute_plan, (indices, 6, 0.75)),
+        (ops.permute, (x, probs, row_of, splits, routing, rows)),
+        (ops.permute, (x, None, row_of, splits, routing, rows)),
+        (ops.permute_backward, (x_sorted, probs_sorted, row_of, splits, routing)),
+        (ops.unpermute, (x_sorted, probs, row_of, splits, routing)),
+        (ops.unpermute_backward, (x, x_sorted, probs, row_of, splits, routing, rows, True)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    x.requires_grad_()
+    for op, args in [(ops.permute, (x, probs.requires_grad_(), row_of, splits, routing, rows)),
+                     (ops.unpermute, (x_sorted.requires_grad_(), probs, row_of, splits, routing))]:
+        torch.library.opcheck(op, args, test_utils=("test_autograd_registration",))
+
+
+def test_layer_compiles_and_matches_eager(device):
+    layer = make_layer(dict(num_experts=4, topk=2, aux_loss_coeff=1e-2, capacity_factor=1.0), device, torch.float32)
+    x = torch.randn(21, H, device=device, requires_grad=True)
+    y = layer(x)
+    (y.square().sum() + layer.aux_loss).backward()
+    eager = [y.detach(), x.grad, layer.router.weight.grad, layer.experts.fc1.weight.grad]
+    layer.zero_grad()
+    x.grad = None
+    compiled = torch.compile(layer, fullgraph=False)
+    yc = compiled(x)
+    (yc.square().sum() + layer.aux_loss).backward()
+    for a, b in zip(eager, [yc.detach(), x.grad, layer.router.weight.grad, layer.experts.fc1.weight.grad]):
+        assert torch.equal(a, b)
