@@ -1,9 +1,11 @@
 // The router's three float32 products (docs/design.md section 13) in one tiled SIMT kernel:
-// C[m, n] = sum_k A(m, k) B(n, k), each output summed by one thread over k in increasing order,
-// one fused multiply-add per step. 16-bit x and weight have products exact in float32, so the fused
-// steps round as the CPU backend's separate product and sum: the logits are its bits. Products
-// with a float32 operand (float32 inputs; d_logits in the backward) round differently, within
-// float32's error. No tensor cores yet: E is small (8..512), and this is the simple path.
+// C[m, n] = sum_k A(m, k) B(n, k). The logits and dx: each output summed by one thread over k in
+// increasing order, one fused multiply-add per step. 16-bit x and weight have products exact in
+// float32, so the fused steps round as the CPU backend's separate product and sum: the logits are
+// its bits. The weight gradient (K = T, few outputs) sums two interleaved k ranges and adds them
+// in a fixed order. Products with a float32 operand (float32 inputs; d_logits in the backward)
+// round differently from the CPU, within float32's error. No tensor cores: the logits must be the
+// CPU's bits, and E is small (8..512).
 #include "cuda/backend.hpp"
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/dtype_dispatch.cuh"
@@ -29,43 +31,85 @@ struct Output {
   bool accumulate;  // add into a float32 main_grad instead of writing
 };
 
-// Rows [r0, r0 + kRows) x columns [k0, k0 + kTileK) of an operand into tile[k][r] (zeros outside
-// R x K: padded steps add exactly nothing). Consecutive threads read the operand's contiguous
-// dimension; the extra column keeps the transposing stores free of bank conflicts.
+// The elements of an operand tile a thread stages: rows [r0, r0 + kRows) x columns [k0, k0 +
+// kTileK), zeros outside R x K (padded steps add exactly nothing). Consecutive threads read the
+// operand's contiguous dimension.
+template <int kRows>
+struct TileMap {
+  static constexpr int kPerThread = kTileK * kRows / kThreads;
+  static_assert(kPerThread * kThreads == kTileK * kRows, "a tile must split evenly over the threads");
+  __device__ __forceinline__ static void at(int i, bool k_contiguous, int& r, int& k) {
+    r = k_contiguous ? i / kTileK : i % kRows;
+    k = k_contiguous ? i % kTileK : i / kRows;
+  }
+};
+
+// Global -> registers: issued a tile ahead of its use, so the loads are in flight while the
+// previous tile is multiplied.
 template <int kRows, class T>
-__device__ __forceinline__ void load_tile(const Operand<T>& op, int64_t r0, int64_t rows,
-                                          int64_t k0, int64_t depth,
-                                          float (&tile)[kTileK][kRows + 1]) {
-  for (int i = threadIdx.x; i < kTileK * kRows; i += kThreads) {
-    const bool k_contiguous = op.k_stride == 1;
-    const int r = k_contiguous ? i / kTileK : i % kRows;
-    const int k = k_contiguous ? i % kTileK : i / kRows;
+__device__ __forceinline__ void fetch(const Operand<T>& op, int64_t r0, int64_t rows, int64_t k0,
+                                      int64_t depth, int tid,
+                                      float (&reg)[TileMap<kRows>::kPerThread]) {
+  const bool k_contiguous = op.k_stride == 1;
+#pragma unroll
+  for (int n = 0; n < TileMap<kRows>::kPerThread; ++n) {
+    int r, k;
+    TileMap<kRows>::at(tid + n * kThreads, k_contiguous, r, k);
     const int64_t gr = r0 + r, gk = k0 + k;
-    tile[k][r] =
-        gr < rows && gk < depth ? to_float(op.data[gr * op.m_stride + gk * op.k_stride]) : 0.f;
+    reg[n] = gr < rows && gk < depth ? to_float(op.data[gr * op.m_stride + gk * op.k_stride]) : 0.f;
   }
 }
 
-template <class TA, class TB, class TC>
-__global__ void __launch_bounds__(kThreads)
+// Registers -> tile[k][r]; the extra column keeps the transposing stores free of bank conflicts.
+template <int kRows>
+__device__ __forceinline__ void stash(const float (&reg)[TileMap<kRows>::kPerThread],
+                                      bool k_contiguous, int tid,
+                                      float (&tile)[kTileK][kRows + 1]) {
+#pragma unroll
+  for (int n = 0; n < TileMap<kRows>::kPerThread; ++n) {
+    int r, k;
+    TileMap<kRows>::at(tid + n * kThreads, k_contiguous, r, k);
+    tile[k][r] = reg[n];
+  }
+}
+
+// kSplit groups of kThreads threads share a block's 64 x 64 outputs: group g sums the k-tiles g,
+// g + kSplit, ... (each in increasing k, one FMA per step), then the groups' sums are added in
+// group order. kSplit = 1 is the plain order the logits need to be the CPU's bits; a long
+// contraction over few outputs (the weight gradient: K = T, E x H outputs) takes kSplit = 2 to
+// fill the GPU (4 would need more than 64 registers a thread). Either way the order is fixed: deterministic.
+template <class TA, class TB, class TC, int kSplit>
+__global__ void __launch_bounds__(kThreads* kSplit)
     router_linear_kernel(Operand<TA> a, Operand<TB> b, Output<TC> c, int64_t M, int64_t N,
                          int64_t K) {
-  __shared__ float a_tile[kTileK][kTileM + 1];
-  __shared__ float b_tile[kTileK][kTileN + 1];
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  __shared__ float a_tile[kSplit][kTileK][kTileM + 1];
+  __shared__ float b_tile[kSplit][kTileK][kTileN + 1];
+  const int group = int(threadIdx.x) / kThreads, tid = int(threadIdx.x) % kThreads;
+  const int tx = tid % 16, ty = tid / 16;
   const int64_t m0 = int64_t(blockIdx.y) * kTileM, n0 = int64_t(blockIdx.x) * kTileN;
+  const bool a_k_contiguous = a.k_stride == 1, b_k_contiguous = b.k_stride == 1;
   float acc[4][4] = {};
-  for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
-    load_tile<kTileM>(a, m0, M, k0, K, a_tile);
-    load_tile<kTileN>(b, n0, N, k0, K, b_tile);
+  float ra[TileMap<kTileM>::kPerThread], rb[TileMap<kTileN>::kPerThread];
+  const int64_t step = int64_t(kTileK) * kSplit;
+  const int64_t iterations = (K + step - 1) / step;  // the same for every group
+  int64_t k0 = int64_t(group) * kTileK;
+  fetch<kTileM>(a, m0, M, k0, K, tid, ra);
+  fetch<kTileN>(b, n0, N, k0, K, tid, rb);
+  for (int64_t it = 0; it < iterations; ++it, k0 += step) {
+    stash<kTileM>(ra, a_k_contiguous, tid, a_tile[group]);
+    stash<kTileN>(rb, b_k_contiguous, tid, b_tile[group]);
     __syncthreads();
+    if (it + 1 < iterations) {
+      fetch<kTileM>(a, m0, M, k0 + step, K, tid, ra);
+      fetch<kTileN>(b, n0, N, k0 + step, K, tid, rb);
+    }
 #pragma unroll
     for (int k = 0; k < kTileK; ++k) {
       float av[4], bv[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        av[i] = a_tile[k][ty * 4 + i];
-        bv[i] = b_tile[k][tx * 4 + i];
+        av[i] = a_tile[group][k][ty * 4 + i];
+        bv[i] = b_tile[group][k][tx * 4 + i];
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i)
@@ -73,6 +117,21 @@ __global__ void __launch_bounds__(kThreads)
         for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
     }
     __syncthreads();
+  }
+  if constexpr (kSplit > 1) {
+    // The groups' sums meet in group 0, group by group.
+    __shared__ float partial[16 * kThreads];
+    for (int g = 1; g < kSplit; ++g) {
+      if (group == g)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) partial[i * kThreads + tid] = acc[i / 4][i % 4];
+      __syncthreads();
+      if (group == 0)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i / 4][i % 4] += partial[i * kThreads + tid];
+      __syncthreads();
+    }
+    if (group != 0) return;
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i)
@@ -85,7 +144,7 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
-template <class TA, class TB, class TC>
+template <int kSplit = 1, class TA, class TB, class TC>
 void launch(const char* what, Operand<TA> a, Operand<TB> b, Output<TC> c, int64_t M, int64_t N,
             int64_t K, Stream stream) {
   if (M == 0 || N == 0) return;
@@ -94,7 +153,7 @@ void launch(const char* what, Operand<TA> a, Operand<TB> b, Output<TC> c, int64_
     throw_error(ErrorCode::kNotImplemented, what, " on CUDA: ", M, " rows (at most ",
                 kMaxGridY * kTileM, ")");
   const dim3 grid(unsigned((N + kTileN - 1) / kTileN), unsigned(blocks_m));
-  router_linear_kernel<<<grid, kThreads, 0, stream>>>(a, b, c, M, N, K);
+  router_linear_kernel<TA, TB, TC, kSplit><<<grid, kThreads * kSplit, 0, stream>>>(a, b, c, M, N, K);
   MOE_CUDA_CHECK_LAUNCH(what);
 }
 
@@ -130,7 +189,7 @@ void router_wgrad(const TensorView& d_logits, const TensorView& x, const TensorV
     with_cuda_type(dweight.dtype(), "router_backward", [&](auto out) {
       using TB = decltype(in);
       using TC = decltype(out);
-      launch("router wgrad", Operand<float>{d_logits.data_as<float>(), 1, d_logits.stride(0)},
+      launch<2>("router wgrad", Operand<float>{d_logits.data_as<float>(), 1, d_logits.stride(0)},
              Operand<TB>{x.data_as<TB>(), 1, x.stride(0)},
              Output<TC>{dweight.data_as<TC>(), dweight.stride(0), mode == GradMode::kAccumulate},
              dweight.size(0), dweight.size(1), x.size(0), stream);
