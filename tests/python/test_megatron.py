@@ -181,6 +181,11 @@ def test_layer_matches_sequential_mlp(on, case):
         assert w.grad is None  # DDP's hook dropped the dummy; the gradient is in main_grad
         for i, wr in enumerate(fc_weights(ref, which)):
             assert_close(w.main_grad[i], wr.grad, dtype, f"{which} dw expert {i}")
+    # the whole layer's checkpoint: Megatron's keys out, and a SequentialMLP layer's in
+    sd = ours.state_dict()
+    assert "experts.linear_fc1.weight0" in sd and not any(k.startswith("experts.mlp.") for k in sd)
+    result = ours.load_state_dict(ref.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys, result
 
 
 @needs_mcore
