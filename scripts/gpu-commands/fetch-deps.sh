@@ -8,6 +8,10 @@
 #                          GoogleTest's sources, unpacked there with dpkg -x
 #   .deps/wheels/          the Python build backend for `pip install .` (scikit-build-core and what
 #                          it needs, nanobind), installed there by scripts/python-test
+#   .deps/wheels/          also megatron-core (MEGATRON_CORE_VERSION, default 0.16.1) for CPython
+#                          3.10-3.13 and packaging, its one dependency besides torch and numpy:
+#                          scripts/python-test installs them there (--no-index) for
+#                          tests/python/test_megatron.py
 #   .deps/torch_anchor.py  the anchor script (times torch._grouped_mm, the per-expert cuBLAS loop
 #                          and the PyTorch-eager MLP on bench/workloads.json), which lives outside
 #                          this repository: copied from ANCHOR_SRC (default:
@@ -26,6 +30,12 @@ mkdir -p .deps/debs .deps/wheels
 (
   cd .deps/wheels
   python3 -m pip download -q --no-deps -d . scikit-build-core pathspec packaging nanobind
+  # megatron-core ships one wheel per CPython (a small C++ helper); the GPU machine's is unknown.
+  for v in 3.10 3.11 3.12 3.13; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$v" \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d . \
+      "megatron-core==${MEGATRON_CORE_VERSION:-0.16.1}"
+  done
   ls -la
 )
 anchor=${ANCHOR_SRC:-../shared/bench/torch_anchor.py}

@@ -2,7 +2,8 @@
 # Usage: scripts/gpu python
 #
 # The Python package on the GPU: `pip install .` (CUDA build against the machine's torch) and its
-# pytest suite on CPU and CUDA (scripts/python-test with MOE_PY_GPU=1), the example
+# pytest suite on CPU and CUDA (scripts/python-test with MOE_PY_GPU=1; it installs megatron-core
+# from .deps/wheels first when scripts/gpu fetch-deps put it there, for test_megatron.py), the example
 # (examples/train_tiny_moe.py), and the module-vs-C++ benchmark (bench/drivers/torch-module-bench.py)
 # with the PyTorch-eager anchor from the same run when the anchor script is there. Both benchmarks
 # measure the bf16 modules and the FP8 ones (GroupedMLP(..., fp8_recipe=Fp8Recipe()), --precision
