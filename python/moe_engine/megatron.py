@@ -283,17 +283,7 @@ class GroupedMLPExperts(MegatronModule):
             probs = None
         elif probs is not None and probs.dtype != torch.float32:
             probs = probs.float()
-        empty = x.shape[0] == 0  # a static shape: no sync
-        if empty:
-            # No token for this rank's experts (expert parallelism): moe-engine's MLP op rejects
-            # T = 0, so it runs on one zero row that no expert owns (its output row is zeros and is
-            # dropped). The backward still runs, so every weight gets its (zero) gradient and the
-            # DDP hooks fire, as Megatron's experts ensure.
-            x = torch.cat([x, x.new_zeros(1, x.shape[1])])
-            probs = None if probs is None else torch.cat([probs, probs.new_zeros(1)])
-        y = self.mlp(x, splits, probs)
-        if empty:
-            y = y[:0]
+        y = self.mlp(x, splits, probs)  # T = 0 too: every weight still gets its (zero) gradient
         return y.reshape(shape), None
 
     def backward_dw(self) -> None:
