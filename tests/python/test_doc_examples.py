@@ -53,7 +53,8 @@ def namespace(device):
         main_grad=torch.zeros(G, H, H, dtype=torch.float32, device=device),
         main_grad1=torch.zeros(G, 2 * F, H, dtype=torch.float32, device=device),
         main_grad2=torch.zeros(G, H, F, dtype=torch.float32, device=device),
-        hook=lambda *args: None)
+        hook=lambda *args: None, loss_fn=lambda y: y.float().square().mean(), num_experts=G, topk=2,
+        layer=me.MoELayer(H, F, G, 2, device=device, dtype=bf16))
 
 
 @pytest.mark.parametrize("doc,index,code", EXAMPLES, ids=[f"{d}-{i}" for d, i, _ in EXAMPLES])
