@@ -19,7 +19,7 @@ struct InfoOptions {
 int run_info(const InfoOptions& options);
 
 struct BenchOptions {
-  std::string kind = "mlp";        // what to benchmark
+  std::string kind = "mlp";        // what to benchmark: mlp, gemm or layer
   std::string case_name = "tiny";  // a workload of bench/workloads.json or "tiny"
   std::string device = "auto";     // auto | cpu | cuda[:N]
   std::string dtype = "bfloat16";
@@ -47,6 +47,7 @@ struct BenchOptions {
 };
 int run_bench(const BenchOptions& options);
 int run_bench_gemm(const BenchOptions& options);
+int run_bench_layer(const BenchOptions& options);
 
 struct CheckpointOptions {
   std::string input, output;

@@ -45,13 +45,15 @@ int main(int argc, char** argv) {
   CLI::App* bench_cmd = app.add_subcommand(
       "bench",
       "mlp: time the expert MLP forward+backward on a case and check it against the fp64 oracle; "
-      "gemm: time the six grouped GEMMs of every case on a GPU");
-  bench_cmd->add_option("kind", bench.kind, "mlp or gemm")
-      ->check(CLI::IsMember({"mlp", "gemm"}))
+      "gemm: time the six grouped GEMMs of every case on a GPU; "
+      "layer: time the whole MoE layer forward+backward per model of the suite, by stage");
+  bench_cmd->add_option("kind", bench.kind, "mlp, gemm or layer")
+      ->check(CLI::IsMember({"mlp", "gemm", "layer"}))
       ->capture_default_str();
   bench_cmd->add_option("--case", bench.case_name,
                         "mlp: 'tiny' (default) or a case of bench/workloads.json (or a unique part "
-                        "of its name); gemm: 'all' (default) or a part of case names");
+                        "of its name); gemm: 'all' (default) or a part of case names; layer: 'all' "
+                        "(default on a GPU), 'tiny' (default on the CPU) or a part of model names");
   bench_cmd
       ->add_option("--device", bench.device,
                    "auto (a GPU when the CUDA backend runs the op, else the CPU), cpu, cuda[:N]")
@@ -147,10 +149,20 @@ int main(int argc, char** argv) {
     if (bench_cmd->parsed()) {
       if (bench.list) return run_bench(bench);  // the cases are the same for both kinds
       // An option of the other kind would be ignored: say so instead.
-      const bool gemm = bench.kind == "gemm";
+      const bool gemm = bench.kind == "gemm", layer = bench.kind == "layer";
       const std::vector<std::string> mlp_only = {"--fusion", "--recompute", "--vs-unfused", "--glu-layout", "--activation",
                                                  "--no-check", "--force", "--json"};
       const std::vector<std::string> gemm_only = {"--anchor", "--gemm", "--min-time-ms", "--settle-ms", "--json-out"};
+      if (layer) {
+        for (const std::vector<std::string>* options : {&mlp_only, &gemm_only})
+          for (const std::string& option : *options)
+            MOE_CHECK(option == "--json" || bench_cmd->count(option) == 0, moe::ErrorCode::kInvalidArgument,
+                      "bench layer: ", option, " applies to bench ", options == &mlp_only ? "mlp" : "gemm");
+        MOE_CHECK(bench_cmd->count("--l2-flush-mb") == 0 && bench_cmd->count("--vs-bf16") == 0,
+                  moe::ErrorCode::kInvalidArgument, "bench layer: --l2-flush-mb applies to bench mlp and gemm, --vs-bf16 to bench mlp");
+        if (bench_cmd->count("--case") == 0) bench.case_name.clear();  // the device decides
+        return run_bench_layer(bench);
+      }
       for (const std::string& option : gemm ? mlp_only : gemm_only)
         MOE_CHECK(bench_cmd->count(option) == 0, moe::ErrorCode::kInvalidArgument, "bench ", bench.kind, ": ",
                   option, " applies to bench ", gemm ? "mlp" : "gemm",

@@ -415,7 +415,7 @@ struct MlpForwardResult {
 
 struct MlpBackwardResult {
   Tensor dx;      // [T, H] when the input wanted a gradient
-  Tensor dprobs;  // [T] float32 when forward had probs
+  Tensor dprobs;  // [T] in the probs' dtype (float32; float64 on the CPU) when forward had probs
   ParamGradResult fc1_weight, fc1_bias, fc2_weight, fc2_bias;  // bias gradients: never delayed
 };
 

@@ -14,6 +14,7 @@
 #include "moe_engine/grouped_linear.hpp"
 #include "moe_engine/grouped_param.hpp"
 #include "moe_engine/modules.hpp"
+#include "moe_engine/moe_layer.hpp"
 #include "moe_engine/offload.hpp"
 #include "moe_engine/router.hpp"
 #include "moe_engine/permute.hpp"

@@ -65,6 +65,10 @@ struct RouterOutputs {
   TensorView aux_loss_counts;  // [E] int64, with aux_loss: the loss's own top-k counts; backward
                                // reads them
   TensorView z_loss;           // [] acc, optional: the z-loss
+  TensorView counts_total;     // [E] int64, optional: counts is added into it (+=), so it sums the
+                               // routings of several calls (an expert-bias update's counts)
+  TensorView total_loss;       // [] acc, optional: aux_loss + z_loss, those of the two requested
+                               // (0 with neither), added in that order
 };
 
 // The gradients router_backward receives for router_forward's outputs; undefined ones are zero.
@@ -79,6 +83,9 @@ struct RouterGrads {
   TensorView dx;       // [T, H], x's dtype
   TensorView dweight;  // [E, H]: any float dtype with kWrite, float32 main_grad otherwise
   GradMode dweight_mode = GradMode::kWrite;
+  // dx += dL/dlogits W instead of dx = ...: per element dx's value plus the product's float32 sum,
+  // rounded once to dx's dtype (the MoE layer adds the router's part into the experts' dx).
+  bool accumulate_dx = false;
 };
 
 }  // namespace moe

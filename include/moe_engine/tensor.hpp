@@ -116,6 +116,8 @@ class MOE_API Tensor {
 
   // A contiguous copy on `device` (synchronous: the copy has completed when it returns).
   Tensor to(Device device) const;
+  // The same elements seen with another shape of as many elements; shares the storage.
+  Tensor reshape(Shape shape) const;
 
  private:
   std::shared_ptr<void> storage_;

@@ -179,6 +179,12 @@ Tensor Tensor::zeros(Shape shape, DType dtype, Device device) {
   return t;
 }
 
+Tensor Tensor::reshape(Shape shape) const {
+  Tensor t = *this;
+  t.view_ = view_.reshape(shape);
+  return t;
+}
+
 Tensor Tensor::to(Device device) const {
   MOE_CHECK(defined(), ErrorCode::kInvalidArgument, "Tensor::to: undefined tensor");
   Tensor t = empty(shape(), dtype(), device);

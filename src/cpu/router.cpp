@@ -249,6 +249,11 @@ void forward(const TensorView& x, const TensorView& weight, const TensorView& ex
     for (int64_t i : chosen) ++c[i];
   };
   count(choice, out.counts);
+  if (out.counts_total.defined()) {
+    int64_t* total = out.counts_total.data_as<int64_t>();
+    for (int64_t e = 0; e < E; ++e) total[e] += out.counts.data_as<int64_t>()[e];
+  }
+  Acc aux_value = 0, z_value = 0;  // the losses as written, for total_loss
   if (aux) {
     count(aux_choice, out.aux_loss_counts);
     std::vector<Acc> per_expert(static_cast<size_t>(E));
@@ -261,14 +266,18 @@ void forward(const TensorView& x, const TensorView& weight, const TensorView& ex
     Acc total = 0;
     for (int64_t e = 0; e < E; ++e)
       total += per_expert[size_t(e)] * Acc(out.aux_loss_counts.data_as<int64_t>()[e]);
-    const Acc loss = total * Acc(detail::router_aux_factor(spec, T, E));
-    store(&loss, 1, out.aux_loss.data(), out.aux_loss.dtype());
+    aux_value = total * Acc(detail::router_aux_factor(spec, T, E));
+    store(&aux_value, 1, out.aux_loss.data(), out.aux_loss.dtype());
   }
   if (z) {
     Acc total = 0;
     for (Acc v : lse) total += v * v;
-    const Acc loss = total * Acc(detail::router_z_factor(spec, T));
-    store(&loss, 1, out.z_loss.data(), out.z_loss.dtype());
+    z_value = total * Acc(detail::router_z_factor(spec, T));
+    store(&z_value, 1, out.z_loss.data(), out.z_loss.dtype());
+  }
+  if (out.total_loss.defined()) {
+    const Acc sum = aux_value + z_value;
+    store(&sum, 1, out.total_loss.data(), out.total_loss.dtype());
   }
 }
 
@@ -364,7 +373,7 @@ void backward(const RouterOutputGrads& d_out, const TensorView& x, const TensorV
     const std::vector<Acc> w = load_matrix<Acc>(weight);
 #pragma omp parallel
     {
-      std::vector<Acc> acc(static_cast<size_t>(H));
+      std::vector<Acc> acc(static_cast<size_t>(H)), old(grads.accumulate_dx ? size_t(H) : 0);
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) {
         std::fill(acc.begin(), acc.end(), Acc(0));
@@ -372,6 +381,10 @@ void backward(const RouterOutputGrads& d_out, const TensorView& x, const TensorV
           const Acc d = dl[t * E + e];
           const Acc* we = w.data() + e * H;
           for (int64_t h = 0; h < H; ++h) acc[size_t(h)] = acc[size_t(h)] + d * we[h];
+        }
+        if (grads.accumulate_dx) {  // dx's value + the sum, as the CUDA kernel's epilogue adds
+          load(element_ptr(grads.dx, t, 0), grads.dx.dtype(), H, 1, old.data());
+          for (int64_t h = 0; h < H; ++h) acc[size_t(h)] = old[size_t(h)] + acc[size_t(h)];
         }
         store(acc.data(), H, element_ptr(grads.dx, t, 0), grads.dx.dtype());
       }

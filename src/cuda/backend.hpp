@@ -141,7 +141,9 @@ void router_update_expert_bias(const TensorView& expert_bias, const TensorView& 
 // the contraction in order (CUDA-graph safe, deterministic; no tensor cores yet):
 //   logits [T, E] = x W^T;  dx [T, H] = d_logits W (x's dtype);  dweight [E, H] = d_logits^T x (per mode).
 void router_logits(const TensorView& x, const TensorView& weight, const TensorView& logits, Stream stream);
-void router_dgrad(const TensorView& d_logits, const TensorView& weight, const TensorView& dx, Stream stream);
+// dx = d_logits W, or dx += it (accumulate: dx's value plus the float32 sum, rounded once).
+void router_dgrad(const TensorView& d_logits, const TensorView& weight, const TensorView& dx, bool accumulate,
+                  Stream stream);
 void router_wgrad(const TensorView& d_logits, const TensorView& x, const TensorView& dweight, GradMode mode,
                   Stream stream);
 

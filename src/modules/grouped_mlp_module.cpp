@@ -189,7 +189,7 @@ MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const 
   if (ctx.input_requires_grad_)
     g.dx = r.dx = Tensor::zeros_async({T, hidden_}, options_.dtype, options_.device, exec.stream);
   if (ctx.probs_.defined())
-    g.dprobs = r.dprobs = Tensor::zeros_async({T}, DType::kFloat32, options_.device, exec.stream);
+    g.dprobs = r.dprobs = Tensor::zeros_async({T}, ctx.probs_.dtype(), options_.device, exec.stream);
   auto bias_grad = [&](std::optional<Parameter>& bias, ParamGradResult& result, ParamGrad& target) {
     if (!bias || !bias->requires_grad) return;
     result.kind = GradKind::kGrad;

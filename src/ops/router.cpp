@@ -103,11 +103,14 @@ void router_forward(const TensorView& x, const TensorView& weight, const TensorV
     v.int64_vector("out.aux_loss_counts", out.aux_loss_counts, E, "[E]");
   }
   if (out.z_loss.defined()) v.scalar("out.z_loss", out.z_loss, acc);
+  if (out.counts_total.defined()) v.int64_vector("out.counts_total", out.counts_total, E, "[E]");
+  if (out.total_loss.defined()) v.scalar("out.total_loss", out.total_loss, acc);
   const ops::NamedTensor outputs[] = {
       {"out.logits", out.logits},     {"out.indices", out.indices},
       {"out.probs", out.probs},       {"out.counts", out.counts},
       {"out.aux_loss", out.aux_loss}, {"out.aux_loss_counts", out.aux_loss_counts},
-      {"out.z_loss", out.z_loss}};
+      {"out.z_loss", out.z_loss},     {"out.counts_total", out.counts_total},
+      {"out.total_loss", out.total_loss}};
   ops::check_outputs(v, outputs, {{"x", x}, {"weight", weight}, {"expert_bias", expert_bias}});
   v.workspace(ctx.workspace, router_forward_workspace_size(T, E), "router_forward_workspace_size");
   ops::dispatch(

@@ -167,6 +167,37 @@ inline RouterBackwardRun run_router_backward(const RouterOutputGrads& d_out, con
   return r;
 }
 
+// What the router's accumulating outputs give on `device` for host x, weight, d_probs and a
+// starting dx: counts_total after two forwards (from zeros), total_loss beside aux_loss and z_loss,
+// dx written by one backward and dx added into `dx_start` by another (accumulate_dx).
+struct RouterAccumulation {
+  Tensor counts, counts_total, aux_loss, z_loss, total_loss, dx_written, dx_added;
+};
+inline RouterAccumulation run_router_accumulation(const Tensor& x, const Tensor& weight, const Tensor& d_probs,
+                                                  const Tensor& dx_start, const RouterSpec& spec, Device device) {
+  const int64_t T = x.size(0), E = weight.size(0), k = spec.topk;
+  const DType acc = router_acc(x.dtype());
+  const Tensor xd = x.to(device), wd = weight.to(device);
+  auto make = [&](Shape shape, DType dt) { return Tensor::zeros(shape, dt, device); };
+  const Tensor logits = make({T, E}, acc), indices = make({T, k}, DType::kInt32), probs = make({T, k}, acc),
+               counts = make({E}, DType::kInt64), aux = make({}, acc), aux_counts = make({E}, DType::kInt64),
+               z = make({}, acc), counts_total = make({E}, DType::kInt64), total = make({}, acc);
+  const Tensor fws = workspace_tensor(router_forward_workspace_size(T, E), device);
+  RouterOutputs out{logits, indices, probs, counts, aux, aux_counts, z};
+  out.counts_total = counts_total;
+  out.total_loss = total;
+  for (int i = 0; i < 2; ++i) router_forward(xd, wd, {}, out, spec, {nullptr, workspace_of(fws, device)});
+  const Tensor bws = workspace_tensor(router_backward_workspace_size(T, E, x.dtype()), device);
+  const Tensor written = make(x.shape(), x.dtype()), added = dx_start.to(device), g = d_probs.to(device);
+  router_backward({g, {}, {}}, xd, wd, logits, indices, {}, {written, {}}, spec, {nullptr, workspace_of(bws, device)});
+  RouterGrads accumulate{added, {}};
+  accumulate.accumulate_dx = true;
+  router_backward({g, {}, {}}, xd, wd, logits, indices, {}, accumulate, spec, {nullptr, workspace_of(bws, device)});
+  synchronize(nullptr);
+  const Device cpu = Device::cpu();
+  return {counts.to(cpu), counts_total.to(cpu), aux.to(cpu), z.to(cpu), total.to(cpu), written.to(cpu), added.to(cpu)};
+}
+
 // A scalar tensor holding v.
 inline Tensor scalar_tensor(double v, DType dtype, Device device = Device::cpu()) {
   Tensor t = Tensor::empty({}, dtype);

@@ -236,6 +236,23 @@ TEST_F(GpuRouter, GraphReplayWithNewInputsMatchesEagerRuns) {
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
+// counts_total, total_loss and accumulate_dx: the CPU's counts, its loss within float32 rounding,
+// and dx added into its start within rounding (bfloat16: one rounding of the sum, as on the CPU).
+TEST_F(GpuRouter, AccumulatingOutputsMatchTheCpu) {
+  Rng rng;
+  const int64_t T = 300, H = 40, E = 24, k = 3;
+  const RouterSpec spec = router_spec(RouterScore::kSigmoid, k, 4, 2, true, 2.5f);
+  const Inputs in(rng, T, H, E, DType::kBFloat16);
+  const Tensor g = random_tensor({T, k}, DType::kFloat32, rng), start = random_tensor({T, H}, DType::kBFloat16, rng);
+  const RouterAccumulation cpu = run_router_accumulation(in.x, in.w, g, start, spec, Device::cpu());
+  const RouterAccumulation gpu = run_router_accumulation(in.x, in.w, g, start, spec, Device::cuda(0));
+  EXPECT_TRUE(bitwise_equal(gpu.counts_total, cpu.counts_total));
+  EXPECT_NEAR(scalar_value(gpu.total_loss), scalar_value(cpu.total_loss), 1e-4 * std::abs(scalar_value(cpu.total_loss)));
+  EXPECT_EQ(scalar_value(gpu.total_loss), double(float(scalar_value(gpu.aux_loss)) + float(scalar_value(gpu.z_loss))));
+  EXPECT_LE(oracle::rel_error(oracle::to_matrix(gpu.dx_added), oracle::to_matrix(cpu.dx_added)), 1e-2);
+  EXPECT_LE(oracle::rel_error(oracle::to_matrix(gpu.dx_written), oracle::to_matrix(cpu.dx_written)), 1e-2);
+}
+
 TEST_F(GpuRouter, ExpertBiasUpdateIsTheCpusBits) {
   Rng rng;
   const int64_t E = 300;

@@ -416,6 +416,34 @@ TEST(RouterMath, KeysOrderAsTheChoiceOrder) {
         }
 }
 
+// counts_total sums the counts of every call; total_loss is aux + z as written; accumulate_dx adds
+// the router's dx into dx's value (in float32 the sum of the written dx and the start, bit for bit).
+TEST(RouterAccumulation, CountsTotalTotalLossAndAccumulatedDx) {
+  Rng rng;
+  const int64_t T = 29, H = 12, E = 6, k = 2;
+  const RouterSpec spec = make_spec(RouterScore::kSoftmax, k, 1, 1, true, 1.f, 0.01f, 0.002f);
+  const Tensor x = random_tensor({T, H}, DType::kFloat32, rng), w = random_tensor({E, H}, DType::kFloat32, rng);
+  const Tensor g = random_tensor({T, k}, DType::kFloat32, rng), start = random_tensor({T, H}, DType::kFloat32, rng);
+  const RouterAccumulation r = run_router_accumulation(x, w, g, start, spec, Device::cpu());
+  for (int64_t e = 0; e < E; ++e)
+    EXPECT_EQ(r.counts_total.data_as<int64_t>()[e], 2 * r.counts.data_as<int64_t>()[e]) << e;
+  EXPECT_EQ(*r.total_loss.data_as<float>(), *r.aux_loss.data_as<float>() + *r.z_loss.data_as<float>());
+  for (int64_t i = 0; i < x.numel(); ++i)
+    ASSERT_EQ(r.dx_added.data_as<float>()[i], start.data_as<float>()[i] + r.dx_written.data_as<float>()[i]) << i;
+  // No loss requested: total_loss is 0.
+  const RouterSpec quiet = make_spec(RouterScore::kSoftmax, k, 1, 1, true, 1.f, 0.f, 0.f);
+  const Tensor total = Tensor::empty({}, DType::kFloat32);
+  RouterOutputs out{Tensor::empty({T, E}, DType::kFloat32), Tensor::empty({T, k}, DType::kInt32),
+                    Tensor::empty({T, k}, DType::kFloat32), Tensor::empty({E}, DType::kInt64)};
+  out.total_loss = total;
+  const Tensor ws = workspace_tensor(router_forward_workspace_size(T, E), Device::cpu());
+  const ExecContext ctx{nullptr, workspace_of(ws, Device::cpu())};
+  router_forward(x, w, {}, out, quiet, ctx);
+  EXPECT_EQ(*total.data_as<float>(), 0.f);
+  out.counts_total = Tensor::zeros({E + 1}, DType::kInt64);
+  EXPECT_MOE_ERROR(router_forward(x, w, {}, out, quiet, ctx), ErrorCode::kShape, "out.counts_total");
+}
+
 TEST(RouterSpecs, NamesDescriptionsAndChecks) {
   EXPECT_EQ(parse_router_score("sigmoid"), RouterScore::kSigmoid);
   EXPECT_MOE_ERROR(parse_router_score("sparsemax"), ErrorCode::kInvalidArgument,

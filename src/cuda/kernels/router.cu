@@ -327,9 +327,11 @@ struct FinishArgs {
   int64_t chunks;
   int experts;
   int64_t* counts;
-  int64_t* aux_counts;  // with aux_loss
-  float* aux_loss;      // optional
-  float* z_loss;        // optional
+  int64_t* aux_counts;    // with aux_loss
+  int64_t* counts_total;  // optional: counts added into it
+  float* aux_loss;        // optional
+  float* z_loss;          // optional
+  float* total_loss;      // optional: aux_loss + z_loss (those requested)
   float aux_factor, z_factor;
 };
 
@@ -348,21 +350,26 @@ __global__ void __launch_bounds__(kThreads) router_finish_kernel(FinishArgs a) {
       }
     }
     a.counts[e] = count;
+    if (a.counts_total) a.counts_total[e] += count;  // one thread per expert: no race
     if (a.aux_loss) {
       a.aux_counts[e] = aux_count;
       aux_terms = ieee_add(aux_terms, ieee_mul(score_sum, float(aux_count)));
     }
   }
+  float aux_value = 0.f, z_value = 0.f;
   if (a.aux_loss) {
     const float total = block_sum(aux_terms, warp_sums);
-    if (threadIdx.x == 0) *a.aux_loss = ieee_mul(total, a.aux_factor);
+    aux_value = ieee_mul(total, a.aux_factor);
+    if (threadIdx.x == 0) *a.aux_loss = aux_value;
   }
   if (a.z_loss) {
     float z = 0.f;
     for (int64_t b = threadIdx.x; b < a.chunks; b += kThreads) z = ieee_add(z, a.partial_z[b]);
     const float total = block_sum(z, warp_sums);
-    if (threadIdx.x == 0) *a.z_loss = ieee_mul(total, a.z_factor);
+    z_value = ieee_mul(total, a.z_factor);
+    if (threadIdx.x == 0) *a.z_loss = z_value;
   }
+  if (a.total_loss && threadIdx.x == 0) *a.total_loss = ieee_add(aux_value, z_value);
 }
 
 // ---- backward ----
@@ -572,8 +579,10 @@ void router_forward(const TensorView& x, const TensorView& weight, const TensorV
   f.experts = int(E);
   f.counts = out.counts.data_as<int64_t>();
   f.aux_counts = aux ? out.aux_loss_counts.data_as<int64_t>() : nullptr;
+  f.counts_total = out.counts_total.defined() ? out.counts_total.data_as<int64_t>() : nullptr;
   f.aux_loss = aux ? out.aux_loss.data_as<float>() : nullptr;
   f.z_loss = out.z_loss.defined() ? out.z_loss.data_as<float>() : nullptr;
+  f.total_loss = out.total_loss.defined() ? out.total_loss.data_as<float>() : nullptr;
   f.aux_factor = float(detail::router_aux_factor(spec, T, E));
   f.z_factor = float(detail::router_z_factor(spec, T));
   router_finish_kernel<<<1, kThreads, 0, stream>>>(f);
@@ -616,7 +625,7 @@ void router_backward(const RouterOutputGrads& d_out, const TensorView& x, const 
       });
     });
   }
-  if (grads.dx.defined()) router_dgrad(d_logits, weight, grads.dx, stream);
+  if (grads.dx.defined()) router_dgrad(d_logits, weight, grads.dx, grads.accumulate_dx, stream);
   // No tokens: dweight is zeros, a main_grad is left untouched.
   if (grads.dweight.defined() && !(T == 0 && grads.dweight_mode == GradMode::kAccumulate))
     router_wgrad(d_logits, x, grads.dweight, grads.dweight_mode, stream);

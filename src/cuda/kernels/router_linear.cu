@@ -28,7 +28,7 @@ template <class T>
 struct Output {
   T* data;
   int64_t ld;
-  bool accumulate;  // add into a float32 main_grad instead of writing
+  bool accumulate;  // add into the output (a float32 main_grad, or dx) instead of writing
 };
 
 // The elements of an operand tile a thread stages: rows [r0, r0 + kRows) x columns [k0, k0 +
@@ -171,13 +171,13 @@ void router_logits(const TensorView& x, const TensorView& weight, const TensorVi
 }
 
 void router_dgrad(const TensorView& d_logits, const TensorView& weight, const TensorView& dx,
-                  Stream stream) {
+                  bool accumulate, Stream stream) {
   // dx(t, h) = sum_e d_logits(t, e) W(e, h): B(n = h, k = e) is the weight transposed.
   with_cuda_type(weight.dtype(), "router_backward", [&](auto type) {
     using T = decltype(type);
     launch("router dgrad", Operand<float>{d_logits.data_as<float>(), d_logits.stride(0), 1},
            Operand<T>{weight.data_as<T>(), 1, weight.stride(0)},
-           Output<T>{dx.data_as<T>(), dx.stride(0), false}, dx.size(0), dx.size(1),
+           Output<T>{dx.data_as<T>(), dx.stride(0), accumulate}, dx.size(0), dx.size(1),
            d_logits.size(1), stream);
   });
 }

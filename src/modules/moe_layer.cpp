@@ -1,0 +1,284 @@
+// MoELayer (docs/design.md section 15): router -> plan -> permute (x and the probs) -> GroupedMLP
+// (the probs applied inside, as Megatron-LM does) -> unpermute without probs; backward in reverse,
+// the router's dx added into the experts' dx by the router's dgrad. The ops do the work; the layer
+// owns the parameters, the buffers between the ops and the router weight's gradient contract.
+#include "moe_engine/moe_layer.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "modules/parameter_io.hpp"
+#include "moe_engine/runtime.hpp"
+
+namespace moe {
+
+int64_t MoELayerContext::saved_bytes() const {
+  int64_t bytes = experts_.saved_bytes();
+  for (const Tensor* t : {&x_, &logits_, &indices_, &aux_counts_, &row_of_, &splits_, &offsets_})
+    if (t->defined()) bytes += int64_t(t->nbytes());
+  return bytes;
+}
+
+namespace {
+
+constexpr const char* kForward = "MoELayer.forward";
+constexpr const char* kBackward = "MoELayer.backward";
+
+// The ops' scratch, allocated per call, stream-ordered on exec's stream (as GroupedMLP's): one
+// buffer serves the ops of a pass in turn, as they run in order on that stream.
+struct Scratch {
+  Tensor bytes;
+  ExecContext exec;
+  Scratch(size_t size, Device device, const ExecContext& outer)
+      : bytes(Tensor::empty_async({int64_t(size > 0 ? size : 1)}, DType::kUInt8, device, outer.stream)),
+        exec{outer.stream, {bytes.data(), bytes.nbytes(), device}} {}
+};
+
+// The sizes and the options, checked before anything is built from them.
+int64_t checked_experts(int64_t num_experts, int64_t hidden, int64_t ffn, const MoELayerOptions& o) {
+  MOE_CHECK(num_experts >= 1 && hidden >= 1 && ffn >= 1, ErrorCode::kInvalidArgument,
+            "MoELayer: expected num_experts, hidden, ffn >= 1, got ", num_experts, ", ", hidden, ", ", ffn);
+  check_router_spec(o.router, num_experts, "MoELayer: options.router");
+  if (o.capacity_factor)
+    MOE_CHECK(std::isfinite(*o.capacity_factor) && *o.capacity_factor > 0, ErrorCode::kInvalidArgument,
+              "MoELayer: options.capacity_factor: expected a finite value > 0 (or none for no capacity), got ",
+              *o.capacity_factor);
+  MOE_CHECK(o.experts.dtype != DType::kFloat64 || o.experts.device.is_cpu(), ErrorCode::kDType,
+            "MoELayer: options.experts.dtype float64 runs on the CPU backend only, got device ",
+            to_string(o.experts.device));
+  return num_experts;
+}
+
+}  // namespace
+
+MoELayer::MoELayer(int64_t num_experts, int64_t hidden, int64_t ffn, const MoELayerOptions& o)
+    : options_(o),
+      experts_(checked_experts(num_experts, hidden, ffn, o), hidden, ffn, o.experts),
+      router_weight_(1, {num_experts, hidden}, o.experts.dtype, o.experts.device, ExpertLayout::kPacked),
+      router_grad_(o.experts.accumulate_into_main_grad, o.experts.overwrite_main_grad, o.experts.zero_out_wgrad),
+      tokens_per_expert_(Tensor::zeros({num_experts}, DType::kInt64, o.experts.device)),
+      errors_(o.experts.device) {
+  // Uniform +-1/sqrt(H), as the experts' weights; its own seed after the experts' four.
+  const float bound = 1.0f / std::sqrt(float(hidden));
+  detail::init_uniform(router_weight_.storage(), o.experts.seed + 4, -bound, bound);
+  if (o.expert_bias) expert_bias_ = Tensor::zeros({num_experts}, acc_dtype(), o.experts.device);
+}
+
+DType MoELayer::acc_dtype() const {
+  return options_.experts.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+}
+
+TensorView MoELayer::router_weight_view() const { return router_weight_.value().packed_view().select(0); }
+
+const Tensor& MoELayer::expert_bias() const {
+  MOE_CHECK(expert_bias_.defined(), ErrorCode::kInvalidArgument,
+            "MoELayer: the layer has no expert bias (MoELayerOptions::expert_bias is false)");
+  return expert_bias_;
+}
+
+MoELayerForwardResult MoELayer::forward(const Tensor& x, bool input_requires_grad, const ExecContext& exec) {
+  const int64_t H = hidden(), E = num_experts(), k = options_.router.topk;
+  const Device device = options_.experts.device;
+  const DType dtype = options_.experts.dtype, acc = acc_dtype();
+  MOE_CHECK(x.defined() && x.dim() == 2 && x.size(1) == H, ErrorCode::kShape, kForward, ": x: expected [T, H] = [T, ",
+            H, "], got ", x.view().describe());
+  MOE_CHECK(x.dtype() == dtype, ErrorCode::kDType, kForward, ": x: expected ", dtype_name(dtype),
+            " (MoELayerOptions::experts.dtype), got ", dtype_name(x.dtype()));
+  MOE_CHECK(x.device() == device, ErrorCode::kDevice, kForward, ": x: expected a tensor on the layer's device ",
+            to_string(device), ", got ", x.view().describe());
+  const int64_t T = x.size(0);
+  const Stream stream = exec.stream;
+  auto empty = [&](Shape shape, DType dt) { return Tensor::empty_async(shape, dt, device, stream); };
+  const RouterSpec& spec = options_.router;
+  const bool aux = spec.aux_loss_coeff > 0, z = spec.z_loss_coeff > 0;
+
+  MoELayerForwardResult r;
+  MoELayerContext& c = r.ctx;
+  c.logits_ = empty({T, E}, acc);
+  c.indices_ = empty({T, k}, DType::kInt32);
+  const Tensor probs = empty({T, k}, acc);
+  r.counts = empty({E}, DType::kInt64);
+  r.loss = empty({}, acc);
+  Tensor aux_loss, z_loss;
+  if (aux) {
+    aux_loss = empty({}, acc);
+    c.aux_counts_ = empty({E}, DType::kInt64);
+  }
+  if (z) z_loss = empty({}, acc);
+  const Scratch scratch(std::max(router_forward_workspace_size(T, E), permute_plan_workspace_size(T, k, E)), device,
+                        exec);
+  RouterOutputs out{c.logits_, c.indices_, probs, r.counts, aux_loss, c.aux_counts_, z_loss};
+  out.counts_total = tokens_per_expert_;
+  out.total_loss = r.loss;
+  router_forward(x, router_weight_view(), expert_bias_, out, spec, scratch.exec);
+
+  // The routing: each expert's assignments in token order, at most C of them with a capacity factor.
+  const int64_t R = permuted_rows(T, k, E, options_.capacity_factor);
+  c.row_of_ = empty({T, k}, DType::kInt32);
+  c.splits_ = empty({E}, DType::kInt64);
+  c.offsets_ = empty({E + 1}, DType::kInt64);
+  if (options_.capacity_factor) r.dropped = empty({E}, DType::kInt64);
+  c.groups_ = permute_plan(c.indices_, {c.row_of_, c.splits_, c.offsets_, r.dropped}, options_.capacity_factor,
+                           &errors_, scratch.exec);
+  r.splits = c.splits_;
+
+  // x and the probs into expert order. Rows past the routed ones are neither written nor read.
+  const Tensor x_sorted = empty({R, H}, dtype), probs_sorted = empty({R}, acc);
+  permute(x, probs, c.row_of_, c.groups_, x_sorted, probs_sorted, exec);
+  // The experts apply the probs (y_e = FC2(act(FC1 x) p) + p b2, Megatron-LM's place for them), so
+  // their output needs no keeping for a probs gradient in unpermute: dprobs comes from the MLP.
+  MlpForwardResult mlp = experts_.forward(x_sorted, c.groups_, probs_sorted, input_requires_grad, exec);
+  r.y = empty({T, H}, dtype);  // unpermute writes every token (zeros where all k were dropped)
+  unpermute(mlp.y, {}, c.row_of_, c.groups_, r.y, exec);
+
+  c.experts_ = std::move(mlp.ctx);
+  c.input_requires_grad_ = input_requires_grad;
+  c.router_backward_ = input_requires_grad || router_weight_.requires_grad;
+  // router_backward reads x (dweight = dl^T x; x also sets its shapes); without it, nothing router-side.
+  if (c.router_backward_) {
+    c.x_ = x;
+  } else {
+    c.logits_ = c.indices_ = c.aux_counts_ = Tensor();
+  }
+  c.live_ = true;
+  return r;
+}
+
+MoELayerBackwardResult MoELayer::backward(MoELayerContext& ctx, const Tensor& dy, double d_loss,
+                                          const ExecContext& exec) {
+  const Device device = options_.experts.device;
+  Tensor scale = Tensor::empty_async({}, acc_dtype(), device, exec.stream);
+  if (device.is_cpu()) {
+    if (scale.dtype() == DType::kFloat64)
+      *scale.data_as<double>() = d_loss;
+    else
+      *scale.data_as<float>() = float(d_loss);
+  } else {
+    // A constant on the stream, graph safe: lo + (hi - lo) u is lo exactly for lo = hi.
+    fill_uniform(scale, 0, float(d_loss), float(d_loss), exec.stream);
+  }
+  return backward(ctx, dy, scale, exec);
+}
+
+MoELayerBackwardResult MoELayer::backward(MoELayerContext& ctx, const Tensor& dy, const Tensor& d_loss,
+                                          const ExecContext& exec) {
+  MOE_CHECK(ctx.live_, ErrorCode::kInvalidArgument, kBackward,
+            ": the context was already used (or comes from no forward)");
+  const int64_t H = hidden(), E = num_experts(), k = options_.router.topk;
+  const int64_t T = ctx.row_of_.size(0), R = ctx.groups_.capacity();
+  const Device device = options_.experts.device;
+  const DType dtype = options_.experts.dtype, acc = acc_dtype();
+  MOE_CHECK(dy.defined() && dy.dim() == 2 && dy.size(0) == T && dy.size(1) == H, ErrorCode::kShape, kBackward,
+            ": dy: expected [T, H] = [", T, ", ", H, "] like forward's x, got ", dy.view().describe());
+  MOE_CHECK(dy.dtype() == dtype, ErrorCode::kDType, kBackward, ": dy: expected ", dtype_name(dtype), ", got ",
+            dtype_name(dy.dtype()));
+  MOE_CHECK(dy.device() == device, ErrorCode::kDevice, kBackward, ": dy: expected a tensor on the layer's device ",
+            to_string(device), ", got ", dy.view().describe());
+  if (d_loss.defined()) {
+    MOE_CHECK(d_loss.dim() == 0 && d_loss.dtype() == acc && d_loss.device() == device, ErrorCode::kShape, kBackward,
+              ": d_loss: expected a 0-dim ", dtype_name(acc), " tensor on ", to_string(device), " (the loss's), got ",
+              d_loss.view().describe());
+  }
+  const bool router_weight_grad = ctx.router_backward_ && router_weight_.requires_grad;
+  if (router_weight_grad) router_grad_.check_main_grad(router_weight_, kBackward);
+  const Stream stream = exec.stream;
+  auto empty = [&](Shape shape, DType dt) { return Tensor::empty_async(shape, dt, device, stream); };
+
+  // unpermute without probs: each of a token's kept rows gets dy[t], bit for bit.
+  const Tensor dy_sorted = empty({R, H}, dtype);
+  unpermute_backward(dy, {}, {}, ctx.row_of_, ctx.groups_, dy_sorted, {}, exec);
+  MlpBackwardResult mlp = experts_.backward(ctx.experts_, dy_sorted, exec);
+  ctx.live_ = false;
+
+  MoELayerBackwardResult r;
+  r.fc1_weight = std::move(mlp.fc1_weight);
+  r.fc1_bias = std::move(mlp.fc1_bias);
+  r.fc2_weight = std::move(mlp.fc2_weight);
+  r.fc2_bias = std::move(mlp.fc2_bias);
+  if (ctx.router_backward_) {
+    // permute's backward: dx[t] = sum_j dx_sorted[row(t, j)] (float32, j in order, rounded once) and
+    // the probs' gradient d_probs[t, j] = dprobs_sorted[row(t, j)] (0 where dropped).
+    const Tensor d_probs = empty({T, k}, acc);
+    Tensor dx_sorted = mlp.dx, dx;
+    if (ctx.input_requires_grad_) {
+      dx = r.dx = empty({T, H}, dtype);
+    } else {
+      // Only d_probs is wanted; the op sums rows too, so give it one zero column to sum.
+      dx_sorted = Tensor::zeros_async({R, 1}, dtype, device, stream);
+      dx = empty({T, 1}, dtype);
+    }
+    permute_backward(dx_sorted, mlp.dprobs, ctx.row_of_, ctx.groups_, dx, d_probs, exec);
+    // The router: d_probs and the losses' gradient (loss = aux + z: both get d_loss). Its dx is
+    // added into permute's, dx = round(permute's dx + float32 sum_e dl_e W_e): deterministic.
+    RouterOutputGrads d_out{d_probs, {}, {}};
+    if (d_loss.defined()) {
+      if (ctx.aux_counts_.defined()) d_out.d_aux_loss = d_loss;
+      if (options_.router.z_loss_coeff > 0) d_out.d_z_loss = d_loss;
+    }
+    RouterGrads grads;
+    if (ctx.input_requires_grad_) {
+      grads.dx = r.dx;
+      grads.accumulate_dx = true;
+    }
+    if (router_weight_grad) {
+      const ParamGrad target = router_grad_.immediate(router_weight_, r.router_weight, exec);
+      grads.dweight = target.grad.expert(0);
+      grads.dweight_mode = target.mode;
+    }
+    const Scratch scratch(router_backward_workspace_size(T, E, dtype), device, exec);
+    router_backward(d_out, ctx.x_, router_weight_view(), ctx.logits_, ctx.indices_, ctx.aux_counts_, grads,
+                    options_.router, scratch.exec);
+  }
+  ctx.x_ = ctx.logits_ = ctx.indices_ = ctx.aux_counts_ = Tensor();
+  ctx.row_of_ = ctx.splits_ = ctx.offsets_ = Tensor();
+  ctx.groups_ = GroupLayout();
+  return r;
+}
+
+void MoELayer::update_expert_bias(float rate, const ExecContext& exec) {
+  MOE_CHECK(expert_bias_.defined(), ErrorCode::kInvalidArgument,
+            "MoELayer.update_expert_bias: the layer has no expert bias (MoELayerOptions::expert_bias is false)");
+  router_update_expert_bias(expert_bias_, tokens_per_expert_, rate, exec);
+  fill_bytes(tokens_per_expert_, 0, exec.stream);
+}
+
+std::map<std::string, Tensor> MoELayer::state_dict(const std::string& prefix) const {
+  std::map<std::string, Tensor> out = experts_.state_dict(prefix + "experts.");
+  out[prefix + "router.weight"] = router_weight_.storage().packed().reshape({num_experts(), hidden()});
+  if (expert_bias_.defined()) out[prefix + "router.expert_bias"] = expert_bias_;
+  return out;
+}
+
+void MoELayer::load_state_dict(std::map<std::string, Tensor> state, const std::string& prefix,
+                               std::optional<GluLayout> glu_from) {
+  const std::string experts_prefix = prefix + "experts.";
+  std::map<std::string, Tensor> experts_state;
+  for (auto it = state.begin(); it != state.end();) {
+    if (it->first.starts_with(experts_prefix)) {
+      experts_state.insert(*it);
+      it = state.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  // [E, H] (Megatron's) or [1, E, H] (the parameter's storage).
+  detail::import_param(state, prefix + "router.weight", router_weight_.storage());
+  if (expert_bias_.defined()) {
+    const std::string key = prefix + "router.expert_bias";
+    const auto it = state.find(key);
+    MOE_CHECK(it != state.end(), ErrorCode::kInvalidArgument, "MoELayer.load_state_dict: missing key '", key,
+              "' (expected ", expert_bias_.view().describe(), ")");
+    MOE_CHECK(it->second.shape() == expert_bias_.shape(), ErrorCode::kShape, "MoELayer.load_state_dict: key '", key,
+              "' is ", it->second.view().describe(), ", expected shape ", expert_bias_.shape().to_string());
+    MOE_CHECK(it->second.dtype() == expert_bias_.dtype(), ErrorCode::kDType, "MoELayer.load_state_dict: key '", key,
+              "' is ", dtype_name(it->second.dtype()), ", expected ", dtype_name(expert_bias_.dtype()));
+    copy_tensor(expert_bias_, it->second);
+    if (expert_bias_.device().is_cuda()) synchronize(nullptr);
+    state.erase(it);
+  }
+  detail::check_no_unexpected_keys(state, prefix, "MoELayer.load_state_dict");
+  experts_.load_state_dict(std::move(experts_state), experts_prefix, glu_from);
+}
+
+}  // namespace moe
