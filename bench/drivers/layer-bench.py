@@ -651,8 +651,7 @@ def main():
         raise SystemExit("layer-bench.py: no CUDA device here (--device cpu runs the smoke test)")
     device = torch.device(a.device)
     if a.device == "cuda":
-        torch.cuda.set_device(device)
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", torch.cuda.current_device())  # an index: Megatron's set_device needs one
     cases = [c for c in json.load(open(a.workloads))["cases"]
              if a.cases in c["name"] and c.get("routing", c["name"].split("/")[-1]) in a.routings]
     if not cases:

@@ -6,8 +6,10 @@
   module benchmark (bench/drivers/torch-module-bench.py --device cpu, no C++ column) on a tiny
   workloads file, bf16 alone (the keys of the committed results) and with the FP8 modules
   (--precision both);
-- the FP8 MLP report (bench/report/fp8-mlp-report.py) on inputs rebuilt from its committed H200 result.
-What needs the GPU is the device runs (scripts/gpu bench-fp8, scripts/gpu python)."""
+- the FP8 MLP report (bench/report/fp8-mlp-report.py) on inputs rebuilt from its committed H200 result;
+- the training-step and whole-layer benchmarks (bench/drivers/step-bench.py, layer-bench.py --device cpu)
+  on tiny workloads files.
+What needs the GPU is the device runs (scripts/gpu bench-fp8, python, step-bench, layer-bench)."""
 
 import copy
 import inspect
