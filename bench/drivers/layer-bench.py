@@ -183,11 +183,10 @@ class Layer:
     name = ""
 
     def step(self, x, g):
-        x.grad = None
-        y = self.module(x)
-        y.backward(g)
+        self.output(x, g)
 
     def output(self, x, g):
+        """One step; y (detached)."""
         x.grad = None
         y = self.module(x)
         y.backward(g)
@@ -544,7 +543,7 @@ def run_shape(shape, builders, a, device):
         if name in failures:
             continue
 
-        def first_step(build=build):
+        def first_step(build=build, w=w, x=x, g=g):
             layer = build(shape)
             layer.load(w)
             layer.step(x, g)  # a first step (warm-up): a Megatron configuration that cannot run fails here
@@ -562,7 +561,7 @@ def run_shape(shape, builders, a, device):
                                       if isinstance(layer, Megatron)}
     if cuda:
         settle_gpu(a.settle_s, device)
-    ms = run_samples({name: (lambda layer=layer: layer.step(x, g)) for name, layer in layers.items()},
+    ms = run_samples({name: (lambda layer=layer, x=x, g=g: layer.step(x, g)) for name, layer in layers.items()},
                      a.iters, a.warmup, a.block, device)
     entry["layers"] = {name: {"ms": ms[name], "tflops": entry["flops"] / ms[name] / 1e9, **memory[name]}
                        for name in layers}

@@ -128,8 +128,7 @@ class MegatronLayer(torch.nn.Module):
         return routing_map.sum(dim=0).long(), routing_map
 
     def _fc_params(self):
-        """(fc1, fc2) as [E, 2F, H]-ordered and [E, H, F]-ordered views or lists of per-expert tensors."""
-        E, H, Fd = self.num_experts, self.hidden, self.ffn
+        """(fc1, fc2): GroupedMLP's weight1 and weight2, or SequentialMLP's per-expert lists."""
         ex = self.layer.experts
         if self.experts_class == "GroupedMLP":
             # weight1 [H, E 2F] holds w1 [E, H, 2F] in its memory, weight2 [E F, H] holds w2 [E, F, H]
