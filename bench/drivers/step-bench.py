@@ -66,6 +66,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # settle.py and torchtitan_mlp.py
+sys.path.insert(0, os.path.join(HERE, "..", "report"))  # plots.py
+
+import plots  # noqa: E402
 
 try:  # --md needs neither
     import torch
@@ -470,13 +473,8 @@ def main():
 
 def plot(s, path):
     """Speedup and peak-memory ratio per case and mode; returns the file's name, or why there is none."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not importable: no plot", file=sys.stderr)
+    plt = plots.pyplot()
+    if plt is None:
         return None
     entries = s["entries"]
     cases = list(dict.fromkeys(e["case"] for e in entries))
@@ -484,20 +482,16 @@ def plot(s, path):
     has_memory = s["max_peak_memory_ratio_vs_anchor"] is not None
     fig, axes = plt.subplots(2 if has_memory else 1, 1, figsize=(12, 8 if has_memory else 4.5), sharex=True,
                              squeeze=False)
-    width = 0.8 / len(modes)
     panels = [("speedup_vs_anchor", "speedup vs anchor (anchor ms / ours)")]
     if has_memory:
         panels.append(("peak_memory_ratio_vs_anchor", "peak memory / anchor's"))
     for ax, (key, label) in zip(axes[:, 0], panels):
-        for i, m in enumerate(modes):
+        series = []
+        for m in modes:
             by_case = {e["case"]: e[key] for e in entries if e["mode"] == m}
-            xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(cases))]
-            ax.bar(xs, [by_case.get(c) or 0 for c in cases], width, label=f"({m}) {s['modes'][m]['name']}")
-        ax.axhline(1.0, color="gray", linewidth=0.8)
-        ax.set_ylabel(label)
-        ax.legend(fontsize=8)
-    axes[-1, 0].set_xticks(range(len(cases)))
-    axes[-1, 0].set_xticklabels(cases, rotation=60, ha="right", fontsize=7)
+            series.append((f"({m}) {s['modes'][m]['name']}", [by_case.get(c) for c in cases]))
+        plots.grouped_bars(ax, cases, series, label)
+    plots.case_ticks(axes[-1, 0], cases)
     axes[0, 0].set_title(f"GroupedMLP training step vs a torchtitan-style MLP, {s['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
