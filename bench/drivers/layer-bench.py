@@ -29,8 +29,8 @@ JSON records each layer's own counts (max / mean) and the fraction of tokens who
 the torchtitan-style layer's.
 
 What is timed (per layer): forward + backward of the whole layer, x requiring grad (x.grad dropped
-before each step), y.backward(g) with a fixed random g, weight gradients (router included)
-accumulating in .grad, never zeroed. A sample is --block steps back to back (as a training loop runs
+before each step), y.backward(g) with a fixed random g, every .grad (router included) unset
+before the step, as in a micro-batch's first step. A sample is --block steps back to back (as a training loop runs
 them: the host enqueues ahead of the GPU); ms is the median over --iters samples of the sample time /
 block. On CUDA: CUDA events, the GPU settled first (settle.py), the layers alternating sample by
 sample. The breakdown (ours, and torchtitan-style): each stage's forward + backward alone on detached
@@ -186,8 +186,11 @@ class Layer:
         self.output(x, g)
 
     def output(self, x, g):
-        """One step; y (detached)."""
+        """One step; y (detached). Every gradient starts unset (a micro-batch's first step: no
+        accumulation into earlier .grad, which would time an add of every weight besides the layer)."""
         x.grad = None
+        for p in self.module.parameters():
+            p.grad = None
         y = self.module(x)
         y.backward(g)
         return y.detach()
@@ -493,9 +496,11 @@ def stage_fns(layer, x):
     def grads_for(outputs):
         return [torch.randn(o.shape, generator=gen, device=o.device, dtype=o.dtype) for o in outputs]
 
+    params = list(layer.module.parameters())
+
     def run(fn, inputs, grads):
         def call():
-            for t in inputs:
+            for t in (*inputs, *params):
                 t.grad = None
             outs = fn()
             torch.autograd.backward(float_tensors(outs), grads)
@@ -691,7 +696,7 @@ def main():
         "routing": ROUTING_DESCRIPTION,
         "iters": a.iters, "warmup": a.warmup, "block": a.block,
         "timing": f"median over {a.iters} samples of {a.block} back-to-back steps (forward + backward of the whole "
-                  "layer, y.backward(g), weight gradients accumulating), layers alternated sample by sample; the "
+                  "layer, y.backward(g), every .grad unset before the step), layers alternated sample by sample; the "
                   "breakdown's stages timed the same way, each alone on detached inputs"
                   + ("; CUDA events, GPU settled first" if device.type == "cuda" else "; host clock"),
         "memory": MEMORY_DEFINITIONS if device.type == "cuda" else "not measured on the CPU",
