@@ -12,6 +12,11 @@
 #                          3.10-3.13 and packaging, its one dependency besides torch and numpy:
 #                          scripts/python-test installs them there (--no-index) for
 #                          tests/python/test_megatron.py
+#   .deps/wheels/          also the sources of nv-grouped-gemm (GROUPED_GEMM_VERSION, default
+#                          1.1.4.post8), which Megatron-core's GroupedMLP experts need without
+#                          TransformerEngine: scripts/gpu layer-bench builds them on the GPU machine.
+#                          Fetched from PyPI's JSON API: `pip download` runs its setup.py, which
+#                          needs a GPU
 #   .deps/torch_anchor.py  the anchor script (times torch._grouped_mm, the per-expert cuBLAS loop
 #                          and the PyTorch-eager MLP on bench/workloads.json), which lives outside
 #                          this repository: copied from ANCHOR_SRC (default:
@@ -36,6 +41,14 @@ mkdir -p .deps/debs .deps/wheels
       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d . \
       "megatron-core==${MEGATRON_CORE_VERSION:-0.16.1}"
   done
+  gg=${GROUPED_GEMM_VERSION:-1.1.4.post8}
+  ls nv_grouped_gemm-"$gg".tar.gz >/dev/null 2>&1 || python3 - "$gg" <<'PY'
+import json, sys, urllib.request
+version = sys.argv[1]
+meta = json.load(urllib.request.urlopen("https://pypi.org/pypi/nv-grouped-gemm/json", timeout=60))
+sdist = next(f for f in meta["releases"][version] if f["packagetype"] == "sdist")
+urllib.request.urlretrieve(sdist["url"], sdist["filename"])
+PY
   ls -la
 )
 anchor=${ANCHOR_SRC:-../shared/bench/torch_anchor.py}
