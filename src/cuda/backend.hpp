@@ -121,7 +121,7 @@ void grouped_linear_wgrad(const Fp8Columns& dy, const Fp8Columns& x, const Group
                           const GroupedParam& dweight, GradMode mode, Stream stream);
 
 // The router (kernels/router.cu, kernels/router_linear.cu; docs/design.md section 13): the logits
-// by a tensor-core GEMM, then one warp per token; the sums over tokens in a fixed order, through
+// by a float32 SIMT GEMM, then one warp per token; the sums over tokens in a fixed order, through
 // per-64-token partial sums. kNotImplemented beyond E = 512 experts or topk = 32.
 struct RouterPartials {  // carved from the forward's workspace, one row per 64 tokens
   TensorView scores;      // [chunks, E] float32: the load-balancing loss's scores, summed
