@@ -137,8 +137,8 @@ void router_backward(const RouterOutputGrads& d_out, const TensorView& x, const 
                      const RouterGrads& grads, const RouterSpec& spec, const TensorView& d_logits, Stream stream);
 void router_update_expert_bias(const TensorView& expert_bias, const TensorView& counts, float rate, Stream stream);
 
-// The router's float32 products (kernels/router_linear.cu) on tensor cores (TF32, float32 operands
-// split in two; CUDA-graph safe, deterministic):
+// The router's float32 products (kernels/router_linear.cu), each output summed by one thread over
+// the contraction in order (CUDA-graph safe, deterministic; no tensor cores yet):
 //   logits [T, E] = x W^T;  dx [T, H] = d_logits W (x's dtype);  dweight [E, H] = d_logits^T x (per mode).
 void router_logits(const TensorView& x, const TensorView& weight, const TensorView& logits, Stream stream);
 // dx = d_logits W, or dx += it (accumulate: dx's value plus the float32 sum, rounded once).

@@ -1,7 +1,6 @@
 // The router on CUDA (label "gpu") against the CPU backend on the same inputs: bit for bit the
-// logits of inputs whose products and sums are exact in any order (dyadic values; the tensor cores
-// sum in their own order), the choices, the probabilities and the counts; the logits of random
-// inputs, the losses and the gradients within float32 rounding. E = 8, 64,
+// logits (16-bit inputs, or float32 inputs whose products and sums are exact), the choices, the
+// probabilities and the counts; the losses and the gradients within float32 rounding. E = 8, 64,
 // 256 and the limits (512 experts, topk 32); T = 0, 1, 3 and sizes that are multiples of nothing;
 // both score functions, expert bias, group-limited routing; rows past every output untouched;
 // CUDA-graph replay with new inputs, bit-identical to eager runs; the expert-bias update. Skips
@@ -37,13 +36,17 @@ std::vector<RouterSpec> specs_for(int64_t E) {
           router_spec(RouterScore::kSigmoid, std::min<int64_t>(8, E / 2), 8, 4, true, 2.5f)};
 }
 
-// Inputs on the host whose logits are exact whatever the order of the sums (dyadic_tensor): many
-// ties, which the shared routing math must break alike.
+// Inputs on the host: 16-bit normal values, or float32 ones whose logits are exact (dyadic_tensor).
 struct Inputs {
   Tensor x, w, bias;
   Inputs(Rng& rng, int64_t T, int64_t H, int64_t E, DType dt) {
-    x = dyadic_tensor({T, H}, dt, rng, 0.25);
-    w = dyadic_tensor({E, H}, dt, rng, 0.125);
+    if (dt == DType::kFloat32) {
+      x = dyadic_tensor({T, H}, dt, rng, 0.25);
+      w = dyadic_tensor({E, H}, dt, rng, 0.125);
+    } else {
+      x = random_tensor({T, H}, dt, rng);
+      w = random_tensor({E, H}, dt, rng, 1.0 / std::sqrt(double(H)));
+    }
     bias = random_tensor({E}, DType::kFloat32, rng, 0.05);
   }
 };
@@ -90,21 +93,6 @@ TEST_F(GpuRouter, ForwardIsTheCpusBitsForEveryShapeAndSpec) {
             expect_same_forward(gpu, cpu);
           }
       }
-}
-
-// Random 16-bit and float32 inputs: the tensor cores' logits within float32 rounding of the CPU's
-// (float32 operands are split into two TF32 parts, so float32 inputs keep float32's precision).
-TEST_F(GpuRouter, LogitsOfRandomInputsWithinFloat32Rounding) {
-  Rng rng;
-  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32})
-    for (auto [T, H, E] : {std::tuple<int64_t, int64_t, int64_t>{1000, 72, 64}, {333, 2048, 8}, {77, 130, 256}}) {
-      SCOPED_TRACE(std::string(dtype_name(dt)) + ", T = " + std::to_string(T) + ", H = " + std::to_string(H));
-      const Tensor x = random_tensor({T, H}, dt, rng), w = random_tensor({E, H}, dt, rng, 1.0 / std::sqrt(double(H)));
-      const RouterSpec spec = router_spec(RouterScore::kSoftmax, 2, 1, 1, true, 1.f);
-      const RouterRun cpu = run_router_forward(x, w, {}, spec);
-      const RouterRun gpu = run_router_forward(to_gpu(x), to_gpu(w), {}, spec);
-      EXPECT_LE(oracle::rel_error(oracle::to_matrix(gpu.logits.values()), oracle::to_matrix(cpu.logits.values())), 3e-5);
-    }
 }
 
 // The largest shapes the kernels take: 512 experts (16 per lane), 32 choices (one per lane).

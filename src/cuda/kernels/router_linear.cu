@@ -1,16 +1,11 @@
-// The router's three float32 products (docs/design.md section 13) in one tensor-core kernel:
-// C[m, n] = sum_k A(m, k) B(n, k) for the logits (x W^T), dx (d_logits W) and the weight gradient
-// (d_logits^T x). TF32 MMAs with float32 accumulation: a 16-bit operand is exact in TF32; a float32
-// one (d_logits, float32 inputs) is split into a TF32 head and a TF32 tail, and the products of
-// both are accumulated, so every product carries about float32's precision (the tail of a product
-// of two tails, below 2^-22 relative, is dropped). The accumulation order is the tensor cores': the
-// results are float32 sums within float32 rounding of the CPU's, not its bits (the routing math
-// after the logits is bit-identical given the logits). Fixed tiles, fixed order per output:
-// deterministic.
-#include <mma.h>
-
-#include <type_traits>
-
+// The router's three float32 products (docs/design.md section 13) in one tiled SIMT kernel:
+// C[m, n] = sum_k A(m, k) B(n, k). The logits and dx: each output summed by one thread over k in
+// increasing order, one fused multiply-add per step. 16-bit x and weight have products exact in
+// float32, so the fused steps round as the CPU backend's separate product and sum: the logits are
+// its bits. The weight gradient (K = T, few outputs) sums two interleaved k ranges and adds them
+// in a fixed order. Products with a float32 operand (float32 inputs; d_logits in the backward)
+// round differently from the CPU, within float32's error. No tensor cores: the logits must be the
+// CPU's bits, and E is small (8..512).
 #include "cuda/backend.hpp"
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/dtype_dispatch.cuh"
@@ -18,12 +13,8 @@
 namespace moe::cuda {
 namespace {
 
-namespace wmma = nvcuda::wmma;
-
 constexpr int kTileM = 64, kTileN = 64, kTileK = 16;
-constexpr int kWarps = 4;  // 2 x 2 warps of 32 x 32 outputs (2 x 2 fragments of 16 x 16)
-constexpr int kThreads = 32 * kWarps;
-constexpr int kLd = kTileK + 4;  // padded smem rows: fewer bank conflicts
+constexpr int kThreads = 256;  // 16 x 16 threads, 4 x 4 outputs each
 constexpr int64_t kMaxGridY = 65535;
 
 // A(m, k) = data[m * m_stride + k * k_stride]: rows of x or the weight, or a transposed operand.
@@ -40,136 +31,120 @@ struct Output {
   bool accumulate;  // add into the output (a float32 main_grad, or dx) instead of writing
 };
 
-// The operand elements a thread stages per tile: rows [r0, r0 + 64) x columns [k0, k0 + 16),
-// zeros outside R x K (padded steps add exactly nothing); consecutive threads read the operand's
-// contiguous dimension. Element n of thread t is (r, k) = (t / 16 + 8 n, t % 16) when k is
-// contiguous, else (t % 64, t / 64 + 2 n): one coordinate fixed, the other in even steps, so a
-// thread walks one pointer with one stride.
-constexpr int kPerThread = kTileM * kTileK / kThreads;
-static_assert(kTileM == kTileN, "A and B tiles are staged alike");
-static_assert(kThreads % kTileK == 0 && kThreads % kTileM == 0, "the walk assumes whole rows");
-
-template <class T>
-struct Stager {
-  const T* data;
-  int64_t m_stride, k_stride;
-  int r, k, r_step, k_step;  // the thread's first element and the step between its elements
-  bool k_contiguous;
-
-  __device__ Stager(const Operand<T>& op) : data(op.data), m_stride(op.m_stride), k_stride(op.k_stride) {
-    const int t = int(threadIdx.x);
-    k_contiguous = op.k_stride == 1;
-    r = k_contiguous ? t / kTileK : t % kTileM;
-    k = k_contiguous ? t % kTileK : t / kTileM;
-    r_step = k_contiguous ? kThreads / kTileK : 0;
-    k_step = k_contiguous ? 0 : kThreads / kTileM;
-  }
-
-  // Global -> registers, a tile ahead of its use, so the loads are in flight during the MMAs.
-  __device__ __forceinline__ void fetch(int64_t r0, int64_t rows, int64_t k0, int64_t depth,
-                                        float (&reg)[kPerThread]) const {
-    const int64_t gr = r0 + r, gk = k0 + k;
-    const T* p = data + gr * m_stride + gk * k_stride;
-    const int64_t step = int64_t(r_step) * m_stride + int64_t(k_step) * k_stride;
-#pragma unroll
-    for (int n = 0; n < kPerThread; ++n, p += step)
-      reg[n] = gr + n * r_step < rows && gk + n * k_step < depth ? to_float(*p) : 0.f;
-  }
-
-  __device__ __forceinline__ void stash(const float (&reg)[kPerThread], float (*tile)[kLd]) const {
-#pragma unroll
-    for (int n = 0; n < kPerThread; ++n) tile[r + n * r_step][k + n * k_step] = reg[n];
+// The elements of an operand tile a thread stages: rows [r0, r0 + kRows) x columns [k0, k0 +
+// kTileK), zeros outside R x K (padded steps add exactly nothing). Consecutive threads read the
+// operand's contiguous dimension.
+template <int kRows>
+struct TileMap {
+  static constexpr int kPerThread = kTileK * kRows / kThreads;
+  static_assert(kPerThread * kThreads == kTileK * kRows, "a tile must split evenly over the threads");
+  __device__ __forceinline__ static void at(int i, bool k_contiguous, int& r, int& k) {
+    r = k_contiguous ? i / kTileK : i % kRows;
+    k = k_contiguous ? i % kTileK : i / kRows;
   }
 };
 
-// A fragment's elements as TF32 (head), and for float32 sources the rounding rest (tail).
-template <class Frag>
-__device__ __forceinline__ void split_tf32(Frag& head, Frag& tail, bool with_tail) {
+// Global -> registers: issued a tile ahead of its use, so the loads are in flight while the
+// previous tile is multiplied.
+template <int kRows, class T>
+__device__ __forceinline__ void fetch(const Operand<T>& op, int64_t r0, int64_t rows, int64_t k0,
+                                      int64_t depth, int tid,
+                                      float (&reg)[TileMap<kRows>::kPerThread]) {
+  const bool k_contiguous = op.k_stride == 1;
 #pragma unroll
-  for (int i = 0; i < head.num_elements; ++i) {
-    const float v = head.x[i];
-    head.x[i] = wmma::__float_to_tf32(v);
-    if (with_tail) tail.x[i] = wmma::__float_to_tf32(v - head.x[i]);
+  for (int n = 0; n < TileMap<kRows>::kPerThread; ++n) {
+    int r, k;
+    TileMap<kRows>::at(tid + n * kThreads, k_contiguous, r, k);
+    const int64_t gr = r0 + r, gk = k0 + k;
+    reg[n] = gr < rows && gk < depth ? to_float(op.data[gr * op.m_stride + gk * op.k_stride]) : 0.f;
   }
 }
 
-template <class TA, class TB, class TC>
-__global__ void __launch_bounds__(kThreads)
+// Registers -> tile[k][r]; the extra column keeps the transposing stores free of bank conflicts.
+template <int kRows>
+__device__ __forceinline__ void stash(const float (&reg)[TileMap<kRows>::kPerThread],
+                                      bool k_contiguous, int tid,
+                                      float (&tile)[kTileK][kRows + 1]) {
+#pragma unroll
+  for (int n = 0; n < TileMap<kRows>::kPerThread; ++n) {
+    int r, k;
+    TileMap<kRows>::at(tid + n * kThreads, k_contiguous, r, k);
+    tile[k][r] = reg[n];
+  }
+}
+
+// kSplit groups of kThreads threads share a block's 64 x 64 outputs: group g sums the k-tiles g,
+// g + kSplit, ... (each in increasing k, one FMA per step), then the groups' sums are added in
+// group order. kSplit = 1 is the plain order the logits need to be the CPU's bits; a long
+// contraction over few outputs (the weight gradient: K = T, E x H outputs) takes kSplit = 2 to
+// fill the GPU (4 would need more than 64 registers a thread). Either way the order is fixed: deterministic.
+template <class TA, class TB, class TC, int kSplit>
+__global__ void __launch_bounds__(kThreads* kSplit)
     router_linear_kernel(Operand<TA> a, Operand<TB> b, Output<TC> c, int64_t M, int64_t N,
                          int64_t K) {
-  constexpr bool kSplitA = std::is_same_v<TA, float>, kSplitB = std::is_same_v<TB, float>;
-  using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major>;
-  using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major>;
-  using FragC = wmma::fragment<wmma::accumulator, 16, 16, 8, float>;
-  // A tile [m][k], B tile [n][k] (B as a column-major k x n matrix); after the loop, the same
-  // memory holds the 64 x 64 float outputs.
-  constexpr int kSmem = 2 * kTileM * kLd > kTileM * kTileN ? 2 * kTileM * kLd : kTileM * kTileN;
-  __shared__ __align__(32) float smem[kSmem];
-  float (*a_tile)[kLd] = reinterpret_cast<float (*)[kLd]>(smem);
-  float (*b_tile)[kLd] = reinterpret_cast<float (*)[kLd]>(smem + kTileM * kLd);
-
-  const int warp = int(threadIdx.x) / 32, wm = warp / 2, wn = warp % 2;
+  __shared__ float a_tile[kSplit][kTileK][kTileM + 1];
+  __shared__ float b_tile[kSplit][kTileK][kTileN + 1];
+  const int group = int(threadIdx.x) / kThreads, tid = int(threadIdx.x) % kThreads;
+  const int tx = tid % 16, ty = tid / 16;
   const int64_t m0 = int64_t(blockIdx.y) * kTileM, n0 = int64_t(blockIdx.x) * kTileN;
-  const Stager<TA> sa(a);
-  const Stager<TB> sb(b);
-  FragC acc[2][2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.f);
-
-  float ra[kPerThread], rb[kPerThread];
-  sa.fetch(m0, M, 0, K, ra);
-  sb.fetch(n0, N, 0, K, rb);
-  for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
-    sa.stash(ra, a_tile);
-    sb.stash(rb, b_tile);
+  const bool a_k_contiguous = a.k_stride == 1, b_k_contiguous = b.k_stride == 1;
+  float acc[4][4] = {};
+  float ra[TileMap<kTileM>::kPerThread], rb[TileMap<kTileN>::kPerThread];
+  const int64_t step = int64_t(kTileK) * kSplit;
+  const int64_t iterations = (K + step - 1) / step;  // the same for every group
+  int64_t k0 = int64_t(group) * kTileK;
+  fetch<kTileM>(a, m0, M, k0, K, tid, ra);
+  fetch<kTileN>(b, n0, N, k0, K, tid, rb);
+  for (int64_t it = 0; it < iterations; ++it, k0 += step) {
+    stash<kTileM>(ra, a_k_contiguous, tid, a_tile[group]);
+    stash<kTileN>(rb, b_k_contiguous, tid, b_tile[group]);
     __syncthreads();
-    if (k0 + kTileK < K) {
-      sa.fetch(m0, M, k0 + kTileK, K, ra);
-      sb.fetch(n0, N, k0 + kTileK, K, rb);
+    if (it + 1 < iterations) {
+      fetch<kTileM>(a, m0, M, k0 + step, K, tid, ra);
+      fetch<kTileN>(b, n0, N, k0 + step, K, tid, rb);
     }
 #pragma unroll
-    for (int kk = 0; kk < kTileK; kk += 8) {
-      FragA ah[2], at[2];
-      FragB bh[2], bt[2];
+    for (int k = 0; k < kTileK; ++k) {
+      float av[4], bv[4];
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        wmma::load_matrix_sync(ah[i], &a_tile[wm * 32 + i * 16][kk], kLd);
-        split_tf32(ah[i], at[i], kSplitA);
-        wmma::load_matrix_sync(bh[i], &b_tile[wn * 32 + i * 16][kk], kLd);
-        split_tf32(bh[i], bt[i], kSplitB);
+      for (int i = 0; i < 4; ++i) {
+        av[i] = a_tile[group][k][ty * 4 + i];
+        bv[i] = b_tile[group][k][tx * 4 + i];
       }
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+      for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          if constexpr (kSplitA) wmma::mma_sync(acc[i][j], at[i], bh[j], acc[i][j]);
-          if constexpr (kSplitB) wmma::mma_sync(acc[i][j], ah[i], bt[j], acc[i][j]);
-          wmma::mma_sync(acc[i][j], ah[i], bh[j], acc[i][j]);
-        }
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
     }
     __syncthreads();
   }
-  float (*out_tile)[kTileN] = reinterpret_cast<float (*)[kTileN]>(smem);
+  if constexpr (kSplit > 1) {
+    // The groups' sums meet in group 0, group by group.
+    __shared__ float partial[16 * kThreads];
+    for (int g = 1; g < kSplit; ++g) {
+      if (group == g)
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+        for (int i = 0; i < 16; ++i) partial[i * kThreads + tid] = acc[i / 4][i % 4];
+      __syncthreads();
+      if (group == 0)
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
-      wmma::store_matrix_sync(&out_tile[wm * 32 + i * 16][wn * 32 + j * 16], acc[i][j], kTileN,
-                              wmma::mem_row_major);
-  __syncthreads();
-#pragma unroll 1
-  for (int i = int(threadIdx.x); i < kTileM * kTileN; i += kThreads) {
-    const int r = i / kTileN, col = i % kTileN;
-    const int64_t m = m0 + r, n = n0 + col;
-    if (m >= M || n >= N) continue;
-    TC* out = c.data + m * c.ld + n;
-    from_float(c.accumulate ? to_float(*out) + out_tile[r][col] : out_tile[r][col], out);
+        for (int i = 0; i < 16; ++i) acc[i / 4][i % 4] += partial[i * kThreads + tid];
+      __syncthreads();
+    }
+    if (group != 0) return;
   }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t m = m0 + ty * 4 + i, n = n0 + tx * 4 + j;
+      if (m >= M || n >= N) continue;
+      TC* out = c.data + m * c.ld + n;
+      from_float(c.accumulate ? to_float(*out) + acc[i][j] : acc[i][j], out);
+    }
 }
 
-template <class TA, class TB, class TC>
+template <int kSplit = 1, class TA, class TB, class TC>
 void launch(const char* what, Operand<TA> a, Operand<TB> b, Output<TC> c, int64_t M, int64_t N,
             int64_t K, Stream stream) {
   if (M == 0 || N == 0) return;
@@ -178,7 +153,7 @@ void launch(const char* what, Operand<TA> a, Operand<TB> b, Output<TC> c, int64_
     throw_error(ErrorCode::kNotImplemented, what, " on CUDA: ", M, " rows (at most ",
                 kMaxGridY * kTileM, ")");
   const dim3 grid(unsigned((N + kTileN - 1) / kTileN), unsigned(blocks_m));
-  router_linear_kernel<TA, TB, TC><<<grid, kThreads, 0, stream>>>(a, b, c, M, N, K);
+  router_linear_kernel<TA, TB, TC, kSplit><<<grid, kThreads * kSplit, 0, stream>>>(a, b, c, M, N, K);
   MOE_CUDA_CHECK_LAUNCH(what);
 }
 
@@ -214,7 +189,7 @@ void router_wgrad(const TensorView& d_logits, const TensorView& x, const TensorV
     with_cuda_type(dweight.dtype(), "router_backward", [&](auto out) {
       using TB = decltype(in);
       using TC = decltype(out);
-      launch("router wgrad", Operand<float>{d_logits.data_as<float>(), 1, d_logits.stride(0)},
+      launch<2>("router wgrad", Operand<float>{d_logits.data_as<float>(), 1, d_logits.stride(0)},
              Operand<TB>{x.data_as<TB>(), 1, x.stride(0)},
              Output<TC>{dweight.data_as<TC>(), dweight.stride(0), mode == GradMode::kAccumulate},
              dweight.size(0), dweight.size(1), x.size(0), stream);
