@@ -230,7 +230,7 @@ ShapeResult run_shape(const LayerShape& s, DType dtype, Device device, const Ben
   const Tensor d_probs = empty({T, k}, DType::kFloat32), dx = empty({T, H}, dtype);
   fill_uniform(d_probs, 3, -1.f, 1.f);
   const Tensor fws = empty({int64_t(std::max<size_t>(1, router_forward_workspace_size(T, E)))}, DType::kUInt8);
-  const Tensor bws = empty({int64_t(std::max<size_t>(1, router_backward_workspace_size(T, E, dtype)))}, DType::kUInt8);
+  const Tensor bws = empty({int64_t(std::max<size_t>(1, router_backward_workspace_size(T, E, H, dtype)))}, DType::kUInt8);
   const Tensor pws = empty({int64_t(std::max<size_t>(1, permute_plan_workspace_size(T, k, E)))}, DType::kUInt8);
   const ExecContext fexec{stream, {fws.data(), fws.nbytes(), device}}, bexec{stream, {bws.data(), bws.nbytes(), device}},
       pexec{stream, {pws.data(), pws.nbytes(), device}};

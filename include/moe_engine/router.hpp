@@ -19,8 +19,10 @@ namespace moe {
 // Scratch router_forward needs for T tokens and E experts (per-64-token partial sums of the counts
 // and losses on CUDA; checked on every device, so one program runs on both).
 MOE_API size_t router_forward_workspace_size(int64_t tokens, int64_t num_experts);
-// Scratch router_backward needs: dL/dlogits, [T, E] in acc (float32; float64 for float64 x).
-MOE_API size_t router_backward_workspace_size(int64_t tokens, int64_t num_experts, DType dtype);
+// Scratch router_backward needs for T tokens, E experts and H hidden: dL/dlogits, [T, E] in acc
+// (float32; float64 for float64 x), and on CUDA the weight gradient's partial sums over token
+// slices ([S, E, H] float32, S = clamp(T / 1024, 1, 8); none for S = 1). Checked on every device.
+MOE_API size_t router_backward_workspace_size(int64_t tokens, int64_t num_experts, int64_t hidden, DType dtype);
 
 // Routes every one of the T tokens of x. expert_bias [E] acc (optional) is added to the scores for
 // the choice only (it never enters probs). Writes `out` (RouterOutputs lists what is required).

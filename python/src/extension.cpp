@@ -917,10 +917,10 @@ void bind_layer_ops(nb::module_& m) {
   m.def("router_forward_workspace_size", &router_forward_workspace_size, arg("tokens"), arg("num_experts"));
   m.def(
       "router_backward_workspace_size",
-      [](int64_t tokens, int64_t num_experts, const std::string& dtype) {
-        return router_backward_workspace_size(tokens, num_experts, dtype_from_name(dtype));
+      [](int64_t tokens, int64_t num_experts, int64_t hidden, const std::string& dtype) {
+        return router_backward_workspace_size(tokens, num_experts, hidden, dtype_from_name(dtype));
       },
-      arg("tokens"), arg("num_experts"), arg("dtype"));
+      arg("tokens"), arg("num_experts"), arg("hidden"), arg("dtype"));
   m.def("router_forward", &router_forward_py, arg("x"), arg("weight"), arg("expert_bias").none(), arg("logits"),
         arg("indices"), arg("probs"), arg("counts"), arg("aux_loss").none(), arg("aux_loss_counts").none(),
         arg("z_loss").none(), arg("spec"), arg("workspace").none(), arg("stream"));

@@ -132,9 +132,11 @@ struct RouterPartials {  // carved from the forward's workspace, one row per 64 
 void router_forward(const TensorView& x, const TensorView& weight, const TensorView& expert_bias,
                     const RouterOutputs& out, const RouterSpec& spec, const RouterPartials& partials, Stream stream);
 // d_logits: the workspace's [T, E] float32.
+// wgrad_partials: [S, E, H] float32 scratch for the weight gradient's S token slices (undefined: one).
 void router_backward(const RouterOutputGrads& d_out, const TensorView& x, const TensorView& weight,
                      const TensorView& logits, const TensorView& indices, const TensorView& aux_loss_counts,
-                     const RouterGrads& grads, const RouterSpec& spec, const TensorView& d_logits, Stream stream);
+                     const RouterGrads& grads, const RouterSpec& spec, const TensorView& d_logits,
+                     const TensorView& wgrad_partials, Stream stream);
 void router_update_expert_bias(const TensorView& expert_bias, const TensorView& counts, float rate, Stream stream);
 
 // The router's float32 products (kernels/router_linear.cu), each output summed by one thread over
@@ -145,6 +147,6 @@ void router_logits(const TensorView& x, const TensorView& weight, const TensorVi
 void router_dgrad(const TensorView& d_logits, const TensorView& weight, const TensorView& dx, bool accumulate,
                   Stream stream);
 void router_wgrad(const TensorView& d_logits, const TensorView& x, const TensorView& dweight, GradMode mode,
-                  Stream stream);
+                  const TensorView& partials, Stream stream);
 
 }  // namespace moe::cuda

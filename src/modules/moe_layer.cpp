@@ -226,7 +226,7 @@ MoELayerBackwardResult MoELayer::backward(MoELayerContext& ctx, const Tensor& dy
       grads.dweight = target.grad.expert(0);
       grads.dweight_mode = target.mode;
     }
-    const Scratch scratch(router_backward_workspace_size(T, E, dtype), device, exec);
+    const Scratch scratch(router_backward_workspace_size(T, E, H, dtype), device, exec);
     router_backward(d_out, ctx.x_, router_weight_view(), ctx.logits_, ctx.indices_, ctx.aux_counts_, grads,
                     options_.router, scratch.exec);
   }

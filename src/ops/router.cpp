@@ -2,6 +2,7 @@
 // device.
 #include "moe_engine/router.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "common/router_math.hpp"
@@ -35,6 +36,16 @@ ForwardPartials forward_partials(ops::WorkspaceCarver& c, int64_t tokens, int64_
 TensorView backward_logits_grad(ops::WorkspaceCarver& c, int64_t tokens, int64_t num_experts,
                                 DType dtype) {
   return tokens == 0 ? TensorView() : c.take({tokens, num_experts}, acc_dtype(dtype));
+}
+
+// The weight gradient's contraction over the T tokens runs on CUDA in this many slices, each into
+// its own float32 partial sums, added in slice order: its E x H outputs are few tiles (64 to 112 at
+// the suite's shapes), and one slice would leave most of the GPU idle for T = 8192 steps.
+int64_t wgrad_slices(int64_t tokens) { return std::clamp<int64_t>(tokens / 1024, 1, 8); }
+
+TensorView wgrad_partials(ops::WorkspaceCarver& c, int64_t tokens, int64_t num_experts, int64_t hidden) {
+  const int64_t slices = wgrad_slices(tokens);
+  return slices == 1 ? TensorView() : c.take({slices, num_experts, hidden}, DType::kFloat32);
 }
 
 void check_sizes(const char* who, int64_t tokens, int64_t num_experts) {
@@ -71,10 +82,13 @@ size_t router_forward_workspace_size(int64_t tokens, int64_t num_experts) {
   return sizes.used();
 }
 
-size_t router_backward_workspace_size(int64_t tokens, int64_t num_experts, DType dtype) {
+size_t router_backward_workspace_size(int64_t tokens, int64_t num_experts, int64_t hidden, DType dtype) {
   check_sizes("router_backward_workspace_size", tokens, num_experts);
+  MOE_CHECK(hidden >= 0, ErrorCode::kInvalidArgument, "router_backward_workspace_size: expected hidden >= 0, got ",
+            hidden);
   ops::WorkspaceCarver sizes;
   backward_logits_grad(sizes, tokens, num_experts, dtype);
+  wgrad_partials(sizes, tokens, num_experts, hidden);
   return sizes.used();
 }
 
@@ -171,10 +185,11 @@ void router_backward(const RouterOutputGrads& d_out, const TensorView& x, const 
                       {"d_out.d_probs", d_out.d_probs},
                       {"d_out.d_aux_loss", d_out.d_aux_loss},
                       {"d_out.d_z_loss", d_out.d_z_loss}});
-  v.workspace(ctx.workspace, router_backward_workspace_size(T, E, x.dtype()),
+  v.workspace(ctx.workspace, router_backward_workspace_size(T, E, x.size(1), x.dtype()),
               "router_backward_workspace_size");
   ops::WorkspaceCarver carver(ctx.workspace);
   const TensorView d_logits = backward_logits_grad(carver, T, E, x.dtype());
+  const TensorView partials = wgrad_partials(carver, T, E, x.size(1));
   ops::dispatch(
       v,
       [&] {
@@ -183,7 +198,7 @@ void router_backward(const RouterOutputGrads& d_out, const TensorView& x, const 
       },
       [&] {
         MOE_CUDA_ONLY(cuda::router_backward(d_out, x, weight, logits, indices, aux_loss_counts,
-                                            grads, spec, d_logits, ctx.stream));
+                                            grads, spec, d_logits, partials, ctx.stream));
       });
 }
 

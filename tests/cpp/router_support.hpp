@@ -159,7 +159,7 @@ inline RouterBackwardRun run_router_backward(const RouterOutputGrads& d_out, con
   r.dx = Padded(x.shape(), x.dtype(), device);
   r.dweight = Padded(weight.shape(), dweight_dtype, device);
   const Tensor ws = workspace_tensor(
-      router_backward_workspace_size(x.size(0), weight.size(0), x.dtype()), device);
+      router_backward_workspace_size(x.size(0), weight.size(0), x.size(1), x.dtype()), device);
   router_backward(d_out, x, weight, forward.logits.view, forward.indices.view,
                   forward.aux_counts.view, {r.dx.view, r.dweight.view}, spec,
                   {stream, workspace_of(ws, device)});
@@ -187,7 +187,7 @@ inline RouterAccumulation run_router_accumulation(const Tensor& x, const Tensor&
   out.counts_total = counts_total;
   out.total_loss = total;
   for (int i = 0; i < 2; ++i) router_forward(xd, wd, {}, out, spec, {nullptr, workspace_of(fws, device)});
-  const Tensor bws = workspace_tensor(router_backward_workspace_size(T, E, x.dtype()), device);
+  const Tensor bws = workspace_tensor(router_backward_workspace_size(T, E, x.size(1), x.dtype()), device);
   const Tensor written = make(x.shape(), x.dtype()), added = dx_start.to(device), g = d_probs.to(device);
   router_backward({g, {}, {}}, xd, wd, logits, indices, {}, {written, {}}, spec, {nullptr, workspace_of(bws, device)});
   RouterGrads accumulate{added, {}};

@@ -146,7 +146,7 @@ TEST_F(GpuRouter, BackwardMatchesTheCpuInEveryGradientMode) {
           for (GradMode mode : {GradMode::kAccumulate, GradMode::kOverwrite}) {
             const Tensor main_grad = to_gpu(start);
             const Tensor ws =
-                workspace_tensor(router_backward_workspace_size(T, E, dt), Device::cuda(0));
+                workspace_tensor(router_backward_workspace_size(T, E, H, dt), Device::cuda(0));
             router_backward({gd, {}, {}}, xd, wd, fg.logits.view, fg.indices.view,
                             fg.aux_counts.view, {{}, main_grad, mode}, spec,
                             {nullptr, workspace_of(ws, Device::cuda(0))});
@@ -198,7 +198,7 @@ TEST_F(GpuRouter, GraphReplayWithNewInputsMatchesEagerRuns) {
   out.z_loss = Padded({}, DType::kFloat32, gpu);
   const Padded dx({T, H}, DType::kBFloat16, gpu), dweight({E, H}, DType::kFloat32, gpu);
   const Tensor fws = workspace_tensor(router_forward_workspace_size(T, E), gpu);
-  const Tensor bws = workspace_tensor(router_backward_workspace_size(T, E, DType::kBFloat16), gpu);
+  const Tensor bws = workspace_tensor(router_backward_workspace_size(T, E, H, DType::kBFloat16), gpu);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   auto step = [&] {

@@ -307,7 +307,7 @@ TEST(RouterBackward, WeightGradientModes) {
         run_router_backward({g, {}, {}}, x, w, f, spec, DType::kFloat32);
     const oracle::Matrix dw = oracle::to_matrix(fresh.dweight.values());
     const Tensor ws =
-        workspace_tensor(router_backward_workspace_size(T, E, x.dtype()), Device::cpu());
+        workspace_tensor(router_backward_workspace_size(T, E, H, x.dtype()), Device::cpu());
     const Tensor before = random_tensor({E, H}, DType::kFloat32, rng);
     for (GradMode mode : {GradMode::kAccumulate, GradMode::kOverwrite, GradMode::kWrite}) {
       SCOPED_TRACE(grad_mode_name(mode));
@@ -561,7 +561,7 @@ TEST_F(RouterValidation, Forward) {
 TEST_F(RouterValidation, Backward) {
   const RouterRun f = run_router_forward(x, w, {}, spec);
   const Tensor bws =
-      workspace_tensor(router_backward_workspace_size(6, 4, DType::kBFloat16), Device::cpu());
+      workspace_tensor(router_backward_workspace_size(6, 4, 8, DType::kBFloat16), Device::cpu());
   const ExecContext ctx{nullptr, workspace_of(bws, Device::cpu())};
   const Tensor dx = Tensor::empty({6, 8}, DType::kBFloat16),
                dw = Tensor::empty({4, 8}, DType::kFloat32);

@@ -91,7 +91,7 @@ def _router_backward_(d_probs: Optional[Tensor], d_aux_loss: Optional[Tensor], d
                         z_loss_coeff)
     T, E = _rows(x), _rows(weight)
     dx = torch.empty_like(x) if need_dx else x.new_empty(0, x.shape[-1])
-    ws = _workspace(_C.router_backward_workspace_size(T, E, dtype_name(x.dtype)), x.device)
+    ws = _workspace(_C.router_backward_workspace_size(T, E, x.shape[-1], dtype_name(x.dtype)), x.device)
     _C.router_backward(d_probs, d_aux_loss, d_z_loss, x, weight, logits, indices, aux_loss_counts,
                        dx if need_dx else None, dweight[0] if dweight else None, dweight_mode, spec, ws,
                        stream_of(x))

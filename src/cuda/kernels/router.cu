@@ -592,7 +592,8 @@ void router_forward(const TensorView& x, const TensorView& weight, const TensorV
 void router_backward(const RouterOutputGrads& d_out, const TensorView& x, const TensorView& weight,
                      const TensorView& logits, const TensorView& indices,
                      const TensorView& aux_loss_counts, const RouterGrads& grads,
-                     const RouterSpec& spec, const TensorView& d_logits, Stream stream) {
+                     const RouterSpec& spec, const TensorView& d_logits,
+                     const TensorView& wgrad_partials, Stream stream) {
   const int64_t T = x.size(0), E = weight.size(0);
   check_limits("router_backward", x.dtype(), E, spec.topk);
   if (T > 0) {
@@ -628,7 +629,7 @@ void router_backward(const RouterOutputGrads& d_out, const TensorView& x, const 
   if (grads.dx.defined()) router_dgrad(d_logits, weight, grads.dx, grads.accumulate_dx, stream);
   // No tokens: dweight is zeros, a main_grad is left untouched.
   if (grads.dweight.defined() && !(T == 0 && grads.dweight_mode == GradMode::kAccumulate))
-    router_wgrad(d_logits, x, grads.dweight, grads.dweight_mode, stream);
+    router_wgrad(d_logits, x, grads.dweight, grads.dweight_mode, wgrad_partials, stream);
 }
 
 void router_update_expert_bias(const TensorView& expert_bias, const TensorView& counts, float rate,

@@ -6,6 +6,8 @@
 // in a fixed order. Products with a float32 operand (float32 inputs; d_logits in the backward)
 // round differently from the CPU, within float32's error. No tensor cores: the logits must be the
 // CPU's bits, and E is small (8..512).
+#include <algorithm>
+
 #include "cuda/backend.hpp"
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/dtype_dispatch.cuh"
@@ -81,7 +83,7 @@ __device__ __forceinline__ void stash(const float (&reg)[TileMap<kRows>::kPerThr
 template <class TA, class TB, class TC, int kSplit>
 __global__ void __launch_bounds__(kThreads* kSplit)
     router_linear_kernel(Operand<TA> a, Operand<TB> b, Output<TC> c, int64_t M, int64_t N,
-                         int64_t K) {
+                         int64_t K, int64_t k_slice, int64_t c_slice_stride) {
   __shared__ float a_tile[kSplit][kTileK][kTileM + 1];
   __shared__ float b_tile[kSplit][kTileK][kTileN + 1];
   const int group = int(threadIdx.x) / kThreads, tid = int(threadIdx.x) % kThreads;
@@ -90,9 +92,15 @@ __global__ void __launch_bounds__(kThreads* kSplit)
   const bool a_k_contiguous = a.k_stride == 1, b_k_contiguous = b.k_stride == 1;
   float acc[4][4] = {};
   float ra[TileMap<kTileM>::kPerThread], rb[TileMap<kTileN>::kPerThread];
+  // Slice blockIdx.z of the contraction, [k_begin, k_end), into its own output (c_slice_stride
+  // apart): the weight gradient's partial sums, which router_wgrad adds in slice order.
+  const int64_t k_begin = int64_t(blockIdx.z) * k_slice;
+  const int64_t k_end = k_begin + k_slice < K ? k_begin + k_slice : K;
+  c.data += int64_t(blockIdx.z) * c_slice_stride;
   const int64_t step = int64_t(kTileK) * kSplit;
-  const int64_t iterations = (K + step - 1) / step;  // the same for every group
-  int64_t k0 = int64_t(group) * kTileK;
+  const int64_t iterations = (k_end - k_begin + step - 1) / step;  // the same for every group
+  int64_t k0 = k_begin + int64_t(group) * kTileK;
+  K = k_end;  // the operands' columns past the slice read as zeros
   fetch<kTileM>(a, m0, M, k0, K, tid, ra);
   fetch<kTileN>(b, n0, N, k0, K, tid, rb);
   for (int64_t it = 0; it < iterations; ++it, k0 += step) {
@@ -146,14 +154,18 @@ __global__ void __launch_bounds__(kThreads* kSplit)
 
 template <int kSplit = 1, class TA, class TB, class TC>
 void launch(const char* what, Operand<TA> a, Operand<TB> b, Output<TC> c, int64_t M, int64_t N,
-            int64_t K, Stream stream) {
+            int64_t K, Stream stream, int64_t slices = 1, int64_t c_slice_stride = 0) {
   if (M == 0 || N == 0) return;
   const int64_t blocks_m = (M + kTileM - 1) / kTileM;
   if (blocks_m > kMaxGridY)
     throw_error(ErrorCode::kNotImplemented, what, " on CUDA: ", M, " rows (at most ",
                 kMaxGridY * kTileM, ")");
-  const dim3 grid(unsigned((N + kTileN - 1) / kTileN), unsigned(blocks_m));
-  router_linear_kernel<TA, TB, TC, kSplit><<<grid, kThreads * kSplit, 0, stream>>>(a, b, c, M, N, K);
+  const dim3 grid(unsigned((N + kTileN - 1) / kTileN), unsigned(blocks_m), unsigned(slices));
+  // Slices of whole k-tiles, so a slice boundary never splits a tile.
+  const int64_t tiles = (K + kTileK - 1) / kTileK;
+  const int64_t k_slice = (tiles + slices - 1) / slices * kTileK;
+  router_linear_kernel<TA, TB, TC, kSplit>
+      <<<grid, kThreads * kSplit, 0, stream>>>(a, b, c, M, N, K, k_slice, c_slice_stride);
   MOE_CUDA_CHECK_LAUNCH(what);
 }
 
@@ -182,17 +194,46 @@ void router_dgrad(const TensorView& d_logits, const TensorView& weight, const Te
   });
 }
 
+// dweight (per mode) = the sum of the slices' partial sums, in slice order.
+template <class TC>
+static __global__ void add_slices_kernel(const float* __restrict__ partials, int64_t slices, int64_t rows,
+                                  int64_t cols, TC* __restrict__ out, int64_t ld, bool accumulate) {
+  const int64_t n = rows * cols;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    float sum = partials[i];
+    for (int64_t s = 1; s < slices; ++s) sum += partials[s * n + i];
+    TC* dst = out + (i / cols) * ld + i % cols;
+    from_float(accumulate ? to_float(*dst) + sum : sum, dst);
+  }
+}
+
 void router_wgrad(const TensorView& d_logits, const TensorView& x, const TensorView& dweight,
-                  GradMode mode, Stream stream) {
+                  GradMode mode, const TensorView& partials, Stream stream) {
   // dweight(e, h) = sum_t d_logits(t, e) x(t, h): both operands transposed (contiguous along m, n).
+  // With partials [S, E, H]: S slices of the tokens, each into its own partial sums (enough
+  // blocks for the few E x H tiles), then added in slice order.
+  const int64_t E = dweight.size(0), H = dweight.size(1), T = x.size(0);
+  const bool sliced = partials.defined();
+  const int64_t slices = sliced ? partials.size(0) : 1;
   with_cuda_type(x.dtype(), "router_backward", [&](auto in) {
     with_cuda_type(dweight.dtype(), "router_backward", [&](auto out) {
       using TB = decltype(in);
       using TC = decltype(out);
-      launch<2>("router wgrad", Operand<float>{d_logits.data_as<float>(), 1, d_logits.stride(0)},
-             Operand<TB>{x.data_as<TB>(), 1, x.stride(0)},
-             Output<TC>{dweight.data_as<TC>(), dweight.stride(0), mode == GradMode::kAccumulate},
-             dweight.size(0), dweight.size(1), x.size(0), stream);
+      const Operand<float> a{d_logits.data_as<float>(), 1, d_logits.stride(0)};
+      const Operand<TB> b{x.data_as<TB>(), 1, x.stride(0)};
+      const bool accumulate = mode == GradMode::kAccumulate;
+      if (!sliced) {
+        launch<2>("router wgrad", a, b, Output<TC>{dweight.data_as<TC>(), dweight.stride(0), accumulate}, E, H, T,
+                  stream);
+        return;
+      }
+      launch<2>("router wgrad", a, b, Output<float>{partials.data_as<float>(), H, false}, E, H, T, stream, slices,
+                E * H);
+      const int64_t n = E * H;
+      const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 4096));
+      add_slices_kernel<TC><<<blocks, 256, 0, stream>>>(partials.data_as<float>(), slices, E, H,
+                                                        dweight.data_as<TC>(), dweight.stride(0), accumulate);
+      MOE_CUDA_CHECK_LAUNCH("router wgrad: add_slices_kernel");
     });
   });
 }
