@@ -40,11 +40,12 @@ last_match() {
 if [ "${INSTALL:-1}" = 1 ]; then
   install_package "$py" || exit 1
   if ! "$py" -c "import megatron.core" >/dev/null 2>&1; then
-    wheel=$(last_match .deps/wheels/megatron_core-*.whl)
-    if [ -n "$wheel" ]; then
-      # --no-deps: its requirements (torch, numpy, packaging) are the machine's already
-      "$py" -m pip install "${pip_flags[@]}" --no-index --no-deps "$wheel" >>"$OUT/install.log" 2>&1 ||
-        echo "note: could not install $wheel (see $OUT/install.log): Megatron-core will be reported missing" >&2
+    if ls .deps/wheels/megatron_core-*.whl >/dev/null 2>&1; then
+      # pip picks this interpreter's wheel (fetch-deps downloads one per CPython); --no-deps: its
+      # requirements (torch, numpy, packaging) are the machine's already
+      "$py" -m pip install "${pip_flags[@]}" --no-index --find-links .deps/wheels --no-deps \
+        "megatron-core==${MEGATRON_CORE_VERSION:-0.16.1}" >>"$OUT/install.log" 2>&1 ||
+        echo "note: could not install megatron-core from .deps/wheels (see $OUT/install.log): Megatron-core will be reported missing" >&2
     else
       echo "note: no .deps/wheels/megatron_core-*.whl (scripts/gpu fetch-deps): Megatron-core will be reported missing" >&2
     fi
