@@ -334,8 +334,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-constexpr int kUnpermuteBatch = 8;  // choices whose rows a thread loads at once
-
 // y[t] = sum_j p[t, j] out[row(t, j)] in float32, j in order;
 // gathered[t, j] = sorted_probs[row(t, j)].
 template <class T, bool kWhole>
@@ -353,27 +351,15 @@ __global__ void __launch_bounds__(kThreads)
     }
     for (int64_t v = threadIdx.x; v < vectors; v += kThreads) {
       float sum[kValues] = {};
-      // The loads of a batch of choices are all issued before their sums, so a thread waits for
-      // memory once per batch, not once per choice; the sums keep j's order.
-      for (int32_t j0 = 0; j0 < map.topk; j0 += kUnpermuteBatch) {
-        float term[kUnpermuteBatch][kValues];
-        float p[kUnpermuteBatch];
-        bool kept[kUnpermuteBatch];
+      for (int32_t j = 0; j < map.topk; ++j) {
+        const int64_t row = map.row(t, j, routed);
+        if (row < 0) continue;  // dropped: no term
+        const float p = probs ? __ldg(probs + t * map.topk + j) : 1.f;
+        float term[kValues];
+        RowVector<T, kWhole>(out + row * ldo, v, cols).load(term);
 #pragma unroll
-        for (int b = 0; b < kUnpermuteBatch; ++b) {
-          const int32_t j = j0 + b;
-          const int64_t row = j < map.topk ? map.row(t, j, routed) : -1;
-          kept[b] = row >= 0;  // dropped: no term
-          p[b] = kept[b] && probs ? __ldg(probs + t * map.topk + j) : 1.f;
-          if (kept[b]) RowVector<T, kWhole>(out + row * ldo, v, cols).load(term[b]);
-        }
-#pragma unroll
-        for (int b = 0; b < kUnpermuteBatch; ++b) {
-          if (!kept[b]) continue;
-#pragma unroll
-          for (int i = 0; i < kValues; ++i)
-            sum[i] = __fadd_rn(sum[i], __fmul_rn(p[b], term[b][i]));  // no FMA: the CPU's roundings
-        }
+        for (int i = 0; i < kValues; ++i)
+          sum[i] = __fadd_rn(sum[i], __fmul_rn(p, term[i]));  // no FMA: the CPU's roundings
       }
       RowVector<T, kWhole>(y + t * ldy, v, cols).store(y + t * ldy + v * kValues, sum);
     }
