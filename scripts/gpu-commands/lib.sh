@@ -18,9 +18,16 @@ unpack_deps() {
 # MOE_PY_GPU=1: the build tools from .deps/wheels (the GPU machine has no registry), then the
 # package, CUDA on, for sm_90a. The log goes to $OUT/install.log; on failure its tail is printed
 # and the function returns 1.
+# MOE_WHEEL=PATH installs that wheel instead (built elsewhere for this machine's Python and sm_90a,
+# e.g. `pip wheel . -Ccmake.define.MOE_ENGINE_CUDA_ARCHITECTURES=90a`, and carried): no build here.
 install_package() {
   local py=$1
   local pip_flags=(-q --disable-pip-version-check)
+  if [ -n "${MOE_WHEEL:-}" ]; then
+    "$py" -m pip install "${pip_flags[@]}" --no-index --no-deps --force-reinstall "$MOE_WHEEL" >"$OUT/install.log" 2>&1 ||
+      { tail -30 "$OUT/install.log"; echo "pip install $MOE_WHEEL failed: see $OUT/install.log" >&2; return 1; }
+    return 0
+  fi
   unpack_deps
   if ! { "$py" -m pip install "${pip_flags[@]}" --no-index --find-links .deps/wheels scikit-build-core nanobind &&
     "$py" -m pip install "${pip_flags[@]}" --no-build-isolation --no-deps -Ccmake.define.MOE_ENGINE_CUDA=ON \

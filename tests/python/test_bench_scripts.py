@@ -422,3 +422,41 @@ def test_layer_bench(tmp_path):
         assert r["min_speedup_vs_megatron_core"] == pytest.approx(min(e["speedup_vs_megatron_core"]
                                                                       for e in r["entries"]))
     assert "correctness on tiny/balanced" in out and "| tiny/balanced | ours |" in md
+
+
+# ---- the expert-parallel benchmark (bench/drivers/ep-bench.py) on the CPU: gloo, 1 and 2 ranks ----
+
+EP = os.path.join(ROOT, "bench", "drivers", "ep-bench.py")
+
+
+def test_ep_bench(tmp_path):
+    """Weak scaling over 1 and 2 CPU ranks (gloo) on a tiny shape: every mode ran, the efficiencies are
+    the baseline over each entry, the all-to-all numbers are there for the dropless mode at 2 ranks."""
+    torch_or_skip()
+    work = tmp_path / "tiny-ep.json"
+    work.write_text(json.dumps({"cases": [
+        {"name": "tiny/balanced", "model": "tiny", "routing": "balanced", "experts": 2, "hidden": 64, "ffn": 32,
+         "tokens": 16384, "activation": "swiglu", "bias": False}]}))
+    out = tmp_path / "ep.json"
+    done = subprocess.run([sys.executable, EP, "--device", "cpu", "--gpus", "1,2", "--models", "tiny", "--workloads",
+                           str(work), "--tokens", "16", "--iters", "2", "--warmup", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    r = json.load(open(out))
+    for key in ("device", "command", "weak_scaling_efficiency_4gpu", "weak_scaling_efficiency_2gpu",
+                "min_a2a_fraction_of_same_run_nccl", "entries"):
+        assert key in r, key
+    assert r["weak_scaling_efficiency_4gpu"] is None  # no 4-rank run here
+    got = [(e["gpus"], e["mode"]) for e in r["entries"]]
+    assert got == [(1, "baseline"), (1, "dropless"), (1, "capacity"), (2, "dropless"), (2, "capacity")]
+    base = r["entries"][0]["ms"]
+    for e in r["entries"]:
+        assert e["topk"] == 2 and e["experts"] == 2 * e["gpus"] and e["ms"] > 0
+        if e["mode"] != "baseline":
+            assert e["weak_scaling_efficiency"] == pytest.approx(base / e["ms"])
+        if e["mode"] == "capacity":
+            assert e["dropped_assignments"] >= 0
+    d2 = r["entries"][3]
+    assert d2["a2a_dispatch_ms"] > 0 and d2["a2a_fraction_of_peak"] > 0
+    assert r["weak_scaling_efficiency_2gpu"] == pytest.approx(d2["weak_scaling_efficiency"])
+    assert "| tiny | 2 | dropless |" in open(tmp_path / "ep.md").read()

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from .. import _C
 from ._bridge import dtype_name, routing_like, routing_of, routing_tensor, stream_of
 from ._contract import WeightGradContract
+from .expert_parallel import expert_parallel_forward, group_rank_size, pair_capacity
 from .modules import GroupedMLP, _init_device
 from .ops import _workspace
 
@@ -409,6 +410,12 @@ class MoELayer(nn.Module):
 
     ``forward(x [T, H]) -> y [T, H]`` is ``combine(experts(dispatch(x, route(x))))``: the four stages
     are methods, for breakdowns or custom compositions. Runs on CPU (float32, bfloat16) and CUDA.
+
+    ``ep_group`` (a ``torch.distributed`` process group of P ranks): expert parallelism. This rank
+    holds experts ``local_experts`` (E / P of them, ``experts`` has that many), routes its own tokens
+    and exchanges them with the other ranks (``expert_parallel.py``, docs/design.md section 16).
+    ``ep_capacity_factor``: None for the dropless exchange (one host read a step), or the factor of
+    the fixed per-pair buffers (graph safe; drops counted in ``ep_dropped``, read by ``ep_drops()``).
     """
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, topk: int, *, score: str = "softmax",
@@ -419,19 +426,32 @@ class MoELayer(nn.Module):
                  offset: float = 1.0, fusion: str = "forward", recompute_fc1: bool = False, layout: str = "packed",
                  accumulate_into_main_grad: bool = False, overwrite_main_grad: bool = False,
                  delay_wgrad_compute: bool = False, zero_out_wgrad: bool = False, offload_activations: bool = True,
-                 fp8_recipe=None, device=None, dtype: torch.dtype = torch.bfloat16):
+                 fp8_recipe=None, ep_group=None, ep_capacity_factor: Optional[float] = None, device=None,
+                 dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         if capacity_factor is not None:
             _C.expert_capacity(1, 1, 1, float(capacity_factor))  # checks the factor, naming it
         self.hidden, self.ffn, self.num_experts, self.topk = int(hidden), int(ffn), int(num_experts), int(topk)
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.ep_group = ep_group
+        self.ep_rank, self.ep_size = group_rank_size(ep_group) if ep_group is not None else (0, 1)
+        if self.num_experts % self.ep_size != 0:
+            raise ValueError(f"moe_engine: MoELayer: num_experts = {num_experts} must be a multiple of the expert-"
+                             f"parallel group's size {self.ep_size} (each rank holds num_experts / size experts)")
+        if ep_capacity_factor is not None:
+            if ep_group is None:
+                raise ValueError("moe_engine: MoELayer: ep_capacity_factor is given without an ep_group; it sizes the "
+                                 "buffers of the expert-parallel exchange")
+            pair_capacity(1, 1, 1, float(ep_capacity_factor))  # checks the factor, naming it
+        self.ep_capacity_factor = None if ep_capacity_factor is None else float(ep_capacity_factor)
+        local_experts = self.num_experts // self.ep_size
         self.router = Router(hidden, num_experts, topk, score=score, expert_bias=expert_bias, num_groups=num_groups,
                              topk_groups=topk_groups, norm_topk_prob=norm_topk_prob, scaling_factor=scaling_factor,
                              aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
                              accumulate_into_main_grad=accumulate_into_main_grad,
                              overwrite_main_grad=overwrite_main_grad, zero_out_wgrad=zero_out_wgrad, device=device,
                              dtype=dtype)
-        self.experts = GroupedMLP(num_experts, hidden, ffn, bias=bias, activation=activation,
+        self.experts = GroupedMLP(local_experts, hidden, ffn, bias=bias, activation=activation,
                                   glu_layout=glu_layout if _C.GluSpec(activation).gated else "halves", limit=limit,
                                   alpha=alpha, offset=offset, fusion=fusion, recompute_fc1=recompute_fc1,
                                   layout=layout, accumulate_into_main_grad=accumulate_into_main_grad,
@@ -440,6 +460,16 @@ class MoELayer(nn.Module):
                                   fp8_recipe=fp8_recipe, device=device, dtype=dtype)
         self.aux_loss: Optional[Tensor] = None
         self.tokens_per_expert: Optional[Tensor] = None  # the last forward's counts [E] int64 (device)
+        # Expert parallel: assignments the fixed-capacity exchange could not send, per destination rank.
+        self.register_buffer("ep_dropped", torch.zeros(self.ep_size, dtype=torch.int64, device=device)
+                             if ep_group is not None else None, persistent=False)
+        self.ep_tokens_per_local_expert: Optional[Tensor] = None  # rows each local expert got (EP, device)
+
+    @property
+    def local_experts(self) -> range:
+        """The global ids of the experts this rank holds (all of them without expert parallelism)."""
+        n = self.experts.num_groups
+        return range(self.ep_rank * n, (self.ep_rank + 1) * n)
 
     def route(self, x: Tensor) -> RouterOutput:
         """The router's choice for x [T, H] (sets ``aux_loss`` and ``tokens_per_expert``)."""
@@ -457,6 +487,8 @@ class MoELayer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         self.experts.fc1.check_input("MoELayer", x)
+        if self.ep_group is not None:
+            return expert_parallel_forward(self, x)[0]
         r = self.route(x)
         d = self.dispatch(x, r)
         return self.combine(self.experts(d.x, d.splits, d.probs), d)
@@ -469,6 +501,18 @@ class MoELayer(nn.Module):
         """See ``Router.update_expert_bias``."""
         self.router.update_expert_bias(rate)
 
+    def ep_drops(self, reset: bool = True) -> int:
+        """Assignments the fixed-capacity expert-parallel exchange dropped since the last reset (a host
+        read: call it outside CUDA-graph capture); ``reset`` clears the count."""
+        if self.ep_dropped is None:
+            return 0
+        n = int(self.ep_dropped.sum().item())
+        if reset:
+            self.ep_dropped.zero_()
+        return n
+
     def extra_repr(self) -> str:
+        ep = "" if self.ep_group is None else (f", ep_rank={self.ep_rank}, ep_size={self.ep_size}, "
+                                                f"ep_capacity_factor={self.ep_capacity_factor}")
         return (f"hidden={self.hidden}, ffn={self.ffn}, num_experts={self.num_experts}, topk={self.topk}, "
-                f"capacity_factor={self.capacity_factor}")
+                f"capacity_factor={self.capacity_factor}" + ep)
