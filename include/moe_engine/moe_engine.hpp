@@ -2,6 +2,7 @@
 #pragma once
 
 #include "moe_engine/checkpoint.hpp"
+#include "moe_engine/communicator.hpp"
 #include "moe_engine/config.hpp"
 #include "moe_engine/device.hpp"
 #include "moe_engine/dtype.hpp"

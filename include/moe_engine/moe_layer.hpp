@@ -7,9 +7,12 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
+#include "moe_engine/communicator.hpp"
 #include "moe_engine/export.hpp"
 #include "moe_engine/group_layout.hpp"
 #include "moe_engine/modules.hpp"
@@ -29,6 +32,13 @@ struct MoELayerOptions {
   // contract. The router weight takes the same dtype and device, and the same main_grad options
   // (accumulate_into_main_grad, overwrite_main_grad, zero_out_wgrad); its gradient is never delayed.
   GroupedMLPOptions experts;
+  // Expert parallelism (docs/design.md section 16): the layer is rank r of the communicator's P
+  // ranks and holds experts r E/P .. (r + 1) E/P - 1 (experts() has E/P groups; E % P == 0); the
+  // router stays whole and each rank routes its own tokens. The exchange is dropless: the per-expert
+  // counts go through an all-to-all and are read on the host (a host sync each forward, so not
+  // capturable), then the rows. Every rank calls forward and backward in the same order with the same
+  // input_requires_grad. Null: no expert parallelism.
+  std::shared_ptr<Communicator> expert_parallel;
 };
 
 // What a MoELayer forward kept for its backward (references to shared storage, not copies).
@@ -47,6 +57,12 @@ class MOE_API MoELayerContext {
   Tensor row_of_, splits_, offsets_;
   GroupLayout groups_;
   MlpContext experts_;
+  // Expert parallelism: rows sent to / received from each rank, and the received rows' plan by
+  // local expert (row_local [N, 1] int32, its splits and offsets; the experts' group layout).
+  bool expert_parallel_ = false;
+  std::vector<int64_t> send_rows_, recv_rows_;
+  Tensor row_local_, splits_local_, offsets_local_;
+  GroupLayout groups_local_;
   bool input_requires_grad_ = false;
   bool router_backward_ = false;  // the router weight or x wants a gradient
   bool live_ = false;
@@ -56,7 +72,9 @@ struct MoELayerForwardResult {
   Tensor y;     // [T, H]
   Tensor loss;  // [] float32 (float64 for a float64 layer): aux_loss + z_loss of the router
   Tensor counts;  // [E] int64: the router's choices per expert (before capacity drops)
-  Tensor splits;  // [E] int64: the assignments each expert computed (after drops)
+  Tensor splits;  // [E] int64: the assignments each expert computed (after drops); with expert
+                  // parallelism: this rank's assignments each expert of the layer got
+  Tensor local_splits;  // expert parallelism: [E/P] int64, the rows each local expert computed
   Tensor dropped;  // [E] int64 with a capacity factor: the assignments each expert dropped
   MoELayerContext ctx;
 };
@@ -73,7 +91,11 @@ class MOE_API MoELayer {
   // E = num_experts experts of hidden -> ffn -> hidden; options.router is checked against E.
   MoELayer(int64_t num_experts, int64_t hidden, int64_t ffn, const MoELayerOptions& options = {});
 
-  int64_t num_experts() const { return experts_.num_groups(); }
+  int64_t num_experts() const { return num_experts_; }  // E, the router's
+  // The experts this layer holds: [first_local_expert(), + local_experts()) (all E without expert
+  // parallelism).
+  int64_t local_experts() const { return experts_.num_groups(); }
+  int64_t first_local_expert() const { return ep_rank_ * local_experts(); }
   int64_t hidden() const { return experts_.hidden(); }
   int64_t ffn() const { return experts_.ffn(); }
   const MoELayerOptions& options() const { return options_; }
@@ -125,8 +147,17 @@ class MOE_API MoELayer {
  private:
   TensorView router_weight_view() const;
   DType acc_dtype() const;
+  // Expert parallelism: the experts on the rows of every rank (x_sorted, probs_sorted: this rank's
+  // [R, H] / [R] in expert order) and their outputs back in this rank's expert order.
+  Tensor exchange_forward(MoELayerContext& c, const Tensor& x_sorted, const Tensor& probs_sorted,
+                          bool input_requires_grad, const ExecContext& exec);
+  // Its backward: dy_sorted [R, H] in this rank's expert order -> the experts' backward where they
+  // are, and dx [R, H] (with an input gradient) and dprobs [R] back in this rank's expert order.
+  MlpBackwardResult exchange_backward(MoELayerContext& c, const Tensor& dy_sorted, const ExecContext& exec);
 
   MoELayerOptions options_;
+  int64_t num_experts_ = 0;
+  int ep_rank_ = 0, ep_size_ = 1;
   GroupedMLP experts_;
   Parameter router_weight_;
   detail::WeightGradContract router_grad_;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <utility>
+#include <vector>
 
 #include "modules/parameter_io.hpp"
 #include "moe_engine/runtime.hpp"
@@ -15,7 +16,8 @@ namespace moe {
 
 int64_t MoELayerContext::saved_bytes() const {
   int64_t bytes = experts_.saved_bytes();
-  for (const Tensor* t : {&x_, &logits_, &indices_, &aux_counts_, &row_of_, &splits_, &offsets_})
+  for (const Tensor* t : {&x_, &logits_, &indices_, &aux_counts_, &row_of_, &splits_, &offsets_, &row_local_,
+                          &splits_local_, &offsets_local_})
     if (t->defined()) bytes += int64_t(t->nbytes());
   return bytes;
 }
@@ -50,11 +52,42 @@ int64_t checked_experts(int64_t num_experts, int64_t hidden, int64_t ffn, const 
   return num_experts;
 }
 
+// The experts this rank holds: E / P with expert parallelism, checked.
+int64_t checked_local_experts(int64_t num_experts, int64_t hidden, int64_t ffn, const MoELayerOptions& o) {
+  checked_experts(num_experts, hidden, ffn, o);
+  if (!o.expert_parallel) return num_experts;
+  const int P = o.expert_parallel->size(), r = o.expert_parallel->rank();
+  MOE_CHECK(P >= 1 && r >= 0 && r < P, ErrorCode::kInvalidArgument,
+            "MoELayer: options.expert_parallel: expected a rank in [0, size) and size >= 1, got rank ", r, " of ", P);
+  MOE_CHECK(num_experts % P == 0, ErrorCode::kInvalidArgument, "MoELayer: num_experts = ", num_experts,
+            " must be a multiple of the expert-parallel group's size ", P,
+            " (each rank holds num_experts / size experts)");
+  return num_experts / P;
+}
+
+// Rows per rank of a [P * L] count vector in rank-major blocks of L.
+std::vector<int64_t> block_sums(const Tensor& counts_host, int P, int64_t L) {
+  std::vector<int64_t> rows(size_t(P), 0);
+  const int64_t* c = counts_host.data_as<int64_t>();
+  for (int p = 0; p < P; ++p)
+    for (int64_t l = 0; l < L; ++l) rows[size_t(p)] += c[p * L + l];
+  return rows;
+}
+
+int64_t total(const std::vector<int64_t>& rows) {
+  int64_t n = 0;
+  for (int64_t r : rows) n += r;
+  return n;
+}
+
 }  // namespace
 
 MoELayer::MoELayer(int64_t num_experts, int64_t hidden, int64_t ffn, const MoELayerOptions& o)
     : options_(o),
-      experts_(checked_experts(num_experts, hidden, ffn, o), hidden, ffn, o.experts),
+      num_experts_(num_experts),
+      ep_rank_(o.expert_parallel ? o.expert_parallel->rank() : 0),
+      ep_size_(o.expert_parallel ? o.expert_parallel->size() : 1),
+      experts_(checked_local_experts(num_experts, hidden, ffn, o), hidden, ffn, o.experts),
       router_weight_(1, {num_experts, hidden}, o.experts.dtype, o.experts.device, ExpertLayout::kPacked),
       router_grad_(o.experts.accumulate_into_main_grad, o.experts.overwrite_main_grad, o.experts.zero_out_wgrad),
       tokens_per_expert_(Tensor::zeros({num_experts}, DType::kInt64, o.experts.device)),
@@ -128,11 +161,18 @@ MoELayerForwardResult MoELayer::forward(const Tensor& x, bool input_requires_gra
   permute(x, probs, c.row_of_, c.groups_, x_sorted, probs_sorted, exec);
   // The experts apply the probs (y_e = FC2(act(FC1 x) p) + p b2, Megatron-LM's place for them), so
   // their output needs no keeping for a probs gradient in unpermute: dprobs comes from the MLP.
-  MlpForwardResult mlp = experts_.forward(x_sorted, c.groups_, probs_sorted, input_requires_grad, exec);
+  Tensor out_sorted;  // the experts' rows in this rank's expert order
+  if (options_.expert_parallel) {
+    out_sorted = exchange_forward(c, x_sorted, probs_sorted, input_requires_grad, exec);
+    r.local_splits = c.splits_local_;
+  } else {
+    MlpForwardResult mlp = experts_.forward(x_sorted, c.groups_, probs_sorted, input_requires_grad, exec);
+    out_sorted = mlp.y;
+    c.experts_ = std::move(mlp.ctx);
+  }
   r.y = empty({T, H}, dtype);  // unpermute writes every token (zeros where all k were dropped)
-  unpermute(mlp.y, {}, c.row_of_, c.groups_, r.y, exec);
+  unpermute(out_sorted, {}, c.row_of_, c.groups_, r.y, exec);
 
-  c.experts_ = std::move(mlp.ctx);
   c.input_requires_grad_ = input_requires_grad;
   c.router_backward_ = input_requires_grad || router_weight_.requires_grad;
   // router_backward reads x (dweight = dl^T x; x also sets its shapes); without it, nothing router-side.
@@ -143,6 +183,97 @@ MoELayerForwardResult MoELayer::forward(const Tensor& x, bool input_requires_gra
   }
   c.live_ = true;
   return r;
+}
+
+// Expert parallelism, dropless (docs/design.md section 16). x_sorted's routed rows are in expert
+// order, which is destination order (rank p holds experts [p L, (p + 1) L)): the counts per expert
+// go to their ranks, one host read sizes the rows' all-to-all, each source's block arrives in
+// expert order, and the received rows are sorted by local expert (stable: source order within an
+// expert) for the experts; their outputs go back the same way.
+Tensor MoELayer::exchange_forward(MoELayerContext& c, const Tensor& x_sorted, const Tensor& probs_sorted,
+                                  bool input_requires_grad, const ExecContext& exec) {
+  Communicator& comm = *options_.expert_parallel;
+  const int P = ep_size_;
+  const int64_t L = local_experts(), E = num_experts(), H = hidden(), R = x_sorted.size(0);
+  const Device device = options_.experts.device;
+  const DType dtype = options_.experts.dtype, acc = acc_dtype();
+  const Stream stream = exec.stream;
+  auto empty = [&](Shape shape, DType dt) { return Tensor::empty_async(shape, dt, device, stream); };
+
+  const std::vector<int64_t> blocks(size_t(P), L);
+  const Tensor recv_counts = empty({E}, DType::kInt64);  // [P, L]: source s's rows for local expert l
+  comm.all_to_all(c.splits_, blocks, recv_counts, blocks, stream);
+  synchronize(stream);  // the dropless exchange's host read
+  const Tensor send_host = c.splits_.to(Device::cpu()), recv_host = recv_counts.to(Device::cpu());
+  c.send_rows_ = block_sums(send_host, P, L);
+  c.recv_rows_ = block_sums(recv_host, P, L);
+  const int64_t sent = total(c.send_rows_), N = total(c.recv_rows_);
+
+  const Tensor x_recv = empty({N, H}, dtype), probs_recv = empty({N, 1}, acc);
+  comm.all_to_all(x_sorted.view().slice(0, sent), c.send_rows_, x_recv, c.recv_rows_, stream);
+  comm.all_to_all(probs_sorted.view().slice(0, sent), c.send_rows_, probs_recv.view().reshape({N}), c.recv_rows_,
+                  stream);
+
+  // Each received row's local expert, from the counts (rank-major blocks, expert order within one),
+  // then the plan that sorts the rows by it.
+  Tensor ids_host = Tensor::empty({N, 1}, DType::kInt32);
+  int32_t* id = ids_host.data_as<int32_t>();
+  const int64_t* rc = recv_host.data_as<int64_t>();
+  for (int64_t b = 0; b < E; ++b)
+    for (int64_t i = 0; i < rc[b]; ++i) *id++ = int32_t(b % L);
+  const Tensor ids = ids_host.to(device);
+  c.row_local_ = empty({N, 1}, DType::kInt32);
+  c.splits_local_ = empty({L}, DType::kInt64);
+  c.offsets_local_ = empty({L + 1}, DType::kInt64);
+  {
+    const Scratch scratch(permute_plan_workspace_size(N, 1, L), device, exec);
+    c.groups_local_ = permute_plan(ids, {c.row_local_, c.splits_local_, c.offsets_local_, {}}, std::nullopt,
+                                   &errors_, scratch.exec);
+  }
+  const Tensor x_local = empty({N, H}, dtype), probs_local = empty({N}, acc);
+  permute(x_recv, probs_recv, c.row_local_, c.groups_local_, x_local, probs_local, exec);
+  MlpForwardResult mlp = experts_.forward(x_local, c.groups_local_, probs_local, input_requires_grad, exec);
+  c.experts_ = std::move(mlp.ctx);
+  const Tensor y_recv = empty({N, H}, dtype);
+  unpermute(mlp.y, {}, c.row_local_, c.groups_local_, y_recv, exec);
+  const Tensor out_sorted = empty({R, H}, dtype);  // rows past the sent ones: unrouted, never read
+  comm.all_to_all(y_recv, c.recv_rows_, out_sorted.view().slice(0, sent), c.send_rows_, stream);
+  c.expert_parallel_ = true;
+  return out_sorted;
+}
+
+MlpBackwardResult MoELayer::exchange_backward(MoELayerContext& c, const Tensor& dy_sorted, const ExecContext& exec) {
+  Communicator& comm = *options_.expert_parallel;
+  const int64_t H = hidden(), R = dy_sorted.size(0), N = total(c.recv_rows_), sent = total(c.send_rows_);
+  const Device device = options_.experts.device;
+  const DType dtype = options_.experts.dtype, acc = acc_dtype();
+  const Stream stream = exec.stream;
+  auto empty = [&](Shape shape, DType dt) { return Tensor::empty_async(shape, dt, device, stream); };
+
+  const Tensor dy_recv = empty({N, H}, dtype), dy_local = empty({N, H}, dtype);
+  comm.all_to_all(dy_sorted.view().slice(0, sent), c.send_rows_, dy_recv, c.recv_rows_, stream);
+  unpermute_backward(dy_recv, {}, {}, c.row_local_, c.groups_local_, dy_local, {}, exec);
+  MlpBackwardResult mlp = experts_.backward(c.experts_, dy_local, exec);
+  if (!c.router_backward_) return mlp;  // neither x nor the router weight wants the rows' gradients
+  // The rows' gradients back into received order, then to their ranks.
+  const Tensor dprobs_recv = empty({N, 1}, acc);
+  Tensor dx_recv;
+  if (c.input_requires_grad_) {
+    dx_recv = empty({N, H}, dtype);
+    permute_backward(mlp.dx, mlp.dprobs, c.row_local_, c.groups_local_, dx_recv, dprobs_recv, exec);
+  } else {
+    // Only dprobs is wanted; the op sums rows too, so give it one zero column to sum.
+    const Tensor zero_column = Tensor::zeros_async({N, 1}, dtype, device, stream), unused = empty({N, 1}, dtype);
+    permute_backward(zero_column, mlp.dprobs, c.row_local_, c.groups_local_, unused, dprobs_recv, exec);
+  }
+  mlp.dprobs = empty({R}, acc);  // rows past the sent ones: unrouted, never read
+  comm.all_to_all(dprobs_recv.view().reshape({N}), c.recv_rows_, mlp.dprobs.view().slice(0, sent), c.send_rows_,
+                  stream);
+  if (c.input_requires_grad_) {
+    mlp.dx = empty({R, H}, dtype);
+    comm.all_to_all(dx_recv, c.recv_rows_, mlp.dx.view().slice(0, sent), c.send_rows_, stream);
+  }
+  return mlp;
 }
 
 MoELayerBackwardResult MoELayer::backward(MoELayerContext& ctx, const Tensor& dy, double d_loss,
@@ -188,7 +319,12 @@ MoELayerBackwardResult MoELayer::backward(MoELayerContext& ctx, const Tensor& dy
   // unpermute without probs: each of a token's kept rows gets dy[t], bit for bit.
   const Tensor dy_sorted = empty({R, H}, dtype);
   unpermute_backward(dy, {}, {}, ctx.row_of_, ctx.groups_, dy_sorted, {}, exec);
-  MlpBackwardResult mlp = experts_.backward(ctx.experts_, dy_sorted, exec);
+  MlpBackwardResult mlp;
+  if (ctx.expert_parallel_) {
+    mlp = exchange_backward(ctx, dy_sorted, exec);
+  } else {
+    mlp = experts_.backward(ctx.experts_, dy_sorted, exec);
+  }
   ctx.live_ = false;
 
   MoELayerBackwardResult r;
@@ -233,6 +369,8 @@ MoELayerBackwardResult MoELayer::backward(MoELayerContext& ctx, const Tensor& dy
   ctx.x_ = ctx.logits_ = ctx.indices_ = ctx.aux_counts_ = Tensor();
   ctx.row_of_ = ctx.splits_ = ctx.offsets_ = Tensor();
   ctx.groups_ = GroupLayout();
+  ctx.row_local_ = ctx.splits_local_ = ctx.offsets_local_ = Tensor();
+  ctx.groups_local_ = GroupLayout();
   return r;
 }
 

@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "gpu_support.hpp"
+#include "moe_layer_ep_support.hpp"
 #include "moe_layer_support.hpp"
 
 namespace moe::test {
@@ -157,6 +158,36 @@ TEST(GpuMoELayerGraph, ReplayWithNewInputsMatchesEagerSteps) {
   }
   layer.check_errors(stream.s);
 }
+
+// Expert parallelism on one GPU: P ranks as threads, each on its own stream, over the in-process
+// communicator (device-to-device copies); every rank against the layer without expert parallelism
+// on its tokens, as the CPU suite checks.
+class GpuMoELayerExpertParallel : public ::testing::TestWithParam<std::tuple<EpCase, DType>> {
+ protected:
+  void SetUp() override {
+    if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+TEST_P(GpuMoELayerExpertParallel, EachRankMatchesTheFullLayerOnItsTokens) {
+  const auto& [e, dtype] = GetParam();
+  std::vector<Stream> streams;
+  for (int r = 0; r < e.ranks; ++r) {
+    cudaStream_t s = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    streams.push_back(s);
+  }
+  check_expert_parallel(e, dtype, Device::cuda(0), streams, dtype == DType::kFloat32 ? 1e-5 : 1e-2);
+  for (Stream s : streams) cudaStreamDestroy(static_cast<cudaStream_t>(s));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GpuMoELayerExpertParallel,
+                         ::testing::Combine(::testing::ValuesIn(ep_cases()),
+                                            ::testing::Values(DType::kFloat32, DType::kBFloat16)),
+                         [](const auto& info) {
+                           return ep_case_name(std::get<0>(info.param)) + "_" +
+                                  dtype_name(std::get<1>(info.param));
+                         });
 
 }  // namespace
 }  // namespace moe::test

@@ -19,7 +19,7 @@ VOCABULARY = {
     "grouped_param", "group_layout", "glu_spec", "grad_mode", "bias_epilogue", "fp8", "router_spec",
 }
 OP_HEADERS = {"grouped_linear", "glu", "expert_mlp", "expert_mlp_fp8", "router", "permute"}
-TRAINING_HEADERS = {"modules", "moe_layer", "offload", "checkpoint", "safetensors"}
+TRAINING_HEADERS = {"modules", "moe_layer", "communicator", "offload", "checkpoint", "safetensors"}
 
 # (layer name, rank, predicate on the path relative to the repository root). First match wins.
 LAYERS = [
