@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "moe_layer_support.hpp"
@@ -34,8 +35,10 @@ inline std::vector<EpCase> ep_cases() {
   };
 }
 
-inline std::string ep_case_name(const EpCase& e) {
-  return e.layer.name + "_" + std::to_string(e.ranks) + "ranks";
+// The parameterized suites' test names: "<case>_<P>ranks_<dtype>".
+inline std::string ep_param_name(const ::testing::TestParamInfo<std::tuple<EpCase, DType>>& info) {
+  const EpCase& e = std::get<0>(info.param);
+  return e.layer.name + "_" + std::to_string(e.ranks) + "ranks_" + dtype_name(std::get<1>(info.param));
 }
 
 // Rows [lo, lo + n) of t, copied onto `device`.

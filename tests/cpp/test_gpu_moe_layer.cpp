@@ -184,10 +184,7 @@ TEST_P(GpuMoELayerExpertParallel, EachRankMatchesTheFullLayerOnItsTokens) {
 INSTANTIATE_TEST_SUITE_P(Cases, GpuMoELayerExpertParallel,
                          ::testing::Combine(::testing::ValuesIn(ep_cases()),
                                             ::testing::Values(DType::kFloat32, DType::kBFloat16)),
-                         [](const auto& info) {
-                           return ep_case_name(std::get<0>(info.param)) + "_" +
-                                  dtype_name(std::get<1>(info.param));
-                         });
+                         ep_param_name);
 
 }  // namespace
 }  // namespace moe::test

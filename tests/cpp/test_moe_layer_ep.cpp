@@ -21,10 +21,7 @@ TEST_P(MoELayerExpertParallel, EachRankMatchesTheFullLayerOnItsTokens) {
 INSTANTIATE_TEST_SUITE_P(Cases, MoELayerExpertParallel,
                          ::testing::Combine(::testing::ValuesIn(ep_cases()),
                                             ::testing::Values(DType::kFloat32, DType::kBFloat16)),
-                         [](const auto& info) {
-                           return ep_case_name(std::get<0>(info.param)) + "_" +
-                                  dtype_name(std::get<1>(info.param));
-                         });
+                         ep_param_name);
 
 TEST(MoELayerExpertParallel, ValidationErrors) {
   const LayerCase c = layer_cases()[0];  // E 6
