@@ -19,7 +19,8 @@ from .fp8 import (
     quantize_fp8,
     quantize_fp8_weight,
 )
-from .layer import Dispatched, MoELayer, Router, RouterOutput, combine, dispatch, permuted_rows
+from .layer import MoELayer
+from .routing import Dispatched, Router, RouterOutput, combine, dispatch, permuted_rows
 from .modules import GroupedLinear, GroupedMLP, normalize_grouped_keys
 from .offload import ActivationOffload, mark_as_weight, mark_not_offload, no_offload
 from .ops import (

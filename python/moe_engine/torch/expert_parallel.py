@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._bridge import routing_for_capacity, routing_tensor, stream_of
+from .routing import _permute, _permute_plan, _unpermute
 
 
 def group_rank_size(group) -> tuple:
@@ -111,7 +112,6 @@ def plan_send(indices: Tensor, row_of_expert: Optional[Tensor], experts_per_rank
     and holds its first C assignments in token order (a stable counting sort on the device); the
     rest are dropped. ``row_of_expert`` (the layer's own capacity plan, or None) marks assignments the
     layer dropped already (-1)."""
-    from .layer import _permute_plan  # the layer module imports this one
 
     L, P = experts_per_rank, ranks
     T, k = indices.shape
@@ -157,7 +157,6 @@ def _local_experts(layer, x_recv: Tensor, p_recv: Tensor, ids_recv: Tensor, grou
     """The experts on the received rows: a stable sort by local expert id (rows with id L, if any, last
     and not computed), the GroupedMLP, the inverse sort. Returns the rows' outputs in received order
     and the local experts' row counts."""
-    from .layer import _permute, _permute_plan, _unpermute  # the layer module imports this one
 
     L, rows = layer.experts.num_groups, x_recv.shape[0]
     row_local, local_splits, local_routing, _ = _permute_plan(ids_recv.view(-1, 1).to(torch.int64), groups, None)
@@ -172,7 +171,6 @@ def _dropless_forward(layer, x: Tensor, r):
     exchanged on the device and read once on the host, the rows exchanged by one all-to-all with those
     sizes, sorted by local expert on the receiver (each source's block is already in expert order),
     the experts, the way back, the layer's own combine."""
-    from .layer import _unpermute  # the layer module imports this one
 
     group, P, L = layer.ep_group, layer.ep_size, layer.experts.num_groups
     d = layer.dispatch(x, r)
@@ -197,7 +195,6 @@ def _dropless_forward(layer, x: Tensor, r):
 def _fixed_capacity_forward(layer, x: Tensor, r):
     """Static shapes, no host read: per-pair buffers of C rows exchanged with equal splits, with each
     row's local expert id; the receiver's sort by it and its inverse."""
-    from .layer import _permute, _permute_plan, _unpermute  # the layer module imports this one
 
     group, P, L = layer.ep_group, layer.ep_size, layer.experts.num_groups
     T, k = r.indices.shape
