@@ -5,8 +5,8 @@ Uneven routings, ranks with no tokens, experts with no rows, the layer's capacit
 capacity exchange with and without drops; on GPUs also graph capture and replay with new routings."""
 
 import os
-import socket
 import tempfile
+import time
 
 import pytest
 
@@ -44,12 +44,16 @@ def spawn(world, backend, device_kind, dtype_name, case_list):
         store = os.path.join(tmp, "store")
         ctx = mp.start_processes(ep_worker.main, args=(world, backend, store, device_kind, dtype_name, case_list, tmp),
                                  nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + 600
         try:
-            while not ctx.join(timeout=300):
-                pass
+            while not ctx.join(timeout=5):
+                if time.monotonic() > deadline:  # a collective that never completes: stop, say so
+                    for proc in ctx.processes:
+                        proc.kill()
+                    raise TimeoutError("the worker processes did not finish in 600 s")
         except Exception as e:  # the workers wrote their tracebacks
             msgs = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.startswith("rank")]
-            raise AssertionError("\n".join(msgs) or str(e)) from None
+            raise AssertionError("\n".join(msgs) or repr(e)) from None
 
 
 @pytest.mark.parametrize("world", [2, 4])
