@@ -433,8 +433,10 @@ TEST(RouterAccumulation, CountsTotalTotalLossAndAccumulatedDx) {
   // No loss requested: total_loss is 0.
   const RouterSpec quiet = make_spec(RouterScore::kSoftmax, k, 1, 1, true, 1.f, 0.f, 0.f);
   const Tensor total = Tensor::empty({}, DType::kFloat32);
-  RouterOutputs out{Tensor::empty({T, E}, DType::kFloat32), Tensor::empty({T, k}, DType::kInt32),
-                    Tensor::empty({T, k}, DType::kFloat32), Tensor::empty({E}, DType::kInt64)};
+  // RouterOutputs holds views: the tensors behind them must outlive the calls.
+  const Tensor logits = Tensor::empty({T, E}, DType::kFloat32), indices = Tensor::empty({T, k}, DType::kInt32);
+  const Tensor probs = Tensor::empty({T, k}, DType::kFloat32), counts = Tensor::empty({E}, DType::kInt64);
+  RouterOutputs out{logits, indices, probs, counts};
   out.total_loss = total;
   const Tensor ws = workspace_tensor(router_forward_workspace_size(T, E), Device::cpu());
   const ExecContext ctx{nullptr, workspace_of(ws, Device::cpu())};
