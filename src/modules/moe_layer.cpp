@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -74,11 +75,7 @@ std::vector<int64_t> block_sums(const Tensor& counts_host, int P, int64_t L) {
   return rows;
 }
 
-int64_t total(const std::vector<int64_t>& rows) {
-  int64_t n = 0;
-  for (int64_t r : rows) n += r;
-  return n;
-}
+int64_t total(const std::vector<int64_t>& rows) { return std::accumulate(rows.begin(), rows.end(), int64_t{0}); }
 
 }  // namespace
 

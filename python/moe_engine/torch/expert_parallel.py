@@ -90,13 +90,6 @@ def all_to_all(x: Tensor, out_rows: int, send_sizes: Optional[List[int]], recv_s
     return _AllToAll.apply(x, out_rows, send_sizes, recv_sizes, group)
 
 
-def _exchange_ids(ids: Tensor, group) -> Tensor:
-    """The fixed-capacity rows' local expert ids, equal splits (not differentiable)."""
-    out = torch.empty_like(ids)
-    dist.all_to_all_single(out, ids, group=group)
-    return out
-
-
 class SendPlan(NamedTuple):
     """The fixed-capacity mode's send buffer."""
     row_send: Tensor  # [T, k] int32: the send-buffer row of each assignment, -1 if not sent
@@ -209,7 +202,7 @@ def _fixed_capacity_forward(layer, x: Tensor, r):
     rows = plan.rows
     x_recv = all_to_all(x_send, rows, None, None, group)
     p_recv = all_to_all(p_send, rows, None, None, group)
-    ids_recv = _exchange_ids(plan.ids, group)
+    ids_recv = all_to_all(plan.ids, rows, None, None, group)  # int32: no gradient
     y_recv, splits_l = _local_experts(layer, x_recv, p_recv, ids_recv, L + 1)
     y_send = all_to_all(y_recv, rows, None, None, group)
     y = _unpermute(y_send, None, plan.row_send, plan.splits, plan.routing)
