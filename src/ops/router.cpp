@@ -39,12 +39,18 @@ TensorView backward_logits_grad(ops::WorkspaceCarver& c, int64_t tokens, int64_t
 }
 
 // The weight gradient's contraction over the T tokens runs on CUDA in this many slices, each into
-// its own float32 partial sums, added in slice order: its E x H outputs are few tiles (64 to 112 at
-// the suite's shapes), and one slice would leave most of the GPU idle for T = 8192 steps.
-int64_t wgrad_slices(int64_t tokens) { return std::clamp<int64_t>(tokens / 1024, 1, 8); }
+// its own float32 partial sums, added in slice order: its E x H outputs are few (a thread of the
+// 16-bit kernel owns 8 x 8 of them, so 1024 columns x 8 experts per block: 4 to 32 blocks at the
+// suite's shapes), and one slice would leave most of the GPU idle. About two blocks per SM of an
+// H100/H200, slices of at least 256 tokens, at most 8 MiB of partial sums.
+int64_t wgrad_slices(int64_t tokens, int64_t num_experts, int64_t hidden) {
+  const int64_t blocks = std::max<int64_t>(1, (hidden + 1023) / 1024) * ((num_experts + 7) / 8);
+  const int64_t by_bytes = (int64_t(8) << 20) / std::max<int64_t>(1, num_experts * hidden * 4);
+  return std::clamp<int64_t>(std::min({(264 + blocks - 1) / blocks, tokens / 256, by_bytes}), 1, 32);
+}
 
 TensorView wgrad_partials(ops::WorkspaceCarver& c, int64_t tokens, int64_t num_experts, int64_t hidden) {
-  const int64_t slices = wgrad_slices(tokens);
+  const int64_t slices = wgrad_slices(tokens, num_experts, hidden);
   return slices == 1 ? TensorView() : c.take({slices, num_experts, hidden}, DType::kFloat32);
 }
 

@@ -1,7 +1,7 @@
 // The router on CUDA (label "gpu") against the CPU backend on the same inputs: bit for bit the
 // logits (16-bit inputs, or float32 inputs whose products and sums are exact), the choices, the
 // probabilities and the counts; the losses and the gradients within float32 rounding. E = 8, 64,
-// 256 and the limits (512 experts, topk 32); T = 0, 1, 3 and sizes that are multiples of nothing;
+// 256, odd counts (5, 12, 60, 200) and the limits (512 experts, topk 32); T = 0, 1, 3 and sizes that are multiples of nothing;
 // both score functions, expert bias, group-limited routing; rows past every output untouched;
 // CUDA-graph replay with new inputs, bit-identical to eager runs; the expert-bias update. Skips
 // without a GPU.
@@ -93,6 +93,49 @@ TEST_F(GpuRouter, ForwardIsTheCpusBitsForEveryShapeAndSpec) {
             expect_same_forward(gpu, cpu);
           }
       }
+}
+
+// The 16-bit kernels' edges (router_linear_16bit.cu): hidden sizes of many pipeline stages with a
+// partial last one, expert counts that fill no 8-expert chunk or power-of-2 chunk count, token
+// counts that fill no block, the 256-expert limit of the logits kernel, and a hidden size that is
+// no multiple of 8 (the generic kernel). Logits the CPU's bits; gradients within float32 rounding,
+// written and accumulated into a float32 main_grad.
+TEST_F(GpuRouter, SixteenBitProductsAtLongHiddenSizesAndOddExpertCounts) {
+  Rng rng;
+  for (const auto& [T, H, E] : {std::tuple<int64_t, int64_t, int64_t>{777, 1000, 60}, {4097, 2048, 8},
+                                {300, 136, 200}, {129, 264, 256}, {50, 70, 12}, {1, 3000, 5}})
+    for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + ", T = " + std::to_string(T) + ", H = " + std::to_string(H) +
+                   ", E = " + std::to_string(E));
+      const Inputs in(rng, T, H, E, dt);
+      const Tensor xd = to_gpu(in.x), wd = to_gpu(in.w), bd = to_gpu(in.bias);
+      const RouterSpec spec = router_spec(RouterScore::kSoftmax, std::min<int64_t>(4, E), 1, 1, true, 1.f);
+      const RouterRun cpu = run_router_forward(in.x, in.w, in.bias, spec);
+      const RouterRun gpu = run_router_forward(xd, wd, bd, spec);
+      expect_same_forward(gpu, cpu);
+      const Tensor g = random_tensor({T, spec.topk}, DType::kFloat32, rng);
+      const Tensor a = scalar_tensor(30, DType::kFloat32), z = scalar_tensor(-20, DType::kFloat32);
+      const RouterBackwardRun bc = run_router_backward({g, a, z}, in.x, in.w, cpu, spec, DType::kFloat32);
+      const RouterBackwardRun bg =
+          run_router_backward({to_gpu(g), to_gpu(a), to_gpu(z)}, xd, wd, gpu, spec, DType::kFloat32);
+      EXPECT_TRUE(bg.dx.tail_untouched());
+      EXPECT_TRUE(bg.dweight.tail_untouched());
+      EXPECT_LE(oracle::rel_error(oracle::to_matrix(bg.dx.values()), oracle::to_matrix(bc.dx.values())),
+                tolerance(dt))
+          << "dx";
+      EXPECT_LE(oracle::rel_error(oracle::to_matrix(bg.dweight.values()), oracle::to_matrix(bc.dweight.values())),
+                1e-5)
+          << "dweight";
+      const Tensor start = random_tensor({E, H}, DType::kFloat32, rng);
+      const Tensor main_grad = to_gpu(start);
+      const Tensor ws = workspace_tensor(router_backward_workspace_size(T, E, H, dt), Device::cuda(0));
+      router_backward({to_gpu(g), {}, {}}, xd, wd, gpu.logits.view, gpu.indices.view, gpu.aux_counts.view,
+                      {{}, main_grad, GradMode::kAccumulate}, spec, {nullptr, workspace_of(ws, Device::cuda(0))});
+      const RouterBackwardRun probs_only = run_router_backward({g, {}, {}}, in.x, in.w, cpu, spec, DType::kFloat32);
+      oracle::Matrix want = oracle::to_matrix(probs_only.dweight.values());
+      for (size_t i = 0; i < want.data.size(); ++i) want.data[i] += start.data_as<float>()[i];
+      EXPECT_LE(oracle::rel_error(oracle::to_matrix(to_host(main_grad)), want), 1e-5) << "main_grad accumulate";
+    }
 }
 
 // The largest shapes the kernels take: 512 experts (16 per lane), 32 choices (one per lane).

@@ -2,6 +2,7 @@
 float64 reference written here in plain PyTorch (choices, probs, capacity drops, losses, every
 gradient); expert bias; main_grad; determinism; CUDA graphs and no host sync on the GPU."""
 
+import contextlib
 import math
 
 import pytest
@@ -152,6 +153,31 @@ def test_layer_is_deterministic(device):
         y = layer(x)
         (y.float().square().sum() + layer.aux_loss).backward()
         outs.append([y, x.grad, layer.router.weight.grad, layer.experts.fc1.weight.grad])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+class _PassThrough(torch.utils._python_dispatch.TorchDispatchMode):
+    """Runs every op as is; its presence sends the layer's ops through torch's dispatcher."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_calls_without_the_dispatcher_match_the_ops(device):
+    """Plain eager calls run the ops' implementations and autograd directly (FastOp); under a dispatch
+    mode they go through the registered custom ops. Both give the same bits, gradients included."""
+    outs = []
+    for mode in (None, _PassThrough):
+        layer = make_layer(dict(num_experts=8, topk=2, aux_loss_coeff=1e-2, capacity_factor=1.5), device,
+                           torch.bfloat16)
+        x = torch.randn(57, H, generator=torch.Generator().manual_seed(3)).to(device, torch.bfloat16)
+        x.requires_grad_()
+        with (mode() if mode else contextlib.nullcontext()):
+            y = layer(x)
+            (y.float().square().sum() + layer.aux_loss).backward()
+        outs.append([y, x.grad, layer.router.weight.grad, layer.experts.fc1.weight.grad,
+                     layer.experts.fc2.weight.grad])
     for a, b in zip(*outs):
         assert torch.equal(a, b)
 

@@ -92,6 +92,65 @@ def grouped(ts: Sequence[torch.Tensor], expert_rank: int):
     return (ts, pointer_table(ts))
 
 
+# ---- calling the custom ops ----
+
+
+def _plain_eager(args) -> bool:
+    """Whether a call with these arguments may skip torch's dispatcher: eager mode on plain tensors
+    (no torch.compile / tracing, no fake or functional tensors, no dispatch mode, no functorch
+    transform)."""
+    if torch.compiler.is_compiling():
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) is not torch.Tensor:
+                return False
+            break
+    return torch._C._len_torch_dispatch_stack() == 0 and torch._C._functorch.peek_interpreter_stack() is None
+
+
+class FastOp:
+    """A ``torch.library.custom_op`` as the modules call it. In plain eager mode the op's Python
+    implementation runs directly (its autograd, when it has one, as an ``autograd.Function`` made of
+    the same setup and backward): torch's dispatcher costs 20-90 us of host time per call on an
+    H200 host (``docs/performance-log.md``), which a small batch's step, bound by host time, pays
+    about ten times. Anywhere else (torch.compile, tracing, fake tensors) the call goes through the
+    op, its fake implementation and its registered autograd as before."""
+
+    def __init__(self, op, setup_context=None, backward=None, differentiable=False):
+        """setup_context / backward: the op's registered autograd, run as an autograd.Function
+        (tensor arguments only: a Function sees no tensor inside a list). differentiable without
+        them: calls with grad enabled go through the op."""
+        self.op = op
+        self._impl = getattr(op, "_init_fn", None)  # the decorated function (torch >= 2.4)
+        self._function = None
+        self._differentiable = differentiable or backward is not None
+        if backward is not None:
+            impl = self._impl
+
+            class _Function(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, *args):
+                    out = impl(*args)
+                    setup_context(ctx, args, out)
+                    return out
+
+                @staticmethod
+                def backward(ctx, *grads):
+                    return backward(ctx, *grads)
+
+            self._function = _Function
+
+    def __call__(self, *args, **kwargs):
+        if self._impl is None or not _plain_eager(args):
+            return self.op(*args, **kwargs)
+        if self._differentiable and torch.is_grad_enabled():
+            if self._function is None:
+                return self.op(*args, **kwargs)
+            return self._function.apply(*args, *kwargs.values())  # ops with autograd take no defaults
+        return self._impl(*args, **kwargs)
+
+
 # ---- routing ----
 
 _SPLITS_DTYPES = (torch.int64, torch.int32)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from ._bridge import (dtype_name, ensure_device, grouped, is_packed, routing_like, routing_of, routing_tensor,
+from ._bridge import (FastOp, dtype_name, ensure_device, grouped, is_packed, routing_like, routing_of, routing_tensor,
                       stream_of)
 
 Experts = Union[Tensor, Sequence[Tensor]]
@@ -297,6 +297,8 @@ def _(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, glu, fusion, need_dx, need_
             dy.new_empty(G if bias else 0, W), dy.new_empty(G if bias else 0, H))
 
 
+_expert_mlp_backward_ = FastOp(_expert_mlp_backward_)
+
 # ---- helpers shared with the modules ----
 
 
@@ -445,6 +447,7 @@ def _expert_mlp_bwd(ctx, dy, _d_fc1_out, _d_routing):
 
 
 torch.library.register_autograd("moe_engine::expert_mlp_routed", _expert_mlp_bwd, setup_context=_expert_mlp_setup)
+_expert_mlp = FastOp(_expert_mlp, differentiable=True)  # its weights are lists: autograd through the op
 
 
 # ---- backward pieces (for callers that run their own autograd, e.g. delayed wgrad) ----

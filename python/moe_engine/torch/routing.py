@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _C
-from ._bridge import dtype_name, routing_like, routing_of, routing_tensor, stream_of
+from ._bridge import FastOp, dtype_name, routing_like, routing_of, routing_tensor, stream_of
 from ._contract import WeightGradContract
 from .modules import _init_device
 from .ops import _workspace
@@ -73,6 +73,9 @@ def _(x, weight, expert_bias, score, topk, num_groups, topk_groups, norm_topk_pr
             x.new_empty((), dtype=acc))
 
 
+_router_forward = FastOp(_router_forward)
+
+
 @torch.library.custom_op("moe_engine::router_backward_", mutates_args=("dweight",))
 def _router_backward_(d_probs: Optional[Tensor], d_aux_loss: Optional[Tensor], d_z_loss: Optional[Tensor], x: Tensor,
                       weight: Tensor, logits: Tensor, indices: Tensor, aux_loss_counts: Optional[Tensor],
@@ -96,6 +99,9 @@ def _router_backward_(d_probs: Optional[Tensor], d_aux_loss: Optional[Tensor], d
 def _(d_probs, d_aux_loss, d_z_loss, x, weight, logits, indices, aux_loss_counts, need_dx, dweight, dweight_mode,
       score, topk, num_groups, topk_groups, norm_topk_prob, scaling_factor, aux_loss_coeff, z_loss_coeff):
     return torch.empty_like(x) if need_dx else x.new_empty(0, x.shape[-1])
+
+
+_router_backward_ = FastOp(_router_backward_)
 
 
 class RouterOutput(NamedTuple):
@@ -239,6 +245,9 @@ def _(indices, num_experts, capacity_factor):
             indices.new_empty(num_experts, dtype=torch.int64))
 
 
+_permute_plan = FastOp(_permute_plan)
+
+
 @torch.library.custom_op("moe_engine::permute", mutates_args=())
 def _permute(x: Tensor, probs: Optional[Tensor], row_of: Tensor, splits: Tensor, routing: Tensor,
              rows: int) -> Tuple[Tensor, Tensor]:
@@ -279,6 +288,9 @@ def _(d_sorted, d_probs_sorted, row_of, splits, routing):
             d_sorted.new_empty(T if d_probs_sorted is not None else 0, k, dtype=_acc_dtype(d_sorted)))
 
 
+_permute_backward = FastOp(_permute_backward)
+
+
 def _permute_setup(ctx, inputs, output):
     x, probs, row_of, splits, routing, rows = inputs
     ctx.save_for_backward(row_of, splits, routing)
@@ -298,6 +310,7 @@ def _permute_bwd(ctx, d_sorted, d_probs_sorted):
 
 
 torch.library.register_autograd("moe_engine::permute", _permute_bwd, setup_context=_permute_setup)
+_permute = FastOp(_permute, _permute_setup, _permute_bwd)
 
 
 @torch.library.custom_op("moe_engine::unpermute", mutates_args=())
@@ -335,6 +348,9 @@ def _(dy, out, probs, row_of, splits, routing, rows, need_dprobs):
     return dy.new_empty(rows, dy.shape[-1]), dy.new_empty(T if need_dprobs else 0, k, dtype=_acc_dtype(dy))
 
 
+_unpermute_backward = FastOp(_unpermute_backward)
+
+
 def _unpermute_setup(ctx, inputs, output):
     out, probs, row_of, splits, routing = inputs
     need_p = probs is not None and ctx.needs_input_grad[1]
@@ -352,6 +368,7 @@ def _unpermute_bwd(ctx, dy):
 
 
 torch.library.register_autograd("moe_engine::unpermute", _unpermute_bwd, setup_context=_unpermute_setup)
+_unpermute = FastOp(_unpermute, _unpermute_setup, _unpermute_bwd)
 
 
 class Dispatched(NamedTuple):

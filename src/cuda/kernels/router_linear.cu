@@ -6,9 +6,12 @@
 // in a fixed order. Products with a float32 operand (float32 inputs; d_logits in the backward)
 // round differently from the CPU, within float32's error. No tensor cores: the logits must be the
 // CPU's bits, and E is small (8..512).
+// 16-bit operands of the common shapes take the kernels of router_linear_16bit.cu (the same orders
+// for the logits; schedules that fill the GPU); this kernel covers the rest.
 #include <algorithm>
 
 #include "cuda/backend.hpp"
+#include "cuda/kernels/router_linear_16bit.cuh"
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/dtype_dispatch.cuh"
 
@@ -172,6 +175,7 @@ void launch(const char* what, Operand<TA> a, Operand<TB> b, Output<TC> c, int64_
 
 void router_logits(const TensorView& x, const TensorView& weight, const TensorView& logits,
                    Stream stream) {
+  if (router_logits_16bit(x, weight, logits, stream)) return;
   with_cuda_type(x.dtype(), "router_forward", [&](auto type) {
     using T = decltype(type);
     launch("router logits", Operand<T>{x.data_as<T>(), x.stride(0), 1},
@@ -184,6 +188,7 @@ void router_logits(const TensorView& x, const TensorView& weight, const TensorVi
 void router_dgrad(const TensorView& d_logits, const TensorView& weight, const TensorView& dx,
                   bool accumulate, Stream stream) {
   // dx(t, h) = sum_e d_logits(t, e) W(e, h): B(n = h, k = e) is the weight transposed.
+  if (router_dgrad_16bit(d_logits, weight, dx, accumulate, stream)) return;
   with_cuda_type(weight.dtype(), "router_backward", [&](auto type) {
     using T = decltype(type);
     launch("router dgrad", Operand<float>{d_logits.data_as<float>(), d_logits.stride(0), 1},
@@ -206,6 +211,16 @@ static __global__ void add_slices_kernel(const float* __restrict__ partials, int
   }
 }
 
+template <class TC>
+static void add_slices(const TensorView& partials, int64_t slices, int64_t E, int64_t H, const TensorView& dweight,
+                       bool accumulate, Stream stream) {
+  const int64_t n = E * H;
+  const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 4096));
+  add_slices_kernel<TC><<<blocks, 256, 0, stream>>>(partials.data_as<float>(), slices, E, H, dweight.data_as<TC>(),
+                                                    dweight.stride(0), accumulate);
+  MOE_CUDA_CHECK_LAUNCH("router wgrad: add_slices_kernel");
+}
+
 void router_wgrad(const TensorView& d_logits, const TensorView& x, const TensorView& dweight,
                   GradMode mode, const TensorView& partials, Stream stream) {
   // dweight(e, h) = sum_t d_logits(t, e) x(t, h): both operands transposed (contiguous along m, n).
@@ -221,6 +236,10 @@ void router_wgrad(const TensorView& d_logits, const TensorView& x, const TensorV
       const Operand<float> a{d_logits.data_as<float>(), 1, d_logits.stride(0)};
       const Operand<TB> b{x.data_as<TB>(), 1, x.stride(0)};
       const bool accumulate = mode == GradMode::kAccumulate;
+      if (router_wgrad_16bit(d_logits, x, partials, dweight, accumulate, stream)) {
+        if (sliced) add_slices<TC>(partials, slices, E, H, dweight, accumulate, stream);
+        return;
+      }
       if (!sliced) {
         launch<2>("router wgrad", a, b, Output<TC>{dweight.data_as<TC>(), dweight.stride(0), accumulate}, E, H, T,
                   stream);
@@ -228,11 +247,7 @@ void router_wgrad(const TensorView& d_logits, const TensorView& x, const TensorV
       }
       launch<2>("router wgrad", a, b, Output<float>{partials.data_as<float>(), H, false}, E, H, T, stream, slices,
                 E * H);
-      const int64_t n = E * H;
-      const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 4096));
-      add_slices_kernel<TC><<<blocks, 256, 0, stream>>>(partials.data_as<float>(), slices, E, H,
-                                                        dweight.data_as<TC>(), dweight.stride(0), accumulate);
-      MOE_CUDA_CHECK_LAUNCH("router wgrad: add_slices_kernel");
+      add_slices<TC>(partials, slices, E, H, dweight, accumulate, stream);
     });
   });
 }
