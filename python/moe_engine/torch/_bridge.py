@@ -43,6 +43,12 @@ def ensure_device(index: int) -> None:
     _READY_DEVICES.add(index)
 
 
+# The raw cudaStream_t of a device's current stream, as torch.compile's generated code reads it:
+# ~0.3 us against ~12 us for torch.cuda.current_stream(index).cuda_stream on an H200 host (it builds
+# a Stream object), paid by every op call.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def stream_of(t: torch.Tensor) -> int:
     """The current CUDA stream of t's device (0 for CPU tensors); prepares the device on first use."""
     if not t.is_cuda:
@@ -50,6 +56,8 @@ def stream_of(t: torch.Tensor) -> int:
     index = t.get_device()
     if index not in _READY_DEVICES:
         ensure_device(index)
+    if _raw_stream is not None and not torch.compiler.is_compiling():
+        return _raw_stream(index)
     return torch.cuda.current_stream(index).cuda_stream
 
 

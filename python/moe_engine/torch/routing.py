@@ -196,7 +196,9 @@ class Router(nn.Module):
         probs, indices, counts, aux, z = _RouterFunction.apply(self, x, self.weight, self.expert_bias)
         if self.expert_bias is not None and self.training:
             self.counts_since_update.add_(counts)
-        return RouterOutput(probs, indices, counts, aux + z)
+        # A loss whose coefficient is 0 is zeros: no add for it (one kernel and allocation less a step).
+        loss = aux + z if (self.aux_loss_coeff > 0 and self.z_loss_coeff > 0) else z if self.z_loss_coeff > 0 else aux
+        return RouterOutput(probs, indices, counts, loss)
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float) -> None:
