@@ -39,6 +39,13 @@ struct MoELayerOptions {
   // capturable), then the rows. Every rank calls forward and backward in the same order with the same
   // input_requires_grad. Null: no expert parallelism.
   std::shared_ptr<Communicator> expert_parallel;
+  // With expert_parallel: the fixed-capacity exchange instead of the dropless one. Each (source,
+  // destination) pair has C = pair_capacity(T, k, P, factor) rows; a source sends each destination
+  // its first C assignments in token order and drops the rest (they add nothing to y and get zero
+  // gradients; MoELayerForwardResult::dropped counts them per destination). The exchanges have
+  // static sizes and nothing is read on the host: a step can be captured in a CUDA graph. Every
+  // rank passes the same T.
+  std::optional<double> expert_parallel_capacity_factor;
 };
 
 // What a MoELayer forward kept for its backward (references to shared storage, not copies).
@@ -63,6 +70,7 @@ class MOE_API MoELayerContext {
   std::vector<int64_t> send_rows_, recv_rows_;
   Tensor row_local_, splits_local_, offsets_local_;
   GroupLayout groups_local_;
+  Tensor offsets_experts_;  // fixed capacity: the local experts' offsets (the plan has one group more)
   bool input_requires_grad_ = false;
   bool router_backward_ = false;  // the router weight or x wants a gradient
   bool live_ = false;
@@ -73,9 +81,11 @@ struct MoELayerForwardResult {
   Tensor loss;  // [] float32 (float64 for a float64 layer): aux_loss + z_loss of the router
   Tensor counts;  // [E] int64: the router's choices per expert (before capacity drops)
   Tensor splits;  // [E] int64: the assignments each expert computed (after drops); with expert
-                  // parallelism: this rank's assignments each expert of the layer got
+                  // parallelism: this rank's assignments each expert of the layer got (with the
+                  // fixed-capacity exchange: [P] int64, the send buffer's C rows per rank)
   Tensor local_splits;  // expert parallelism: [E/P] int64, the rows each local expert computed
-  Tensor dropped;  // [E] int64 with a capacity factor: the assignments each expert dropped
+  Tensor dropped;  // [E] int64 with a capacity factor: the assignments each expert dropped; with the
+                   // fixed-capacity exchange [P] int64: the assignments not sent to each rank
   MoELayerContext ctx;
 };
 
@@ -149,8 +159,10 @@ class MOE_API MoELayer {
   DType acc_dtype() const;
   // Expert parallelism: the experts on the rows of every rank (x_sorted, probs_sorted: this rank's
   // [R, H] / [R] in expert order) and their outputs back in this rank's expert order.
+  // With ids_send ([P C, 1] int32, the fixed-capacity send plan's local expert ids) the exchange
+  // has equal sizes and the ids travel with the rows; without, it is dropless.
   Tensor exchange_forward(MoELayerContext& c, const Tensor& x_sorted, const Tensor& probs_sorted,
-                          bool input_requires_grad, const ExecContext& exec);
+                          const Tensor& ids_send, bool input_requires_grad, const ExecContext& exec);
   // Its backward: dy_sorted [R, H] in this rank's expert order -> the experts' backward where they
   // are, and dx [R, H] (with an input gradient) and dprobs [R] back in this rank's expert order.
   MlpBackwardResult exchange_backward(MoELayerContext& c, const Tensor& dy_sorted, const ExecContext& exec);

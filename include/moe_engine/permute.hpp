@@ -51,6 +51,33 @@ MOE_API GroupLayout permute_plan(const TensorView& indices, const PermutePlanOut
                                  std::optional<double> capacity_factor, DeviceErrorFlag* errors,
                                  const ExecContext& ctx = {});
 
+// Expert parallelism with a fixed capacity (docs/design.md section 16): the send buffer of one rank,
+// [P C, H] with destination rank d's rows at [d C, (d + 1) C) (rank d holds the experts
+// [d L, (d + 1) L), E = P L).
+struct SendPlanOutputs {
+  TensorView row_send;  // [T, k] int32, required: the send row of assignment (t, j), -1 if not sent
+  TensorView ids;       // [P C, 1] int32, required: each send row's local expert at its destination,
+                        // L for a row nothing is sent in (the receiver plans on them as indices)
+  TensorView splits;    // [P] int64, required: C each (the send buffer's groups)
+  TensorView offsets;   // [P + 1] int64, required: their group layout, d C
+  TensorView dropped;   // [P] int64, optional: the assignments past the C rows of each destination
+};
+
+// The rows a source may send one destination: min(T k, ceil(T k / P * factor)) (factor > 0, finite).
+MOE_API int64_t pair_capacity(int64_t tokens, int64_t topk, int64_t ranks, double factor);
+
+// The send plan of indices [T, k] (int32 or int64, expert ids in [0, P L)): destination d = e / L
+// gets its first C assignments in token order (then j order) at rows d C + 0, 1, ...; the rest
+// are not sent (row -1) and count in `dropped`. With row_of_expert ([T, k] int32, the layer's own
+// capacity plan from permute_plan) an assignment whose row there is -1 is not sent either, nor
+// counted. Deterministic (integer work); no workspace. Returns the send buffer's group layout
+// (capacity P C). CPU: an index outside [0, P L) throws kInvalidArgument. CUDA: one kernel of P
+// blocks on ctx.stream; an index outside [0, P L) is not sent and reported through `errors`
+// (required on CUDA).
+MOE_API GroupLayout send_plan(const TensorView& indices, const TensorView& row_of_expert, int64_t local_experts,
+                              int64_t capacity, const SendPlanOutputs& outputs, DeviceErrorFlag* errors,
+                              const ExecContext& ctx = {});
+
 // The four ops take row_of from permute_plan and its group layout `groups` (capacity R); x and y
 // are [T, H], the sorted buffers [R, H] of the same dtype; probs [T, k] and the sorted probs [R]
 // float32 (float64 too on the CPU). Only the routed rows [0, offsets[E]) of a sorted buffer are

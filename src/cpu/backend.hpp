@@ -39,6 +39,9 @@ void glu_backward(const TensorView& h, const TensorView& probs, const TensorView
 //   `expert_capacity` assignments of its expert; splits = kept counts, dropped (optional) = the rest.
 void permute_plan(const TensorView& indices, int64_t expert_capacity, const TensorView& row_of,
                   const TensorView& splits, const TensorView& dropped);
+//   The expert-parallel send plan (moe_engine/permute.hpp send_plan); splits = C each, dropped optional.
+void send_plan(const TensorView& indices, const TensorView& row_of_expert, int64_t local_experts, int64_t capacity,
+               const TensorView& row_send, const TensorView& ids, const TensorView& splits, const TensorView& dropped);
 //   x_sorted[row(t, j)] = x[t]; probs_sorted[row(t, j)] = probs[t, j] (both or neither defined).
 void permute(const TensorView& x, const TensorView& probs, const TensorView& row_of, const GroupLayout& groups,
              const TensorView& x_sorted, const TensorView& probs_sorted);

@@ -76,6 +76,29 @@ void permute_plan(const TensorView& indices, int64_t expert_capacity, const Tens
   }
 }
 
+void send_plan(const TensorView& indices, const TensorView& row_of_expert, int64_t local_experts, int64_t capacity,
+               const TensorView& row_send, const TensorView& ids, const TensorView& splits, const TensorView& dropped) {
+  const int64_t n = indices.numel(), P = splits.size(0), L = local_experts;
+  std::vector<int64_t> count(size_t(P), 0);
+  auto* rows = row_send.data_as<int32_t>();
+  auto* id = ids.data_as<int32_t>();
+  std::fill(id, id + P * capacity, int32_t(L));
+  const int32_t* kept = row_of_expert.defined() ? row_of_expert.data_as<const int32_t>() : nullptr;
+  for (int64_t i = 0; i < n; ++i) {
+    rows[i] = -1;
+    if (kept != nullptr && kept[i] < 0) continue;  // the layer dropped it already
+    const int64_t e = index_at(indices, i), d = e / L;
+    const int64_t rank = count[size_t(d)]++;
+    if (rank >= capacity) continue;
+    rows[i] = int32_t(d * capacity + rank);
+    id[d * capacity + rank] = int32_t(e - d * L);
+  }
+  for (int64_t d = 0; d < P; ++d) {
+    splits.data_as<int64_t>()[d] = capacity;
+    if (dropped.defined()) dropped.data_as<int64_t>()[d] = std::max<int64_t>(count[size_t(d)] - capacity, 0);
+  }
+}
+
 void permute(const TensorView& x, const TensorView& probs, const TensorView& row_of,
              const GroupLayout& /*groups*/, const TensorView& x_sorted,
              const TensorView& probs_sorted) {

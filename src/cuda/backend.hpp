@@ -64,6 +64,12 @@ void permute_plan(const TensorView& indices, int64_t expert_capacity, const Tens
                   const TensorView& expert_rows, DeviceErrorRecord* record, Stream stream);
 void permute(const TensorView& x, const TensorView& probs, const TensorView& row_of, const GroupLayout& groups,
              const TensorView& x_sorted, const TensorView& probs_sorted, Stream stream);
+// The expert-parallel send plan (moe_engine/permute.hpp send_plan): one block per destination scans
+// the assignments in token order; an index outside [0, P L) is not sent and reported in `record`.
+void send_plan(const TensorView& indices, const TensorView& row_of_expert, int64_t local_experts, int64_t capacity,
+               const TensorView& row_send, const TensorView& ids, const TensorView& splits, const TensorView& dropped,
+               DeviceErrorRecord* record, Stream stream);
+
 void unpermute(const TensorView& out, const TensorView& probs, const TensorView& row_of, const GroupLayout& groups,
                const TensorView& y, const TensorView& sorted_probs, const TensorView& gathered, Stream stream);
 void unpermute_backward(const TensorView& dy, const TensorView& out, const TensorView& probs,

@@ -18,7 +18,7 @@ namespace moe {
 int64_t MoELayerContext::saved_bytes() const {
   int64_t bytes = experts_.saved_bytes();
   for (const Tensor* t : {&x_, &logits_, &indices_, &aux_counts_, &row_of_, &splits_, &offsets_, &row_local_,
-                          &splits_local_, &offsets_local_})
+                          &splits_local_, &offsets_local_, &offsets_experts_})
     if (t->defined()) bytes += int64_t(t->nbytes());
   return bytes;
 }
@@ -53,9 +53,20 @@ int64_t checked_experts(int64_t num_experts, int64_t hidden, int64_t ffn, const 
   return num_experts;
 }
 
+void check_exchange_capacity(const MoELayerOptions& o) {
+  if (!o.expert_parallel_capacity_factor) return;
+  MOE_CHECK(o.expert_parallel != nullptr, ErrorCode::kInvalidArgument,
+            "MoELayer: options.expert_parallel_capacity_factor is set without options.expert_parallel; it sizes the "
+            "buffers of the expert-parallel exchange");
+  const double f = *o.expert_parallel_capacity_factor;
+  MOE_CHECK(std::isfinite(f) && f > 0, ErrorCode::kInvalidArgument,
+            "MoELayer: options.expert_parallel_capacity_factor: expected a finite value > 0, got ", f);
+}
+
 // The experts this rank holds: E / P with expert parallelism, checked.
 int64_t checked_local_experts(int64_t num_experts, int64_t hidden, int64_t ffn, const MoELayerOptions& o) {
   checked_experts(num_experts, hidden, ffn, o);
+  check_exchange_capacity(o);
   if (!o.expert_parallel) return num_experts;
   const int P = o.expert_parallel->size(), r = o.expert_parallel->rank();
   MOE_CHECK(P >= 1 && r >= 0 && r < P, ErrorCode::kInvalidArgument,
@@ -65,6 +76,7 @@ int64_t checked_local_experts(int64_t num_experts, int64_t hidden, int64_t ffn, 
             " (each rank holds num_experts / size experts)");
   return num_experts / P;
 }
+
 
 // Rows per rank of a [P * L] count vector in rank-major blocks of L.
 std::vector<int64_t> block_sums(const Tensor& counts_host, int P, int64_t L) {
@@ -144,24 +156,49 @@ MoELayerForwardResult MoELayer::forward(const Tensor& x, bool input_requires_gra
   router_forward(x, router_weight_view(), expert_bias_, out, spec, scratch.exec);
 
   // The routing: each expert's assignments in token order, at most C of them with a capacity factor.
-  const int64_t R = permuted_rows(T, k, E, options_.capacity_factor);
-  c.row_of_ = empty({T, k}, DType::kInt32);
-  c.splits_ = empty({E}, DType::kInt64);
-  c.offsets_ = empty({E + 1}, DType::kInt64);
-  if (options_.capacity_factor) r.dropped = empty({E}, DType::kInt64);
-  c.groups_ = permute_plan(c.indices_, {c.row_of_, c.splits_, c.offsets_, r.dropped}, options_.capacity_factor,
-                           &errors_, scratch.exec);
-  r.splits = c.splits_;
+  const bool fixed_exchange = options_.expert_parallel && options_.expert_parallel_capacity_factor;
+  Tensor row_of_expert, ids_send;  // fixed-capacity exchange: the layer's own plan, the send rows' ids
+  int64_t R = permuted_rows(T, k, E, options_.capacity_factor);
+  if (!fixed_exchange || options_.capacity_factor) {
+    c.row_of_ = empty({T, k}, DType::kInt32);
+    c.splits_ = empty({E}, DType::kInt64);
+    c.offsets_ = empty({E + 1}, DType::kInt64);
+    if (options_.capacity_factor) r.dropped = empty({E}, DType::kInt64);
+    c.groups_ = permute_plan(c.indices_, {c.row_of_, c.splits_, c.offsets_, r.dropped}, options_.capacity_factor,
+                             &errors_, scratch.exec);
+    r.splits = c.splits_;
+  }
+  if (fixed_exchange) {
+    // The send buffer is the layer's plan from here on: rank d's C rows at [d C, (d + 1) C),
+    // assignments the layer's capacity dropped not sent.
+    const int64_t P = ep_size_, C = pair_capacity(T, k, P, *options_.expert_parallel_capacity_factor);
+    row_of_expert = options_.capacity_factor ? c.row_of_ : Tensor();
+    R = P * C;
+    c.row_of_ = empty({T, k}, DType::kInt32);
+    c.splits_ = empty({P}, DType::kInt64);
+    c.offsets_ = empty({P + 1}, DType::kInt64);
+    ids_send = empty({R, 1}, DType::kInt32);
+    r.dropped = empty({P}, DType::kInt64);
+    c.groups_ = send_plan(c.indices_, row_of_expert, local_experts(), C,
+                          {c.row_of_, ids_send, c.splits_, c.offsets_, r.dropped}, &errors_, scratch.exec);
+    r.splits = c.splits_;
+  }
 
-  // x and the probs into expert order. Rows past the routed ones are neither written nor read.
+  // x and the probs into expert order (the send buffer's order). Rows past the routed ones are
+  // neither written nor read (the fixed exchange's unsent rows travel, marked by their id, unread).
   const Tensor x_sorted = empty({R, H}, dtype), probs_sorted = empty({R}, acc);
   permute(x, probs, c.row_of_, c.groups_, x_sorted, probs_sorted, exec);
   // The experts apply the probs (y_e = FC2(act(FC1 x) p) + p b2, Megatron-LM's place for them), so
   // their output needs no keeping for a probs gradient in unpermute: dprobs comes from the MLP.
   Tensor out_sorted;  // the experts' rows in this rank's expert order
   if (options_.expert_parallel) {
-    out_sorted = exchange_forward(c, x_sorted, probs_sorted, input_requires_grad, exec);
-    r.local_splits = c.splits_local_;
+    out_sorted = exchange_forward(c, x_sorted, probs_sorted, ids_send, input_requires_grad, exec);
+    if (fixed_exchange) {  // the plan's splits less its last group (rows nothing was sent in)
+      r.local_splits = empty({local_experts()}, DType::kInt64);
+      copy_tensor(r.local_splits, c.splits_local_.view().slice(0, local_experts()), stream);
+    } else {
+      r.local_splits = c.splits_local_;
+    }
   } else {
     MlpForwardResult mlp = experts_.forward(x_sorted, c.groups_, probs_sorted, input_requires_grad, exec);
     out_sorted = mlp.y;
@@ -182,13 +219,17 @@ MoELayerForwardResult MoELayer::forward(const Tensor& x, bool input_requires_gra
   return r;
 }
 
-// Expert parallelism, dropless (docs/design.md section 16). x_sorted's routed rows are in expert
-// order, which is destination order (rank p holds experts [p L, (p + 1) L)): the counts per expert
-// go to their ranks, one host read sizes the rows' all-to-all, each source's block arrives in
-// expert order, and the received rows are sorted by local expert (stable: source order within an
-// expert) for the experts; their outputs go back the same way.
+// Expert parallelism (docs/design.md section 16).
+// - Dropless: x_sorted's routed rows are in expert order, which is destination order (rank p holds
+//   experts [p L, (p + 1) L)): the counts per expert go to their ranks, one host read sizes the
+//   rows' all-to-all, each source's block arrives in expert order, and each received row's local
+//   expert follows from the counts.
+// - Fixed capacity: x_sorted is the send buffer, C rows per rank; every exchange has those sizes and
+//   the rows' local expert ids (L: nothing sent) travel with them.
+// Either way the received rows are sorted by local expert (stable: source order within an expert)
+// for the experts, and their outputs go back the same way.
 Tensor MoELayer::exchange_forward(MoELayerContext& c, const Tensor& x_sorted, const Tensor& probs_sorted,
-                                  bool input_requires_grad, const ExecContext& exec) {
+                                  const Tensor& ids_send, bool input_requires_grad, const ExecContext& exec) {
   Communicator& comm = *options_.expert_parallel;
   const int P = ep_size_;
   const int64_t L = local_experts(), E = num_experts(), H = hidden(), R = x_sorted.size(0);
@@ -197,13 +238,28 @@ Tensor MoELayer::exchange_forward(MoELayerContext& c, const Tensor& x_sorted, co
   const Stream stream = exec.stream;
   auto empty = [&](Shape shape, DType dt) { return Tensor::empty_async(shape, dt, device, stream); };
 
-  const std::vector<int64_t> blocks(size_t(P), L);
-  const Tensor recv_counts = empty({E}, DType::kInt64);  // [P, L]: source s's rows for local expert l
-  comm.all_to_all(c.splits_, blocks, recv_counts, blocks, stream);
-  synchronize(stream);  // the dropless exchange's host read
-  const Tensor send_host = c.splits_.to(Device::cpu()), recv_host = recv_counts.to(Device::cpu());
-  c.send_rows_ = block_sums(send_host, P, L);
-  c.recv_rows_ = block_sums(recv_host, P, L);
+  const bool fixed = ids_send.defined();
+  Tensor ids;  // [N, 1] int32: each received row's local expert
+  if (fixed) {
+    c.send_rows_ = c.recv_rows_ = std::vector<int64_t>(size_t(P), R / P);
+    ids = empty({R, 1}, DType::kInt32);
+    comm.all_to_all(ids_send, c.send_rows_, ids, c.recv_rows_, stream);
+  } else {
+    const std::vector<int64_t> blocks(size_t(P), L);
+    const Tensor recv_counts = empty({E}, DType::kInt64);  // [P, L]: source s's rows for local expert l
+    comm.all_to_all(c.splits_, blocks, recv_counts, blocks, stream);
+    synchronize(stream);  // the dropless exchange's host read
+    const Tensor send_host = c.splits_.to(Device::cpu()), recv_host = recv_counts.to(Device::cpu());
+    c.send_rows_ = block_sums(send_host, P, L);
+    c.recv_rows_ = block_sums(recv_host, P, L);
+    // Rank-major blocks, expert order within one.
+    Tensor ids_host = Tensor::empty({total(c.recv_rows_), 1}, DType::kInt32);
+    int32_t* id = ids_host.data_as<int32_t>();
+    const int64_t* rc = recv_host.data_as<int64_t>();
+    for (int64_t b = 0; b < E; ++b)
+      for (int64_t i = 0; i < rc[b]; ++i) *id++ = int32_t(b % L);
+    ids = ids_host.to(device);
+  }
   const int64_t sent = total(c.send_rows_), N = total(c.recv_rows_);
 
   const Tensor x_recv = empty({N, H}, dtype), probs_recv = empty({N, 1}, acc);
@@ -211,25 +267,25 @@ Tensor MoELayer::exchange_forward(MoELayerContext& c, const Tensor& x_sorted, co
   comm.all_to_all(probs_sorted.view().slice(0, sent), c.send_rows_, probs_recv.view().reshape({N}), c.recv_rows_,
                   stream);
 
-  // Each received row's local expert, from the counts (rank-major blocks, expert order within one),
-  // then the plan that sorts the rows by it.
-  Tensor ids_host = Tensor::empty({N, 1}, DType::kInt32);
-  int32_t* id = ids_host.data_as<int32_t>();
-  const int64_t* rc = recv_host.data_as<int64_t>();
-  for (int64_t b = 0; b < E; ++b)
-    for (int64_t i = 0; i < rc[b]; ++i) *id++ = int32_t(b % L);
-  const Tensor ids = ids_host.to(device);
+  // The plan that sorts the received rows by local expert; with fixed capacity one group more, of
+  // the rows nothing was sent in, which the experts do not compute.
+  const int64_t groups = fixed ? L + 1 : L;
   c.row_local_ = empty({N, 1}, DType::kInt32);
-  c.splits_local_ = empty({L}, DType::kInt64);
-  c.offsets_local_ = empty({L + 1}, DType::kInt64);
+  c.splits_local_ = empty({groups}, DType::kInt64);
+  c.offsets_local_ = empty({groups + 1}, DType::kInt64);
   {
-    const Scratch scratch(permute_plan_workspace_size(N, 1, L), device, exec);
+    const Scratch scratch(permute_plan_workspace_size(N, 1, groups), device, exec);
     c.groups_local_ = permute_plan(ids, {c.row_local_, c.splits_local_, c.offsets_local_, {}}, std::nullopt,
                                    &errors_, scratch.exec);
   }
+  GroupLayout expert_groups = c.groups_local_;
+  if (fixed) {
+    c.offsets_experts_ = empty({L + 1}, DType::kInt64);
+    expert_groups = GroupLayout::compute(c.splits_local_.view().slice(0, L), N, c.offsets_experts_, &errors_, stream);
+  }
   const Tensor x_local = empty({N, H}, dtype), probs_local = empty({N}, acc);
   permute(x_recv, probs_recv, c.row_local_, c.groups_local_, x_local, probs_local, exec);
-  MlpForwardResult mlp = experts_.forward(x_local, c.groups_local_, probs_local, input_requires_grad, exec);
+  MlpForwardResult mlp = experts_.forward(x_local, expert_groups, probs_local, input_requires_grad, exec);
   c.experts_ = std::move(mlp.ctx);
   const Tensor y_recv = empty({N, H}, dtype);
   unpermute(mlp.y, {}, c.row_local_, c.groups_local_, y_recv, exec);
@@ -366,7 +422,7 @@ MoELayerBackwardResult MoELayer::backward(MoELayerContext& ctx, const Tensor& dy
   ctx.x_ = ctx.logits_ = ctx.indices_ = ctx.aux_counts_ = Tensor();
   ctx.row_of_ = ctx.splits_ = ctx.offsets_ = Tensor();
   ctx.groups_ = GroupLayout();
-  ctx.row_local_ = ctx.splits_local_ = ctx.offsets_local_ = Tensor();
+  ctx.row_local_ = ctx.splits_local_ = ctx.offsets_local_ = ctx.offsets_experts_ = Tensor();
   ctx.groups_local_ = GroupLayout();
   return r;
 }

@@ -143,6 +143,54 @@ GroupLayout permute_plan(const TensorView& indices, const PermutePlanOutputs& o,
                               ctx.stream);
 }
 
+int64_t pair_capacity(int64_t tokens, int64_t topk, int64_t ranks, double factor) {
+  MOE_CHECK(tokens >= 0 && topk >= 1 && ranks >= 1, ErrorCode::kInvalidArgument, "pair_capacity: tokens T = ",
+            tokens, ", topk k = ", topk, ", ranks P = ", ranks, " (expected T >= 0, k >= 1, P >= 1)");
+  MOE_CHECK(std::isfinite(factor) && factor > 0, ErrorCode::kInvalidArgument, "pair_capacity: factor = ", factor,
+            " (expected a finite value > 0)");
+  const double assignments = double(tokens * topk);
+  return int64_t(std::min(std::ceil(assignments / double(ranks) * factor), assignments));
+}
+
+GroupLayout send_plan(const TensorView& indices, const TensorView& row_of_expert, int64_t local_experts,
+                      int64_t capacity, const SendPlanOutputs& o, DeviceErrorFlag* errors, const ExecContext& ctx) {
+  const bool have_ranks = o.splits.defined() && o.splits.dim() == 1 && o.splits.size(0) >= 1;
+  const ops::Validator v("send_plan", indices.device(), have_ranks ? o.splits.size(0) : 0);
+  v.index_matrix("indices", indices, -1, -1, "[T, k]", {DType::kInt32, DType::kInt64});
+  const int64_t T = indices.size(0), k = indices.size(1), P = v.num_groups(), L = local_experts;
+  if (k < 1) v.fail(ErrorCode::kShape, "indices: expected k >= 1 choices per token, got ", indices.describe());
+  if (!have_ranks)
+    v.fail(ErrorCode::kShape, "splits: expected a 1-D [P] tensor with P >= 1 ranks, got ", o.splits.describe());
+  if (L < 1) v.fail(ErrorCode::kInvalidArgument, "local_experts: expected L >= 1, got ", L);
+  if (capacity < 0 || capacity > T * k)
+    v.fail(ErrorCode::kInvalidArgument, "capacity: expected C in [0, T k] = [0, ", T * k, "], got ", capacity);
+  if (P * capacity > INT32_MAX)
+    v.fail(ErrorCode::kShape, "P C = ", P * capacity, " send rows; expected at most 2^31 - 1 (int32 rows)");
+  v.int64_vector("splits", o.splits, P, "[P]");
+  v.int64_vector("offsets", o.offsets, P + 1, "[P + 1]");
+  if (o.dropped.defined()) v.int64_vector("dropped", o.dropped, P, "[P]");
+  v.index_matrix("row_send", o.row_send, T, k, "[T, k]", {DType::kInt32});
+  v.index_matrix("ids", o.ids, P * capacity, 1, "[P C, 1]", {DType::kInt32});
+  if (row_of_expert.defined()) v.index_matrix("row_of_expert", row_of_expert, T, k, "[T, k]", {DType::kInt32});
+  separate(v,
+           {{"row_send", o.row_send}, {"ids", o.ids}, {"splits", o.splits}, {"offsets", o.offsets},
+            {"dropped", o.dropped}},
+           {{"indices", indices}, {"row_of_expert", row_of_expert}});
+  if (errors != nullptr && !(errors->device() == v.device()))
+    v.fail(ErrorCode::kDevice, "the error flag is on ", to_string(errors->device()), "; expected the indices' device ",
+           to_string(v.device()));
+  if (!v.device().is_cpu() && errors == nullptr)
+    v.fail(ErrorCode::kInvalidArgument, "on CUDA a DeviceErrorFlag is required: bad indices cannot be reported otherwise");
+  v.expert_index_values("indices", indices, P * L);
+  ops::dispatch(
+      v, [&] { cpu::send_plan(indices, row_of_expert, L, capacity, o.row_send, o.ids, o.splits, o.dropped); },
+      [&] {
+        MOE_CUDA_ONLY(cuda::send_plan(indices, row_of_expert, L, capacity, o.row_send, o.ids, o.splits, o.dropped,
+                                      errors->record(), ctx.stream));
+      });
+  return GroupLayout::compute(o.splits, P * capacity, o.offsets, errors, ctx.stream);
+}
+
 void permute(const TensorView& x, const TensorView& probs, const TensorView& row_of,
              const GroupLayout& groups, const TensorView& x_sorted, const TensorView& probs_sorted,
              [[maybe_unused]] const ExecContext& ctx) {

@@ -4,7 +4,9 @@
 // its experts' weight gradients the full layer's summed over every rank's tokens.
 #pragma once
 
+#include <cmath>
 #include <exception>
+#include <optional>
 #include <map>
 #include <memory>
 #include <string>
@@ -20,8 +22,18 @@ namespace moe::test {
 struct EpCase {
   LayerCase layer;
   int ranks;
-  std::vector<int64_t> tokens;  // per rank, summing to layer.T (uneven, some 0)
+  std::vector<int64_t> tokens;  // per rank, summing to layer.T (uneven, some 0; equal with a capacity)
+  // The fixed-capacity exchange's factor (none: dropless). At >= ranks nothing is dropped and the
+  // results are the reference's; below, only the accounting is checked (drops_expected).
+  std::optional<double> exchange_capacity;
+  bool drops_expected = false;
 };
+
+inline LayerCase with_tokens(LayerCase c, int64_t T, const std::string& suffix) {
+  c.T = T;
+  c.name += suffix;
+  return c;
+}
 
 inline std::vector<EpCase> ep_cases() {
   const std::vector<LayerCase> c = layer_cases();
@@ -32,6 +44,13 @@ inline std::vector<EpCase> ep_cases() {
       {c[4], 2, {16, 17}},        // the layer's capacity drops (per rank, on its own tokens)
       {c[4], 4, {10, 1, 22, 0}},
       {c[1], 1, {29}},            // one rank: the plain layer's results
+      // The fixed-capacity exchange (equal T on every rank): a factor of P never drops.
+      {with_tokens(c[0], 36, "_fixed"), 2, {18, 18}, 2.0},
+      {with_tokens(c[3], 40, "_fixed"), 4, {10, 10, 10, 10}, 4.0},
+      {with_tokens(c[4], 32, "_fixed"), 2, {16, 16}, 2.0},  // the layer's capacity drops are not sent
+      {with_tokens(c[1], 29, "_fixed"), 1, {29}, 1.0},
+      {with_tokens(c[3], 40, "_fixed_drops"), 4, {10, 10, 10, 10}, 0.5, true},
+      {with_tokens(c[0], 36, "_fixed_drops"), 2, {18, 18}, 0.3, true},
   };
 }
 
@@ -78,6 +97,8 @@ struct EpRankResult {
   double loss = 0;
   std::vector<oracle::Matrix> dw1, dw2, db1, db2;  // the rank's experts (biases: one row each)
   std::vector<int64_t> local_splits;
+  std::vector<int64_t> dropped;  // fixed capacity: per destination
+  bool finite = true;
 };
 
 // streams: one per rank (nullptr on the CPU).
@@ -130,6 +151,7 @@ inline void check_expert_parallel(const EpCase& e, DType dtype, Device device, c
       try {
         MoELayerOptions o = layer_options(c, dtype, device);
         o.expert_parallel = std::make_shared<ThreadCommunicator>(group, r);
+        o.expert_parallel_capacity_factor = e.exchange_capacity;
         MoELayer ep(c.E, c.H, c.F, o);
         ep.load_state_dict(rank_state(state, r * L, L, device));
         const ExecContext exec{streams[size_t(r)], {}};
@@ -151,6 +173,13 @@ inline void check_expert_parallel(const EpCase& e, DType dtype, Device device, c
         }
         const Tensor s = host_copy(f.local_splits);
         out.local_splits.assign(s.data_as<int64_t>(), s.data_as<int64_t>() + s.numel());
+        if (e.exchange_capacity) {
+          const Tensor d = host_copy(f.dropped);
+          out.dropped.assign(d.data_as<int64_t>(), d.data_as<int64_t>() + d.numel());
+          out.finite = std::isfinite(out.loss);
+          for (const oracle::Matrix* m : {&out.y, &out.dx})
+            for (double v : m->data) out.finite = out.finite && std::isfinite(v);
+        }
         if (ep.local_experts() != L || ep.first_local_expert() != r * L) failures[size_t(r)] = "local experts";
       } catch (const std::exception& ex) {
         failures[size_t(r)] = ex.what();
@@ -159,9 +188,27 @@ inline void check_expert_parallel(const EpCase& e, DType dtype, Device device, c
   }
   for (std::thread& t : threads) t.join();
 
+  if (e.drops_expected) {
+    // Every kept assignment is computed where it went or counted as dropped by its source; y, dx and
+    // the loss stay finite (dropped rows add nothing).
+    int64_t computed = 0, dropped = 0, kept = 0;
+    for (int r = 0; r < P; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r) + " of " + std::to_string(P));
+      ASSERT_EQ(failures[size_t(r)], "");
+      for (int64_t n : got[size_t(r)].local_splits) computed += n;
+      for (int64_t n : got[size_t(r)].dropped) dropped += n;
+      EXPECT_TRUE(got[size_t(r)].finite);
+    }
+    for (int64_t n : splits_sum) kept += n;
+    EXPECT_GT(dropped, 0) << "the case is meant to drop";
+    EXPECT_EQ(computed + dropped, kept);
+    return;
+  }
   for (int r = 0; r < P; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r) + " of " + std::to_string(P));
     ASSERT_EQ(failures[size_t(r)], "");
+    if (e.exchange_capacity)
+      EXPECT_EQ(got[size_t(r)].dropped, std::vector<int64_t>(size_t(P), 0)) << "a factor of P never drops";
     const EpRankResult& g = got[size_t(r)];
     const EpRankResult& w = ref[size_t(r)];
     if (e.tokens[size_t(r)] > 0) {

@@ -63,4 +63,56 @@ struct Plan {
   int64_t row(int64_t t, int64_t j) const { return row_of.data_as<int32_t>()[t * k + j]; }
 };
 
+// The expert-parallel send plan of indices [T, k] (experts [0, P L)) on `device`, into poisoned
+// outputs; `kept` ([T, k], -1 = the layer dropped it) optional. And what it must be: destination d
+// = e / L takes its first C assignments in token order, then j order, at rows d C + 0, 1, ...
+struct SendPlanRun {
+  Tensor row_send, ids, splits, offsets, dropped;
+  GroupLayout groups;
+  SendPlanRun(const Tensor& indices, const Tensor& kept, int64_t P, int64_t L, int64_t C, Device device,
+              DeviceErrorFlag* flag) {
+    const int64_t T = indices.size(0), k = indices.size(1);
+    auto on = [&](Shape shape, DType dtype) {
+      Tensor t = poisoned(shape, dtype);
+      if (device.is_cpu()) return t;
+      Tensor d = Tensor::empty(shape, dtype, device);
+      copy_tensor(d, t);
+      synchronize(nullptr);
+      return d;
+    };
+    row_send = on({T, k}, DType::kInt32);
+    ids = on({P * C, 1}, DType::kInt32);
+    splits = on({P}, DType::kInt64);
+    offsets = on({P + 1}, DType::kInt64);
+    dropped = on({P}, DType::kInt64);
+    groups = send_plan(indices, kept, L, C, {row_send, ids, splits, offsets, dropped}, flag);
+    synchronize(nullptr);
+  }
+};
+
+struct ExpectedSendPlan {
+  std::vector<int32_t> row_send, ids;
+  std::vector<int64_t> dropped;
+};
+
+inline ExpectedSendPlan expected_send_plan(const std::vector<int64_t>& indices, const std::vector<int32_t>& kept,
+                                           int64_t P, int64_t L, int64_t C) {
+  ExpectedSendPlan want{std::vector<int32_t>(indices.size(), -1), std::vector<int32_t>(size_t(P * C), int32_t(L)),
+                        std::vector<int64_t>(size_t(P), 0)};
+  for (int64_t d = 0; d < P; ++d) {
+    int64_t n = 0;  // d's assignments so far, in (t, j) order
+    for (size_t i = 0; i < indices.size(); ++i) {
+      if (indices[i] / L != d || (!kept.empty() && kept[i] < 0)) continue;
+      if (n < C) {
+        want.row_send[i] = int32_t(d * C + n);
+        want.ids[size_t(d * C + n)] = int32_t(indices[i] % L);
+      } else {
+        ++want.dropped[size_t(d)];
+      }
+      ++n;
+    }
+  }
+  return want;
+}
+
 }  // namespace moe::test

@@ -5,6 +5,8 @@
 // skips, with the reason, when no GPU is visible.
 #include <cuda_runtime_api.h>
 
+#include <tuple>
+
 #include "gpu_support.hpp"
 #include "permute_support.hpp"
 
@@ -282,6 +284,47 @@ TEST_F(GpuPermute, BadIndicesAreDroppedAndReported) {
   const std::string text = describe_device_errors(gpu.flag.read_and_clear());
   EXPECT_NE(text.find("indices[18, 1] = 8 is not an expert"), std::string::npos) << text;
   EXPECT_NE(text.find("splits[5] = -3 is negative"), std::string::npos) << text;
+}
+
+// The expert-parallel send plan: the CPU's bits, from one destination to 64 and from no tokens to
+// many tiles' worth; a bad index is not sent and is reported.
+TEST_F(GpuPermute, SendPlanMatchesTheCpuBitForBit) {
+  Rng rng;
+  struct Case {
+    int64_t T, k, P, L;
+  };
+  for (const Case& c : {Case{0, 2, 2, 3}, Case{1, 1, 1, 1}, Case{300, 8, 8, 4}, Case{4097, 2, 4, 2},
+                        Case{20000, 8, 64, 4}, Case{513, 6, 3, 16}})
+    for (double factor : {0.3, 1.0, double(c.P)})
+      for (bool with_kept : {false, true}) {
+        SCOPED_TRACE("T " + std::to_string(c.T) + " k " + std::to_string(c.k) + " P " + std::to_string(c.P) +
+                     " factor " + std::to_string(factor) + (with_kept ? " with layer drops" : ""));
+        const int64_t C = pair_capacity(c.T, c.k, c.P, factor);
+        const std::vector<int64_t> idx = random_choices(rng, c.T, c.k, c.P * c.L);
+        Tensor kept;
+        if (with_kept) {
+          kept = Tensor::empty({c.T, c.k}, DType::kInt32);
+          for (int64_t i = 0; i < c.T * c.k; ++i) kept.data_as<int32_t>()[i] = rng.uniform(0, 1) < 0.2 ? -1 : 0;
+        }
+        const Tensor indices = index_tensor(idx, c.T, c.k, DType::kInt32);
+        const SendPlanRun cpu(indices, kept, c.P, c.L, C, Device::cpu(), nullptr);
+        DeviceErrorFlag flag{Device::cuda(0)};
+        const SendPlanRun gpu(to_gpu(indices), with_kept ? to_gpu(kept) : Tensor(), c.P, c.L, C, Device::cuda(0),
+                              &flag);
+        EXPECT_NO_THROW(flag.check());
+        for (const auto& [name, g, h] : {std::tuple{"row_send", &gpu.row_send, &cpu.row_send},
+                                         std::tuple{"ids", &gpu.ids, &cpu.ids},
+                                         std::tuple{"splits", &gpu.splits, &cpu.splits},
+                                         std::tuple{"offsets", &gpu.offsets, &cpu.offsets},
+                                         std::tuple{"dropped", &gpu.dropped, &cpu.dropped}})
+          EXPECT_TRUE(bitwise_equal(to_host(*g), *h)) << name;
+      }
+  std::vector<int64_t> idx = random_choices(rng, 50, 2, 8);
+  idx[41] = 8;  // token 20, choice 1
+  DeviceErrorFlag flag{Device::cuda(0)};
+  const SendPlanRun gpu(to_gpu(index_tensor(idx, 50, 2)), {}, 2, 4, 100, Device::cuda(0), &flag);
+  EXPECT_MOE_ERROR(flag.check(), ErrorCode::kDeviceReported, "indices[20, 1] = 8 is not an expert in [0, E = 8)");
+  EXPECT_EQ(to_host(gpu.row_send).data_as<int32_t>()[41], -1);
 }
 
 // True if every byte of rows [from, to) of a contiguous host tensor is still poison.

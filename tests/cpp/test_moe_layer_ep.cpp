@@ -1,6 +1,7 @@
 // The expert-parallel MoE layer on the CPU backend (docs/design.md section 16): P ranks as threads
 // over an in-process communicator, uneven token counts (ranks without tokens), against the layer
-// without expert parallelism on each rank's tokens; and the validation of the options.
+// without expert parallelism on each rank's tokens, dropless and with a fixed capacity (drops
+// accounted for); and the validation of the options.
 #include <memory>
 #include <string>
 #include <tuple>
@@ -32,6 +33,14 @@ TEST(MoELayerExpertParallel, ValidationErrors) {
   o.expert_parallel = std::make_shared<ThreadCommunicator>(std::make_shared<ThreadGroup>(2), 2);
   EXPECT_MOE_ERROR(MoELayer(c.E, c.H, c.F, o), ErrorCode::kInvalidArgument, "expected a rank in [0, size)");
   o.expert_parallel = std::make_shared<ThreadCommunicator>(std::make_shared<ThreadGroup>(3), 2);
+  o.expert_parallel_capacity_factor = 0.0;
+  EXPECT_MOE_ERROR(MoELayer(c.E, c.H, c.F, o), ErrorCode::kInvalidArgument,
+                   "options.expert_parallel_capacity_factor: expected a finite value > 0, got 0");
+  MoELayerOptions no_group = layer_options(c, DType::kFloat32);
+  no_group.expert_parallel_capacity_factor = 1.5;
+  EXPECT_MOE_ERROR(MoELayer(c.E, c.H, c.F, no_group), ErrorCode::kInvalidArgument,
+                   "expert_parallel_capacity_factor is set without options.expert_parallel");
+  o.expert_parallel_capacity_factor.reset();
   MoELayer layer(c.E, c.H, c.F, o);
   EXPECT_EQ(layer.num_experts(), 6);
   EXPECT_EQ(layer.local_experts(), 2);

@@ -110,6 +110,71 @@ TEST(PermutePlan, CapacityKeepsTheFirstAssignmentsInTokenOrder) {
   EXPECT_EQ(q.row(2, 1), 2);
 }
 
+// The expert-parallel send plan (fixed capacity): against the policy written out per destination;
+// uneven destinations, a capacity dropping some, none and all, assignments the layer dropped.
+TEST(SendPlan, MatchesThePolicyPerDestination) {
+  Rng rng;
+  struct Case {
+    int64_t T, k, P, L;
+  };
+  for (const Case& c : {Case{0, 2, 2, 3}, Case{1, 1, 1, 1}, Case{37, 2, 2, 3}, Case{64, 4, 4, 8}, Case{300, 8, 8, 4},
+                        Case{129, 1, 3, 1}})
+    for (double factor : {0.1, 0.5, 1.0, 1.3, double(c.P)})
+      for (bool with_kept : {false, true})
+        for (DType dtype : {DType::kInt64, DType::kInt32}) {
+          SCOPED_TRACE("T " + std::to_string(c.T) + " k " + std::to_string(c.k) + " P " + std::to_string(c.P) +
+                       " L " + std::to_string(c.L) + " factor " + std::to_string(factor) +
+                       (with_kept ? " with layer drops " : " ") + dtype_name(dtype));
+          const int64_t E = c.P * c.L, C = pair_capacity(c.T, c.k, c.P, factor);
+          const std::vector<int64_t> idx = random_choices(rng, c.T, c.k, E);
+          std::vector<int32_t> kept;
+          Tensor kept_t;
+          if (with_kept) {
+            kept_t = Tensor::empty({c.T, c.k}, DType::kInt32);
+            for (int64_t i = 0; i < c.T * c.k; ++i) kept.push_back(rng.uniform(0, 1) < 0.2 ? -1 : int32_t(i));
+            std::copy(kept.begin(), kept.end(), kept_t.data_as<int32_t>());
+          }
+          const SendPlanRun got(index_tensor(idx, c.T, c.k, dtype), kept_t, c.P, c.L, C, Device::cpu(), nullptr);
+          const ExpectedSendPlan want = expected_send_plan(idx, kept, c.P, c.L, C);
+          EXPECT_EQ(std::vector<int32_t>(got.row_send.data_as<int32_t>(), got.row_send.data_as<int32_t>() + c.T * c.k),
+                    want.row_send);
+          EXPECT_EQ(std::vector<int32_t>(got.ids.data_as<int32_t>(), got.ids.data_as<int32_t>() + c.P * C), want.ids);
+          EXPECT_EQ(std::vector<int64_t>(got.dropped.data_as<int64_t>(), got.dropped.data_as<int64_t>() + c.P),
+                    want.dropped);
+          for (int64_t d = 0; d <= c.P; ++d) {
+            if (d < c.P) EXPECT_EQ(got.splits.data_as<int64_t>()[d], C);
+            EXPECT_EQ(got.offsets.data_as<int64_t>()[d], d * C);
+          }
+          EXPECT_EQ(got.groups.capacity(), c.P * C);
+          if (factor >= double(c.P))
+            for (int64_t n : want.dropped) EXPECT_EQ(n, 0) << "a factor of P never drops";
+        }
+  EXPECT_EQ(pair_capacity(10, 2, 4, 1.0), 5);
+  EXPECT_EQ(pair_capacity(10, 2, 4, 1.25), 7);  // ceil(6.25)
+  EXPECT_EQ(pair_capacity(10, 2, 4, 100.0), 20);  // never more than T k
+  EXPECT_EQ(pair_capacity(0, 2, 4, 1.0), 0);
+  EXPECT_MOE_ERROR(pair_capacity(10, 2, 4, 0.0), ErrorCode::kInvalidArgument, "factor = 0");
+  EXPECT_MOE_ERROR(pair_capacity(10, 2, 0, 1.0), ErrorCode::kInvalidArgument, "ranks P = 0");
+}
+
+TEST(SendPlan, BadArgumentsAreNamed) {
+  const Tensor idx = index_tensor({0, 5, 3, 1}, 2, 2);
+  const Tensor row_send = Tensor::empty({2, 2}, DType::kInt32), ids = Tensor::empty({4, 1}, DType::kInt32),
+               splits = Tensor::empty({2}, DType::kInt64), offsets = Tensor::empty({3}, DType::kInt64);
+  EXPECT_NO_THROW(send_plan(idx, {}, 3, 2, {row_send, ids, splits, offsets, {}}, nullptr));  // P L = 6 experts
+  EXPECT_MOE_ERROR(send_plan(index_tensor({0, 6, 3, 1}, 2, 2), {}, 3, 2, {row_send, ids, splits, offsets, {}}, nullptr),
+                   ErrorCode::kInvalidArgument, "indices");
+  EXPECT_MOE_ERROR(send_plan(idx, {}, 3, 5, {row_send, ids, splits, offsets, {}}, nullptr),
+                   ErrorCode::kInvalidArgument, "capacity: expected C in [0, T k] = [0, 4], got 5");
+  EXPECT_MOE_ERROR(send_plan(idx, {}, 3, 3, {row_send, ids, splits, offsets, {}}, nullptr), ErrorCode::kShape,
+                   "ids");
+  EXPECT_MOE_ERROR(send_plan(idx, {}, 0, 2, {row_send, ids, splits, offsets, {}}, nullptr),
+                   ErrorCode::kInvalidArgument, "local_experts: expected L >= 1, got 0");
+  EXPECT_MOE_ERROR(send_plan(idx, Tensor::empty({2, 3}, DType::kInt32), 3, 2, {row_send, ids, splits, offsets, {}},
+                             nullptr),
+                   ErrorCode::kShape, "row_of_expert");
+}
+
 TEST(PermutePlan, BadArgumentsAreNamed) {
   const int64_t T = 4, k = 2, E = 4;
   Tensor row_of = Tensor::empty({T, k}, DType::kInt32), splits = Tensor::empty({E}, DType::kInt64);

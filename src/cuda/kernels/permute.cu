@@ -468,6 +468,69 @@ void check_topk(int64_t topk, const char* op) {
                 " choices per token (at most 2^31 - 1)");
 }
 
+// ---- the expert-parallel send plan ----
+// Block d takes destination d: it walks all assignments in token order, one per thread a tile, and
+// ranks the ones going to d by ballots in lane order and per-warp counts added in warp order (the
+// same every run). Block 0 also writes -1 for the assignments no destination takes and reports an
+// index outside [0, P L).
+constexpr int kSendThreads = 256;
+constexpr int kSendWarps = kSendThreads / 32;
+
+template <class Index>
+__global__ void __launch_bounds__(kSendThreads)
+    send_plan_kernel(const Index* __restrict__ indices, const int32_t* __restrict__ kept, int64_t assignments,
+                     int32_t topk, int64_t local_experts, int64_t ranks, int64_t capacity,
+                     int32_t* __restrict__ row_send, int32_t* __restrict__ ids, int64_t* __restrict__ splits,
+                     int64_t* __restrict__ dropped, DeviceErrorRecord* record) {
+  __shared__ int32_t warp_counts[kSendWarps];
+  __shared__ long long first_bad;
+  const int64_t d = blockIdx.x, experts = ranks * local_experts;
+  const int lane = int(threadIdx.x % 32), warp = int(threadIdx.x / 32);
+  if (threadIdx.x == 0) first_bad = LLONG_MAX;
+  __syncthreads();
+  int64_t sent_before = 0;  // this destination's assignments in earlier tiles (uniform)
+  for (int64_t tile = 0; tile < assignments; tile += kSendThreads) {
+    const int64_t i = tile + threadIdx.x;
+    const bool valid = i < assignments;
+    const int64_t e = valid ? int64_t(indices[i]) : -1;
+    const bool in_range = e >= 0 && e < experts;
+    const bool taken = in_range && (kept == nullptr || kept[i] >= 0);
+    const bool mine = taken && e / local_experts == d;
+    if (d == 0 && valid && !taken) {
+      row_send[i] = -1;
+      if (!in_range) atomicMin(&first_bad, (long long)i);
+    }
+    const unsigned ballot = __ballot_sync(kFullWarp, mine);
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    int64_t rank = sent_before + __popc(ballot & ((1u << lane) - 1u));
+    int64_t tile_total = 0;
+    for (int w = 0; w < kSendWarps; ++w) {
+      if (w < warp) rank += warp_counts[w];
+      tile_total += warp_counts[w];
+    }
+    if (mine) {
+      if (rank < capacity) {
+        row_send[i] = int32_t(d * capacity + rank);
+        ids[d * capacity + rank] = int32_t(e - d * local_experts);
+      } else {
+        row_send[i] = -1;
+      }
+    }
+    sent_before += tile_total;
+    __syncthreads();  // warp_counts is rewritten by the next tile
+  }
+  for (int64_t r = sent_before + threadIdx.x; r < capacity; r += kSendThreads)
+    ids[d * capacity + r] = int32_t(local_experts);  // rows nothing is sent in
+  if (threadIdx.x == 0) {
+    splits[d] = capacity;
+    if (dropped != nullptr) dropped[d] = sent_before > capacity ? sent_before - capacity : 0;
+    if (first_bad != LLONG_MAX)
+      report_entry(record, kExpertIndexOutOfRange, &record->index, first_bad, topk, int64_t(indices[first_bad]),
+                   experts);
+  }
+}
+
 }  // namespace
 
 void permute_plan(const TensorView& indices, int64_t expert_capacity, const TensorView& row_of,
@@ -498,6 +561,23 @@ void permute_plan(const TensorView& indices, int64_t expert_capacity, const Tens
           chunks, expert_rows.data_as<const int32_t>(), row_of.data_as<int32_t>());
       MOE_CUDA_CHECK_LAUNCH("plan_rank_kernel");
     }
+  };
+  if (indices.dtype() == DType::kInt32)
+    launch(indices.data_as<const int32_t>());
+  else
+    launch(indices.data_as<const int64_t>());
+}
+
+void send_plan(const TensorView& indices, const TensorView& row_of_expert, int64_t local_experts, int64_t capacity,
+               const TensorView& row_send, const TensorView& ids, const TensorView& splits, const TensorView& dropped,
+               DeviceErrorRecord* record, Stream stream) {
+  const int64_t P = splits.size(0);
+  auto launch = [&](const auto* idx) {
+    send_plan_kernel<<<unsigned(P), kSendThreads, 0, stream>>>(
+        idx, row_of_expert.defined() ? row_of_expert.data_as<const int32_t>() : nullptr, indices.numel(),
+        int32_t(indices.size(1)), local_experts, P, capacity, row_send.data_as<int32_t>(), ids.data_as<int32_t>(),
+        splits.data_as<int64_t>(), dropped.defined() ? dropped.data_as<int64_t>() : nullptr, record);
+    MOE_CUDA_CHECK_LAUNCH("send_plan_kernel");
   };
   if (indices.dtype() == DType::kInt32)
     launch(indices.data_as<const int32_t>());
