@@ -70,13 +70,18 @@ int64_t row_map(const ops::Validator& v, const TensorView& row_of, int64_t token
 
 }  // namespace
 
+namespace {
+// ceil(T k / groups * factor), at most T k: a huge factor cannot overflow (inputs checked).
+int64_t capped_capacity(int64_t tokens, int64_t topk, int64_t groups, double factor) {
+  const double assignments = double(tokens * topk);
+  return int64_t(std::min(std::ceil(assignments / double(groups) * factor), assignments));
+}
+}  // namespace
+
 int64_t expert_capacity(int64_t tokens, int64_t topk, int64_t num_experts, double capacity_factor) {
   check_plan_shape("expert_capacity", tokens, topk, num_experts);
   check_capacity_factor("expert_capacity", capacity_factor);
-  // More than T k can never be dropped: the cap keeps a huge factor from overflowing.
-  const double assignments = double(tokens * topk);
-  return int64_t(
-      std::min(std::ceil(assignments / double(num_experts) * capacity_factor), assignments));
+  return capped_capacity(tokens, topk, num_experts, capacity_factor);
 }
 
 int64_t permuted_rows(int64_t tokens, int64_t topk, int64_t num_experts,
@@ -148,8 +153,7 @@ int64_t pair_capacity(int64_t tokens, int64_t topk, int64_t ranks, double factor
             tokens, ", topk k = ", topk, ", ranks P = ", ranks, " (expected T >= 0, k >= 1, P >= 1)");
   MOE_CHECK(std::isfinite(factor) && factor > 0, ErrorCode::kInvalidArgument, "pair_capacity: factor = ", factor,
             " (expected a finite value > 0)");
-  const double assignments = double(tokens * topk);
-  return int64_t(std::min(std::ceil(assignments / double(ranks) * factor), assignments));
+  return capped_capacity(tokens, topk, ranks, factor);
 }
 
 GroupLayout send_plan(const TensorView& indices, const TensorView& row_of_expert, int64_t local_experts,

@@ -56,7 +56,7 @@ def stream_of(t: torch.Tensor) -> int:
     index = t.get_device()
     if index not in _READY_DEVICES:
         ensure_device(index)
-    if _raw_stream is not None and not torch.compiler.is_compiling():
+    if _raw_stream is not None:
         return _raw_stream(index)
     return torch.cuda.current_stream(index).cuda_stream
 

@@ -229,17 +229,20 @@ void router_wgrad(const TensorView& d_logits, const TensorView& x, const TensorV
   const int64_t E = dweight.size(0), H = dweight.size(1), T = x.size(0);
   const bool sliced = partials.defined();
   const int64_t slices = sliced ? partials.size(0) : 1;
+  const bool accumulate = mode == GradMode::kAccumulate;
+  if (router_wgrad_16bit(d_logits, x, partials, dweight, accumulate, stream)) {
+    if (sliced)
+      with_cuda_type(dweight.dtype(), "router_backward", [&](auto out) {
+        add_slices<decltype(out)>(partials, slices, E, H, dweight, accumulate, stream);
+      });
+    return;
+  }
   with_cuda_type(x.dtype(), "router_backward", [&](auto in) {
     with_cuda_type(dweight.dtype(), "router_backward", [&](auto out) {
       using TB = decltype(in);
       using TC = decltype(out);
       const Operand<float> a{d_logits.data_as<float>(), 1, d_logits.stride(0)};
       const Operand<TB> b{x.data_as<TB>(), 1, x.stride(0)};
-      const bool accumulate = mode == GradMode::kAccumulate;
-      if (router_wgrad_16bit(d_logits, x, partials, dweight, accumulate, stream)) {
-        if (sliced) add_slices<TC>(partials, slices, E, H, dweight, accumulate, stream);
-        return;
-      }
       if (!sliced) {
         launch<2>("router wgrad", a, b, Output<TC>{dweight.data_as<TC>(), dweight.stride(0), accumulate}, E, H, T,
                   stream);
