@@ -41,12 +41,14 @@ TensorView backward_logits_grad(ops::WorkspaceCarver& c, int64_t tokens, int64_t
 // The weight gradient's contraction over the T tokens runs on CUDA in this many slices, each into
 // its own float32 partial sums, added in slice order: its E x H outputs are few (a thread of the
 // 16-bit kernel owns 8 x 8 of them, so 1024 columns x 8 experts per block: 4 to 32 blocks at the
-// suite's shapes), and one slice would leave most of the GPU idle. About two blocks per SM of an
-// H100/H200, slices of at least 256 tokens, at most 8 MiB of partial sums.
+// suite's shapes), and one slice would leave most of the GPU idle. About eight blocks per SM of an
+// H100/H200, slices of at least 64 tokens, at most 32 MiB of partial sums (at the suite's shapes the
+// fastest of 1-32 slices or within 10% of it, the partial sums' addition included:
+// bench/experiments/router_schedules.cu).
 int64_t wgrad_slices(int64_t tokens, int64_t num_experts, int64_t hidden) {
   const int64_t blocks = std::max<int64_t>(1, (hidden + 1023) / 1024) * ((num_experts + 7) / 8);
-  const int64_t by_bytes = (int64_t(8) << 20) / std::max<int64_t>(1, num_experts * hidden * 4);
-  return std::clamp<int64_t>(std::min({(264 + blocks - 1) / blocks, tokens / 256, by_bytes}), 1, 32);
+  const int64_t by_bytes = (int64_t(32) << 20) / std::max<int64_t>(1, num_experts * hidden * 4);
+  return std::clamp<int64_t>(std::min({(1056 + blocks - 1) / blocks, tokens / 64, by_bytes}), 1, 32);
 }
 
 TensorView wgrad_partials(ops::WorkspaceCarver& c, int64_t tokens, int64_t num_experts, int64_t hidden) {

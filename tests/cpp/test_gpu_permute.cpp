@@ -110,12 +110,20 @@ class GpuPermuteRows : public ::testing::TestWithParam<DType> {
 TEST_P(GpuPermuteRows, MatchTheCpuBitForBit) {
   const DType dtype = GetParam();
   Rng rng;
-  const int64_t T = 300, k = 4, E = 32;
-  for (const RowsCase& c :
-       {RowsCase{264, 264}, RowsCase{7, 7}, RowsCase{1000, 1008}, RowsCase{1000, 1001}})
+  // k = 4 at widths of one vector a thread and less; then k = 1, 2, 4, 8 at 4200 columns, more
+  // than 2 vectors a thread of 16-bit values (the kernels' several-vector paths).
+  struct Case {
+    int64_t T, k, E;
+    RowsCase rows;
+  };
+  for (const Case& rc : {Case{300, 4, 32, {264, 264}}, Case{300, 4, 32, {7, 7}}, Case{300, 4, 32, {1000, 1008}},
+                         Case{300, 4, 32, {1000, 1001}}, Case{97, 1, 8, {4200, 4200}}, Case{130, 2, 16, {4200, 4208}},
+                         Case{61, 4, 32, {4200, 4200}}, Case{40, 8, 64, {4200, 4200}}})
     for (std::optional<double> factor : {std::optional<double>(), std::optional(0.7)}) {
-      SCOPED_TRACE("H " + std::to_string(c.cols) + " stride " + std::to_string(c.stride) +
-                   " factor " + (factor ? std::to_string(*factor) : "none"));
+      const int64_t T = rc.T, k = rc.k, E = rc.E;
+      const RowsCase& c = rc.rows;
+      SCOPED_TRACE("T " + std::to_string(T) + " k " + std::to_string(k) + " H " + std::to_string(c.cols) +
+                   " stride " + std::to_string(c.stride) + " factor " + (factor ? std::to_string(*factor) : "none"));
       const Plan cpu(random_choices(rng, T, k, E), T, k, E, factor);
       GpuPlan gpu(T, k, E, factor);
       copy_tensor(gpu.indices, cpu.indices);

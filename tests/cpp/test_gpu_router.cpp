@@ -97,13 +97,16 @@ TEST_F(GpuRouter, ForwardIsTheCpusBitsForEveryShapeAndSpec) {
 
 // The 16-bit kernels' edges (router_linear_16bit.cu): hidden sizes of many pipeline stages with a
 // partial last one, expert counts that fill no 8-expert chunk or power-of-2 chunk count, token
-// counts that fill no block, the 256-expert limit of the logits kernel, and a hidden size that is
-// no multiple of 8 (the generic kernel). Logits the CPU's bits; gradients within float32 rounding,
+// counts that fill no block, the 256-expert limit of the logits kernel, every schedule of the logits
+// kernel, and a hidden size that is no multiple of 8 (the generic kernel). Logits the CPU's bits; gradients within float32 rounding,
 // written and accumulated into a float32 main_grad.
 TEST_F(GpuRouter, SixteenBitProductsAtLongHiddenSizesAndOddExpertCounts) {
   Rng rng;
+  // The last three take the logits schedules of 8 experts x 4 tokens and 2 x 2 a thread
+  // (logits_config); the others 2 x 1.
   for (const auto& [T, H, E] : {std::tuple<int64_t, int64_t, int64_t>{777, 1000, 60}, {4097, 2048, 8},
-                                {300, 136, 200}, {129, 264, 256}, {50, 70, 12}, {1, 3000, 5}})
+                                {300, 136, 200}, {129, 264, 256}, {50, 70, 12}, {1, 3000, 5},
+                                {8500, 136, 128}, {3001, 1000, 90}, {2001, 264, 70}})
     for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
       SCOPED_TRACE(std::string(dtype_name(dt)) + ", T = " + std::to_string(T) + ", H = " + std::to_string(H) +
                    ", E = " + std::to_string(E));

@@ -9,8 +9,9 @@
 //
 // The row kernels take one token per block (grid-striding over T: the grid comes from T only) and
 // move 16-byte vectors where the rows allow it: lane l of a block takes vectors l, l + 256, ..., so
-// a warp's load or store covers 512 contiguous bytes of a row. permute loads x[t] once and stores
-// it k times; unpermute loads the token's k rows and sums them in float32 in j order.
+// a warp's load or store covers 512 contiguous bytes of a row, and each thread keeps several loads in
+// flight. permute loads x[t] once and stores it k times; unpermute loads the token's k rows and sums
+// them in float32 in j order.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -310,38 +311,75 @@ struct RowMap {
   }
 };
 
-// x_sorted[row(t, j)] = x[t]; probs_sorted[row(t, j)] = probs[t, j].
+// 16-byte loads a thread of the row kernels keeps in flight: one at a time leaves them bound by
+// latency (~20 KiB in flight per SM are needed at full HBM bandwidth).
+constexpr int kLoadsInFlight = 8;
+
+// x_sorted[row(t, j)] = x[t]; probs_sorted[row(t, j)] = probs[t, j]. With whole vectors a thread
+// loads kPermuteVectors vectors of the row before storing them.
+constexpr int kPermuteVectors = 4;
+
+// dst[row(t, j)] = src_row for every kept j, whole vectors: each thread loads kPermuteVectors
+// vectors of the row, then stores them to the k rows. Called by the whole block.
+template <class T>
+__device__ __forceinline__ void scatter_row(const T* __restrict__ src_row, const RowMap& map, int64_t t,
+                                            int64_t routed, int64_t vectors, T* __restrict__ dst,
+                                            int64_t ld_dst) {
+  const uint4* src = reinterpret_cast<const uint4*>(src_row);
+  for (int64_t v0 = threadIdx.x; v0 < vectors; v0 += kThreads * kPermuteVectors) {
+    uint4 words[kPermuteVectors];
+#pragma unroll
+    for (int u = 0; u < kPermuteVectors; ++u)
+      if (v0 + u * kThreads < vectors) words[u] = __ldg(src + v0 + u * kThreads);
+    for (int32_t j = 0; j < map.topk; ++j) {
+      const int64_t row = map.row(t, j, routed);
+      if (row < 0) continue;
+      uint4* out = reinterpret_cast<uint4*>(dst + row * ld_dst);
+#pragma unroll
+      for (int u = 0; u < kPermuteVectors; ++u)
+        if (v0 + u * kThreads < vectors) out[v0 + u * kThreads] = words[u];
+    }
+  }
+}
+
 template <class T, bool kWhole>
 __global__ void __launch_bounds__(kThreads)
     permute_kernel(const T* __restrict__ x, int64_t ldx, int64_t tokens, int64_t cols,
                    const float* __restrict__ probs, RowMap map, T* __restrict__ x_sorted,
                    int64_t ld_sorted, float* __restrict__ probs_sorted) {
-  const int64_t routed = map.routed_rows(),
-                vectors = (cols + Vector16<T>::kValues - 1) / Vector16<T>::kValues;
+  constexpr int kValues = Vector16<T>::kValues;
+  const int64_t routed = map.routed_rows(), vectors = (cols + kValues - 1) / kValues;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
     for (int32_t j = threadIdx.x; j < map.topk; j += kThreads) {
       map.report_if_bad(t, j, routed);
       const int64_t row = map.row(t, j, routed);
       if (probs && row >= 0) probs_sorted[row] = probs[t * map.topk + j];
     }
-    for (int64_t v = threadIdx.x; v < vectors; v += kThreads) {
-      const RawVector<T, kWhole> chunk(x + t * ldx, v, cols);
-      for (int32_t j = 0; j < map.topk; ++j) {
-        const int64_t row = map.row(t, j, routed);
-        if (row >= 0) chunk.store(x_sorted + row * ld_sorted + v * Vector16<T>::kValues);
+    if constexpr (kWhole) {
+      scatter_row(x + t * ldx, map, t, routed, vectors, x_sorted, ld_sorted);
+    } else {
+      for (int64_t v = threadIdx.x; v < vectors; v += kThreads) {
+        const RawVector<T, kWhole> chunk(x + t * ldx, v, cols);
+        for (int32_t j = 0; j < map.topk; ++j) {
+          const int64_t row = map.row(t, j, routed);
+          if (row >= 0) chunk.store(x_sorted + row * ld_sorted + v * kValues);
+        }
       }
     }
   }
 }
 
 // y[t] = sum_j p[t, j] out[row(t, j)] in float32, j in order;
-// gathered[t, j] = sorted_probs[row(t, j)].
-template <class T, bool kWhole>
+// gathered[t, j] = sorted_probs[row(t, j)]. With whole vectors a thread sums kVecs vectors of the
+// row at once, kLoadsInFlight / kVecs of the token's rows per batch of loads (unpermute picks kVecs
+// from topk so that a batch has about kLoadsInFlight loads), each batch summed in j order.
+template <class T, bool kWhole, int kVecs>
 __global__ void __launch_bounds__(kThreads)
     unpermute_kernel(const T* __restrict__ out, int64_t ldo, const float* __restrict__ probs,
                      RowMap map, int64_t tokens, int64_t cols, T* __restrict__ y, int64_t ldy,
                      const float* __restrict__ sorted_probs, float* __restrict__ gathered) {
   constexpr int kValues = Vector16<T>::kValues;
+  constexpr int kBatch = kLoadsInFlight / kVecs;
   const int64_t routed = map.routed_rows(), vectors = (cols + kValues - 1) / kValues;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
     for (int32_t j = threadIdx.x; j < map.topk; j += kThreads) {
@@ -349,19 +387,53 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t row = map.row(t, j, routed);
       if (gathered) gathered[t * map.topk + j] = row >= 0 ? sorted_probs[row] : 0.f;
     }
-    for (int64_t v = threadIdx.x; v < vectors; v += kThreads) {
-      float sum[kValues] = {};
-      for (int32_t j = 0; j < map.topk; ++j) {
-        const int64_t row = map.row(t, j, routed);
-        if (row < 0) continue;  // dropped: no term
-        const float p = probs ? __ldg(probs + t * map.topk + j) : 1.f;
-        float term[kValues];
-        RowVector<T, kWhole>(out + row * ldo, v, cols).load(term);
+    if constexpr (kWhole) {
+      for (int64_t v0 = threadIdx.x; v0 < vectors; v0 += kThreads * kVecs) {
+        float sum[kVecs][kValues] = {};
+        for (int32_t j0 = 0; j0 < map.topk; j0 += kBatch) {
+          int64_t rows[kBatch];
+          uint4 words[kBatch][kVecs];
 #pragma unroll
-        for (int i = 0; i < kValues; ++i)
-          sum[i] = __fadd_rn(sum[i], __fmul_rn(p, term[i]));  // no FMA: the CPU's roundings
+          for (int b = 0; b < kBatch; ++b) {
+            rows[b] = j0 + b < map.topk ? map.row(t, j0 + b, routed) : -1;
+            const uint4* src = reinterpret_cast<const uint4*>(out + rows[b] * ldo);
+#pragma unroll
+            for (int u = 0; u < kVecs; ++u)
+              if (rows[b] >= 0 && v0 + u * kThreads < vectors) words[b][u] = __ldg(src + v0 + u * kThreads);
+          }
+#pragma unroll
+          for (int b = 0; b < kBatch; ++b) {
+            if (rows[b] < 0) continue;  // dropped (or past topk): no term
+            const float p = probs ? __ldg(probs + t * map.topk + j0 + b) : 1.f;
+#pragma unroll
+            for (int u = 0; u < kVecs; ++u) {
+              float term[kValues];
+              Vector16<T>::to_floats(words[b][u], term);
+#pragma unroll
+              for (int i = 0; i < kValues; ++i)
+                sum[u][i] = __fadd_rn(sum[u][i], __fmul_rn(p, term[i]));  // no FMA: the CPU's roundings
+            }
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kVecs; ++u)
+          if (v0 + u * kThreads < vectors)
+            reinterpret_cast<uint4*>(y + t * ldy)[v0 + u * kThreads] = Vector16<T>::from_floats(sum[u]);
       }
-      RowVector<T, kWhole>(y + t * ldy, v, cols).store(y + t * ldy + v * kValues, sum);
+    } else {
+      for (int64_t v = threadIdx.x; v < vectors; v += kThreads) {
+        float sum[kValues] = {};
+        for (int32_t j = 0; j < map.topk; ++j) {
+          const int64_t row = map.row(t, j, routed);
+          if (row < 0) continue;  // dropped: no term
+          const float p = probs ? __ldg(probs + t * map.topk + j) : 1.f;
+          float term[kValues];
+          RowVector<T, kWhole>(out + row * ldo, v, cols).load(term);
+#pragma unroll
+          for (int i = 0; i < kValues; ++i) sum[i] = __fadd_rn(sum[i], __fmul_rn(p, term[i]));
+        }
+        RowVector<T, kWhole>(y + t * ldy, v, cols).store(y + t * ldy + v * kValues, sum);
+      }
     }
   }
 }
@@ -379,6 +451,13 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t routed = map.routed_rows(), vectors = (cols + kValues - 1) / kValues;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
     const T* g_row = dy + t * ldd;
+    if constexpr (kWhole) {
+      if (!probs) {  // a copy: permute's scatter (the bad rows reported as below)
+        for (int32_t j = threadIdx.x; j < map.topk; j += kThreads) map.report_if_bad(t, j, routed);
+        scatter_row(g_row, map, t, routed, vectors, d_out, ld_dout);
+        continue;
+      }
+    }
     for (int32_t j = 0; j < map.topk; ++j) {  // uniform: every thread sees the same row
       const int64_t row = map.row(t, j, routed);
       if (row < 0) {
@@ -611,10 +690,17 @@ void unpermute(const TensorView& out, const TensorView& probs, const TensorView&
   with_cuda_type(out.dtype(), "unpermute", [&](auto type) {
     using T_ = decltype(type);
     with_row_vectors(rows_take_vectors({out, y}, H), [&](auto whole) {
-      unpermute_kernel<T_, decltype(whole)::value><<<grid_for(T), kThreads, 0, stream>>>(
-          out.data_as<const T_>(), out.stride(0), floats_or_null(probs), row_map(row_of, groups), T,
-          H, y.data_as<T_>(), y.stride(0), floats_or_null(sorted_probs),
-          mutable_floats_or_null(gathered));
+      constexpr bool kWhole = decltype(whole)::value;
+      // About kLoadsInFlight loads per batch (k rows x kVecs vectors), and no vector slot that no
+      // thread of the block fills (H = 4096 bf16: 512 vectors, at most 2 a thread of 256).
+      const int64_t k = row_of.size(1), vectors = (H * int64_t(sizeof(T_)) + 15) / 16;
+      const int vecs = k >= 8 || vectors <= kThreads ? 1 : k >= 4 || vectors <= 2 * kThreads ? 2 : 4;
+      auto kernel = !kWhole || vecs == 1 ? unpermute_kernel<T_, kWhole, 1>
+                    : vecs == 2          ? unpermute_kernel<T_, kWhole, 2>
+                                         : unpermute_kernel<T_, kWhole, 4>;
+      kernel<<<grid_for(T), kThreads, 0, stream>>>(out.data_as<const T_>(), out.stride(0), floats_or_null(probs),
+                                                   row_map(row_of, groups), T, H, y.data_as<T_>(), y.stride(0),
+                                                   floats_or_null(sorted_probs), mutable_floats_or_null(gathered));
       MOE_CUDA_CHECK_LAUNCH("unpermute_kernel");
     });
   });

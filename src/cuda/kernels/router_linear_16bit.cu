@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <initializer_list>
 
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/runtime/check.hpp"
@@ -47,11 +48,11 @@ bool sixteen_bit(DType d) { return d == DType::kBFloat16 || d == DType::kFloat16
 
 // ---- logits [T, E] = x [T, H] W [E, H]^T ----
 //
-// A thread owns one token and kC consecutive experts (a "chunk"); a block of kThreads holds chunks
-// x tokens_per_block of them. Both operands stream through shared memory by cp.async, kStages
-// stages of kStageK columns in flight; a thread reads 8 columns of its token and of each of its
-// experts per 16-byte load. kC = 8 where T E / 8 threads fill the GPU, else 2 (more threads, each
-// with fewer sums).
+// A thread owns kTok tokens and kC consecutive experts (a "chunk"); a block of kThreads holds chunks
+// x (kThreads / chunks) such thread rows. Both operands stream through shared memory by cp.async,
+// kStages stages of kStageK columns in flight; a thread reads 8 columns of each of its tokens and
+// experts per 16-byte load, so each unpacked weight value feeds kTok sums and each unpacked x value
+// kC of them (logits_config picks both from T and E).
 constexpr int kStageK = 32;
 constexpr int kStages = 4;
 constexpr int kMaxExperts = 256;
@@ -66,7 +67,7 @@ struct LogitsShape {
 // so the rows of the 8 chunks a quarter-warp reads at once start on different banks.
 __device__ __forceinline__ int weight_row_offset(int e) { return e * (kStageK + kRowPad) + (e / 8) * kVec; }
 
-template <class T, int kC>
+template <class T, int kC, int kTok>
 __global__ void __launch_bounds__(kThreads) router_logits_16bit_kernel(const T* __restrict__ x, const T* __restrict__ w,
                                                                       float* __restrict__ logits, LogitsShape s) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -76,7 +77,8 @@ __global__ void __launch_bounds__(kThreads) router_logits_16bit_kernel(const T* 
   T* xs = reinterpret_cast<T*>(smem);  // [kStages][tokens_per_block][kRow]
   T* ws = xs + kStages * x_stage;      // [kStages][weight rows, padded]
   const int tid = int(threadIdx.x);
-  const int chunk = tid % s.chunks, token = tid / s.chunks;
+  // A thread's tokens are kThreads / chunks apart, so a quarter-warp reads x as with one token each.
+  const int chunk = tid % s.chunks, token = tid / s.chunks, token_stride = kThreads / s.chunks;
   const int64_t t0 = int64_t(blockIdx.x) * s.tokens_per_block;
   const int stages = int((s.H + kStageK - 1) / kStageK);
   constexpr int kPiecesPerRow = kStageK / kVec;
@@ -101,7 +103,7 @@ __global__ void __launch_bounds__(kThreads) router_logits_16bit_kernel(const T* 
     ptx::cp_async_commit_group();  // empty groups past the end keep the wait count uniform
   };
 
-  float acc[kC] = {};
+  float acc[kTok][kC] = {};
   for (int st = 0; st < kStages - 1; ++st) issue(st);
   for (int st = 0; st < stages; ++st) {
     ptx::cp_async_wait_group<kStages - 2>();  // stage st has landed (this thread's copies)
@@ -111,30 +113,39 @@ __global__ void __launch_bounds__(kThreads) router_logits_16bit_kernel(const T* 
     const T* wr = ws + (st % kStages) * w_stage;
 #pragma unroll
     for (int kk = 0; kk < kStageK; kk += kVec) {
-      float xf[kVec];
-      unpack8(*reinterpret_cast<const uint4*>(xr + kk), static_cast<const T*>(nullptr), xf);
+      float xf[kTok][kVec];
+#pragma unroll
+      for (int u = 0; u < kTok; ++u)
+        unpack8(*reinterpret_cast<const uint4*>(xr + u * token_stride * kRow + kk), static_cast<const T*>(nullptr),
+                xf[u]);
 #pragma unroll
       for (int j = 0; j < kC; ++j) {
         float wf[kVec];
         unpack8(*reinterpret_cast<const uint4*>(wr + weight_row_offset(chunk * kC + j) + kk),
                 static_cast<const T*>(nullptr), wf);
 #pragma unroll
-        for (int u = 0; u < kVec; ++u) acc[j] = fmaf(xf[u], wf[u], acc[j]);  // h in increasing order
+        for (int u = 0; u < kTok; ++u)
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) acc[u][j] = fmaf(xf[u][v], wf[v], acc[u][j]);  // h in increasing order
       }
     }
   }
   ptx::cp_async_wait_group<0>();
-  const int64_t t = t0 + token;
-  if (t >= s.T) return;
 #pragma unroll
-  for (int j = 0; j < kC; ++j) {
-    const int64_t e = int64_t(chunk) * kC + j;
-    if (e < s.E) logits[t * s.out_ld + e] = acc[j];
+  for (int u = 0; u < kTok; ++u) {
+    const int64_t t = t0 + token + u * token_stride;
+    if (t >= s.T) break;
+#pragma unroll
+    for (int j = 0; j < kC; ++j) {
+      const int64_t e = int64_t(chunk) * kC + j;
+      if (e < s.E) logits[t * s.out_ld + e] = acc[u][j];
+    }
   }
 }
 
-// ---- dx [T, H] (+)= d_logits [T, E] W [E, H]: a thread owns 8 tokens x 8 columns ----
-constexpr int kRowsPerThread = 8;
+// ---- dx [T, H] (+)= d_logits [T, E] W [E, H]: a thread owns kRows tokens x 8 columns ----
+// (8 rows: 64 sums per 16-byte weight load; faster than 2 even where 8 leave the GPU half idle.)
+constexpr int kRows = 8;
 
 template <class T>
 __global__ void __launch_bounds__(kThreads) router_dgrad_16bit_kernel(const float* __restrict__ dl, int64_t dl_ld,
@@ -142,24 +153,25 @@ __global__ void __launch_bounds__(kThreads) router_dgrad_16bit_kernel(const floa
                                                                      T* __restrict__ dx, int64_t dx_ld, int64_t T_,
                                                                      int64_t H, int64_t E, bool accumulate) {
   const int64_t h = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * kVec;
-  const int64_t t0 = int64_t(blockIdx.y) * kRowsPerThread;
+  const int64_t t0 = int64_t(blockIdx.y) * kRows;
   if (h >= H) return;
-  float acc[kRowsPerThread][kVec] = {};
-  const float* dl_rows[kRowsPerThread];
+  float acc[kRows][kVec] = {};
+  const float* dl_rows[kRows];
 #pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) dl_rows[r] = dl + (t0 + r < T_ ? t0 + r : T_ - 1) * dl_ld;
+  for (int r = 0; r < kRows; ++r) dl_rows[r] = dl + (t0 + r < T_ ? t0 + r : T_ - 1) * dl_ld;
+#pragma unroll 4
   for (int64_t e = 0; e < E; ++e) {
     float wf[kVec];
     unpack8(__ldg(reinterpret_cast<const uint4*>(w + e * w_ld + h)), static_cast<const T*>(nullptr), wf);
 #pragma unroll
-    for (int r = 0; r < kRowsPerThread; ++r) {
+    for (int r = 0; r < kRows; ++r) {
       const float d = __ldg(dl_rows[r] + e);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) acc[r][j] = fmaf(d, wf[j], acc[r][j]);
     }
   }
 #pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) {
+  for (int r = 0; r < kRows; ++r) {
     const int64_t t = t0 + r;
     if (t >= T_) break;
     T* out = dx + t * dx_ld + h;
@@ -253,34 +265,68 @@ __global__ void __launch_bounds__(kThreads) router_wgrad_16bit_kernel(const floa
 
 }  // namespace
 
-bool router_logits_16bit(const TensorView& x, const TensorView& weight, const TensorView& logits, Stream stream) {
+LogitsConfig logits_config(int64_t tokens, int64_t experts) {
+  // The first of these that leaves ~6 warps an SM of a 132-SM part: more tokens a thread share each
+  // unpacked weight value, more experts each x value (bench/experiments/router_schedules.cu: at the
+  // suite's shapes this picks the fastest of 8 x 4, 8 x 2, 8 x 1, 2 x 2 and 2 x 1 or within 15% of
+  // it; 8 x 2 and 8 x 1 were never the only fast one, so they are not built).
+  constexpr int64_t kEnoughThreads = 132 * 6 * 32;
+  for (const LogitsConfig c : {LogitsConfig{8, 4}, LogitsConfig{2, 2}})
+    if (tokens * ((experts + c.experts_per_thread - 1) / c.experts_per_thread) / c.tokens_per_thread >= kEnoughThreads)
+      return c;
+  return LogitsConfig{2, 1};
+}
+
+namespace {
+
+template <int kC, int kTok, class T16>
+void launch_logits(const TensorView& x, const TensorView& weight, const TensorView& logits, Stream stream) {
+  const int64_t T = x.size(0), H = x.size(1), E = weight.size(0);
+  int chunks = 1;
+  while (chunks * kC < E) chunks *= 2;  // a power of 2 that divides kThreads
+  LogitsShape s{T, H, E, x.stride(0), weight.stride(0), logits.stride(0), chunks, kThreads / chunks * kTok,
+                chunks * kC};
+  const int64_t blocks = (T + s.tokens_per_block - 1) / s.tokens_per_block;
+  const int padded_rows = s.weight_rows * (kStageK + kRowPad) + (s.weight_rows / 8) * kVec;
+  const size_t smem = 2 * size_t(kStages) * (size_t(s.tokens_per_block) * (kStageK + kRowPad) + padded_rows);
+  auto kernel = router_logits_16bit_kernel<T16, kC, kTok>;
+  if (smem > 48 * 1024)  // per launch: the setting belongs to the current device
+    MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+                   "router logits: shared memory");
+  kernel<<<unsigned(blocks), kThreads, smem, stream>>>(x.data_as<T16>(), weight.data_as<T16>(),
+                                                       logits.data_as<float>(), s);
+  MOE_CUDA_CHECK_LAUNCH("router logits (16-bit)");
+}
+
+}  // namespace
+
+bool router_logits_16bit(const TensorView& x, const TensorView& weight, const TensorView& logits, Stream stream,
+                         std::optional<LogitsConfig> config) {
   const int64_t T = x.size(0), H = x.size(1), E = weight.size(0);
   if (!sixteen_bit(x.dtype()) || weight.dtype() != x.dtype() || logits.dtype() != DType::kFloat32) return false;
   if (E > kMaxExperts || H % kVec != 0 || !vector_rows(x) || !vector_rows(weight) || logits.stride(1) != 1)
     return false;
   if (T == 0) return true;
-  // 8 experts a thread where that leaves enough threads (8 warps an SM of a 132-SM part), else 2.
-  const int per_thread = T * ((E + 7) / 8) >= 132 * 8 * 32 ? 8 : 2;
-  int chunks = 1;
-  while (chunks * per_thread < E) chunks *= 2;  // a power of 2 that divides kThreads
-  LogitsShape s{T, H, E, x.stride(0), weight.stride(0), logits.stride(0), chunks, kThreads / chunks,
-                chunks * per_thread};
-  const int64_t blocks = (T + s.tokens_per_block - 1) / s.tokens_per_block;
-  const int padded_rows = s.weight_rows * (kStageK + kRowPad) + (s.weight_rows / 8) * kVec;
-  const size_t smem = 2 * size_t(kStages) * (size_t(s.tokens_per_block) * (kStageK + kRowPad) + padded_rows);
+  const LogitsConfig c = config ? *config : logits_config(T, E);
+  bool launched = false;
   with_cuda_type(x.dtype(), "router_forward", [&](auto type) {
     using T16 = decltype(type);
     if constexpr (sizeof(T16) == 2) {
-      auto kernel = per_thread == 8 ? router_logits_16bit_kernel<T16, 8> : router_logits_16bit_kernel<T16, 2>;
-      if (smem > 48 * 1024)  // per launch: the setting belongs to the current device
-        MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-                       "router logits: shared memory");
-      kernel<<<unsigned(blocks), kThreads, smem, stream>>>(x.data_as<T16>(), weight.data_as<T16>(),
-                                                           logits.data_as<float>(), s);
-      MOE_CUDA_CHECK_LAUNCH("router logits (16-bit)");
+      const auto is = [&](int experts, int tokens) {
+        return c.experts_per_thread == experts && c.tokens_per_thread == tokens;
+      };
+      launched = true;
+      if (is(8, 4))
+        launch_logits<8, 4, T16>(x, weight, logits, stream);
+      else if (is(2, 2))
+        launch_logits<2, 2, T16>(x, weight, logits, stream);
+      else if (is(2, 1))
+        launch_logits<2, 1, T16>(x, weight, logits, stream);
+      else
+        launched = false;
     }
   });
-  return true;
+  return launched;
 }
 
 bool router_dgrad_16bit(const TensorView& d_logits, const TensorView& weight, const TensorView& dx,
@@ -291,8 +337,8 @@ bool router_dgrad_16bit(const TensorView& d_logits, const TensorView& weight, co
     return false;
   if (H % kVec != 0 || !vector_rows(weight) || !vector_rows(dx)) return false;
   if (T == 0 || H == 0) return true;
-  const dim3 grid(unsigned((H / kVec + kThreads - 1) / kThreads), unsigned((T + kRowsPerThread - 1) / kRowsPerThread));
-  if ((T + kRowsPerThread - 1) / kRowsPerThread > 65535) return false;
+  const dim3 grid(unsigned((H / kVec + kThreads - 1) / kThreads), unsigned((T + kRows - 1) / kRows));
+  if ((T + kRows - 1) / kRows > 65535) return false;
   with_cuda_type(weight.dtype(), "router_backward", [&](auto type) {
     using T16 = decltype(type);
     if constexpr (sizeof(T16) == 2) {

@@ -9,20 +9,31 @@
 //   product and sum): the CPU's bits;
 // - dx(t, h) = sum_e d_logits(t, e) W(e, h) over e in increasing order (then + dx when accumulating);
 // - dW(e, h) = sum over token slices, in slice order, of each slice's sum in increasing t.
-// The schedules fill the GPU at T ~ 10^3..10^4: logits stream x through shared memory (cp.async, a
-// few stages in flight) with the weight converted to float32 once per block and stage; dgrad and
-// wgrad keep 8 x 8 outputs per thread so each 16-byte load feeds 64 fused multiply-adds.
+// The schedules: logits stream x and the weight through shared memory (cp.async, a few stages in
+// flight), a thread summing several tokens x several experts so each unpacked value feeds several
+// sums; dgrad keeps 8 tokens x 8 columns per thread, wgrad 8 experts x 8 columns of a token slice.
+// The logits schedule comes from the shapes only (logits_config), never from timing.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "moe_engine/device.hpp"
 #include "moe_engine/tensor.hpp"
 
 namespace moe::cuda {
 
-// Each returns false, having launched nothing, when its operands are not ones it takes.
-bool router_logits_16bit(const TensorView& x, const TensorView& weight, const TensorView& logits, Stream stream);
+// The logits kernel's outputs per thread: experts_per_thread x tokens_per_thread, one of 8 x 4, 2 x 2,
+// 2 x 1 (the ones built).
+struct LogitsConfig {
+  int experts_per_thread, tokens_per_thread;
+};
+LogitsConfig logits_config(int64_t tokens, int64_t experts);
+
+// Each returns false, having launched nothing, when its operands are not ones it takes. config
+// overrides the logits schedule chosen from the shapes (bench/experiments/router_schedules.cu).
+bool router_logits_16bit(const TensorView& x, const TensorView& weight, const TensorView& logits, Stream stream,
+                         std::optional<LogitsConfig> config = std::nullopt);
 bool router_dgrad_16bit(const TensorView& d_logits, const TensorView& weight, const TensorView& dx,
                         bool accumulate, Stream stream);
 // With partials [S, E, H] float32 (contiguous) each of S token slices writes its sums there, for the
