@@ -397,7 +397,11 @@ def routing_report(layer, x, choices, E):
 
 def run_samples(fns, iters, warmup, block, device):
     """Median ms per callable, the callables alternating sample by sample; a sample is `block` calls
-    back to back (the host enqueues ahead of the GPU), timed with CUDA events (host clock on the CPU)."""
+    back to back (the host enqueues ahead of the GPU), timed with CUDA events (host clock on the CPU).
+    On CUDA every sample starts alike: the GPU drained (synchronize), then one untimed call, so the
+    timed calls find the callable's own work queued ahead of them rather than whatever the previous
+    callable left (a layer that syncs the host, as Megatron-core's dispatchers do, would otherwise
+    hand the next one an idle GPU and an empty queue)."""
     cuda = device.type == "cuda"
     for _ in range(warmup):
         for fn in fns.values():
@@ -406,6 +410,8 @@ def run_samples(fns, iters, warmup, block, device):
     for _ in range(iters):
         for name, fn in fns.items():
             if cuda:
+                torch.cuda.synchronize()
+                fn()
                 start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(block):
@@ -698,7 +704,9 @@ def main():
         "timing": f"median over {a.iters} samples of {a.block} back-to-back steps (forward + backward of the whole "
                   "layer, y.backward(g), every .grad unset before the step), layers alternated sample by sample; the "
                   "breakdown's stages timed the same way, each alone on detached inputs"
-                  + ("; CUDA events, GPU settled first" if device.type == "cuda" else "; host clock"),
+                  + ("; CUDA events, GPU settled first; each sample after a synchronize and one untimed step of "
+                     "the same layer (no layer inherits another's idle GPU or queue)" if device.type == "cuda"
+                     else "; host clock"),
         "memory": MEMORY_DEFINITIONS if device.type == "cuda" else "not measured on the CPU",
         "correctness_check": check,
         **layer_report.summarize(entries),

@@ -182,6 +182,71 @@ def test_eager_calls_without_the_dispatcher_match_the_ops(device):
         assert torch.equal(a, b)
 
 
+# Expert options the one-node path (dispatch + experts + combine as one autograd node) must carry.
+ONE_NODE_CASES = [
+    ("plain", {}, {}),
+    ("bias_drops", dict(bias=True, capacity_factor=0.75), {}),
+    ("per_expert_recompute", dict(layout="per-expert", recompute_fc1=True), {}),
+    ("main_grad", dict(accumulate_into_main_grad=True), {}),
+    ("delayed_wgrad", dict(delay_wgrad_compute=True), {}),
+    ("x_without_grad", {}, dict(x_grad=False)),
+    ("frozen_experts", {}, dict(frozen=True)),
+]
+
+
+@pytest.mark.parametrize("name,opts,how", ONE_NODE_CASES, ids=[c[0] for c in ONE_NODE_CASES])
+def test_one_node_step_equals_the_three_nodes(device, name, opts, how):
+    """In plain eager mode dispatch + experts + combine run as one autograd node; a forward hook on
+    the experts sends the layer through its three nodes (dispatch, the experts module, combine).
+    Outputs and every gradient are the same bits, main_grad and delayed weight gradients included."""
+    outs = []
+    for three_nodes in (False, True):
+        layer = make_layer(dict(num_experts=6, topk=2, aux_loss_coeff=1e-2, **opts), device, torch.bfloat16)
+        if opts.get("accumulate_into_main_grad"):
+            for p in layer.parameters():
+                p.main_grad = torch.full(p.shape, 0.25, dtype=torch.float32, device=device)
+        if how.get("frozen"):
+            layer.experts.requires_grad_(False)
+        hook = layer.experts.register_forward_hook(lambda *a: None) if three_nodes else None
+        x = torch.randn(45, H, generator=torch.Generator().manual_seed(5)).to(device, torch.bfloat16)
+        x.requires_grad_(how.get("x_grad", True))
+        y = layer(x)
+        assert ("DispatchExpertsCombine" in type(y.grad_fn).__name__) != three_nodes
+        (y.float().square().sum() + layer.aux_loss).backward()
+        layer.backward_dw()
+        grads = [x.grad] + [getattr(p, "main_grad", None) if opts.get("accumulate_into_main_grad") else p.grad
+                            for p in layer.parameters()]
+        outs.append([y] + grads)
+        if hook is not None:
+            hook.remove()
+    for i, (a, b) in enumerate(zip(*outs)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert torch.equal(a, b), i
+
+
+def test_offloaded_layer_stack_equals_the_plain_one(cuda):
+    """ActivationOffload over a stack of two layers (the first offloaded, its one-node step's saved
+    tensors included): outputs and gradients bit-identical to the same stack without offload."""
+    outs = []
+    for offload in (None, me.ActivationOffload(num_layers=2, min_bytes=0)):
+        layers = [make_layer(dict(num_experts=6, topk=2), cuda, torch.bfloat16, seed=s) for s in (0, 1)]
+        x = torch.randn(300, H, generator=torch.Generator().manual_seed(7)).to(cuda, torch.bfloat16)
+        x.requires_grad_()
+        h = x
+        for i, layer in enumerate(layers):
+            with (offload.layer(i) if offload else contextlib.nullcontext()) as scope:
+                h = layer(h)
+                if offload:
+                    h = scope.output(h)
+        h.float().square().sum().backward()
+        if offload:
+            assert offload.offloaded_bytes > 0
+        outs.append([h, x.grad] + [p.grad for layer in layers for p in layer.parameters()])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def test_expert_bias_update(device):
     layer = make_layer(dict(num_experts=4, topk=1, expert_bias=True), device, torch.float32)
     with torch.no_grad():
