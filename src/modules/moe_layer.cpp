@@ -77,7 +77,6 @@ int64_t checked_local_experts(int64_t num_experts, int64_t hidden, int64_t ffn, 
   return num_experts / P;
 }
 
-
 // Rows per rank of a [P * L] count vector in rank-major blocks of L.
 std::vector<int64_t> block_sums(const Tensor& counts_host, int P, int64_t L) {
   std::vector<int64_t> rows(size_t(P), 0);

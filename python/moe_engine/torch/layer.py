@@ -18,7 +18,6 @@ inputs.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -29,21 +28,20 @@ from .. import _C
 from . import routing as _routing
 from ._bridge import _plain_eager
 from .expert_parallel import expert_parallel_forward, group_rank_size, pair_capacity
-from .modules import GroupedMLP, _GroupedMLPFunction
-from .offload import no_offload
+from .modules import GroupedMLP, _GroupedMLPFunction, _saving_scope
 from .routing import Dispatched, Router, RouterOutput, combine, dispatch
 
 # ---- dispatch + experts + combine as one autograd node (plain eager) ----
 
 
 class _SubContext:
-    """What _GroupedMLPFunction's forward and backward use of their ctx, for running them inside
+    """What an autograd Function's forward / backward use of their ctx, for running them inside
     another Function: the outer node saves the tensors (so saved-tensor hooks, offload included,
-    see them) and hands them back before the backward."""
+    see them) and hands them back before the backward; other attributes are set freely."""
 
-    def __init__(self, needs_input_grad):
+    def __init__(self, needs_input_grad, saved_tensors=()):
         self.needs_input_grad = needs_input_grad
-        self.saved_tensors = ()
+        self.saved_tensors = saved_tensors
 
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
@@ -51,9 +49,10 @@ class _SubContext:
 
 class _DispatchExpertsCombine(torch.autograd.Function):
     """permute, the expert MLP (bf16 GroupedMLP) and unpermute, the same ops in the same order as
-    the three autograd nodes of dispatch / experts / combine, as one node: a step's host time is a
-    large part of a small batch's (docs/performance-log.md, issue 25), and each Python node costs the
-    autograd engine's bookkeeping. Bit-identical to the three nodes (tested)."""
+    the three autograd nodes of dispatch / experts / combine (their own forward and backward code),
+    as one node: a step's host time is a large part of a small batch's (docs/performance-log.md,
+    issue 25), and each Python node costs the autograd engine's bookkeeping. Bit-identical to the
+    three nodes (tested)."""
 
     @staticmethod
     def forward(ctx, layer: "MoELayer", x, probs, row_of, splits, routing, rows, *params):
@@ -63,12 +62,11 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         # The MLP's forward reads requires_grad to decide what backward needs: as in the three nodes.
         x_sorted.requires_grad_(x.requires_grad)
         probs_sorted.requires_grad_(probs.requires_grad)
-        with contextlib.nullcontext() if experts.offload_activations else no_offload():
+        with _saving_scope(experts):
             out = _GroupedMLPFunction.forward(mlp, experts, x_sorted, splits, probs_sorted, *params)
-        x_sorted.requires_grad_(False)
-        probs_sorted.requires_grad_(False)
-        y = _routing._unpermute._impl(out, None, row_of, splits, routing)
-        with contextlib.nullcontext() if experts.offload_activations else no_offload():
+            x_sorted.requires_grad_(False)
+            probs_sorted.requires_grad_(False)
+            y = _routing._unpermute._impl(out, None, row_of, splits, routing)
             ctx.save_for_backward(row_of, splits, routing, *mlp.saved_tensors)
         mlp.saved_tensors = ()  # held by ctx alone (offload may move them)
         ctx.mlp, ctx.rows = mlp, out.shape[0]
@@ -77,21 +75,19 @@ class _DispatchExpertsCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         row_of, splits, routing, *mlp_saved = ctx.saved_tensors
+        unpermute = _SubContext((True, False), (None, None, row_of, splits, routing))
+        unpermute.rows = ctx.rows
+        d_out = _routing._unpermute_bwd(unpermute, dy)[0]
         mlp: _SubContext = ctx.mlp
         mlp.saved_tensors = tuple(mlp_saved)
-        d_out, _ = _routing._unpermute_backward(dy.contiguous(), None, None, row_of, splits, routing, ctx.rows, False)
         grads = _GroupedMLPFunction.backward(mlp, d_out)
         need_x, need_p = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        dx = dprobs = None
-        if need_x or need_p:
-            d_sorted = grads[1] if grads[1] is not None else torch.zeros_like(d_out)
-            d_probs_sorted = grads[3]
-            if need_p and d_probs_sorted is None:
-                d_probs_sorted = torch.zeros(d_out.shape[0], dtype=torch.float32, device=d_out.device)
-            dx, dprobs = _routing._permute_backward(d_sorted.contiguous(),
-                                                    d_probs_sorted.contiguous() if need_p else None, row_of, splits,
-                                                    routing)
-        return (None, dx if need_x else None, dprobs if need_p else None, None, None, None, None, *grads[4:])
+        permute = _SubContext((need_x, need_p), (row_of, splits, routing))
+        permute.with_probs = True
+        # Autograd would hand permute's backward zeros for an unused x_sorted gradient.
+        d_sorted = grads[1] if grads[1] is not None or not (need_x or need_p) else torch.zeros_like(d_out)
+        dx, dprobs = _routing._permute_bwd(permute, d_sorted, grads[3])[:2]
+        return (None, dx, dprobs, None, None, None, None, *grads[4:])
 
 
 def _hooks_on(module: nn.Module) -> bool:
@@ -201,12 +197,9 @@ class MoELayer(nn.Module):
             return expert_parallel_forward(self, x)[0]
         r = self.route(x)
         if self._one_node(x, r):
-            row_of, splits, routing, _ = _routing._permute_plan(r.indices, self.num_experts,
-                                                                _routing._capacity_args(self.capacity_factor))
-            rows = _routing.permuted_rows(x.shape[0], self.topk, self.num_experts, self.capacity_factor)
-            e = self.experts
-            params = (*e.fc1.weights(), *e.fc1.biases(), *e.fc2.weights(), *e.fc2.biases())
-            return _DispatchExpertsCombine.apply(self, x, r.probs, row_of, splits, routing, rows, *params)
+            row_of, splits, routing, _, rows = _routing._plan(r.indices, self.num_experts, self.capacity_factor)
+            return _DispatchExpertsCombine.apply(self, x, r.probs, row_of, splits, routing, rows,
+                                                 *self.experts._params())
         d = self.dispatch(x, r)
         return self.combine(self.experts(d.x, d.splits, d.probs), d)
 

@@ -391,7 +391,7 @@ class GroupedLinear(_ExpertParams):
         if not self.scale_bias and row_scale is not None:
             raise ValueError("moe_engine: row_scale given but the module was built without scale_bias")
         self.check_input("GroupedLinear", x)
-        with contextlib.nullcontext() if self.offload_activations else no_offload():
+        with _saving_scope(self):
             if self._fp8_recipe is None:
                 return _GroupedLinearFunction.apply(self, x, splits, row_scale, *self.weights(), *self.biases())
             _check_fp8_dtype("GroupedLinear", x)
@@ -634,12 +634,16 @@ class GroupedMLP(nn.Module):
         w2, b2 = list(params[n1 + nb1 : n1 + nb1 + n2]), list(params[n1 + nb1 + n2 :])
         return w1, b1, w2, b2
 
+    def _params(self):
+        """FC1's weights and biases, then FC2's: the tensors the MLP's autograd Functions take."""
+        return (*self.fc1.weights(), *self.fc1.biases(), *self.fc2.weights(), *self.fc2.biases())
+
     def forward(self, x: Tensor, splits: Tensor, probs: Optional[Tensor] = None) -> Tensor:
         """x ``[T, H]`` (rows sorted by expert), splits ``[G]``, probs ``[T]`` float32 (the router
         probs; None: 1) -> y ``[T, H]``; rows past ``sum(splits)`` of y are zeros."""
         self.fc1.check_input("GroupedMLP", x)
-        params = (*self.fc1.weights(), *self.fc1.biases(), *self.fc2.weights(), *self.fc2.biases())
-        with contextlib.nullcontext() if self.offload_activations else no_offload():
+        params = self._params()
+        with _saving_scope(self):
             if self._fp8_recipe is None:
                 return _GroupedMLPFunction.apply(self, x, splits, probs, *params)
             _check_fp8_dtype("GroupedMLP", x)
@@ -679,6 +683,12 @@ class GroupedMLP(nn.Module):
         layout_text = f"glu_layout={layout}, " if g.gated else ""
         return (f"num_groups={self.num_groups}, hidden={self.hidden}, ffn={self.ffn}, activation={act}{extra}, "
                 f"{layout_text}fusion={self.fusion}, recompute_fc1={self.recompute_fc1}" + fp8_text)
+
+
+def _saving_scope(module):
+    """Where a module's autograd saves its tensors: as usual, or kept on the device when the module
+    has ``offload_activations=False``."""
+    return contextlib.nullcontext() if module.offload_activations else no_offload()
 
 
 def _init_device(p: Tensor) -> None:

@@ -388,13 +388,19 @@ def permuted_rows(tokens: int, topk: int, num_experts: int, capacity_factor: Opt
     return _C.permuted_rows(tokens, topk, num_experts, _capacity_args(capacity_factor))
 
 
+def _plan(indices: Tensor, num_experts: int, capacity_factor: Optional[float]):
+    """dispatch's plan: (row_of, splits, routing, dropped) of permute_plan and the sorted buffer's rows R."""
+    row_of, splits, routing, dropped = _permute_plan(indices, int(num_experts), _capacity_args(capacity_factor))
+    rows = permuted_rows(indices.shape[0], indices.shape[1], int(num_experts), capacity_factor)
+    return row_of, splits, routing, dropped, rows
+
+
 def dispatch(x: Tensor, probs: Optional[Tensor], indices: Tensor, num_experts: int,
              capacity_factor: Optional[float] = None) -> Dispatched:
     """Sorts the tokens x [T, H] by the experts of indices [T, k] (stable within each expert; with a
     capacity factor each expert keeps its first C assignments in token order), with probs [T, k]
     (float32; None: no probs). Differentiable in x and probs."""
-    row_of, splits, routing, dropped = _permute_plan(indices, int(num_experts), _capacity_args(capacity_factor))
-    rows = permuted_rows(indices.shape[0], indices.shape[1], int(num_experts), capacity_factor)
+    row_of, splits, routing, dropped, rows = _plan(indices, num_experts, capacity_factor)
     x_sorted, probs_sorted = _permute(x, probs, row_of, splits, routing, rows)
     return Dispatched(x_sorted, probs_sorted, splits, row_of, routing, dropped)
 

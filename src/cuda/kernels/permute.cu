@@ -693,11 +693,14 @@ void unpermute(const TensorView& out, const TensorView& probs, const TensorView&
       constexpr bool kWhole = decltype(whole)::value;
       // About kLoadsInFlight loads per batch (k rows x kVecs vectors), and no vector slot that no
       // thread of the block fills (H = 4096 bf16: 512 vectors, at most 2 a thread of 256).
+      // Without whole vectors kVecs is unused: one instance.
       const int64_t k = row_of.size(1), vectors = (H * int64_t(sizeof(T_)) + 15) / 16;
       const int vecs = k >= 8 || vectors <= kThreads ? 1 : k >= 4 || vectors <= 2 * kThreads ? 2 : 4;
-      auto kernel = !kWhole || vecs == 1 ? unpermute_kernel<T_, kWhole, 1>
-                    : vecs == 2          ? unpermute_kernel<T_, kWhole, 2>
-                                         : unpermute_kernel<T_, kWhole, 4>;
+      auto kernel = unpermute_kernel<T_, kWhole, 1>;
+      if constexpr (kWhole) {
+        if (vecs == 2) kernel = unpermute_kernel<T_, kWhole, 2>;
+        if (vecs == 4) kernel = unpermute_kernel<T_, kWhole, 4>;
+      }
       kernel<<<grid_for(T), kThreads, 0, stream>>>(out.data_as<const T_>(), out.stride(0), floats_or_null(probs),
                                                    row_map(row_of, groups), T, H, y.data_as<T_>(), y.stride(0),
                                                    floats_or_null(sorted_probs), mutable_floats_or_null(gathered));
