@@ -4,6 +4,7 @@ autograd Functions are wrapped with a timer (nested: a Function's time includes 
 What the performance log's "Issue 25" section quotes for the small batch.
 
     CASE=qwen3-30b-a3b-small-batch/balanced N=100 python bench/experiments/layer_host_time.py
+    ONE_NODE=1 ...   the experts' backward (and so the layer's fused step) as one autograd node
 
 DEV=cpu runs it on the CPU (the C++ calls then include the CPU backend's compute).
 """
@@ -30,8 +31,14 @@ for n in dir(C):
         setattr(C, n, wrap("_C." + n, f))
 for n in ("empty", "zeros", "empty_like", "zeros_like"):
     setattr(torch, n, wrap("torch." + n, getattr(torch, n)))
+from moe_engine.torch import layer as layer_mod
 fns = {"router": routing._RouterFunction, "mlp": modules._GroupedMLPFunction,
+       "mlp_fc1": modules._GroupedMLPFc1Function, "mlp_fc2": modules._GroupedMLPFc2Function,
+       "layer_one_node": layer_mod._DispatchExpertsCombine, "layer_dispatch_fc1": layer_mod._DispatchFc1,
+       "layer_fc2_combine": layer_mod._Fc2Combine,
        "permute": routing._permute._function, "unpermute": routing._unpermute._function}
+if os.environ.get("ONE_NODE"):  # the experts' backward as one node (the layer then runs as one node too)
+    layer_mod._mlp_two_nodes = lambda *a: False
 for k, cls in fns.items():
     for m in ("forward", "backward"):
         setattr(cls, m, staticmethod(wrap(f"{k}.{m}", getattr(cls, m))))

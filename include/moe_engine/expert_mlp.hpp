@@ -73,13 +73,19 @@ struct ExpertMlpGrads {
   TensorView dx;      // [T, H], optional
   TensorView dprobs;  // [T] float32, optional (needs probs); includes <b2_g, dy[r]>
   ParamGrad fc1_weight, fc1_bias, fc2_weight, fc2_bias;
+  // [T, W], optional: dL/d(fc1_out) written here instead of into the workspace, for a caller that
+  // runs FC1's gradients itself (e.g. as a separate autograd node, so that FC2's weight gradient is
+  // handed on before FC1's exists). Not with FP8.
+  TensorView d_fc1;
 };
 
 // Scratch the backward needs: F + W per row (W = fc1_width(spec.glu, F)), W more when FC1 is
 // recomputed and the fusion is kForwardBackward, whose fused activation backward cannot run in
-// place (and, with that fusion, float32 dprobs shares per 256 features).
+// place (and, with that fusion, float32 dprobs shares per 256 features). `d_fc1_given`: the
+// caller passes ExpertMlpGrads::d_fc1, which the backward writes instead of a workspace buffer.
 MOE_API size_t expert_mlp_backward_workspace_size(int64_t capacity, int64_t hidden, int64_t ffn,
-                                                  DType dtype, bool recompute_fc1, const ExpertMlpSpec& spec);
+                                                  DType dtype, bool recompute_fc1, const ExpertMlpSpec& spec,
+                                                  bool d_fc1_given = false);
 
 // fc1_out: the pre-activation saved by forward, or undefined to recompute it from x. x may be
 // undefined when fc1_out is given and no FC1 weight gradient is asked for. `ran_fused`

@@ -616,7 +616,8 @@ void expert_mlp_backward_py(const TensorArg& dy_arg, const std::optional<TensorA
                             const std::optional<TensorArg>& dprobs_arg, const GroupedArg& fc1_weight_grad,
                             const std::string& fc1_weight_mode, const GroupedArg& fc1_bias_grad,
                             const GroupedArg& fc2_weight_grad, const std::string& fc2_weight_mode,
-                            const GroupedArg& fc2_bias_grad, const GluSpec& glu, const std::string& fusion,
+                            const GroupedArg& fc2_bias_grad, const std::optional<TensorArg>& d_fc1_arg,
+                            const GluSpec& glu, const std::string& fusion,
                             const std::optional<TensorArg>& workspace_arg, uintptr_t stream) {
   const Call c{"expert_mlp_backward", stream_of(stream)};
   const TensorView dy = c("dy", dy_arg), x = c("x", x_arg), probs = c("probs", probs_arg),
@@ -629,8 +630,9 @@ void expert_mlp_backward_py(const TensorArg& dy_arg, const std::optional<TensorA
   grads.fc1_bias = {c.param("fc1_bias_grad", fc1_bias_grad, 1), GradMode::kWrite};
   grads.fc2_weight = {c.param("fc2_weight_grad", fc2_weight_grad, 2), parse_grad_mode(fc2_weight_mode)};
   grads.fc2_bias = {c.param("fc2_bias_grad", fc2_bias_grad, 1), GradMode::kWrite};
+  grads.d_fc1 = c("d_fc1", d_fc1_arg);
   const ExpertMlpSpec spec{glu, parse_fusion(fusion)};
-  c.run(routing, {grads.dx, grads.dprobs}, [&](const GroupLayout& g, const ExecContext& e) {
+  c.run(routing, {grads.dx, grads.dprobs, grads.d_fc1}, [&](const GroupLayout& g, const ExecContext& e) {
     expert_mlp_backward(dy, x, probs, weights, g, fc1_out, grads, spec, with_workspace(e, workspace));
   });
 }
@@ -1102,7 +1104,8 @@ void bind_ops(nb::module_& m) {
         arg("fc1_weight"), arg("fc1_bias"), arg("fc2_weight"), arg("fc2_bias"), arg("routing"),
         arg("fc1_out").none(), arg("dx").none(), arg("dprobs").none(), arg("fc1_weight_grad"),
         arg("fc1_weight_mode"), arg("fc1_bias_grad"), arg("fc2_weight_grad"), arg("fc2_weight_mode"),
-        arg("fc2_bias_grad"), arg("spec"), arg("fusion"), arg("workspace").none(), arg("stream"));
+        arg("fc2_bias_grad"), arg("d_fc1").none(), arg("spec"), arg("fusion"), arg("workspace").none(),
+        arg("stream"));
   m.def("expert_mlp_fp8_forward", &expert_mlp_fp8_forward_py, arg("x"), arg("probs").none(), arg("fc1_data"),
         arg("fc1_scales"), arg("fc2_data"), arg("fc2_scales"), arg("fc1_bias"), arg("fc2_bias"), arg("routing"),
         arg("y"), arg("saved_x_data").none(), arg("saved_x_scales").none(), arg("saved_x_offsets").none(),
@@ -1171,11 +1174,12 @@ void bind_ops(nb::module_& m) {
   m.def(
       "expert_mlp_backward_workspace_size",
       [](int64_t T, int64_t H, int64_t F, const std::string& dtype, bool recompute_fc1, const GluSpec& glu,
-         const std::string& fusion) {
+         const std::string& fusion, bool d_fc1_given) {
         return expert_mlp_backward_workspace_size(T, H, F, dtype_from_name(dtype), recompute_fc1,
-                                                  {glu, parse_fusion(fusion)});
+                                                  {glu, parse_fusion(fusion)}, d_fc1_given);
       },
-      arg("capacity"), arg("hidden"), arg("ffn"), arg("dtype"), arg("recompute_fc1"), arg("spec"), arg("fusion"));
+      arg("capacity"), arg("hidden"), arg("ffn"), arg("dtype"), arg("recompute_fc1"), arg("spec"), arg("fusion"),
+      arg("d_fc1_given") = false);
 }
 
 // ---- the training contract's decisions (moe_engine.torch applies them to torch parameters) ----

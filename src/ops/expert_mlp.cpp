@@ -39,15 +39,16 @@ struct BackwardBuffers {
   TensorView dprobs_partial;  // fused backward only: dprobs shares per 256-feature tile, [T, tiles] float32
 };
 
+// d_fc1_given: the caller's ExpertMlpGrads::d_fc1 takes d_fc1's place (b.d_fc1 stays undefined).
 BackwardBuffers backward_buffers(ops::WorkspaceCarver& c, int64_t capacity, int64_t ffn,
-                                 DType dtype, bool recompute_fc1, const ExpertMlpSpec& spec) {
+                                 DType dtype, bool recompute_fc1, const ExpertMlpSpec& spec, bool d_fc1_given) {
   // The fused backward's epilogue is not made to run in place, so it keeps h and d_fc1 apart.
   const bool fused = spec.fusion == MlpFusion::kForwardBackward;
   const int64_t width = fc1_width(spec.glu, ffn);
   BackwardBuffers b;
   if (recompute_fc1) b.fc1_out = c.take({capacity, width}, dtype);
   b.act = b.d_act = c.take({capacity, ffn}, dtype);
-  b.d_fc1 = recompute_fc1 && !fused ? b.fc1_out : c.take({capacity, width}, dtype);
+  if (!d_fc1_given) b.d_fc1 = recompute_fc1 && !fused ? b.fc1_out : c.take({capacity, width}, dtype);
   if (fused) b.dprobs_partial = c.take({capacity, (ffn + 255) / 256}, DType::kFloat32);
   return b;
 }
@@ -98,9 +99,10 @@ size_t expert_mlp_forward_workspace_size(int64_t capacity, int64_t /*hidden*/, i
 }
 
 size_t expert_mlp_backward_workspace_size(int64_t capacity, int64_t /*hidden*/, int64_t ffn,
-                                          DType dtype, bool recompute_fc1, const ExpertMlpSpec& spec) {
+                                          DType dtype, bool recompute_fc1, const ExpertMlpSpec& spec,
+                                          bool d_fc1_given) {
   ops::WorkspaceCarver c;
-  backward_buffers(c, capacity, ffn, dtype, recompute_fc1, spec);
+  backward_buffers(c, capacity, ffn, dtype, recompute_fc1, spec, d_fc1_given);
   return c.used();
 }
 
@@ -168,6 +170,14 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
   const ops::Fc1Dims fc1 = ops::fc1_dims(spec.glu, F);
   if (fc1_out.defined()) v.matrix("fc1_out", fc1_out, T, fc1.width, fc1.rows);
   if (grads.dx.defined()) v.matrix("dx", grads.dx, T, H, "[T, H]");
+  if (grads.d_fc1.defined()) {
+    v.matrix("d_fc1", grads.d_fc1, T, fc1.width, fc1.rows);
+    v.same_dtype("d_fc1", grads.d_fc1.dtype(), "dy", dy.dtype());
+    v.no_overlap("d_fc1", grads.d_fc1, "dy", dy);
+    if (fc1_out.defined()) v.no_overlap("d_fc1", grads.d_fc1, "fc1_out", fc1_out);
+    if (x.defined()) v.no_overlap("d_fc1", grads.d_fc1, "x", x);
+    if (grads.dx.defined()) v.distinct_outputs("d_fc1", grads.d_fc1, "dx", grads.dx);
+  }
   if (grads.dprobs.defined()) {
     if (!probs.defined())
       v.fail(ErrorCode::kInvalidArgument, "dprobs is requested but no probs were given");
@@ -179,13 +189,15 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
   check_param_grad(v, "fc2_bias", grads.fc2_bias, weights.fc2_bias, "[H]");
   const bool recompute = !fc1_out.defined();
   const DType dtype = weights.fc2_weight.dtype();
-  v.workspace(ctx.workspace, expert_mlp_backward_workspace_size(T, H, F, dtype, recompute, spec),
+  const bool d_fc1_given = grads.d_fc1.defined();
+  v.workspace(ctx.workspace, expert_mlp_backward_workspace_size(T, H, F, dtype, recompute, spec, d_fc1_given),
               "expert_mlp_backward_workspace_size");
   // dgrad_glu(h, b, act) runs FC2's dgrad + the activation's backward fused (act: the recomputed
   // act * p, when FC2's weight gradient needs it) and returns true, or does nothing.
   const auto compose = [&](auto&& dgrad_glu) {
     ops::WorkspaceCarver carver(ctx.workspace, v.device());
-    const BackwardBuffers b = backward_buffers(carver, T, F, dtype, recompute, spec);
+    BackwardBuffers b = backward_buffers(carver, T, F, dtype, recompute, spec, d_fc1_given);
+    if (d_fc1_given) b.d_fc1 = grads.d_fc1;
     const TensorView h = recompute ? b.fc1_out : fc1_out;
     if (recompute)
       grouped_linear_forward(x, weights.fc1_weight, groups, h, {weights.fc1_bias, {}}, ctx);

@@ -260,6 +260,10 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
     else check_saved_columns(v, saved.x, H);
   }
   if (probs.defined()) v.row_scale("probs", probs);
+  if (grads.d_fc1.defined())
+    v.fail(ErrorCode::kInvalidArgument,
+           "d_fc1: the FP8 backward keeps dL/d(fc1_out) in FP8 for FC1's GEMMs and does not write it out; "
+           "expected no d_fc1");
   if (grads.dx.defined()) {
     check_activation(v, "dx", grads.dx, H, "[T, H]");
     v.same_dtype("dx", grads.dx.dtype(), "dy", dy.dtype());

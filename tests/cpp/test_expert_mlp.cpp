@@ -127,6 +127,16 @@ void expect_matches_oracle(const MlpProblem& m, const MlpRun& r) {
   if (r.dprobs.defined()) EXPECT_TRUE(tail_untouched(r.dprobs, rows)) << "dprobs tail";
 }
 
+// Every gradient of two runs, bit for bit.
+void expect_same_gradients(const MlpRun& r, const MlpRun& base) {
+  EXPECT_TRUE(bitwise_equal(r.dx, base.dx)) << "dx";
+  EXPECT_TRUE(bitwise_equal(r.dprobs, base.dprobs)) << "dprobs";
+  EXPECT_TRUE(bitwise_equal(r.dw1.param, base.dw1.param)) << "dw1";
+  EXPECT_TRUE(bitwise_equal(r.dw2.param, base.dw2.param)) << "dw2";
+  EXPECT_TRUE(bitwise_equal(r.db1.param, base.db1.param)) << "db1";
+  EXPECT_TRUE(bitwise_equal(r.db2.param, base.db2.param)) << "db2";
+}
+
 GluSpec glu(Activation act, GluLayout layout) {
   GluSpec s;
   s.activation = act;
@@ -185,17 +195,55 @@ TEST_P(ExpertMlp, RecomputeAndPerExpertAreBitIdentical) {
                  (save ? ", saved" : ", recompute"));
     const MlpRun r = run(m, per_expert, save);
     EXPECT_TRUE(bitwise_equal(r.y, base.y));
-    EXPECT_TRUE(bitwise_equal(r.dx, base.dx));
-    EXPECT_TRUE(bitwise_equal(r.dprobs, base.dprobs));
-    EXPECT_TRUE(bitwise_equal(r.dw1.param, base.dw1.param));
-    EXPECT_TRUE(bitwise_equal(r.dw2.param, base.dw2.param));
-    EXPECT_TRUE(bitwise_equal(r.db1.param, base.db1.param));
-    EXPECT_TRUE(bitwise_equal(r.db2.param, base.db2.param));
+    expect_same_gradients(r, base);
   }
   const MlpRun again = run(m, false, true);  // run to run
   EXPECT_TRUE(bitwise_equal(again.dw1.param, base.dw1.param));
   EXPECT_TRUE(bitwise_equal(again.y, base.y));
   }
+}
+
+// FC2's half of the backward writing dL/d(fc1_out) out (ExpertMlpGrads::d_fc1), then FC1's
+// gradients from it through the grouped-linear ops: the bits of the whole backward in one call,
+// with a workspace W per row smaller.
+TEST_P(ExpertMlp, Fc2HalfAndFc1OpsEqualTheWholeBackward) {
+  const DType dt = GetParam();
+  Rng rng;
+  for (const GluSpec& spec : {glu(Activation::kSwiGLU, GluLayout::blocks(4)), spec_of(Activation::kSReLU)})
+    for (bool save : {true, false}) {
+      SCOPED_TRACE(describe(spec) + (save ? ", saved" : ", recompute"));
+      const MlpProblem m = make_problem(rng, {9, 0, 1, 30}, 48, 32, 16, dt, spec, true, true);
+      const MlpRun base = run(m, false, save);
+      const int64_t T = m.T(), G = m.G(), H = m.H, F = m.F, W = fc1_width(m.glu, F);
+      const DType gdt = dt == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+      const ExpertMlpWeights weights{GroupedParam::packed(m.w1), GroupedParam::packed(m.b1),
+                                     GroupedParam::packed(m.w2), GroupedParam::packed(m.b2)};
+      const ExpertMlpSpec mlp_spec{m.glu};
+      MlpRun r;
+      r.dprobs = poisoned({T}, m.p.dtype());
+      r.dw1 = OwnedParam(poisoned({G, W, H}, gdt), false);
+      r.dw2 = OwnedParam(poisoned({G, H, F}, gdt), false);
+      r.db1 = OwnedParam(poisoned({G, W}, gdt), false);
+      r.db2 = OwnedParam(poisoned({G, H}, gdt), false);
+      r.dx = poisoned({T, H}, dt);
+      Tensor d_fc1 = poisoned({T, W}, dt);
+      ExpertMlpGrads fc2_half;
+      fc2_half.dprobs = r.dprobs;
+      fc2_half.fc2_weight = {r.dw2.param, GradMode::kWrite};
+      fc2_half.fc2_bias = {r.db2.param, GradMode::kWrite};
+      fc2_half.d_fc1 = d_fc1;
+      const size_t whole = expert_mlp_backward_workspace_size(T, H, F, dt, !save, mlp_spec);
+      const size_t half = expert_mlp_backward_workspace_size(T, H, F, dt, !save, mlp_spec, true);
+      if (save) EXPECT_EQ(whole - half, size_t(T * W) * dtype_size(dt));
+      Tensor bws = workspace_for(half);
+      expert_mlp_backward(m.dy, save ? TensorView{} : m.x.view(), m.p, weights, m.routing.layout,
+                          save ? base.fc1_out.view() : TensorView{}, fc2_half, mlp_spec, ctx_with(bws));
+      EXPECT_TRUE(tail_untouched(d_fc1, m.routing.rows())) << "d_fc1 tail";
+      grouped_linear_dbias(d_fc1, m.routing.layout, r.db1.param, GradMode::kWrite);
+      grouped_linear_wgrad(d_fc1, m.x, m.routing.layout, r.dw1.param, GradMode::kWrite);
+      grouped_linear_dgrad(d_fc1, weights.fc1_weight, m.routing.layout, r.dx);
+      expect_same_gradients(r, base);
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, ExpertMlp,

@@ -218,6 +218,11 @@ TEST(Fp8MlpCpuValidation, BadInputFailsBeforeAnythingIsWritten) {
   with_db1.fc1_bias = {GroupedParam::packed(poisoned({2, 64}, DType::kFloat32)), GradMode::kWrite};
   expect_error([&] { expert_mlp_backward(c.dy, saved, {}, w.view(), r.layout, with_db1, {c.glu}, {}, bctx); },
                ErrorCode::kInvalidArgument, "fc1_bias");
+  ExpertMlpGrads with_d_fc1 = b.grads();
+  Tensor d_fc1 = poisoned({c.dy.size(0), 64}, DType::kBFloat16);
+  with_d_fc1.d_fc1 = d_fc1;
+  expect_error([&] { expert_mlp_backward(c.dy, saved, {}, w.view(), r.layout, with_d_fc1, {c.glu}, {}, bctx); },
+               ErrorCode::kInvalidArgument, "d_fc1: the FP8 backward");
 }
 
 }  // namespace

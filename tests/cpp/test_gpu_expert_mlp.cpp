@@ -172,8 +172,10 @@ struct MlpOutputs {
 };
 
 // Forward + backward on `device`; weight and bias gradients in float32, written.
+// split_backward: FC2's half of the backward writes dL/d(fc1_out) (ExpertMlpGrads::d_fc1) and
+// FC1's gradients run from it through the grouped-linear ops, as the two-node autograd path does.
 MlpOutputs run_mlp(const MlpCase& c, const GroupLayout& groups, Device device, bool save_fc1_out,
-                   MlpFusion fusion = MlpFusion::kForwardBackward) {
+                   MlpFusion fusion = MlpFusion::kForwardBackward, bool split_backward = false) {
   const int64_t G = c.w1.size(0), T = c.T, H = c.H, F = c.F, W = c.W;
   auto on = [&](const Tensor& t) { return t.defined() ? t.to(device) : Tensor(); };
   auto poison = [&](Shape s, DType d) { return poisoned(s, d).to(device); };
@@ -204,10 +206,24 @@ MlpOutputs run_mlp(const MlpCase& c, const GroupLayout& groups, Device device, b
   grads.fc2_weight = {param(o.dw2), GradMode::kWrite};
   grads.fc1_bias = {param(o.db1), GradMode::kWrite};
   grads.fc2_bias = {param(o.db2), GradMode::kWrite};
-  Tensor bws = Tensor::empty({int64_t(expert_mlp_backward_workspace_size(T, H, F, c.dt, !save_fc1_out, spec))},
-                             DType::kUInt8, device);
+  Tensor d_fc1;
+  if (split_backward) {
+    d_fc1 = poison({T, W}, c.dt);
+    grads.d_fc1 = d_fc1;
+    grads.dx = {};
+    grads.fc1_weight = {};
+    grads.fc1_bias = {};
+  }
+  Tensor bws = Tensor::empty(
+      {int64_t(expert_mlp_backward_workspace_size(T, H, F, c.dt, !save_fc1_out, spec, split_backward))},
+      DType::kUInt8, device);
   expert_mlp_backward(dy, x, p, weights, groups, o.fc1_out, grads, spec,
                       {nullptr, {bws.data(), bws.nbytes(), device}}, &o.backward_fused);
+  if (split_backward) {
+    if (b1.defined()) grouped_linear_dbias(d_fc1, groups, param(o.db1), GradMode::kWrite);
+    grouped_linear_wgrad(d_fc1, x, groups, param(o.dw1), GradMode::kWrite);
+    grouped_linear_dgrad(d_fc1, weights.fc1_weight, groups, o.dx);
+  }
   return o;
 }
 
@@ -333,6 +349,32 @@ TEST_P(GpuExpertMlp, ManyExpertsOneExpertTakingAllAndOneExpert) {
       EXPECT_EQ(gpu.forward_fused, on_hopper());
       EXPECT_NO_THROW(r.flag.check());
     }
+}
+
+// FC2's half with dL/d(fc1_out) written out, then FC1's grouped-linear ops (the two-node autograd
+// path): the bits of the whole backward, for every fusion and with fc1_out saved or recomputed.
+TEST_P(GpuExpertMlp, Fc2HalfAndFc1OpsEqualTheWholeBackward) {
+  const DType dt = GetParam();
+  Rng rng;
+  const int64_t T = 400, H = 264;
+  DualRouting r({0, 1, 37, 0, 150, 40, 129}, T);
+  for (const auto& [spec, F] : {std::pair{spec_of(Activation::kSwiGLU, GluLayout::blocks(64)), int64_t(320)},
+                                {spec_of(Activation::kClampedQGeGLU, GluLayout::halves()), int64_t(200)},
+                                {spec_of(Activation::kSReLU), int64_t(384)}})
+    for (MlpFusion fusion : {MlpFusion::kForwardBackward, MlpFusion::kForward, MlpFusion::kNone})
+      for (bool save : {true, false}) {
+        SCOPED_TRACE(describe(spec) + ", fusion " + std::to_string(int(fusion)) + (save ? ", saved" : ", recomputed"));
+        const MlpCase m(rng, r.cpu.num_groups(), T, H, F, dt, spec, true, true);
+        const MlpOutputs whole = run_mlp(m, r.gpu, Device::cuda(0), save, fusion);
+        const MlpOutputs split = run_mlp(m, r.gpu, Device::cuda(0), save, fusion, /*split_backward=*/true);
+        EXPECT_EQ(split.backward_fused, whole.backward_fused);
+        const Tensor* pairs[][2] = {{&split.dx, &whole.dx},   {&split.dprobs, &whole.dprobs}, {&split.dw1, &whole.dw1},
+                                    {&split.db1, &whole.db1}, {&split.dw2, &whole.dw2},       {&split.db2, &whole.db2}};
+        const char* names[] = {"dx", "dprobs", "dw1", "db1", "dw2", "db2"};
+        for (size_t i = 0; i < std::size(pairs); ++i)
+          EXPECT_TRUE(bitwise_equal(to_host(*pairs[i][0]), to_host(*pairs[i][1]))) << names[i];
+      }
+  EXPECT_NO_THROW(r.flag.check());
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, GpuExpertMlp, ::testing::Values(DType::kBFloat16, DType::kFloat16),

@@ -200,6 +200,22 @@ TEST_F(Validation, ExpertMlpArguments) {
   ExpertMlpGrads dx_only;
   dx_only.dx = dx;
   EXPECT_NO_THROW(expert_mlp_backward(out, {}, {}, weights, r.layout, fc1_out, dx_only, {}, ctx));
+  // dL/d(fc1_out) written out: [T, W] in dy's dtype, apart from the inputs and dx.
+  // (ExpertMlpGrads holds views: the tensors they see stay named.)
+  const Tensor narrow = Tensor::zeros({10, F}, DType::kBFloat16), f32 = Tensor::zeros({10, 2 * F}, DType::kFloat32),
+               good = Tensor::zeros({10, 2 * F}, DType::kBFloat16);
+  ExpertMlpGrads to_d_fc1;
+  to_d_fc1.d_fc1 = narrow;
+  EXPECT_MOE_ERROR(expert_mlp_backward(out, {}, {}, weights, r.layout, fc1_out, to_d_fc1, {}, ctx), ErrorCode::kShape,
+                   "expert_mlp_backward: d_fc1: expected [T, 2F] = [10, 8], got bfloat16[10, 4]");
+  to_d_fc1.d_fc1 = f32;
+  EXPECT_MOE_ERROR(expert_mlp_backward(out, {}, {}, weights, r.layout, fc1_out, to_d_fc1, {}, ctx), ErrorCode::kDType,
+                   "d_fc1");
+  to_d_fc1.d_fc1 = fc1_out;
+  EXPECT_MOE_ERROR(expert_mlp_backward(out, {}, {}, weights, r.layout, fc1_out, to_d_fc1, {}, ctx),
+                   ErrorCode::kInvalidArgument, "d_fc1");
+  to_d_fc1.d_fc1 = good;
+  EXPECT_NO_THROW(expert_mlp_backward(out, {}, {}, weights, r.layout, fc1_out, to_d_fc1, {}, ctx));
 }
 
 // A non-gated activation's FC1 has F rows: a GLU-sized FC1 (the usual mistake) names the shape it

@@ -194,11 +194,17 @@ ONE_NODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("two_node_step", [True, False], ids=["two_node_step", "one_node_step"])
 @pytest.mark.parametrize("name,opts,how", ONE_NODE_CASES, ids=[c[0] for c in ONE_NODE_CASES])
-def test_one_node_step_equals_the_three_nodes(device, name, opts, how):
-    """In plain eager mode dispatch + experts + combine run as one autograd node; a forward hook on
-    the experts sends the layer through its three nodes (dispatch, the experts module, combine).
-    Outputs and every gradient are the same bits, main_grad and delayed weight gradients included."""
+def test_fused_dispatch_and_combine_equal_the_separate_nodes(device, monkeypatch, name, opts, how, two_node_step):
+    """In plain eager mode dispatch runs in the experts' first autograd node and combine in their
+    last (one node, or two where the MLP's backward is two); a forward hook on the experts sends the
+    layer through dispatch, the experts module and combine. Outputs and every gradient are the same
+    bits, main_grad and delayed weight gradients included."""
+    import moe_engine.torch.layer as layer_mod
+
+    # The step's two-node form is taken from a size up (MoELayer._two_nodes): at every size, or never.
+    monkeypatch.setattr(layer_mod, "_TWO_NODE_MIN_BYTES", 0 if two_node_step else 1 << 62)
     outs = []
     for three_nodes in (False, True):
         layer = make_layer(dict(num_experts=6, topk=2, aux_loss_coeff=1e-2, **opts), device, torch.bfloat16)
@@ -211,7 +217,10 @@ def test_one_node_step_equals_the_three_nodes(device, name, opts, how):
         x = torch.randn(45, H, generator=torch.Generator().manual_seed(5)).to(device, torch.bfloat16)
         x.requires_grad_(how.get("x_grad", True))
         y = layer(x)
-        assert ("DispatchExpertsCombine" in type(y.grad_fn).__name__) != three_nodes
+        # The MLP's backward is one node with a delayed wgrad or recompute_fc1, else two (FC2's, FC1's).
+        one_mlp_node = opts.get("delay_wgrad_compute") or opts.get("recompute_fc1")
+        fused = "_DispatchExpertsCombine" if one_mlp_node or not two_node_step else "_Fc2Combine"
+        assert type(y.grad_fn).__name__.startswith(fused) != three_nodes
         (y.float().square().sum() + layer.aux_loss).backward()
         layer.backward_dw()
         grads = [x.grad] + [getattr(p, "main_grad", None) if opts.get("accumulate_into_main_grad") else p.grad
@@ -223,6 +232,29 @@ def test_one_node_step_equals_the_three_nodes(device, name, opts, how):
         assert (a is None) == (b is None), i
         if a is not None:
             assert torch.equal(a, b), i
+
+
+def test_fc2s_weight_gradient_is_handed_on_before_dispatch_and_fc1s_node(device, monkeypatch):
+    """The fused step runs as two nodes from the size where that frees _TWO_NODE_MIN_BYTES (rows x
+    (H + 2F + F) elements), one node below; as two, FC2's weight gradient reaches .grad (its buffer
+    freed) before the node of dispatch + FC1 runs: the two weight gradients never coexist."""
+    import moe_engine.torch.layer as layer_mod
+
+    layer = make_layer(dict(num_experts=6, topk=2), device, torch.bfloat16)
+    freed = 45 * 2 * (H + 3 * F) * 2  # 45 tokens x top-2 rows, bf16
+    for min_bytes, form in ((freed + 1, "_DispatchExpertsCombine"), (freed, "_Fc2Combine")):
+        monkeypatch.setattr(layer_mod, "_TWO_NODE_MIN_BYTES", min_bytes)
+        y = layer(torch.randn(45, H, device=device, dtype=torch.bfloat16, requires_grad=True))
+        assert type(y.grad_fn).__name__.startswith(form), (min_bytes, type(y.grad_fn).__name__)
+    order = []
+    for name, p in (("fc2.weight", layer.experts.fc2.weight), ("fc1.weight", layer.experts.fc1.weight)):
+        p.register_post_accumulate_grad_hook(lambda p, name=name: order.append(name))
+    x = torch.randn(45, H, generator=torch.Generator().manual_seed(5)).to(device, torch.bfloat16)
+    y = layer(x.requires_grad_())
+    first = next(n for n, _ in y.grad_fn.next_functions if n is not None and "DispatchFc1" in type(n).__name__)
+    first.register_prehook(lambda grads: order.append("dispatch + FC1's node"))
+    y.float().square().sum().backward()
+    assert order == ["fc2.weight", "dispatch + FC1's node", "fc1.weight"], order
 
 
 def test_offloaded_layer_stack_equals_the_plain_one(cuda):

@@ -364,3 +364,72 @@ def test_frozen_parameters_get_no_gradient(device, kind):
     for p, ref in zip(weight_params(m)[1:], expected[1:]):
         assert torch.equal(p.grad.float(), ref)
     assert all(b.grad is not None for b in m.parameters() if b.dim() == 2)  # the biases (packed [G, N])
+
+
+# GroupedMLP options under which its bf16 backward runs as two autograd nodes (FC2's, then FC1's),
+# and those that keep one node; the two must give the one node's bits.
+TWO_NODE_CASES = [
+    ("plain", {}, {}),
+    ("per_expert_no_bias", dict(layout="per-expert", bias=False), {}),
+    ("main_grad", dict(accumulate_into_main_grad=True), {}),
+    ("x_without_grad", {}, dict(x_grad=False)),
+    ("probs_without_grad", {}, dict(probs_grad=False)),
+    ("fc1_frozen", {}, dict(frozen="fc1")),
+    ("fc2_frozen", {}, dict(frozen="fc2")),
+    ("only_fc1_grads", {}, dict(frozen="fc2", probs_grad=False)),
+    ("fusion_all", dict(fusion="all"), {}),
+]
+
+
+@pytest.mark.parametrize("name,opts,how", TWO_NODE_CASES, ids=[c[0] for c in TWO_NODE_CASES])
+def test_two_node_backward_equals_the_one_node(device, monkeypatch, name, opts, how):
+    """The MLP's backward as two autograd nodes (FC2's weight gradient handed to autograd before
+    FC1's exists) gives the one node's output and gradients bit for bit, in every contract mode; y
+    is no view (in-place use of it stays allowed)."""
+    import moe_engine.torch.modules as modules
+
+    outs, two_node_names = [], []
+    for two in (True, False):
+        if not two:
+            monkeypatch.setattr(modules, "_mlp_two_nodes", lambda *a: False)
+        m = build("mlp", device, **opts) if "bias" not in opts else me.GroupedMLP(
+            4, 32, 16, activation="clamped_qgeglu", glu_layout="pairs", device=device, dtype=DTYPE[device.type],
+            **opts)
+        if opts.get("accumulate_into_main_grad"):
+            attach_ddp(m, with_flag=True)
+        if how.get("frozen"):
+            getattr(m, how["frozen"]).requires_grad_(False)
+        torch.manual_seed(5)
+        T = 40
+        x = torch.randn(T, 32, dtype=DTYPE[device.type], device=device, requires_grad=how.get("x_grad", True))
+        probs = torch.rand(T, device=device, requires_grad=how.get("probs_grad", True))
+        y = m(x, make_splits([9, 0, 1, 23], device), probs)
+        assert y._base is None
+        two_node_names.append(type(y.grad_fn).__name__)
+        y.mul_(1.5)  # in-place on the output: allowed on either path
+        y.backward(torch.randn_like(y))
+        grads = [x.grad, probs.grad] + [getattr(p, "main_grad", None) if opts.get("accumulate_into_main_grad")
+                                        else p.grad for p in m.parameters()]
+        outs.append([y.detach()] + grads)
+    expect_two = how.get("frozen") != "fc2" or how.get("probs_grad", True)
+    assert ("Fc2Function" in two_node_names[0]) == expect_two, two_node_names
+    assert "Fc2Function" not in two_node_names[1]
+    for i, (a, b) in enumerate(zip(*outs)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert torch.equal(a, b), i
+
+
+def test_two_node_backward_hands_fc2s_weight_gradient_on_before_fc1s_node(device):
+    """FC2's weight gradient reaches .grad (its buffer freed) before FC1's node runs, so the two
+    weight gradients never coexist: what the two nodes are for."""
+    m = build("mlp", device)
+    order = []
+    for name, p in (("fc2.weight", m.fc2.weight), ("fc1.weight", m.fc1.weight)):
+        p.register_post_accumulate_grad_hook(lambda p, name=name: order.append(name))
+    x = torch.randn(40, 32, dtype=DTYPE[device.type], device=device, requires_grad=True)
+    y = m(x, make_splits([9, 0, 1, 23], device), torch.rand(40, device=device, requires_grad=True))
+    fc1_node = next(n for n, _ in y.grad_fn.next_functions if n is not None and "Fc1Function" in type(n).__name__)
+    fc1_node.register_prehook(lambda grads: order.append("FC1's node"))
+    y.backward(torch.randn_like(y))
+    assert order == ["fc2.weight", "FC1's node", "fc1.weight"], order

@@ -28,7 +28,8 @@ from .. import _C
 from . import routing as _routing
 from ._bridge import _plain_eager
 from .expert_parallel import expert_parallel_forward, group_rank_size, pair_capacity
-from .modules import GroupedMLP, _GroupedMLPFunction, _saving_scope
+from .modules import (GroupedMLP, _GroupedMLPFc1Function, _GroupedMLPFc2Function, _GroupedMLPFunction, _Handoff,
+                      _fc1_node_params, _mlp_two_nodes, _saving_scope)
 from .routing import Dispatched, Router, RouterOutput, combine, dispatch
 
 # ---- dispatch + experts + combine as one autograd node (plain eager) ----
@@ -45,6 +46,12 @@ class _SubContext:
 
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors):
+        pass  # the outer node marks its own outputs
+
+    def set_materialize_grads(self, value):
+        pass
 
 
 class _DispatchExpertsCombine(torch.autograd.Function):
@@ -90,6 +97,83 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         return (None, dx, dprobs, None, None, None, None, *grads[4:])
 
 
+# ---- dispatch + FC1's node, FC2's node + combine (plain eager, the MLP in two nodes) ----
+
+
+class _DispatchFc1(torch.autograd.Function):
+    """permute and the MLP's FC1 node (``_GroupedMLPFc1Function``: forward runs the whole MLP),
+    one autograd node; returns fc1_out and the sorted probs, the edges to ``_Fc2Combine``. Where the
+    MLP runs as two nodes (``modules._mlp_two_nodes``), the layer's step does too, for the same
+    peak memory (FC2's weight gradient handed on before FC1's is made); bit-identical to the
+    three nodes (tested)."""
+
+    @staticmethod
+    def forward(ctx, layer: "MoELayer", handoff: _Handoff, x, probs, row_of, splits, routing, rows, *params):
+        experts: GroupedMLP = layer.experts
+        ctx.set_materialize_grads(False)
+        x_sorted, probs_sorted = _routing._permute._impl(x, probs, row_of, splits, routing, rows)
+        fc1 = _SubContext(())
+        with _saving_scope(experts):
+            fc1_out, mlp_routing = _GroupedMLPFc1Function.forward(fc1, experts, handoff, x_sorted, splits,
+                                                                  probs_sorted, *params)
+            ctx.save_for_backward(row_of, splits, routing, *fc1.saved_tensors)
+        fc1.saved_tensors = ()  # held by ctx alone (offload may move them)
+        ctx.fc1, ctx.sorted_shape = fc1, x_sorted.shape
+        ctx.mark_non_differentiable(mlp_routing)
+        return fc1_out, probs_sorted, mlp_routing
+
+    @staticmethod
+    def backward(ctx, d_fc1, d_probs_sorted, _d_routing):
+        row_of, splits, routing, *fc1_saved = ctx.saved_tensors
+        need = ctx.needs_input_grad  # layer, handoff, x, probs, row_of, splits, routing, rows, params
+        need_x, need_p = need[2], need[3]
+        fc1: _SubContext = ctx.fc1
+        fc1.saved_tensors, fc1.needs_input_grad = tuple(fc1_saved), (False, False, need_x, False, False, *need[8:])
+        grads = (None,) * 5 + (None,) * len(need[8:])
+        if d_fc1 is not None:
+            grads = _GroupedMLPFc1Function.backward(fc1, d_fc1, None)
+        permute = _SubContext((need_x, need_p), (row_of, splits, routing))
+        permute.with_probs = True
+        # Autograd would hand permute's backward zeros for an unused x_sorted gradient.
+        d_sorted = grads[2]
+        if d_sorted is None and (need_x or need_p):
+            d_sorted = torch.zeros(ctx.sorted_shape, dtype=d_fc1.dtype if d_fc1 is not None else torch.float32,
+                                   device=row_of.device)
+        dx, dprobs = _routing._permute_bwd(permute, d_sorted, d_probs_sorted)[:2]
+        return (None, None, dx, dprobs, None, None, None, None, *grads[5:])
+
+
+class _Fc2Combine(torch.autograd.Function):
+    """The MLP's FC2 node (``_GroupedMLPFc2Function``) and unpermute, one autograd node."""
+
+    @staticmethod
+    def forward(ctx, layer: "MoELayer", handoff: _Handoff, fc1_out, probs_sorted, mlp_routing, row_of, splits,
+                routing, *params):
+        experts: GroupedMLP = layer.experts
+        fc2 = _SubContext(())
+        with _saving_scope(experts):
+            out = _GroupedMLPFc2Function.forward(fc2, experts, handoff, fc1_out, mlp_routing, splits, probs_sorted,
+                                                 *params)
+            y = _routing._unpermute._impl(out, None, row_of, splits, routing)
+            ctx.save_for_backward(row_of, splits, routing, *fc2.saved_tensors)
+        fc2.saved_tensors = ()
+        ctx.fc2, ctx.rows = fc2, out.shape[0]
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        row_of, splits, routing, *fc2_saved = ctx.saved_tensors
+        need = ctx.needs_input_grad  # layer, handoff, fc1_out, probs_sorted, mlp_routing, row_of, splits, routing, params
+        unpermute = _SubContext((True, False), (None, None, row_of, splits, routing))
+        unpermute.rows = ctx.rows
+        d_out = _routing._unpermute_bwd(unpermute, dy)[0]
+        fc2: _SubContext = ctx.fc2
+        fc2.saved_tensors = tuple(fc2_saved)
+        fc2.needs_input_grad = (False, False, need[2], False, False, need[3], *need[8:])
+        grads = _GroupedMLPFc2Function.backward(fc2, d_out)
+        return (None, None, grads[2], grads[5], None, None, None, None, *grads[6:])
+
+
 def _hooks_on(module: nn.Module) -> bool:
     """Whether calling the module would run hooks (its own or global ones) that the one-node step,
     which does not call it, would skip."""
@@ -100,6 +184,10 @@ def _hooks_on(module: nn.Module) -> bool:
 
 
 # ---- the layer ----
+
+
+# The fused step's two-node form below this many bytes freed: see MoELayer._two_nodes.
+_TWO_NODE_MIN_BYTES = 64 << 20
 
 
 class MoELayer(nn.Module):
@@ -196,20 +284,39 @@ class MoELayer(nn.Module):
         if self.ep_group is not None:
             return expert_parallel_forward(self, x)[0]
         r = self.route(x)
-        if self._one_node(x, r):
+        if self._fuse_dispatch_and_combine(x, r):
             row_of, splits, routing, _, rows = _routing._plan(r.indices, self.num_experts, self.capacity_factor)
-            return _DispatchExpertsCombine.apply(self, x, r.probs, row_of, splits, routing, rows,
-                                                 *self.experts._params())
+            params = self.experts._params()
+            if self._two_nodes(x, r, rows, params):
+                handoff = _Handoff()
+                fc1_out, probs_sorted, mlp_routing = _DispatchFc1.apply(
+                    self, handoff, x, r.probs, row_of, splits, routing, rows, *_fc1_node_params(self.experts, params))
+                return _Fc2Combine.apply(self, handoff, fc1_out, probs_sorted, mlp_routing, row_of, splits, routing,
+                                         *params)
+            return _DispatchExpertsCombine.apply(self, x, r.probs, row_of, splits, routing, rows, *params)
         d = self.dispatch(x, r)
         return self.combine(self.experts(d.x, d.splits, d.probs), d)
 
-    def _one_node(self, x: Tensor, r: RouterOutput) -> bool:
-        """Whether dispatch + experts + combine may run as one autograd node: plain eager with grad
-        (torch.compile, tracing and dispatch modes take the ops), the experts a plain bf16 / fp32
-        GroupedMLP without hooks (a wrapped or hooked module is called as a module)."""
+    def _fuse_dispatch_and_combine(self, x: Tensor, r: RouterOutput) -> bool:
+        """Whether dispatch runs in the experts' first autograd node and combine in their last (one
+        node, or two where the MLP's backward is two): plain eager with grad (torch.compile, tracing
+        and dispatch modes take the ops), the experts a plain bf16 / fp32 GroupedMLP without hooks
+        (a wrapped or hooked module is called as a module)."""
         e = self.experts
         return (torch.is_grad_enabled() and type(e) is GroupedMLP and e.fp8_recipe is None and not _hooks_on(e)
                 and _routing._permute._impl is not None and _plain_eager((x, r.probs)))
+
+    def _two_nodes(self, x: Tensor, r: RouterOutput, rows: int, params) -> bool:
+        """Whether the fused step runs as two autograd nodes, as the experts' backward does
+        (``modules._mlp_two_nodes``), rather than one: where it frees at least
+        ``_TWO_NODE_MIN_BYTES`` at FC1's GEMMs (d_out, fc1_out and the activation's scratch, rows x
+        (H + W + F) elements, beside FC2's weight gradient). Below that the step is short and bound
+        by host time, which the second node adds to (the small batch 7-9% slower, H200)."""
+        if not _mlp_two_nodes(self.experts, x, r.probs, params):
+            return False
+        e = self.experts
+        width = e.fc1.weights()[0].shape[-2]
+        return rows * (e.hidden + width + e.ffn) * x.element_size() >= _TWO_NODE_MIN_BYTES
 
     def backward_dw(self) -> None:
         """The experts' queued weight gradients (``delay_wgrad_compute``); the router's are never delayed."""

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from .. import _C
 from . import fp8, ops
+from ._bridge import _plain_eager
 from ._bridge import dtype_name as _dtype_name
 from ._contract import WeightGradContract
 from .fp8 import Fp8Recipe, Fp8WeightCache, check_recipe, packed_bias
@@ -454,11 +455,125 @@ class _GroupedMLPFunction(torch.autograd.Function):
             return ops._expert_mlp_backward_(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, glu, fusion, dx, dp, bias,
                                              g1, mode1, g2, mode2, routing)
 
-        dw1, dw2, (dx, dprobs, db1, db2) = _mlp_weight_grads(m, need_w1, need_w2, len(w1), len(w2), run)
+        dw1, dw2, (dx, dprobs, db1, db2, _) = _mlp_weight_grads(m, need_w1, need_w2, len(w1), len(w2), run)
         db1s = ops.split_like(db1, b1, 1) if (b1 and need_bias) else [None] * len(b1)
         db2s = ops.split_like(db2, b2, 1) if (b2 and need_bias) else [None] * len(b2)
         return (None, dx if need_dx else None, None, dprobs if need_dprobs else None,
                 *dw1, *db1s, *dw2, *db2s)
+
+
+# The bf16 MLP as two autograd nodes, for the peak memory of backward: one node would return FC2's
+# and FC1's weight gradients together and run FC1's GEMMs while dy, the kept pre-activation and the
+# activation's scratch are still held. As two, autograd hands FC2's weight gradient on (into .grad,
+# freed) before FC1's exists, and FC1's node holds only dL/d(fc1_out), x and its own outputs: the
+# peak of an eager MLP. The same ops in the same order as the one node, so the same bits.
+
+
+class _Handoff:
+    """y from FC1's node to FC2's: y is FC2's node's output but made by FC1's forward (one fused
+    call); returned by FC2's node as an input, it would become a view, which in-place use of the
+    MLP's output must not meet."""
+
+    __slots__ = ("y",)
+
+
+class _GroupedMLPFc1Function(torch.autograd.Function):
+    """Forward: the whole MLP (``ops._expert_mlp``, fc1_out kept); returns fc1_out, the edge to
+    FC2's node, and the routing tensor; y goes to FC2's node through ``handoff``. Backward: from
+    dL/d(fc1_out), dx and FC1's weight and bias gradients (under the module's contract)."""
+
+    @staticmethod
+    def forward(ctx, module: "GroupedMLP", handoff: _Handoff, x, splits, probs, *params):
+        w1, b1, w2, b2 = module._split_params(params)
+        handoff.y, fc1_out, routing = ops._expert_mlp(x, probs, w1, b1, w2, b2, splits, module._glu_text,
+                                                      module.fusion, True)
+        keep_x = any(w.requires_grad for w in w1)
+        ctx.save_for_backward(x if keep_x else None, splits, routing, *w1)
+        ctx.module = module
+        ctx.mark_non_differentiable(routing)
+        return fc1_out, routing
+
+    @staticmethod
+    def backward(ctx, d_fc1, _d_routing):
+        m: GroupedMLP = ctx.module
+        x, splits, routing, *w1 = ctx.saved_tensors
+        need = ctx.needs_input_grad  # inputs: module, handoff, x, splits, probs, params
+        wants_w1, wants_b1, wants_w2, wants_b2 = m._split_params(need[5:])
+        d_fc1 = d_fc1.contiguous()
+        b1 = m.fc1.biases()  # for the bias gradients' layout only
+        dx, db1s, _ = ops.linear_grads_but_weight(d_fc1, w1, b1, splits, None, bool(need[2]), any(wants_b1), False,
+                                                  routing)
+        dw1: List[Optional[Tensor]] = [None] * len(w1)
+        if any(wants_w1):
+
+            def wgrad(targets, mode):
+                ops._grouped_linear_wgrad_(d_fc1, x, splits, targets, mode, routing)
+
+            dw1 = _weight_grads(m, m._fc1_grad, m.fc1.weights(), m.fc1.weight_names(), wgrad)
+        return (None, None, dx, None, None, *dw1, *db1s, *(None,) * (len(wants_w2) + len(wants_b2)))
+
+
+class _GroupedMLPFc2Function(torch.autograd.Function):
+    """Forward: hands on y (made by FC1's node). Backward: FC2's dgrad and the activation's
+    backward into dL/d(fc1_out) for FC1's node, dprobs, FC2's weight and bias gradients."""
+
+    @staticmethod
+    def forward(ctx, module: "GroupedMLP", handoff: _Handoff, fc1_out, routing, splits, probs, *params):
+        ctx.save_for_backward(fc1_out, splits, probs, routing, *params)
+        ctx.module = module
+        y, handoff.y = handoff.y, None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        m: GroupedMLP = ctx.module
+        fc1_out, splits, probs, routing, *params = ctx.saved_tensors
+        w1, b1, w2, b2 = m._split_params(params)
+        need = ctx.needs_input_grad  # inputs: module, handoff, fc1_out, routing, splits, probs, params
+        wants_w1, wants_b1, wants_w2, wants_b2 = m._split_params(need[6:])
+        need_d_fc1, need_dprobs = bool(need[2]), probs is not None and bool(need[5])
+        need_w2, need_b2 = any(wants_w2), any(wants_b2)
+        names2, p2, c2 = m.fc2.weight_names(), m.fc2.weights(), m._fc2_grad
+        g2, mode2 = c2.targets(p2, names2) if need_w2 else ([], "write")
+        _, dprobs, _, db2, d_fc1 = ops._expert_mlp_backward_(
+            dy.contiguous(), None, probs, w1, b1, w2, b2, splits, fc1_out, m._glu_text, m.fusion, False, need_dprobs,
+            need_b2, [], "write", g2, mode2, routing, need_d_fc1)
+        dw2 = c2.outcome(p2, g2) if need_w2 else [None] * len(w2)
+        db2s = ops.split_like(db2, b2, 1) if (b2 and need_b2) else [None] * len(b2)
+        return (None, None, d_fc1 if need_d_fc1 else None, None, None, dprobs if need_dprobs else None,
+                *(None,) * (len(wants_w1) + len(wants_b1)), *dw2, *db2s)
+
+
+def _mlp_two_nodes(module: "GroupedMLP", x: Tensor, probs: Optional[Tensor], params) -> bool:
+    """Whether the bf16 MLP runs as two autograd nodes: in plain eager mode (torch.compile, tracing
+    and dispatch modes take the one node), when both halves have gradients to make, fc1_out is kept
+    (not recompute_fc1) and the weight gradients are immediate (a delayed wgrad keeps both weights'
+    work for backward_dw)."""
+    if module.recompute_fc1 or module.delay_wgrad_compute or not torch.is_grad_enabled():
+        return False
+    if not _plain_eager((x,)):
+        return False
+    w1, b1, w2, b2 = module._split_params(params)
+    fc1_grads = x.requires_grad or any(p.requires_grad for p in (*w1, *b1))
+    fc2_grads = (probs is not None and probs.requires_grad) or any(p.requires_grad for p in (*w2, *b2))
+    return fc1_grads and fc2_grads
+
+
+def _fc1_node_params(module: "GroupedMLP", params) -> tuple:
+    """The parameters as FC1's node takes them: FC2's detached. Its forward (the whole MLP) reads
+    them but gives them no gradient; as its autograd inputs, FC2's weight gradient would wait in
+    autograd's buffer until FC1's node had run (a parameter's gradient is accumulated once every
+    node that took it is done), beside FC1's."""
+    w1, b1, w2, b2 = module._split_params(params)
+    return (*w1, *b1, *(p.detach() for p in w2), *(p.detach() for p in b2))
+
+
+def _mlp_forward_two_nodes(module: "GroupedMLP", x: Tensor, splits: Tensor, probs: Optional[Tensor],
+                           params) -> Tensor:
+    handoff = _Handoff()
+    fc1_out, routing = _GroupedMLPFc1Function.apply(module, handoff, x, splits, probs,
+                                                    *_fc1_node_params(module, params))
+    return _GroupedMLPFc2Function.apply(module, handoff, fc1_out, routing, splits, probs, *params)
 
 
 class _GroupedMLPFp8Function(torch.autograd.Function):
@@ -645,6 +760,8 @@ class GroupedMLP(nn.Module):
         params = self._params()
         with _saving_scope(self):
             if self._fp8_recipe is None:
+                if _mlp_two_nodes(self, x, probs, params):
+                    return _mlp_forward_two_nodes(self, x, splits, probs, params)
                 return _GroupedMLPFunction.apply(self, x, splits, probs, *params)
             _check_fp8_dtype("GroupedMLP", x)
             return _GroupedMLPFp8Function.apply(self, x, splits, probs, *self._fp8_weight_tensors(), *params)
