@@ -257,6 +257,24 @@ def test_fc2s_weight_gradient_is_handed_on_before_dispatch_and_fc1s_node(device,
     assert order == ["fc2.weight", "dispatch + FC1's node", "fc1.weight"], order
 
 
+@pytest.mark.parametrize("two_node_step", [True, False], ids=["two_node_step", "one_node_step"])
+def test_fused_nodes_hold_no_saved_tensor_after_their_backward(device, monkeypatch, two_node_step):
+    """A node outlives its backward until the graph goes; the fused nodes' sub-contexts drop what
+    they saved once their backward has run, so the pre-activation and x_sorted are not kept through
+    the rest of the backward."""
+    import moe_engine.torch.layer as layer_mod
+
+    monkeypatch.setattr(layer_mod, "_TWO_NODE_MIN_BYTES", 0 if two_node_step else 1 << 62)
+    layer = make_layer(dict(num_experts=6, topk=2), device, torch.bfloat16)
+    x = torch.randn(45, H, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    nodes = {y.grad_fn} | {n for n, _ in y.grad_fn.next_functions if n is not None}
+    subs = [getattr(n, a) for n in nodes for a in ("mlp", "fc1", "fc2") if hasattr(n, a)]
+    assert len(subs) == (2 if two_node_step else 1)
+    y.float().square().sum().backward()
+    assert all(s.saved_tensors == () for s in subs)
+
+
 def test_offloaded_layer_stack_equals_the_plain_one(cuda):
     """ActivationOffload over a stack of two layers (the first offloaded, its one-node step's saved
     tensors included): outputs and gradients bit-identical to the same stack without offload."""

@@ -81,13 +81,16 @@ class _DispatchExpertsCombine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        row_of, splits, routing, *mlp_saved = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        row_of, splits, routing = saved[:3]
         unpermute = _SubContext((True, False), (None, None, row_of, splits, routing))
         unpermute.rows = ctx.rows
         d_out = _routing._unpermute_bwd(unpermute, dy)[0]
         mlp: _SubContext = ctx.mlp
-        mlp.saved_tensors = tuple(mlp_saved)
+        mlp.saved_tensors = saved[3:]
+        del saved
         grads = _GroupedMLPFunction.backward(mlp, d_out)
+        mlp.saved_tensors = ()  # the node outlives its backward (until the graph goes): hold nothing
         need_x, need_p = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         permute = _SubContext((need_x, need_p), (row_of, splits, routing))
         permute.with_probs = True
@@ -124,14 +127,17 @@ class _DispatchFc1(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_fc1, d_probs_sorted, _d_routing):
-        row_of, splits, routing, *fc1_saved = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        row_of, splits, routing = saved[:3]
         need = ctx.needs_input_grad  # layer, handoff, x, probs, row_of, splits, routing, rows, params
         need_x, need_p = need[2], need[3]
         fc1: _SubContext = ctx.fc1
-        fc1.saved_tensors, fc1.needs_input_grad = tuple(fc1_saved), (False, False, need_x, False, False, *need[8:])
+        fc1.saved_tensors, fc1.needs_input_grad = saved[3:], (False, False, need_x, False, False, *need[8:])
+        del saved  # x_sorted goes with fc1's tensors, before permute's backward
         grads = (None,) * 5 + (None,) * len(need[8:])
         if d_fc1 is not None:
             grads = _GroupedMLPFc1Function.backward(fc1, d_fc1, None)
+        fc1.saved_tensors = ()
         permute = _SubContext((need_x, need_p), (row_of, splits, routing))
         permute.with_probs = True
         # Autograd would hand permute's backward zeros for an unused x_sorted gradient.
@@ -171,6 +177,7 @@ class _Fc2Combine(torch.autograd.Function):
         fc2.saved_tensors = tuple(fc2_saved)
         fc2.needs_input_grad = (False, False, need[2], False, False, need[3], *need[8:])
         grads = _GroupedMLPFc2Function.backward(fc2, d_out)
+        fc2.saved_tensors = ()  # FC1's node runs next: the pre-activation must not outlive this one
         return (None, None, grads[2], grads[5], None, None, None, None, *grads[6:])
 
 
