@@ -50,9 +50,6 @@ class _SubContext:
     def mark_non_differentiable(self, *tensors):
         pass  # the outer node marks its own outputs
 
-    def set_materialize_grads(self, value):
-        pass
-
 
 class _DispatchExpertsCombine(torch.autograd.Function):
     """permute, the expert MLP (bf16 GroupedMLP) and unpermute, the same ops in the same order as
@@ -108,7 +105,7 @@ class _DispatchFc1(torch.autograd.Function):
     one autograd node; returns fc1_out and the sorted probs, the edges to ``_Fc2Combine``. Where the
     MLP runs as two nodes (``modules._mlp_two_nodes``), the layer's step does too, for the same
     peak memory (FC2's weight gradient handed on before FC1's is made); bit-identical to the
-    three nodes (tested)."""
+    separate nodes of dispatch, experts and combine (tested)."""
 
     @staticmethod
     def forward(ctx, layer: "MoELayer", handoff: _Handoff, x, probs, row_of, splits, routing, rows, *params):
