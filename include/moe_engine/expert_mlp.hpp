@@ -77,6 +77,10 @@ struct ExpertMlpGrads {
   // runs FC1's gradients itself (e.g. as a separate autograd node, so that FC2's weight gradient is
   // handed on before FC1's exists). Not with FP8.
   TensorView d_fc1;
+  // [T, F], optional: FC2's input act(fc1_out) * p as the backward recomputes it, written here
+  // (whether or not FC2's weight gradient is asked for), for a caller that runs FC2's weight
+  // gradient later (a delayed wgrad). Not with FP8.
+  TensorView act;
 };
 
 // Scratch the backward needs: F + W per row (W = fc1_width(spec.glu, F)), W more when FC1 is

@@ -617,7 +617,7 @@ void expert_mlp_backward_py(const TensorArg& dy_arg, const std::optional<TensorA
                             const std::string& fc1_weight_mode, const GroupedArg& fc1_bias_grad,
                             const GroupedArg& fc2_weight_grad, const std::string& fc2_weight_mode,
                             const GroupedArg& fc2_bias_grad, const std::optional<TensorArg>& d_fc1_arg,
-                            const GluSpec& glu, const std::string& fusion,
+                            const std::optional<TensorArg>& act_arg, const GluSpec& glu, const std::string& fusion,
                             const std::optional<TensorArg>& workspace_arg, uintptr_t stream) {
   const Call c{"expert_mlp_backward", stream_of(stream)};
   const TensorView dy = c("dy", dy_arg), x = c("x", x_arg), probs = c("probs", probs_arg),
@@ -631,8 +631,9 @@ void expert_mlp_backward_py(const TensorArg& dy_arg, const std::optional<TensorA
   grads.fc2_weight = {c.param("fc2_weight_grad", fc2_weight_grad, 2), parse_grad_mode(fc2_weight_mode)};
   grads.fc2_bias = {c.param("fc2_bias_grad", fc2_bias_grad, 1), GradMode::kWrite};
   grads.d_fc1 = c("d_fc1", d_fc1_arg);
+  grads.act = c("act", act_arg);
   const ExpertMlpSpec spec{glu, parse_fusion(fusion)};
-  c.run(routing, {grads.dx, grads.dprobs, grads.d_fc1}, [&](const GroupLayout& g, const ExecContext& e) {
+  c.run(routing, {grads.dx, grads.dprobs, grads.d_fc1, grads.act}, [&](const GroupLayout& g, const ExecContext& e) {
     expert_mlp_backward(dy, x, probs, weights, g, fc1_out, grads, spec, with_workspace(e, workspace));
   });
 }
@@ -1104,8 +1105,8 @@ void bind_ops(nb::module_& m) {
         arg("fc1_weight"), arg("fc1_bias"), arg("fc2_weight"), arg("fc2_bias"), arg("routing"),
         arg("fc1_out").none(), arg("dx").none(), arg("dprobs").none(), arg("fc1_weight_grad"),
         arg("fc1_weight_mode"), arg("fc1_bias_grad"), arg("fc2_weight_grad"), arg("fc2_weight_mode"),
-        arg("fc2_bias_grad"), arg("d_fc1").none(), arg("spec"), arg("fusion"), arg("workspace").none(),
-        arg("stream"));
+        arg("fc2_bias_grad"), arg("d_fc1").none(), arg("act").none(), arg("spec"), arg("fusion"),
+        arg("workspace").none(), arg("stream"));
   m.def("expert_mlp_fp8_forward", &expert_mlp_fp8_forward_py, arg("x"), arg("probs").none(), arg("fc1_data"),
         arg("fc1_scales"), arg("fc2_data"), arg("fc2_scales"), arg("fc1_bias"), arg("fc2_bias"), arg("routing"),
         arg("y"), arg("saved_x_data").none(), arg("saved_x_scales").none(), arg("saved_x_offsets").none(),

@@ -178,6 +178,15 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
     if (x.defined()) v.no_overlap("d_fc1", grads.d_fc1, "x", x);
     if (grads.dx.defined()) v.distinct_outputs("d_fc1", grads.d_fc1, "dx", grads.dx);
   }
+  if (grads.act.defined()) {
+    v.matrix("act", grads.act, T, F, "[T, F]");
+    v.same_dtype("act", grads.act.dtype(), "dy", dy.dtype());
+    v.no_overlap("act", grads.act, "dy", dy);
+    if (fc1_out.defined()) v.no_overlap("act", grads.act, "fc1_out", fc1_out);
+    if (x.defined()) v.no_overlap("act", grads.act, "x", x);
+    if (grads.dx.defined()) v.distinct_outputs("act", grads.act, "dx", grads.dx);
+    if (grads.d_fc1.defined()) v.distinct_outputs("act", grads.act, "d_fc1", grads.d_fc1);
+  }
   if (grads.dprobs.defined()) {
     if (!probs.defined())
       v.fail(ErrorCode::kInvalidArgument, "dprobs is requested but no probs were given");
@@ -193,7 +202,8 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
   v.workspace(ctx.workspace, expert_mlp_backward_workspace_size(T, H, F, dtype, recompute, spec, d_fc1_given),
               "expert_mlp_backward_workspace_size");
   // dgrad_glu(h, b, act) runs FC2's dgrad + the activation's backward fused (act: the recomputed
-  // act * p, when FC2's weight gradient needs it) and returns true, or does nothing.
+  // act * p, when FC2's weight gradient needs it or the caller asks for it) and returns true, or
+  // does nothing.
   const auto compose = [&](auto&& dgrad_glu) {
     ops::WorkspaceCarver carver(ctx.workspace, v.device());
     BackwardBuffers b = backward_buffers(carver, T, F, dtype, recompute, spec, d_fc1_given);
@@ -201,8 +211,8 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
     const TensorView h = recompute ? b.fc1_out : fc1_out;
     if (recompute)
       grouped_linear_forward(x, weights.fc1_weight, groups, h, {weights.fc1_bias, {}}, ctx);
-    const bool need_act = grads.fc2_weight.grad.defined();
-    const TensorView act = need_act ? b.act : TensorView{};
+    const bool need_act = grads.fc2_weight.grad.defined() || grads.act.defined();
+    const TensorView act = grads.act.defined() ? grads.act : need_act ? b.act : TensorView{};
     const bool fused = dgrad_glu(h, b, act);
     if (ran_fused) *ran_fused = fused;
     if (!fused) {
@@ -212,8 +222,8 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
     // y holds + p * b2, so dprobs also gets <b2_g, dy[r]>.
     if (grads.dprobs.defined() && weights.fc2_bias.defined())
       grouped_linear_dscales(dy, weights.fc2_bias, groups, grads.dprobs, /*accumulate=*/true, ctx);
-    if (need_act)
-      grouped_linear_wgrad(dy, b.act, groups, grads.fc2_weight.grad, grads.fc2_weight.mode, ctx);
+    if (grads.fc2_weight.grad.defined())
+      grouped_linear_wgrad(dy, act, groups, grads.fc2_weight.grad, grads.fc2_weight.mode, ctx);
     if (grads.fc2_bias.grad.defined())
       grouped_linear_dbias(dy, groups, grads.fc2_bias.grad, grads.fc2_bias.mode, probs, ctx);
     if (grads.fc1_bias.grad.defined())

@@ -264,6 +264,10 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
     v.fail(ErrorCode::kInvalidArgument,
            "d_fc1: the FP8 backward keeps dL/d(fc1_out) in FP8 for FC1's GEMMs and does not write it out; "
            "expected no d_fc1");
+  if (grads.act.defined())
+    v.fail(ErrorCode::kInvalidArgument,
+           "act: the FP8 backward makes FC2's input in FP8 for its weight gradient and does not write it out; "
+           "expected no act");
   if (grads.dx.defined()) {
     check_activation(v, "dx", grads.dx, H, "[T, H]");
     v.same_dtype("dx", grads.dx.dtype(), "dy", dy.dtype());

@@ -203,9 +203,10 @@ TEST_P(ExpertMlp, RecomputeAndPerExpertAreBitIdentical) {
   }
 }
 
-// FC2's half of the backward writing dL/d(fc1_out) out (ExpertMlpGrads::d_fc1), then FC1's
-// gradients from it through the grouped-linear ops: the bits of the whole backward in one call,
-// with a workspace W per row smaller.
+// FC2's half of the backward writing dL/d(fc1_out) and FC2's input out (ExpertMlpGrads::d_fc1,
+// ::act), then FC1's gradients from dL/d(fc1_out) and FC2's weight gradient again from act through
+// the grouped-linear ops: the bits of the whole backward in one call, with a workspace W per row
+// smaller.
 TEST_P(ExpertMlp, Fc2HalfAndFc1OpsEqualTheWholeBackward) {
   const DType dt = GetParam();
   Rng rng;
@@ -226,12 +227,13 @@ TEST_P(ExpertMlp, Fc2HalfAndFc1OpsEqualTheWholeBackward) {
       r.db1 = OwnedParam(poisoned({G, W}, gdt), false);
       r.db2 = OwnedParam(poisoned({G, H}, gdt), false);
       r.dx = poisoned({T, H}, dt);
-      Tensor d_fc1 = poisoned({T, W}, dt);
+      Tensor d_fc1 = poisoned({T, W}, dt), act = poisoned({T, F}, dt);
       ExpertMlpGrads fc2_half;
       fc2_half.dprobs = r.dprobs;
       fc2_half.fc2_weight = {r.dw2.param, GradMode::kWrite};
       fc2_half.fc2_bias = {r.db2.param, GradMode::kWrite};
       fc2_half.d_fc1 = d_fc1;
+      fc2_half.act = act;  // FC2's input written out: its weight gradient again from it below
       const size_t whole = expert_mlp_backward_workspace_size(T, H, F, dt, !save, mlp_spec);
       const size_t half = expert_mlp_backward_workspace_size(T, H, F, dt, !save, mlp_spec, true);
       if (save) EXPECT_EQ(whole - half, size_t(T * W) * dtype_size(dt));
@@ -239,6 +241,10 @@ TEST_P(ExpertMlp, Fc2HalfAndFc1OpsEqualTheWholeBackward) {
       expert_mlp_backward(m.dy, save ? TensorView{} : m.x.view(), m.p, weights, m.routing.layout,
                           save ? base.fc1_out.view() : TensorView{}, fc2_half, mlp_spec, ctx_with(bws));
       EXPECT_TRUE(tail_untouched(d_fc1, m.routing.rows())) << "d_fc1 tail";
+      EXPECT_TRUE(tail_untouched(act, m.routing.rows())) << "act tail";
+      OwnedParam dw2_later(poisoned({G, H, F}, gdt), false);
+      grouped_linear_wgrad(m.dy, act, m.routing.layout, dw2_later.param, GradMode::kWrite);
+      EXPECT_TRUE(bitwise_equal(dw2_later.param, base.dw2.param)) << "FC2's weight gradient from act";
       grouped_linear_dbias(d_fc1, m.routing.layout, r.db1.param, GradMode::kWrite);
       grouped_linear_wgrad(d_fc1, m.x, m.routing.layout, r.dw1.param, GradMode::kWrite);
       grouped_linear_dgrad(d_fc1, weights.fc1_weight, m.routing.layout, r.dx);

@@ -223,6 +223,11 @@ TEST(Fp8MlpCpuValidation, BadInputFailsBeforeAnythingIsWritten) {
   with_d_fc1.d_fc1 = d_fc1;
   expect_error([&] { expert_mlp_backward(c.dy, saved, {}, w.view(), r.layout, with_d_fc1, {c.glu}, {}, bctx); },
                ErrorCode::kInvalidArgument, "d_fc1: the FP8 backward");
+  ExpertMlpGrads with_act = b.grads();
+  Tensor act = poisoned({c.dy.size(0), 32}, DType::kBFloat16);
+  with_act.act = act;
+  expect_error([&] { expert_mlp_backward(c.dy, saved, {}, w.view(), r.layout, with_act, {c.glu}, {}, bctx); },
+               ErrorCode::kInvalidArgument, "act: the FP8 backward");
 }
 
 }  // namespace

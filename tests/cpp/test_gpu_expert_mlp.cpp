@@ -172,8 +172,9 @@ struct MlpOutputs {
 };
 
 // Forward + backward on `device`; weight and bias gradients in float32, written.
-// split_backward: FC2's half of the backward writes dL/d(fc1_out) (ExpertMlpGrads::d_fc1) and
-// FC1's gradients run from it through the grouped-linear ops, as the two-node autograd path does.
+// split_backward: FC2's half of the backward writes dL/d(fc1_out) and FC2's input
+// (ExpertMlpGrads::d_fc1, ::act); FC1's gradients run from dL/d(fc1_out) and FC2's weight gradient
+// from act through the grouped-linear ops, as the two-node and delayed-wgrad autograd paths do.
 MlpOutputs run_mlp(const MlpCase& c, const GroupLayout& groups, Device device, bool save_fc1_out,
                    MlpFusion fusion = MlpFusion::kForwardBackward, bool split_backward = false) {
   const int64_t G = c.w1.size(0), T = c.T, H = c.H, F = c.F, W = c.W;
@@ -206,13 +207,16 @@ MlpOutputs run_mlp(const MlpCase& c, const GroupLayout& groups, Device device, b
   grads.fc2_weight = {param(o.dw2), GradMode::kWrite};
   grads.fc1_bias = {param(o.db1), GradMode::kWrite};
   grads.fc2_bias = {param(o.db2), GradMode::kWrite};
-  Tensor d_fc1;
+  Tensor d_fc1, act;
   if (split_backward) {
     d_fc1 = poison({T, W}, c.dt);
+    act = poison({T, F}, c.dt);
     grads.d_fc1 = d_fc1;
+    grads.act = act;
     grads.dx = {};
     grads.fc1_weight = {};
     grads.fc1_bias = {};
+    grads.fc2_weight = {};
   }
   Tensor bws = Tensor::empty(
       {int64_t(expert_mlp_backward_workspace_size(T, H, F, c.dt, !save_fc1_out, spec, split_backward))},
@@ -220,6 +224,7 @@ MlpOutputs run_mlp(const MlpCase& c, const GroupLayout& groups, Device device, b
   expert_mlp_backward(dy, x, p, weights, groups, o.fc1_out, grads, spec,
                       {nullptr, {bws.data(), bws.nbytes(), device}}, &o.backward_fused);
   if (split_backward) {
+    grouped_linear_wgrad(dy, act, groups, param(o.dw2), GradMode::kWrite);
     if (b1.defined()) grouped_linear_dbias(d_fc1, groups, param(o.db1), GradMode::kWrite);
     grouped_linear_wgrad(d_fc1, x, groups, param(o.dw1), GradMode::kWrite);
     grouped_linear_dgrad(d_fc1, weights.fc1_weight, groups, o.dx);

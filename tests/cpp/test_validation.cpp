@@ -216,6 +216,18 @@ TEST_F(Validation, ExpertMlpArguments) {
                    ErrorCode::kInvalidArgument, "d_fc1");
   to_d_fc1.d_fc1 = good;
   EXPECT_NO_THROW(expert_mlp_backward(out, {}, {}, weights, r.layout, fc1_out, to_d_fc1, {}, ctx));
+  // FC2's input written out: [T, F], apart from the other outputs.
+  const Tensor act_wide = Tensor::zeros({10, 2 * F}, DType::kBFloat16), act = Tensor::zeros({10, F}, DType::kBFloat16);
+  ExpertMlpGrads to_act;
+  to_act.act = act_wide;
+  EXPECT_MOE_ERROR(expert_mlp_backward(out, {}, {}, weights, r.layout, fc1_out, to_act, {}, ctx), ErrorCode::kShape,
+                   "expert_mlp_backward: act: expected [T, F] = [10, 4], got bfloat16[10, 8]");
+  to_act.act = act;
+  to_act.d_fc1 = act;
+  EXPECT_MOE_ERROR(expert_mlp_backward(out, {}, {}, weights, r.layout, fc1_out, to_act, {}, ctx),
+                   ErrorCode::kShape, "d_fc1");
+  to_act.d_fc1 = good;
+  EXPECT_NO_THROW(expert_mlp_backward(out, {}, {}, weights, r.layout, fc1_out, to_act, {}, ctx));
 }
 
 // A non-gated activation's FC1 has F rows: a GLU-sized FC1 (the usual mistake) names the shape it

@@ -433,3 +433,24 @@ def test_two_node_backward_hands_fc2s_weight_gradient_on_before_fc1s_node(device
     fc1_node.register_prehook(lambda grads: order.append("FC1's node"))
     y.backward(torch.randn_like(y))
     assert order == ["fc2.weight", "FC1's node", "fc1.weight"], order
+
+
+def test_delayed_wgrad_runs_only_the_two_weight_gradients(device, monkeypatch):
+    """backward keeps dL/dh and FC2's input for the delayed weight gradients, so backward_dw runs the
+    two wgrad GEMMs alone: no second pass of FC2's dgrad and the activation's backward."""
+    from moe_engine import _C
+
+    calls = {"expert_mlp_backward": 0, "grouped_linear_wgrad": 0}
+    for name in calls:
+        real = getattr(_C, name)
+
+        def counted(*args, name=name, real=real):
+            calls[name] += 1
+            return real(*args)
+
+        monkeypatch.setattr(_C, name, counted)
+    m = build("mlp", device, delay_wgrad_compute=True)
+    run(m, device)
+    assert calls == {"expert_mlp_backward": 1, "grouped_linear_wgrad": 0}
+    m.backward_dw()
+    assert calls == {"expert_mlp_backward": 1, "grouped_linear_wgrad": 2}

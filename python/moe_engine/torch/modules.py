@@ -455,7 +455,29 @@ class _GroupedMLPFunction(torch.autograd.Function):
             return ops._expert_mlp_backward_(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, glu, fusion, dx, dp, bias,
                                              g1, mode1, g2, mode2, routing)
 
-        dw1, dw2, (dx, dprobs, db1, db2, _) = _mlp_weight_grads(m, need_w1, need_w2, len(w1), len(w2), run)
+        def split():
+            # FC2's half now, writing out what the weight gradients read (dL/dh, FC2's input), and
+            # FC1's dgrad and bias gradient from dL/dh: the queued job then runs only the two wgrad
+            # GEMMs (the same ops on the same operands as one call, so the same bits).
+            _, dprobs, _, db2, d_fc1, act = ops._expert_mlp_backward_(
+                dy, x, probs, w1, b1, w2, b2, splits, fc1_out, glu, fusion, False, need_dprobs, need_bias, [], "write",
+                [], "write", routing, True, need_w2)
+            dx = ops._grouped_linear_dgrad(d_fc1, w1, splits, routing) if need_dx else None
+            db1 = ops._grouped_linear_dbias(d_fc1, splits, None, routing) if (b1 and need_bias) else None
+            kept_act = act if need_w2 else None
+            kept_d_fc1, kept_x = (d_fc1, x) if need_w1 else (None, None)
+            del act, d_fc1
+
+            def wgrads(g1, mode1, g2, mode2):
+                if g2:
+                    ops._grouped_linear_wgrad_(dy, kept_act, splits, g2, mode2, routing)
+                if g1:
+                    ops._grouped_linear_wgrad_(kept_d_fc1, kept_x, splits, g1, mode1, routing)
+
+            return (dx, dprobs, db1, db2), wgrads
+
+        dw1, dw2, results = _mlp_weight_grads(m, need_w1, need_w2, len(w1), len(w2), run, split)
+        dx, dprobs, db1, db2 = results[:4]
         db1s = ops.split_like(db1, b1, 1) if (b1 and need_bias) else [None] * len(b1)
         db2s = ops.split_like(db2, b2, 1) if (b2 and need_bias) else [None] * len(b2)
         return (None, dx if need_dx else None, None, dprobs if need_dprobs else None,
@@ -535,7 +557,7 @@ class _GroupedMLPFc2Function(torch.autograd.Function):
         need_w2, need_b2 = any(wants_w2), any(wants_b2)
         names2, p2, c2 = m.fc2.weight_names(), m.fc2.weights(), m._fc2_grad
         g2, mode2 = c2.targets(p2, names2) if need_w2 else ([], "write")
-        _, dprobs, _, db2, d_fc1 = ops._expert_mlp_backward_(
+        _, dprobs, _, db2, d_fc1, _ = ops._expert_mlp_backward_(
             dy.contiguous(), None, probs, w1, b1, w2, b2, splits, fc1_out, m._glu_text, m.fusion, False, need_dprobs,
             need_b2, [], "write", g2, mode2, routing, need_d_fc1)
         dw2 = c2.outcome(p2, g2) if need_w2 else [None] * len(w2)
@@ -625,24 +647,34 @@ class _GroupedMLPFp8Function(torch.autograd.Function):
                 *dw1, *db1s, *dw2, *db2s)
 
 
-def _mlp_weight_grads(m: "GroupedMLP", need_w1: bool, need_w2: bool, n1: int, n2: int, run):
+def _mlp_weight_grads(m: "GroupedMLP", need_w1: bool, need_w2: bool, n1: int, n2: int, run, split=None):
     """The MLP's backward under the contract. ``run(g1, mode1, g2, mode2, dx=, dp=, bias=)`` runs
     the backward op with the weight gradients into g1 / g2 (empty: not computed). Immediate: one
-    run computes everything. Delayed: this run computes dx, dprobs and the bias gradients; the
-    queued one, in backward_dw, both weights' gradients in one pass (recomputing FC2's dgrad and
-    the GLU backward). Returns (what autograd gets for FC1's and FC2's weights, run's results)."""
+    run computes everything. Delayed: ``split()``, where given, computes dx, dprobs and the bias
+    gradients and returns them with ``wgrads(g1, mode1, g2, mode2)``, the weight gradients from what
+    it kept, which the queued job runs in backward_dw; without it, this run computes dx, dprobs and
+    the bias gradients and the queued one both weights' gradients in one pass (recomputing FC2's
+    dgrad and the GLU backward). Returns (what autograd gets for FC1's and FC2's weights, the
+    results of run or split)."""
     names1, names2 = m.fc1.weight_names(), m.fc2.weight_names()
     c1, c2 = m._fc1_grad, m._fc2_grad
     p1, p2 = m.fc1.weights(), m.fc2.weights()  # the contract's parameters (see _weight_grads)
     dw1: List[Optional[Tensor]] = [None] * n1
     dw2: List[Optional[Tensor]] = [None] * n2
     if m.delay_wgrad_compute:
+        results = None
         if need_w1 or need_w2:
+            if split is not None:
+                results, wgrads = split()  # the job holds what wgrads reads, not run's operands
+            else:
+
+                def wgrads(g1, mode1, g2, mode2):
+                    run(g1, mode1, g2, mode2, dx=False, dp=False, bias=False)
 
             def job():
                 g1, mode1 = c1.targets(p1, names1, delayed=True) if need_w1 else ([], "write")
                 g2, mode2 = c2.targets(p2, names2, delayed=True) if need_w2 else ([], "write")
-                run(g1, mode1, g2, mode2, dx=False, dp=False, bias=False)
+                wgrads(g1, mode1, g2, mode2)
                 if need_w1:
                     c1.finish_delayed(p1, g1)
                 if need_w2:
@@ -651,7 +683,7 @@ def _mlp_weight_grads(m: "GroupedMLP", need_w1: bool, need_w2: bool, n1: int, n2
             m._delayed.queue.append(job)
             dw1 = c1.queued(p1, names1) if need_w1 else dw1
             dw2 = c2.queued(p2, names2) if need_w2 else dw2
-        return dw1, dw2, run([], "write", [], "write")
+        return dw1, dw2, results if results is not None else run([], "write", [], "write")
     g1, mode1 = c1.targets(p1, names1) if need_w1 else ([], "write")
     g2, mode2 = c2.targets(p2, names2) if need_w2 else ([], "write")
     results = run(g1, mode1, g2, mode2)
