@@ -480,6 +480,10 @@ class MOE_API GroupedMLP {
     Saved saved;
     GroupLayout groups;
     bool fc1, fc2;  // which weight gradients it computes
+    // bf16/fp16: what backward wrote out for the job, dL/d(fc1_out) (with fc1) and FC2's input act
+    // (with fc2); the job then runs the wgrad GEMMs alone and `saved` keeps only x. FP8: undefined,
+    // the job runs the backward op again from `saved`.
+    Tensor d_fc1, act;
   };
   ExpertMlpWeights weights() const;
   ExpertMlpSpec spec() const { return {options_.glu}; }

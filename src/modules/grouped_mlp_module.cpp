@@ -166,9 +166,9 @@ void GroupedMLP::run_backward(const Tensor& dy, const Saved& saved, const GroupL
                         fp8_weights(exec), groups, grads, spec(), options_.fp8->quantizer, scratch.exec);
     return;
   }
-  const Scratch scratch(
-      expert_mlp_backward_workspace_size(T, hidden_, ffn_, options_.dtype, !saved.fc1_out.defined(), spec()),
-      options_.device, exec);
+  const Scratch scratch(expert_mlp_backward_workspace_size(T, hidden_, ffn_, options_.dtype, !saved.fc1_out.defined(),
+                                                          spec(), grads.d_fc1.defined()),
+                        options_.device, exec);
   expert_mlp_backward(dy, saved.x, saved.probs, weights(), groups, saved.fc1_out, grads, spec(), scratch.exec);
 }
 
@@ -202,8 +202,19 @@ MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const 
   const bool fc1 = fc1_weight_.requires_grad, fc2 = fc2_weight_.requires_grad;
   const Saved saved{ctx.x_, ctx.probs_, ctx.fc1_out_, ctx.x_columns_, ctx.fc1_out_rows_, ctx.x_rows_};
   if (options_.delay_wgrad_compute) {
-    // The job keeps dy and what forward kept (FP8 with fp8), and recomputes the rest.
-    if (fc1 || fc2) queue_.push_back({dy, saved, ctx.groups_, fc1, fc2});
+    if (fc1 || fc2) {
+      WgradJob job{dy, saved, ctx.groups_, fc1, fc2, {}, {}};
+      if (!options_.fp8) {
+        // This backward writes out what the weight gradients read (dL/d(fc1_out), FC2's input), so
+        // the job runs the two wgrad GEMMs alone; with FP8 it keeps what forward kept and runs the
+        // backward op again.
+        if (fc1) g.d_fc1 = job.d_fc1 = Tensor::empty_async({T, fc1_width(options_.glu, ffn_)}, options_.dtype,
+                                                           options_.device, exec.stream);
+        if (fc2) g.act = job.act = Tensor::empty_async({T, ffn_}, options_.dtype, options_.device, exec.stream);
+        job.saved = Saved{fc1 ? saved.x : Tensor(), {}, {}, {}, {}, {}};
+      }
+      queue_.push_back(std::move(job));
+    }
     if (fc1) r.fc1_weight = fc1_grad_.queued(fc1_weight_, exec);
     if (fc2) r.fc2_weight = fc2_grad_.queued(fc2_weight_, exec);
   } else {
@@ -211,7 +222,8 @@ MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const 
     if (fc2) g.fc2_weight = fc2_grad_.immediate(fc2_weight_, r.fc2_weight, exec);
   }
   const bool through_act = g.dx.defined() || g.dprobs.defined() || g.fc1_bias.grad.defined() ||
-                           g.fc1_weight.grad.defined() || g.fc2_weight.grad.defined();
+                           g.fc1_weight.grad.defined() || g.fc2_weight.grad.defined() || g.d_fc1.defined() ||
+                           g.act.defined();
   if (through_act)
     run_backward(dy, saved, ctx.groups_, g, exec);
   else if (g.fc2_bias.grad.defined())  // only db2 = sum_r p[r] dy[r]: no activation backward
@@ -230,7 +242,13 @@ void GroupedMLP::backward_dw(const ExecContext& exec) {
     ExpertMlpGrads g;
     if (job.fc1) g.fc1_weight = fc1_grad_.delayed_target(fc1_weight_);
     if (job.fc2) g.fc2_weight = fc2_grad_.delayed_target(fc2_weight_);
-    run_backward(job.dy, job.saved, job.groups, g, exec);
+    if (options_.fp8) {
+      run_backward(job.dy, job.saved, job.groups, g, exec);
+    } else {  // the order and operands of the backward op's own wgrads: the same bits
+      if (job.fc2) grouped_linear_wgrad(job.dy, job.act, job.groups, g.fc2_weight.grad, g.fc2_weight.mode, exec);
+      if (job.fc1)
+        grouped_linear_wgrad(job.d_fc1, job.saved.x, job.groups, g.fc1_weight.grad, g.fc1_weight.mode, exec);
+    }
     if (job.fc1) fc1_grad_.ran(fc1_weight_);
     if (job.fc2) fc2_grad_.ran(fc2_weight_);
     queue_.pop_front();
