@@ -170,23 +170,20 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
   const ops::Fc1Dims fc1 = ops::fc1_dims(spec.glu, F);
   if (fc1_out.defined()) v.matrix("fc1_out", fc1_out, T, fc1.width, fc1.rows);
   if (grads.dx.defined()) v.matrix("dx", grads.dx, T, H, "[T, H]");
-  if (grads.d_fc1.defined()) {
-    v.matrix("d_fc1", grads.d_fc1, T, fc1.width, fc1.rows);
-    v.same_dtype("d_fc1", grads.d_fc1.dtype(), "dy", dy.dtype());
-    v.no_overlap("d_fc1", grads.d_fc1, "dy", dy);
-    if (fc1_out.defined()) v.no_overlap("d_fc1", grads.d_fc1, "fc1_out", fc1_out);
-    if (x.defined()) v.no_overlap("d_fc1", grads.d_fc1, "x", x);
-    if (grads.dx.defined()) v.distinct_outputs("d_fc1", grads.d_fc1, "dx", grads.dx);
-  }
-  if (grads.act.defined()) {
-    v.matrix("act", grads.act, T, F, "[T, F]");
-    v.same_dtype("act", grads.act.dtype(), "dy", dy.dtype());
-    v.no_overlap("act", grads.act, "dy", dy);
-    if (fc1_out.defined()) v.no_overlap("act", grads.act, "fc1_out", fc1_out);
-    if (x.defined()) v.no_overlap("act", grads.act, "x", x);
-    if (grads.dx.defined()) v.distinct_outputs("act", grads.act, "dx", grads.dx);
-    if (grads.d_fc1.defined()) v.distinct_outputs("act", grads.act, "d_fc1", grads.d_fc1);
-  }
+  // The activations written out for the caller (d_fc1, act): [T, cols] in dy's dtype, apart from
+  // the inputs and the other outputs.
+  const auto written_out = [&](const char* name, const TensorView& t, int64_t cols, const char* dims) {
+    if (!t.defined()) return;
+    v.matrix(name, t, T, cols, dims);
+    v.same_dtype(name, t.dtype(), "dy", dy.dtype());
+    v.no_overlap(name, t, "dy", dy);
+    if (fc1_out.defined()) v.no_overlap(name, t, "fc1_out", fc1_out);
+    if (x.defined()) v.no_overlap(name, t, "x", x);
+    if (grads.dx.defined()) v.distinct_outputs(name, t, "dx", grads.dx);
+  };
+  written_out("d_fc1", grads.d_fc1, fc1.width, fc1.rows);
+  written_out("act", grads.act, F, "[T, F]");
+  if (grads.d_fc1.defined() && grads.act.defined()) v.distinct_outputs("act", grads.act, "d_fc1", grads.d_fc1);
   if (grads.dprobs.defined()) {
     if (!probs.defined())
       v.fail(ErrorCode::kInvalidArgument, "dprobs is requested but no probs were given");

@@ -244,7 +244,7 @@ def test_opcheck_of_every_op():
         (ops.expert_mlp, (x, p, [w1], [], [w2], [], s, me.glu_text(), "forward", True)),
         (ops.expert_mlp_routed, (x, p, [w1], [], [w2], [], s, me.glu_text(), "forward", False)),
         (ops.expert_mlp_backward_, (torch.randn(12, 8), x, p, [w1], [], [w2], [], s, None, me.glu_text(), "none", True,
-                                    True, False, [torch.zeros(3, 16, 8)], "accumulate", [], "write")),
+                                    True, False, False, [torch.zeros(3, 16, 8)], "accumulate", [], "write")),
     ]
     # A non-gated activation: h and FC1's rows [.., F] (the fake implementations read the spec).
     srelu, w1f = me.glu_text("srelu"), torch.randn(3, 8, 8)
@@ -253,8 +253,12 @@ def test_opcheck_of_every_op():
         (ops.glu_backward, (h[:, :8].contiguous(), p, torch.randn(12, 8), s, srelu)),
         (ops.expert_mlp_routed, (x, p, [w1f], [torch.randn(3, 8)], [w2], [], s, srelu, "forward", True)),
         (ops.expert_mlp_backward_, (torch.randn(12, 8), x, p, [w1f], [torch.randn(3, 8)], [w2], [torch.randn(3, 8)], s,
-                                    torch.randn(12, 8), srelu, "none", True, True, True, [torch.zeros(3, 8, 8)],
+                                    torch.randn(12, 8), srelu, "none", True, True, True, True, [torch.zeros(3, 8, 8)],
                                     "write", [], "write")),
+        # FC2's half with dL/d(fc1_out) and FC2's input written out (the two-node and delayed paths).
+        (ops.expert_mlp_backward_, (torch.randn(12, 8), None, p, [w1], [], [w2], [], s, torch.randn(12, 16),
+                                    me.glu_text(), "none", False, True, False, False, [], "write", [], "write", None,
+                                    True, True)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

@@ -51,6 +51,24 @@ class _SubContext:
         pass  # the outer node marks its own outputs
 
 
+def _combine_backward(row_of, splits, routing, rows: int, dy: Tensor) -> Tensor:
+    """unpermute's own backward, for combine inside a fused node: d_out [R, H]."""
+    unpermute = _SubContext((True, False), (None, None, row_of, splits, routing))
+    unpermute.rows = rows
+    return _routing._unpermute_bwd(unpermute, dy)[0]
+
+
+def _dispatch_backward(row_of, splits, routing, need_x: bool, need_p: bool, d_sorted, d_probs_sorted, sorted_shape,
+                       sorted_dtype):
+    """permute's own backward, for dispatch inside a fused node: (dx, dprobs). Autograd would hand it
+    zeros for an x_sorted gradient the experts did not make; so does this."""
+    permute = _SubContext((need_x, need_p), (row_of, splits, routing))
+    permute.with_probs = True
+    if d_sorted is None and (need_x or need_p):
+        d_sorted = torch.zeros(sorted_shape, dtype=sorted_dtype, device=row_of.device)
+    return _routing._permute_bwd(permute, d_sorted, d_probs_sorted)[:2]
+
+
 class _DispatchExpertsCombine(torch.autograd.Function):
     """permute, the expert MLP (bf16 GroupedMLP) and unpermute, the same ops in the same order as
     the three autograd nodes of dispatch / experts / combine (their own forward and backward code),
@@ -80,20 +98,15 @@ class _DispatchExpertsCombine(torch.autograd.Function):
     def backward(ctx, dy):
         saved = ctx.saved_tensors
         row_of, splits, routing = saved[:3]
-        unpermute = _SubContext((True, False), (None, None, row_of, splits, routing))
-        unpermute.rows = ctx.rows
-        d_out = _routing._unpermute_bwd(unpermute, dy)[0]
+        d_out = _combine_backward(row_of, splits, routing, ctx.rows, dy)
         mlp: _SubContext = ctx.mlp
         mlp.saved_tensors = saved[3:]
         del saved
         grads = _GroupedMLPFunction.backward(mlp, d_out)
         mlp.saved_tensors = ()  # the node outlives its backward (until the graph goes): hold nothing
         need_x, need_p = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        permute = _SubContext((need_x, need_p), (row_of, splits, routing))
-        permute.with_probs = True
-        # Autograd would hand permute's backward zeros for an unused x_sorted gradient.
-        d_sorted = grads[1] if grads[1] is not None or not (need_x or need_p) else torch.zeros_like(d_out)
-        dx, dprobs = _routing._permute_bwd(permute, d_sorted, grads[3])[:2]
+        dx, dprobs = _dispatch_backward(row_of, splits, routing, need_x, need_p, grads[1], grads[3], d_out.shape,
+                                        d_out.dtype)
         return (None, dx, dprobs, None, None, None, None, *grads[4:])
 
 
@@ -118,7 +131,7 @@ class _DispatchFc1(torch.autograd.Function):
                                                                   probs_sorted, *params)
             ctx.save_for_backward(row_of, splits, routing, *fc1.saved_tensors)
         fc1.saved_tensors = ()  # held by ctx alone (offload may move them)
-        ctx.fc1, ctx.sorted_shape = fc1, x_sorted.shape
+        ctx.fc1, ctx.sorted_shape, ctx.sorted_dtype = fc1, x_sorted.shape, x_sorted.dtype
         ctx.mark_non_differentiable(mlp_routing)
         return fc1_out, probs_sorted, mlp_routing
 
@@ -135,14 +148,8 @@ class _DispatchFc1(torch.autograd.Function):
         if d_fc1 is not None:
             grads = _GroupedMLPFc1Function.backward(fc1, d_fc1, None)
         fc1.saved_tensors = ()
-        permute = _SubContext((need_x, need_p), (row_of, splits, routing))
-        permute.with_probs = True
-        # Autograd would hand permute's backward zeros for an unused x_sorted gradient.
-        d_sorted = grads[2]
-        if d_sorted is None and (need_x or need_p):
-            d_sorted = torch.zeros(ctx.sorted_shape, dtype=d_fc1.dtype if d_fc1 is not None else torch.float32,
-                                   device=row_of.device)
-        dx, dprobs = _routing._permute_bwd(permute, d_sorted, d_probs_sorted)[:2]
+        dx, dprobs = _dispatch_backward(row_of, splits, routing, need_x, need_p, grads[2], d_probs_sorted,
+                                        ctx.sorted_shape, ctx.sorted_dtype)
         return (None, None, dx, dprobs, None, None, None, None, *grads[5:])
 
 
@@ -167,9 +174,7 @@ class _Fc2Combine(torch.autograd.Function):
     def backward(ctx, dy):
         row_of, splits, routing, *fc2_saved = ctx.saved_tensors
         need = ctx.needs_input_grad  # layer, handoff, fc1_out, probs_sorted, mlp_routing, row_of, splits, routing, params
-        unpermute = _SubContext((True, False), (None, None, row_of, splits, routing))
-        unpermute.rows = ctx.rows
-        d_out = _routing._unpermute_bwd(unpermute, dy)[0]
+        d_out = _combine_backward(row_of, splits, routing, ctx.rows, dy)
         fc2: _SubContext = ctx.fc2
         fc2.saved_tensors = tuple(fc2_saved)
         fc2.needs_input_grad = (False, False, need[2], False, False, need[3], *need[8:])
@@ -319,8 +324,7 @@ class MoELayer(nn.Module):
         if not _mlp_two_nodes(self.experts, x, r.probs, params):
             return False
         e = self.experts
-        width = e.fc1.weights()[0].shape[-2]
-        return rows * (e.hidden + width + e.ffn) * x.element_size() >= _TWO_NODE_MIN_BYTES
+        return rows * (e.hidden + e._glu.fc1_width(e.ffn) + e.ffn) * x.element_size() >= _TWO_NODE_MIN_BYTES
 
     def backward_dw(self) -> None:
         """The experts' queued weight gradients (``delay_wgrad_compute``); the router's are never delayed."""

@@ -453,17 +453,15 @@ class _GroupedMLPFunction(torch.autograd.Function):
 
         def run(g1, mode1, g2, mode2, dx=need_dx, dp=need_dprobs, bias=need_bias):
             return ops._expert_mlp_backward_(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, glu, fusion, dx, dp, bias,
-                                             g1, mode1, g2, mode2, routing)
+                                             bias, g1, mode1, g2, mode2, routing)
 
         def split():
-            # FC2's half now, writing out what the weight gradients read (dL/dh, FC2's input), and
-            # FC1's dgrad and bias gradient from dL/dh: the queued job then runs only the two wgrad
-            # GEMMs (the same ops on the same operands as one call, so the same bits).
-            _, dprobs, _, db2, d_fc1, act = ops._expert_mlp_backward_(
-                dy, x, probs, w1, b1, w2, b2, splits, fc1_out, glu, fusion, False, need_dprobs, need_bias, [], "write",
-                [], "write", routing, True, need_w2)
-            dx = ops._grouped_linear_dgrad(d_fc1, w1, splits, routing) if need_dx else None
-            db1 = ops._grouped_linear_dbias(d_fc1, splits, None, routing) if (b1 and need_bias) else None
+            # Everything but the weight gradients now, writing out what they read (dL/dh, FC2's
+            # input): the queued job then runs only the two wgrad GEMMs (the same ops on the same
+            # operands as one call, so the same bits).
+            dx, dprobs, db1, db2, d_fc1, act = ops._expert_mlp_backward_(
+                dy, x, probs, w1, b1, w2, b2, splits, fc1_out, glu, fusion, need_dx, need_dprobs, need_bias, need_bias,
+                [], "write", [], "write", routing, need_w1, need_w2)
             kept_act = act if need_w2 else None
             kept_d_fc1, kept_x = (d_fc1, x) if need_w1 else (None, None)
             del act, d_fc1
@@ -559,7 +557,7 @@ class _GroupedMLPFc2Function(torch.autograd.Function):
         g2, mode2 = c2.targets(p2, names2) if need_w2 else ([], "write")
         _, dprobs, _, db2, d_fc1, _ = ops._expert_mlp_backward_(
             dy.contiguous(), None, probs, w1, b1, w2, b2, splits, fc1_out, m._glu_text, m.fusion, False, need_dprobs,
-            need_b2, [], "write", g2, mode2, routing, need_d_fc1)
+            False, need_b2, [], "write", g2, mode2, routing, need_d_fc1)
         dw2 = c2.outcome(p2, g2) if need_w2 else [None] * len(w2)
         db2s = ops.split_like(db2, b2, 1) if (b2 and need_b2) else [None] * len(b2)
         return (None, None, d_fc1 if need_d_fc1 else None, None, None, dprobs if need_dprobs else None,

@@ -265,24 +265,24 @@ _composite("expert_mlp(Tensor x, Tensor? probs, Tensor[] w1, Tensor[] b1, Tensor
 def _expert_mlp_backward_(
     dy: Tensor, x: Optional[Tensor], probs: Optional[Tensor], w1: List[Tensor], b1: List[Tensor],
     w2: List[Tensor], b2: List[Tensor], splits: Tensor, fc1_out: Optional[Tensor], glu: str, fusion: str,
-    need_dx: bool, need_dprobs: bool, need_bias_grads: bool, w1_grad: List[Tensor], w1_mode: str,
+    need_dx: bool, need_dprobs: bool, need_db1: bool, need_db2: bool, w1_grad: List[Tensor], w1_mode: str,
     w2_grad: List[Tensor], w2_mode: str, routing: Optional[Tensor] = None, need_d_fc1: bool = False,
     need_act: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx [T, H], dprobs [T] float32, db1 [G, W], db2 [G, H], d_fc1 [T, W], act [T, F]); those not
-    asked for are empty (W: FC1's rows). The weight gradients go into w1_grad / w2_grad (empty lists:
-    not computed) per their modes. ``need_d_fc1``: FC2's half of the backward, which returns
-    dL/d(fc1_out) for the caller to run FC1's gradients (no dx, FC1 weight or bias gradient then).
-    ``need_act``: also FC2's input as backward recomputes it, for FC2's weight gradient later."""
+    asked for (or without biases) are empty (W: FC1's rows). The weight gradients go into w1_grad /
+    w2_grad (empty lists: not computed) per their modes. ``need_d_fc1`` / ``need_act``: also
+    dL/d(fc1_out) and FC2's input as backward makes them, for a caller that runs FC1's gradients or
+    FC2's weight gradient itself (the two-node backward, a delayed wgrad)."""
     T, H = _rows_cols(dy)
     W, F = _expert_shape(w1, 2)[0], _expert_shape(w2, 2)[1]
     G = _num_groups(w1, 2)
     dev, dt = dy.device, dy.dtype
     dx = torch.empty(T if need_dx else 0, H, dtype=dt, device=dev)
     dprobs = torch.empty(T if need_dprobs else 0, dtype=torch.float32, device=dev)
-    bias = need_bias_grads and len(b1) > 0
-    db1 = torch.empty(G if (bias and not need_d_fc1) else 0, W, dtype=dt, device=dev)
-    db2 = torch.empty(G if bias else 0, H, dtype=dt, device=dev)
+    bias1, bias2 = need_db1 and len(b1) > 0, need_db2 and len(b2) > 0
+    db1 = torch.empty(G if bias1 else 0, W, dtype=dt, device=dev)
+    db2 = torch.empty(G if bias2 else 0, H, dtype=dt, device=dev)
     d_fc1 = torch.empty(T if need_d_fc1 else 0, W, dtype=dt, device=dev)
     act = torch.empty(T if need_act else 0, F, dtype=dt, device=dev)
     stream = stream_of(dy)
@@ -292,22 +292,22 @@ def _expert_mlp_backward_(
                                                           need_d_fc1), dev)
     _C.expert_mlp_backward(dy, x, probs, grouped(w1, 2), grouped(b1, 1), grouped(w2, 2), grouped(b2, 1), r, fc1_out,
                            dx if need_dx else None, dprobs if need_dprobs else None,
-                           grouped(w1_grad, 2), w1_mode, grouped([db1] if db1.shape[0] else [], 1),
-                           grouped(w2_grad, 2), w2_mode, grouped([db2] if bias else [], 1),
+                           grouped(w1_grad, 2), w1_mode, grouped([db1] if bias1 else [], 1),
+                           grouped(w2_grad, 2), w2_mode, grouped([db2] if bias2 else [], 1),
                            d_fc1 if need_d_fc1 else None, act if need_act else None, _glu_spec(glu), fusion, ws,
                            stream)
     return dx, dprobs, db1, db2, d_fc1, act
 
 
 @_expert_mlp_backward_.register_fake
-def _(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, glu, fusion, need_dx, need_dprobs, need_bias_grads,
+def _(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, glu, fusion, need_dx, need_dprobs, need_db1, need_db2,
       w1_grad, w1_mode, w2_grad, w2_mode, routing=None, need_d_fc1=False, need_act=False):
     T, H = _rows_cols(dy)
     W, F = _expert_shape(w1, 2)[0], _expert_shape(w2, 2)[1]
     G = _num_groups(w1, 2)
-    bias = need_bias_grads and len(b1) > 0
+    bias1, bias2 = need_db1 and len(b1) > 0, need_db2 and len(b2) > 0
     return (dy.new_empty(T if need_dx else 0, H), dy.new_empty(T if need_dprobs else 0, dtype=torch.float32),
-            dy.new_empty(G if (bias and not need_d_fc1) else 0, W), dy.new_empty(G if bias else 0, H),
+            dy.new_empty(G if bias1 else 0, W), dy.new_empty(G if bias2 else 0, H),
             dy.new_empty(T if need_d_fc1 else 0, W), dy.new_empty(T if need_act else 0, F))
 
 
@@ -451,7 +451,7 @@ def _expert_mlp_bwd(ctx, dy, _d_fc1_out, _d_routing):
     g2 = new_expert_grads(w2) if need_w2 else []
     dx, dprobs, db1, db2, *_ = _expert_mlp_backward_(
         dy.contiguous(), x, probs, list(w1), list(b1), list(w2), list(b2), splits, fc1_out, *ctx.spec,
-        bool(need[0]), probs is not None and bool(need[1]), need_bias, g1, "write", g2, "write", routing)
+        bool(need[0]), probs is not None and bool(need[1]), need_bias, need_bias, g1, "write", g2, "write", routing)
 
     def each(grads, like):  # list inputs take lists of the same length back
         return grads if grads else [None] * len(like)
@@ -521,7 +521,7 @@ def expert_mlp_backward(dy: Tensor, x: Optional[Tensor], fc1_weight: Experts, fc
     mode2 = "write" if fc2_weight_grad is None else wgrad_mode
     dx, dprobs, db1, db2, *_ = _expert_mlp_backward_(
         dy.contiguous(), x, probs, w1, b1, w2, b2, splits, fc1_out, glu_text(activation, layout, limit, alpha, offset),
-        fusion, need_dx, probs is not None, bool(b1), g1, mode1, g2, mode2)
+        fusion, need_dx, probs is not None, bool(b1), bool(b2), g1, mode1, g2, mode2)
     return {"dx": dx if need_dx else None, "dprobs": dprobs if probs is not None else None,
             "fc1_weight": g1 or None, "fc1_bias": split_like(db1, b1, 1) if b1 else None,
             "fc2_weight": g2 or None, "fc2_bias": split_like(db2, b2, 1) if b2 else None}
