@@ -2,9 +2,14 @@
 // x 128 features, on the tile stream of fp8_tile_stream.cuh. Rows: one scale per token. Columns:
 // the tile never mixes experts (tiles restart at each expert's first token, so token tile j is
 // column block j of the columnwise layout); one scale per feature, the bytes stored transposed
-// (tokens contiguous). With both wanted, one kernel writes both from one read of x.
+// (tokens contiguous). With both wanted, one kernel writes both from one read of x. Rows alone from
+// 16-bit x with aligned rows skip the tile stream: quantize_rows_direct_kernel holds each row's
+// values in registers (no staging, no barrier), which measured 0.85-0.87 of a device copy's rate
+// on the H200 against the tile stream's 0.74-0.75.
 #include <cub/block/block_scan.cuh>
 
+#include <algorithm>
+#include <mutex>
 #include <type_traits>
 
 #include "cuda/backend.hpp"
@@ -243,6 +248,84 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_tokens_kernel(const Toke
   run_stages(begin, end, p.stages, issue, process);
 }
 
+// Rows alone, 16-bit x with 16-byte aligned rows: straight from registers, no shared memory and no
+// barrier. A half-warp holds one row's 128 features of a block (8 a lane, one 16-byte load), a
+// warp 8 rows of one block (4 loads in flight a lane); its lanes compute the 8 rows' scales in
+// one pass (the divisions of one row per lane) and hand the multipliers out by shuffles. Items are
+// (8 rows, feature block), feature blocks fastest, taken by the warps of a grid of as many blocks
+// as fit, in turn; the rows to quantize are read on the device (graph safe).
+constexpr int kDirectRows = 8;  // rows of a warp's item: 4 slots of 2 rows (one per half-warp)
+
+template <class T>
+__global__ void __launch_bounds__(kThreads, 4) quantize_rows_direct_kernel(const TokenParams p) {
+  static_assert(sizeof(T) == 2, "16-bit values: 8 of a row per 16-byte load");
+  using V = Words<T>;
+  constexpr int kSlots = kDirectRows / 2;
+  const int64_t rows_total = p.offsets[p.num_groups];
+  const int64_t items = (rows_total + kDirectRows - 1) / kDirectRows * p.k_blocks;
+  const int lane = int(threadIdx.x) % 32, half = lane / 16, m = lane % 16;
+  const int64_t warps = int64_t(gridDim.x) * (kThreads / 32);
+  const T* x = static_cast<const T*>(p.x);
+#pragma unroll 1
+  for (int64_t item = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / 32; item < items; item += warps) {
+    const int64_t group = item / p.k_blocks, kb = item - group * p.k_blocks;
+    const int64_t k = kb * kTile + 8 * m, row0 = group * kDirectRows + half;
+    const bool feature_in = k < p.K;  // K is a multiple of 8: a lane's 8 features are all in or out
+    uint32_t words[kSlots][4];
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int64_t row = row0 + 2 * s;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (feature_in && row < rows_total) v = __ldcs(reinterpret_cast<const uint4*>(x + row * p.x_ld + k));
+      words[s][0] = v.x, words[s][1] = v.y, words[s][2] = v.z, words[s][3] = v.w;
+    }
+    // Row amaxes over each half-warp (zeros past K change nothing).
+    uint32_t a[kSlots];
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      a[s] = V::fold(words[s]);
+#pragma unroll
+      for (int bit = 8; bit >= 1; bit /= 2) a[s] = V::max(a[s], __shfl_xor_sync(~0u, a[s], bit));
+    }
+    // Lane m of a half-warp scales slot m % kSlots; every lane gets each slot's multiplier back.
+    static_assert(kSlots == 4, "the selection below");
+    const int pick = m % kSlots;  // selects, not an indexed (local-memory) array read
+    const uint32_t mine = pick < 2 ? (pick == 0 ? a[0] : a[1]) : (pick == 2 ? a[2] : a[3]);
+    const detail::Fp8TileScale scale = p.recipe.scale(V::amax_bits(mine));
+    if (m < kSlots) {
+      const int64_t row = row0 + 2 * m;
+      if (row < rows_total) p.rows_scales[kb * p.rows_scales_ld + row] = scale.scale;
+    }
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const float multiplier = __shfl_sync(~0u, scale.multiplier, 16 * half + s);
+      const int64_t row = row0 + 2 * s;
+      uint32_t q[2];
+      quantize_run<T, 8>(words[s], multiplier, q);
+      if (feature_in && row < rows_total)
+        *reinterpret_cast<uint2*>(p.rows_data + row * p.rows_ld + k) = make_uint2(q[0], q[1]);
+    }
+  }
+}
+
+template <class T>
+void launch_rows_direct(const TokenParams& params, int device, Stream stream) {
+  constexpr auto kernel = quantize_rows_direct_kernel<T>;
+  constexpr int kMaxDevices = 64;
+  static int grid[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device, " out of range");
+  std::call_once(once[device], [device] {
+    int sm_count = 0, blocks = 0;
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device), "SM count");
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0),
+                   "occupancy of quantize_rows_direct_kernel");
+    grid[device] = std::max(1, blocks) * sm_count;
+  });
+  kernel<<<grid[device], kThreads, 0, stream>>>(params);
+  MOE_CUDA_CHECK_LAUNCH("quantize_rows_direct_kernel");
+}
+
 template <bool kRows, bool kColumns, class T, bool kVector>
 void launch_tokens(TokenParams params, int device, Stream stream) {
   constexpr auto kernel = quantize_tokens_kernel<T, kVector, kRows, kColumns>;
@@ -290,8 +373,12 @@ void quantize_fp8(const TensorView& x, const GroupLayout& groups, const Fp8Rows&
       constexpr bool kVector = decltype(vec)::value;
       if (want_rows && want_columns)
         launch_tokens<true, true, T, kVector>(p, device, stream);
-      else if (want_rows)
+      else if (want_rows) {
+        if constexpr (kVector && sizeof(T) == 2) {
+          if (K % 8 == 0) return launch_rows_direct<T>(p, device, stream);
+        }
         launch_tokens<true, false, T, kVector>(p, device, stream);
+      }
       else
         launch_tokens<false, true, T, kVector>(p, device, stream);
     };
