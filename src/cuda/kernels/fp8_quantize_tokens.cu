@@ -326,6 +326,235 @@ void launch_rows_direct(const TokenParams& params, int device, Stream stream) {
   MOE_CUDA_CHECK_LAUNCH("quantize_rows_direct_kernel");
 }
 
+// Columns, alone or with the rows, 16-bit x with aligned rows: a block of 512 threads holds one
+// 128-token column block x 128 features in registers (loaded straight from global memory, no
+// staging ring): warp w rows 8 w .. 8 w + 7, half-warp h rows 8 w + 4 h .. + 3, lane m % 16
+// features 8 m .. 8 m + 7. Row amaxes are half-warp shuffles (as quantize_rows_direct_kernel);
+// column amaxes fold the thread's 4 rows, then the two half-warps, then the 16 warps through shared
+// memory; the column bytes (4 tokens of a feature: one word) go through a swizzled transposed tile
+// and out as whole 128-token feature rows. Items are (column block, feature block), feature blocks
+// fastest, shared out evenly over a resident grid; each block finds its column blocks' experts with
+// warp-wide scans of the offsets (32 experts a step, no block-wide scan), block 0's warp 0 writing
+// the columns' offsets. Three block barriers a tile; the next tile's loads are issued before the
+// last of them, in flight through it and the stores. The same bytes as the tiled kernel.
+constexpr int kColumnThreads = 512;
+constexpr int kColumnWarps = kColumnThreads / 32;
+
+struct ColumnShared {
+  uint32_t transposed[kTile * kTile / 4];       // [feature][token word], word index swizzled
+  uint32_t col_partial[kColumnWarps][kTile / 2];  // per warp: packed 16-bit column magnitudes
+  float col_multiplier[kTile];
+};
+
+// Where a column block's tokens are: the expert whose columns hold column `col`.
+struct ExpertCursor {
+  int64_t g = -1, first_col = 0, row_begin = 0, rows = 0;  // -1: before the first expert; G: past the last
+};
+
+// Inclusive warp scan of a 64-bit value.
+__device__ __forceinline__ int64_t warp_inclusive_sum(int64_t v, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int64_t o = __shfl_up_sync(~0u, v, d);
+    if (lane >= d) v += o;
+  }
+  return v;
+}
+
+// The total of the experts' column spans; with `write`, every expert's first column and the total
+// to cols_offsets. Warp-uniform result.
+__device__ int64_t column_total(const TokenParams& p, bool write, int lane) {
+  int64_t carry = 0;
+  for (int64_t base = 0; base < p.num_groups; base += 32) {
+    const int64_t g = base + lane;
+    const int64_t span = g < p.num_groups ? detail::fp8_column_span(p.offsets[g + 1] - p.offsets[g]) : 0;
+    const int64_t inclusive = warp_inclusive_sum(span, lane);
+    if (write && g < p.num_groups) p.cols_offsets[g] = carry + inclusive - span;
+    carry += __shfl_sync(~0u, inclusive, 31);
+  }
+  if (write && lane == 0) p.cols_offsets[p.num_groups] = carry;
+  return carry;
+}
+
+// Moves `cur` forward to the expert holding column `col` (col at or past cur.first_col), 32
+// experts a step. Warp-uniform.
+__device__ void seek_column(const TokenParams& p, int64_t col, ExpertCursor& cur, int lane) {
+  if (cur.g < p.num_groups && col < cur.first_col + detail::fp8_column_span(cur.rows)) return;
+  int64_t carry = cur.g < p.num_groups ? cur.first_col + detail::fp8_column_span(cur.rows) : cur.first_col;
+  int64_t base = cur.g < p.num_groups ? cur.g + 1 : cur.g;
+  for (; base < p.num_groups; base += 32) {
+    const int64_t g = base + lane;
+    const int64_t begin = g < p.num_groups ? p.offsets[g] : 0;
+    const int64_t rows = g < p.num_groups ? p.offsets[g + 1] - begin : 0;
+    const int64_t span = detail::fp8_column_span(rows);
+    const int64_t inclusive = warp_inclusive_sum(span, lane);
+    const unsigned hit = __ballot_sync(~0u, g < p.num_groups && carry + inclusive > col);
+    if (hit != 0) {
+      const int l = __ffs(hit) - 1;
+      cur.g = base + l;
+      cur.first_col = carry + __shfl_sync(~0u, inclusive - span, l);
+      cur.row_begin = __shfl_sync(~0u, begin, l);
+      cur.rows = __shfl_sync(~0u, rows, l);
+      return;
+    }
+    carry += __shfl_sync(~0u, inclusive, 31);
+  }
+  cur.g = p.num_groups;
+  cur.first_col = carry;
+  cur.rows = 0;
+}
+
+// Two blocks per SM at <= 64 registers; before sm_89 (E4M3 conversion in software) the rows +
+// columns kernel needs more (it spilled at 64): one block there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+#define MOE_FP8_COLUMN_BLOCKS_PER_SM 1
+#else
+#define MOE_FP8_COLUMN_BLOCKS_PER_SM 2
+#endif
+
+template <class T, bool kRows>
+__global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
+    quantize_columns_direct_kernel(const TokenParams p) {
+  static_assert(sizeof(T) == 2, "16-bit values: 8 of a row per 16-byte load");
+  using V = Words<T>;
+  __shared__ __align__(16) ColumnShared shared;
+  const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32, h = lane / 16, m = lane % 16;
+  const int64_t blocks = column_total(p, blockIdx.x == 0 && warp == 0, lane) / kTile;
+  int64_t begin, end;
+  share_of(blocks * p.k_blocks, begin, end);
+  if (begin >= end) return;  // block-uniform
+  const T* x = static_cast<const T*>(p.x);
+  const int first_row = 8 * warp + 4 * h;  // this thread's 4 rows of the tile: first_row .. + 3
+  ExpertCursor cur;
+  // Column block jb's first row and rows.
+  auto locate = [&](int64_t jb, int64_t& first, int& count) {
+    seek_column(p, jb * kTile, cur, lane);
+    const int64_t offset = jb * kTile - cur.first_col;
+    first = cur.row_begin + offset;
+    count = int(std::min<int64_t>(kTile, cur.rows - offset));
+  };
+  // This thread's 4 rows x 8 features of item (column block at `first` with `count` rows, feature
+  // block fb); zeros past the rows and K.
+  auto load = [&](int64_t first, int count, int64_t fb, uint32_t(&w)[4][4]) {
+    const int64_t k = fb * kTile + 8 * m;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int r = first_row + s;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (k < p.K && r < count) v = __ldcs(reinterpret_cast<const uint4*>(x + (first + r) * p.x_ld + k));
+      w[s][0] = v.x, w[s][1] = v.y, w[s][2] = v.z, w[s][3] = v.w;
+    }
+  };
+  int64_t j = begin / p.k_blocks, kb = begin % p.k_blocks, row0 = 0;
+  int rows = 0;
+  locate(j, row0, rows);
+  uint32_t words[4][4];
+  load(row0, rows, kb, words);
+#pragma unroll 1
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t k0 = kb * kTile, k = k0 + 8 * m;
+    const int features = int(std::min<int64_t>(kTile, p.K - k0));
+    const bool feature_in = k < p.K;  // K is a multiple of 8: a lane's 8 features are all in or out
+    if constexpr (kRows) {
+      uint32_t a[4];
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        a[s] = V::fold(words[s]);
+#pragma unroll
+        for (int bit = 8; bit >= 1; bit /= 2) a[s] = V::max(a[s], __shfl_xor_sync(~0u, a[s], bit));
+      }
+      const int pick = m % 4;  // lane m of a half-warp scales its row m % 4
+      const uint32_t mine = pick < 2 ? (pick == 0 ? a[0] : a[1]) : (pick == 2 ? a[2] : a[3]);
+      const detail::Fp8TileScale scale = p.recipe.scale(V::amax_bits(mine));
+      if (m < 4 && first_row + m < rows) p.rows_scales[kb * p.rows_scales_ld + row0 + first_row + m] = scale.scale;
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const float multiplier = __shfl_sync(~0u, scale.multiplier, 16 * h + s);
+        uint32_t q[2];
+        quantize_run<T, 8>(words[s], multiplier, q);
+        if (feature_in && first_row + s < rows)
+          *reinterpret_cast<uint2*>(p.rows_data + (row0 + first_row + s) * p.rows_ld + k) = make_uint2(q[0], q[1]);
+      }
+    }
+    // Column amaxes: this thread's 4 rows, the warp's 8, then every warp's.
+    uint32_t c[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      c[w] = V::max(V::max(V::magnitude(words[0][w]), V::magnitude(words[1][w])),
+                    V::max(V::magnitude(words[2][w]), V::magnitude(words[3][w])));
+      c[w] = V::max(c[w], __shfl_xor_sync(~0u, c[w], 16));
+    }
+    if (h == 0) reinterpret_cast<uint4*>(shared.col_partial[warp])[m] = make_uint4(c[0], c[1], c[2], c[3]);
+    __syncthreads();  // partials complete (and the previous tile's transposed bytes stored)
+    if (tid < kTile) {
+      uint32_t amax = shared.col_partial[0][tid / 2];
+#pragma unroll
+      for (int w = 1; w < kColumnWarps; ++w) amax = V::max(amax, shared.col_partial[w][tid / 2]);
+      const detail::Fp8TileScale cs = p.recipe.scale(V::value_bits(amax, tid % 2));
+      shared.col_multiplier[tid] = cs.multiplier;
+      if (tid < features) p.cols_scales[j * p.cols_scales_ld + k0 + tid] = cs.scale;
+    }
+    __syncthreads();  // multipliers complete; every partial read
+    float mult[8];
+    {
+      const float4 lo = reinterpret_cast<const float4*>(shared.col_multiplier)[2 * m];
+      const float4 hi = reinterpret_cast<const float4*>(shared.col_multiplier)[2 * m + 1];
+      mult[0] = lo.x, mult[1] = lo.y, mult[2] = lo.z, mult[3] = lo.w;
+      mult[4] = hi.x, mult[5] = hi.y, mult[6] = hi.z, mult[7] = hi.w;
+    }
+    // Padding tokens past the expert's end are zero bytes, whatever the multiplier (a NaN one
+    // would make them 0x7f).
+    const int valid = rows - first_row;
+    const uint32_t keep = valid >= 4 ? ~0u : valid <= 0 ? 0u : (~0u >> (32 - 8 * valid));
+    // Word (first_row / 4) of feature row f sits at word index (first_row / 4) ^ 2 (f / 8): a
+    // warp's stores of one j hit 32 distinct banks.
+    const int word = (first_row / 4) ^ (2 * m);
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const float mj = mult[jj];
+      const uint32_t q = e4m3x4(V::value(words[0], jj) * mj, V::value(words[1], jj) * mj,
+                                V::value(words[2], jj) * mj, V::value(words[3], jj) * mj);
+      shared.transposed[(8 * m + jj) * (kTile / 4) + word] = q & keep;
+    }
+    // The next item's loads go out now, in flight through the barrier and the stores below.
+    int64_t next_j = j, next_kb = kb + 1, next_row0 = row0;
+    int next_rows = rows;
+    if (next_kb == p.k_blocks) next_kb = 0, ++next_j;
+    if (item + 1 < end) {
+      if (next_j != j) locate(next_j, next_row0, next_rows);
+      load(next_row0, next_rows, next_kb, words);
+    }
+    __syncthreads();  // the transposed tile complete
+#pragma unroll
+    for (int it = 0; it < kTile * kTile / 16 / kColumnThreads; ++it) {
+      const int index = it * kColumnThreads + tid, f = index / 8, chunk = index % 8;
+      const int swizzle = 2 * (f / 8);
+      uint4 v = reinterpret_cast<const uint4*>(shared.transposed + f * (kTile / 4))[chunk ^ (swizzle >> 2)];
+      if (swizzle & 2) v = make_uint4(v.z, v.w, v.x, v.y);
+      if (f < features) *reinterpret_cast<uint4*>(p.cols_data + (k0 + f) * p.cols_ld + j * kTile + 16 * chunk) = v;
+    }
+    j = next_j, kb = next_kb, row0 = next_row0, rows = next_rows;
+  }
+}
+
+template <class T, bool kRows>
+void launch_columns_direct(const TokenParams& params, int device, Stream stream) {
+  constexpr auto kernel = quantize_columns_direct_kernel<T, kRows>;
+  constexpr int kMaxDevices = 64;
+  static int grid[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device, " out of range");
+  std::call_once(once[device], [device] {
+    int sm_count = 0, blocks = 0;
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device), "SM count");
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kColumnThreads, 0),
+                   "occupancy of quantize_columns_direct_kernel");
+    grid[device] = std::max(1, blocks) * sm_count;
+  });
+  kernel<<<grid[device], kColumnThreads, 0, stream>>>(params);
+  MOE_CUDA_CHECK_LAUNCH("quantize_columns_direct_kernel");
+}
+
 template <bool kRows, bool kColumns, class T, bool kVector>
 void launch_tokens(TokenParams params, int device, Stream stream) {
   constexpr auto kernel = quantize_tokens_kernel<T, kVector, kRows, kColumns>;
@@ -371,6 +600,11 @@ void quantize_fp8(const TensorView& x, const GroupLayout& groups, const Fp8Rows&
     const bool vector = vector_aligned(x.data(), x.stride(0), sizeof(T));
     auto launch = [&](auto vec) {
       constexpr bool kVector = decltype(vec)::value;
+      if constexpr (kVector && sizeof(T) == 2) {
+        if (want_columns && K % 8 == 0)
+          return want_rows ? launch_columns_direct<T, true>(p, device, stream)
+                           : launch_columns_direct<T, false>(p, device, stream);
+      }
       if (want_rows && want_columns)
         launch_tokens<true, true, T, kVector>(p, device, stream);
       else if (want_rows) {
