@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
 #include <type_traits>
 
 #include "common/fp8_math.hpp"
@@ -21,6 +20,7 @@
 #include "cuda/ptx/pair16.cuh"
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/dtype_dispatch.cuh"
+#include "cuda/runtime/resident_blocks.cuh"
 
 namespace moe::cuda {
 namespace {
@@ -138,33 +138,12 @@ __global__ void __launch_bounds__(kThreads) dequantize_rows_kernel(const Dequant
   }
 }
 
-// Blocks of a kernel resident at once on `device` (every SM full), found once per device: the
-// grid-stride loop's grid, so that no block waits for a second wave.
-template <auto kKernel>
-int resident_blocks(int device, const char* what) {
-  constexpr int kMaxDevices = 64;
-  static int blocks[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device,
-            " out of range");
-  std::call_once(once[device], [&] {
-    int sm_count = 0, per_sm = 0;
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
-                   "SM count");
-    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, 0),
-                   "occupancy of ", what);
-    MOE_CHECK(per_sm > 0, ErrorCode::kCuda, what, " does not fit on device ", device);
-    blocks[device] = sm_count * per_sm;
-  });
-  return blocks[device];
-}
-
 template <class T, bool kVector>
 void launch_dequantize(const DequantizeParams& p, int64_t capacity, int device, Stream stream) {
   constexpr auto kernel = dequantize_rows_kernel<T, kVector>;
   const int64_t warps = capacity * p.segments;
   const int64_t grid = std::min<int64_t>((warps + kWarps - 1) / kWarps,
-                                         resident_blocks<kernel>(device, "dequantize_rows_kernel"));
+                                         resident_blocks<kernel>(device, kThreads, 0, "dequantize_rows_kernel"));
   kernel<<<unsigned(grid), kThreads, 0, stream>>>(p);
   MOE_CUDA_CHECK_LAUNCH("dequantize_rows_kernel");
 }

@@ -31,6 +31,7 @@
 #include "cuda/backend.hpp"
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/dtype_dispatch.cuh"
+#include "cuda/runtime/resident_blocks.cuh"
 
 namespace moe::cuda {
 namespace {
@@ -503,30 +504,12 @@ void launch(const GluQuantizeParams& p, int64_t items, int device, Stream stream
 
 bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-// Blocks of a backward launch: as many as are resident at once with its shared memory.
-template <auto kKernel>
-int backward_grid(int device, size_t shared_bytes) {
-  constexpr int kMaxDevices = 64;
-  static int blocks[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  std::call_once(once[device], [device, shared_bytes] {
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes)),
-                   "raising the shared-memory limit of fp8_glu_backward_quantize_kernel");
-    int sm_count = 0, per_sm = 0;
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device), "SM count");
-    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, shared_bytes),
-                   "occupancy of fp8_glu_backward_quantize_kernel");
-    blocks[device] = sm_count * std::max(per_sm, 1);
-  });
-  return blocks[device];
-}
-
 template <class T, bool kPairs, HBlocks kHBlocks>
 void launch_backward(const GluBackwardQuantizeParams& p, int64_t items, int device, Stream stream) {
   constexpr auto kernel = fp8_glu_backward_quantize_kernel<T, kPairs, kHBlocks>;
   constexpr size_t shared = sizeof(TileShared<T>);
-  const unsigned blocks =
-      unsigned(std::max<int64_t>(1, std::min<int64_t>(items, backward_grid<kernel>(device, shared))));
+  const int resident = resident_blocks<kernel>(device, kThreads, shared, "fp8_glu_backward_quantize_kernel");
+  const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>(items, resident)));
   kernel<<<blocks, kThreads, shared, stream>>>(p);
   MOE_CUDA_CHECK_LAUNCH("fp8_glu_backward_quantize_kernel");
 }

@@ -9,13 +9,13 @@
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
-#include <mutex>
 #include <type_traits>
 
 #include "cuda/backend.hpp"
 #include "cuda/kernels/fp8_tile_stream.cuh"
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/dtype_dispatch.cuh"
+#include "cuda/runtime/resident_blocks.cuh"
 
 namespace moe::cuda {
 namespace {
@@ -311,18 +311,7 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_rows_direct_kernel(const
 template <class T>
 void launch_rows_direct(const TokenParams& params, int device, Stream stream) {
   constexpr auto kernel = quantize_rows_direct_kernel<T>;
-  constexpr int kMaxDevices = 64;
-  static int grid[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device, " out of range");
-  std::call_once(once[device], [device] {
-    int sm_count = 0, blocks = 0;
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device), "SM count");
-    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0),
-                   "occupancy of quantize_rows_direct_kernel");
-    grid[device] = std::max(1, blocks) * sm_count;
-  });
-  kernel<<<grid[device], kThreads, 0, stream>>>(params);
+  kernel<<<resident_blocks<kernel>(device, kThreads, 0, "quantize_rows_direct_kernel"), kThreads, 0, stream>>>(params);
   MOE_CUDA_CHECK_LAUNCH("quantize_rows_direct_kernel");
 }
 
@@ -540,18 +529,8 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
 template <class T, bool kRows>
 void launch_columns_direct(const TokenParams& params, int device, Stream stream) {
   constexpr auto kernel = quantize_columns_direct_kernel<T, kRows>;
-  constexpr int kMaxDevices = 64;
-  static int grid[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device, " out of range");
-  std::call_once(once[device], [device] {
-    int sm_count = 0, blocks = 0;
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device), "SM count");
-    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kColumnThreads, 0),
-                   "occupancy of quantize_columns_direct_kernel");
-    grid[device] = std::max(1, blocks) * sm_count;
-  });
-  kernel<<<grid[device], kColumnThreads, 0, stream>>>(params);
+  const int grid = resident_blocks<kernel>(device, kColumnThreads, 0, "quantize_columns_direct_kernel");
+  kernel<<<grid, kColumnThreads, 0, stream>>>(params);
   MOE_CUDA_CHECK_LAUNCH("quantize_columns_direct_kernel");
 }
 

@@ -1,0 +1,38 @@
+// The grid of a grid-stride kernel: as many blocks as are resident at once on a device (every SM
+// full), found once per kernel and device, so that no block waits for a second wave. Launch shapes
+// come from the device only (graph safe: the same grid at every replay).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <mutex>
+
+#include "cuda/runtime/check.hpp"
+#include "moe_engine/error.hpp"
+
+namespace moe::cuda {
+
+// `threads` per block and `shared_bytes` of dynamic shared memory (the kernel's limit is raised to
+// it first when it exceeds the default 48 KiB).
+template <auto kKernel>
+int resident_blocks(int device, int threads, size_t shared_bytes, const char* what) {
+  constexpr int kMaxDevices = 64;
+  static int blocks[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device, " out of range");
+  std::call_once(once[device], [&] {
+    if (shared_bytes > 48 * 1024)
+      MOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes)),
+                     "raising the shared-memory limit of ", what);
+    int sm_count = 0, per_sm = 0;
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device), "SM count");
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, shared_bytes),
+                   "occupancy of ", what);
+    MOE_CHECK(per_sm > 0, ErrorCode::kCuda, what, " does not fit on device ", device);
+    blocks[device] = sm_count * per_sm;
+  });
+  return blocks[device];
+}
+
+}  // namespace moe::cuda
