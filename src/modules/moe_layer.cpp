@@ -149,9 +149,8 @@ MoELayerForwardResult MoELayer::forward(const Tensor& x, bool input_requires_gra
   if (z) z_loss = empty({}, acc);
   const Scratch scratch(std::max(router_forward_workspace_size(T, E), permute_plan_workspace_size(T, k, E)), device,
                         exec);
-  RouterOutputs out{c.logits_, c.indices_, probs, r.counts, aux_loss, c.aux_counts_, z_loss};
-  out.counts_total = tokens_per_expert_;
-  out.total_loss = r.loss;
+  const RouterOutputs out{c.logits_, c.indices_, probs,  r.counts,          aux_loss,
+                          c.aux_counts_, z_loss,  tokens_per_expert_, r.loss};
   router_forward(x, router_weight_view(), expert_bias_, out, spec, scratch.exec);
 
   // The routing: each expert's assignments in token order, at most C of them with a capacity factor.
