@@ -14,7 +14,7 @@ spec = importlib.util.spec_from_file_location("lb", os.path.join(os.path.dirname
 lb = importlib.util.module_from_spec(spec); spec.loader.exec_module(lb)
 import torch
 import moe_engine._C as C
-from moe_engine.torch import routing, modules, ops
+from moe_engine.torch import routing, _autograd, ops
 acc = collections.defaultdict(float); cnt = collections.Counter()
 def wrap(name, f):
     @functools.wraps(f)
@@ -32,8 +32,8 @@ for n in dir(C):
 for n in ("empty", "zeros", "empty_like", "zeros_like"):
     setattr(torch, n, wrap("torch." + n, getattr(torch, n)))
 from moe_engine.torch import layer as layer_mod
-fns = {"router": routing._RouterFunction, "mlp": modules._GroupedMLPFunction,
-       "mlp_fc1": modules._GroupedMLPFc1Function, "mlp_fc2": modules._GroupedMLPFc2Function,
+fns = {"router": routing._RouterFunction, "mlp": _autograd._GroupedMLPFunction,
+       "mlp_fc1": _autograd._GroupedMLPFc1Function, "mlp_fc2": _autograd._GroupedMLPFc2Function,
        "layer_one_node": layer_mod._DispatchExpertsCombine, "layer_dispatch_fc1": layer_mod._DispatchFc1,
        "layer_fc2_combine": layer_mod._Fc2Combine,
        "permute": routing._permute._function, "unpermute": routing._unpermute._function}

@@ -28,8 +28,9 @@ from .. import _C
 from . import routing as _routing
 from ._bridge import _plain_eager
 from .expert_parallel import expert_parallel_forward, group_rank_size, pair_capacity
-from .modules import (GroupedMLP, _GroupedMLPFc1Function, _GroupedMLPFc2Function, _GroupedMLPFunction, _Handoff,
-                      _fc1_node_params, _mlp_two_nodes, _saving_scope)
+from ._autograd import (_GroupedMLPFc1Function, _GroupedMLPFc2Function, _GroupedMLPFunction, _Handoff,
+                        _fc1_node_params, _mlp_two_nodes)
+from .modules import GroupedMLP, _saving_scope
 from .routing import Dispatched, Router, RouterOutput, combine, dispatch
 
 # ---- dispatch + experts + combine as one autograd node (plain eager) ----
@@ -116,7 +117,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
 class _DispatchFc1(torch.autograd.Function):
     """permute and the MLP's FC1 node (``_GroupedMLPFc1Function``: forward runs the whole MLP),
     one autograd node; returns fc1_out and the sorted probs, the edges to ``_Fc2Combine``. Where the
-    MLP runs as two nodes (``modules._mlp_two_nodes``), the layer's step does too, for the same
+    MLP runs as two nodes (``_autograd._mlp_two_nodes``), the layer's step does too, for the same
     peak memory (FC2's weight gradient handed on before FC1's is made); bit-identical to the
     separate nodes of dispatch, experts and combine (tested)."""
 
@@ -317,7 +318,7 @@ class MoELayer(nn.Module):
 
     def _two_nodes(self, x: Tensor, r: RouterOutput, rows: int, params) -> bool:
         """Whether the fused step runs as two autograd nodes, as the experts' backward does
-        (``modules._mlp_two_nodes``), rather than one: where it frees at least
+        (``_autograd._mlp_two_nodes``), rather than one: where it frees at least
         ``_TWO_NODE_MIN_BYTES`` at FC1's GEMMs (d_out, fc1_out and the activation's scratch, rows x
         (H + W + F) elements, beside FC2's weight gradient). Below that the step is short and bound
         by host time, which the second node adds to (the small batch 7-9% slower, H200)."""
