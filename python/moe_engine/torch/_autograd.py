@@ -10,7 +10,7 @@ its settings; nothing here holds state between steps.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -20,12 +20,9 @@ from ._bridge import _plain_eager
 from ._contract import WeightGradContract
 from .fp8 import packed_bias
 
-if TYPE_CHECKING:
-    from .modules import GroupedLinear, GroupedMLP
-
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, module: "GroupedLinear", x, splits, row_scale, *params):
+    def forward(ctx, module, x, splits, row_scale, *params):
         n = len(params) if not module.has_bias else len(params) // 2
         weights, biases = list(params[:n]), list(params[n:])
         y, routing = ops._grouped_linear(x, weights, splits, biases, row_scale)
@@ -36,7 +33,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        m: GroupedLinear = ctx.module
+        m = ctx.module
         x, splits, row_scale, routing, *params = ctx.saved_tensors
         weights, biases = params[: ctx.n], params[ctx.n :]
         need = ctx.needs_input_grad
@@ -73,7 +70,7 @@ class _GroupedLinearFp8Function(torch.autograd.Function):
     and columns (wgrad) in one pass. A GEMM the recipe overrides runs in the module's dtype."""
 
     @staticmethod
-    def forward(ctx, module: "GroupedLinear", x, splits, row_scale, w_data, w_scales, w_data_t, w_scales_t, *params):
+    def forward(ctx, module, x, splits, row_scale, w_data, w_scales, w_data_t, w_scales_t, *params):
         recipe = module.fp8_recipe
         fprop_hp, dgrad_hp, wgrad_hp = recipe.override_linear_precision
         n = len(params) if not module.has_bias else len(params) // 2
@@ -98,7 +95,7 @@ class _GroupedLinearFp8Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        m: GroupedLinear = ctx.module
+        m = ctx.module
         x, xd, xs, xo, splits, row_scale, routing, w_data_t, w_scales_t, *params = ctx.saved_tensors
         weights, biases = params[: ctx.n], params[ctx.n :]
         _, dgrad_hp, wgrad_hp = ctx.recipe.override_linear_precision
@@ -155,7 +152,7 @@ def _weight_grads(m, contract: WeightGradContract, params, names, wgrad) -> List
 
 class _GroupedMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, module: "GroupedMLP", x, splits, probs, *params):
+    def forward(ctx, module, x, splits, probs, *params):
         w1, b1, w2, b2 = module._split_params(params)
         need_act = x.requires_grad or (probs is not None and probs.requires_grad) or any(
             p.requires_grad for p in (*w1, *b1, *w2))
@@ -170,7 +167,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        m: GroupedMLP = ctx.module
+        m = ctx.module
         x, splits, probs, fc1_out, routing, *params = ctx.saved_tensors
         w1, b1, w2, b2 = m._split_params(params)
         need = ctx.needs_input_grad
@@ -233,7 +230,7 @@ class _GroupedMLPFc1Function(torch.autograd.Function):
     dL/d(fc1_out), dx and FC1's weight and bias gradients (under the module's contract)."""
 
     @staticmethod
-    def forward(ctx, module: "GroupedMLP", handoff: _Handoff, x, splits, probs, *params):
+    def forward(ctx, module, handoff: _Handoff, x, splits, probs, *params):
         w1, b1, w2, b2 = module._split_params(params)
         handoff.y, fc1_out, routing = ops._expert_mlp(x, probs, w1, b1, w2, b2, splits, module._glu_text,
                                                       module.fusion, True)
@@ -245,7 +242,7 @@ class _GroupedMLPFc1Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_fc1, _d_routing):
-        m: GroupedMLP = ctx.module
+        m = ctx.module
         x, splits, routing, *w1 = ctx.saved_tensors
         need = ctx.needs_input_grad  # inputs: module, handoff, x, splits, probs, params
         wants_w1, wants_b1, wants_w2, wants_b2 = m._split_params(need[5:])
@@ -268,7 +265,7 @@ class _GroupedMLPFc2Function(torch.autograd.Function):
     backward into dL/d(fc1_out) for FC1's node, dprobs, FC2's weight and bias gradients."""
 
     @staticmethod
-    def forward(ctx, module: "GroupedMLP", handoff: _Handoff, fc1_out, routing, splits, probs, *params):
+    def forward(ctx, module, handoff: _Handoff, fc1_out, routing, splits, probs, *params):
         ctx.save_for_backward(fc1_out, splits, probs, routing, *params)
         ctx.module = module
         y, handoff.y = handoff.y, None
@@ -276,7 +273,7 @@ class _GroupedMLPFc2Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        m: GroupedMLP = ctx.module
+        m = ctx.module
         fc1_out, splits, probs, routing, *params = ctx.saved_tensors
         w1, b1, w2, b2 = m._split_params(params)
         need = ctx.needs_input_grad  # inputs: module, handoff, fc1_out, routing, splits, probs, params
@@ -294,7 +291,7 @@ class _GroupedMLPFc2Function(torch.autograd.Function):
                 *(None,) * (len(wants_w1) + len(wants_b1)), *dw2, *db2s)
 
 
-def _mlp_two_nodes(module: "GroupedMLP", x: Tensor, probs: Optional[Tensor], params) -> bool:
+def _mlp_two_nodes(module, x: Tensor, probs: Optional[Tensor], params) -> bool:
     """Whether the bf16 MLP runs as two autograd nodes: in plain eager mode (torch.compile, tracing
     and dispatch modes take the one node), when both halves have gradients to make, fc1_out is kept
     (not recompute_fc1) and the weight gradients are immediate (a delayed wgrad keeps both weights'
@@ -309,7 +306,7 @@ def _mlp_two_nodes(module: "GroupedMLP", x: Tensor, probs: Optional[Tensor], par
     return fc1_grads and fc2_grads
 
 
-def _fc1_node_params(module: "GroupedMLP", params) -> tuple:
+def _fc1_node_params(module, params) -> tuple:
     """The parameters as FC1's node takes them: FC2's detached. Its forward (the whole MLP) reads
     them but gives them no gradient; as its autograd inputs, FC2's weight gradient would wait in
     autograd's buffer until FC1's node had run (a parameter's gradient is accumulated once every
@@ -318,7 +315,7 @@ def _fc1_node_params(module: "GroupedMLP", params) -> tuple:
     return (*w1, *b1, *(p.detach() for p in w2), *(p.detach() for p in b2))
 
 
-def _mlp_forward_two_nodes(module: "GroupedMLP", x: Tensor, splits: Tensor, probs: Optional[Tensor],
+def _mlp_forward_two_nodes(module, x: Tensor, splits: Tensor, probs: Optional[Tensor],
                            params) -> Tensor:
     handoff = _Handoff()
     fc1_out, routing = _GroupedMLPFc1Function.apply(module, handoff, x, splits, probs,
@@ -333,7 +330,7 @@ class _GroupedMLPFp8Function(torch.autograd.Function):
     is the bf16 module's."""
 
     @staticmethod
-    def forward(ctx, module: "GroupedMLP", x, splits, probs, *tensors):
+    def forward(ctx, module, x, splits, probs, *tensors):
         w8, params = tensors[:8], tensors[8:]
         w1, b1, w2, b2 = module._split_params(params)
         recipe = module.fp8_recipe
@@ -351,7 +348,7 @@ class _GroupedMLPFp8Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        m: GroupedMLP = ctx.module
+        m = ctx.module
         xd, xs, xo, xrd, xrs, hd, hs, splits, probs, routing, *rest = ctx.saved_tensors
         w8, params = rest[:8], rest[8:]
         w1, b1, w2, b2 = m._split_params(params)
@@ -375,7 +372,7 @@ class _GroupedMLPFp8Function(torch.autograd.Function):
                 *dw1, *db1s, *dw2, *db2s)
 
 
-def _mlp_weight_grads(m: "GroupedMLP", need_w1: bool, need_w2: bool, n1: int, n2: int, run, split=None):
+def _mlp_weight_grads(m, need_w1: bool, need_w2: bool, n1: int, n2: int, run, split=None):
     """The MLP's backward under the contract. ``run(g1, mode1, g2, mode2, dx=, dp=, bias=)`` runs
     the backward op with the weight gradients into g1 / g2 (empty: not computed). Immediate: one
     run computes everything. Delayed: ``split()``, where given, computes dx, dprobs and the bias
