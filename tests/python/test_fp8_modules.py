@@ -5,7 +5,7 @@
   (DeepGEMM's similarity difference, the C++ suites' bound), and loosely against the bf16 modules;
   empty and 1-row experts, G = 1, a tail of rows no expert owns (zeros in y, dx, dprobs).
 - ``override_linear_precision``: each overridden GEMM gives the unquantized module's result bit for
-  bit; GroupedMLP refuses overrides.
+  bit; GroupedMLP with overrides is GroupedLinear's FP8 layers around the activation, bit for bit.
 - The training contract: the six main_grad rows, delayed wgrad, packed == per-expert bit for bit.
 - The weight cache: one quantization across micro-batches, again after an optimizer step, an
   ``invalidate_fp8_weights()``, a new address; what backward keeps is FP8: x's columns, or its rows
@@ -232,6 +232,57 @@ def test_linear_matches_float64_and_overrides_run_unquantized(device, case, over
             assert torch.equal(a, b), f"{name}: an overridden GEMM runs unquantized"
         elif rows:
             assert not torch.equal(a, b), f"{name}: expected the FP8 GEMM"
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["immediate", "delayed"])
+@pytest.mark.parametrize("override", OVERRIDES[1:], ids=["fprop-hp", "dgrad-hp", "wgrad-hp", "all-hp"])
+@pytest.mark.parametrize("case", ["mixed", "g1", "srelu"])
+def test_mlp_overrides_are_two_fp8_linear_layers(device, case, override, delayed):
+    """A recipe that runs some GEMMs unquantized: GroupedMLP gives what GroupedLinear's FP8 layers
+    with the same recipe and weights give around the activation (FC1 with b1, the activation times
+    p, FC2 with b2 scaled by p) bit for bit, delayed wgrad included, and every result within FP8's
+    error of the float64 MLP."""
+    needs_fp8_gemm(device)
+    splits_list, T, H, F = CASES[case]
+    activation, glu_layout = GLU[case]
+    G, rows, dtype = len(splits_list), sum(splits_list), torch.bfloat16
+    recipe = me.Fp8Recipe(override_linear_precision=override)
+    m = mlp(G, H, F, device, dtype, recipe=recipe, activation=activation, glu_layout=glu_layout,
+            delay_wgrad_compute=delayed)
+    splits = make_splits(splits_list, device)
+    x, p, dy = inputs(T, H, dtype, device, seed=4)
+    got = mlp_step(m, x, p, dy, splits)
+
+    W = m.fc1.weights()[0].shape[-2]
+    fc1 = me.GroupedLinear(G, H, W, bias=True, fp8_recipe=recipe, device=device, dtype=dtype)
+    fc2 = me.GroupedLinear(G, F, H, bias=True, scale_bias=True, fp8_recipe=recipe, device=device, dtype=dtype)
+    with torch.no_grad():
+        for mine, theirs in ((fc1.weights() + fc1.biases(), m.fc1.weights() + m.fc1.biases()),
+                             (fc2.weights() + fc2.biases(), m.fc2.weights() + m.fc2.biases())):
+            for a, b in zip(mine, theirs):
+                a.copy_(b)
+    xx, pp = x.detach().requires_grad_(), p.detach().requires_grad_()
+    act = me.glu(fc1(xx, splits), splits, pp, activation=activation, layout=glu_layout)
+    y = fc2(act, splits, pp)
+    y.backward(dy)
+    want = [y.detach(), xx.grad, pp.grad] + [stacked(g) for g in (
+        [q.grad for q in fc1.weights()], [q.grad for q in fc1.biases()], [q.grad for q in fc2.weights()],
+        [q.grad for q in fc2.biases()])]
+    names = ["y", "dx", "dprobs", "dw1", "db1", "dw2", "db2"]
+    for name, a, b in zip(names, got, want):
+        assert torch.equal(a, b), f"{name}: not the two FP8 layers' result"
+
+    ref_in = [t.detach().cpu().double().requires_grad_() for t in
+              (x, stacked(m.fc1.weights()), stacked(m.fc2.weights()), p, stacked(m.fc1.biases()),
+               stacked(m.fc2.biases()))]
+    ref_y = expert_mlp_ref(*ref_in[:3], splits_list, *ref_in[3:], glu_layout, activation)
+    ref_y.backward(dy.cpu().double())
+    ref = [ref_y, ref_in[0].grad, ref_in[3].grad, ref_in[1].grad, ref_in[4].grad, ref_in[2].grad, ref_in[5].grad]
+    for name, a, b in zip(names, got, ref):
+        if name in ("y", "dx", "dprobs"):
+            assert torch.all(a[rows:] == 0), f"{name}: rows past sum(splits)"
+            a, b = a[:rows], b[:rows]
+        assert_similar(a, b, MLP_BOUND, name)
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
@@ -856,11 +907,6 @@ def test_bad_recipes_and_settings_are_clear_errors(device):
     with pytest.raises(TypeError, match=r"GroupedLinear: fp8_recipe: expected a moe_engine.torch.Fp8Recipe or None, "
                                         r"got bool"):
         me.GroupedLinear(2, 32, 16, fp8_recipe=True, device=device)
-    with pytest.raises(ValueError, match=r"GroupedMLP: fp8_recipe: the expert MLP runs all six GEMMs in FP8; "
-                                         r"override_linear_precision must be \(False, False, False\), got "
-                                         r"\(False, True, False\)"):
-        me.GroupedMLP(2, 32, 16, fp8_recipe=me.Fp8Recipe(override_linear_precision=(False, True, False)),
-                      device=device)
     with pytest.raises(ValueError, match=r"GroupedLinear: fp8_recipe needs bfloat16 or float32 parameters .*got "
                                          r"torch.float16"):
         me.GroupedLinear(2, 32, 16, fp8_recipe=me.Fp8Recipe(), device=device, dtype=torch.float16)
@@ -880,7 +926,9 @@ def test_bad_recipes_and_settings_are_clear_errors(device):
     # the functional form
     x = torch.randn(4, 32, dtype=bf16, device=device, requires_grad=True)
     w1, w2 = torch.randn(2, 32, 32, dtype=bf16, device=device), torch.randn(2, 32, 16, dtype=bf16, device=device)
-    with pytest.raises(ValueError, match=r"expert_mlp_fp8: recipe: the expert MLP runs all six GEMMs in FP8"):
+    with pytest.raises(ValueError, match=r"expert_mlp_fp8: recipe: the fused expert MLP runs all six GEMMs in FP8; "
+                                         r"override_linear_precision must be \(False, False, False\), got "
+                                         r"\(True, True, True\)"):
         me.expert_mlp_fp8(x, w1, w2, s, recipe=me.Fp8Recipe(override_linear_precision=(True, True, True)))
     with pytest.raises(TypeError, match=r"expert_mlp_fp8: recipe: expected a moe_engine.torch.Fp8Recipe"):
         me.expert_mlp_fp8(x, w1, w2, s, recipe=(True, 0.0))

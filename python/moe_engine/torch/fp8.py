@@ -161,8 +161,9 @@ class Fp8Recipe:
       exact power of two (TransformerEngine's ``power_2_scale``).
     - ``amax_epsilon``: the lower bound of every tile's amax (finite, >= 0).
     - ``override_linear_precision``: (fprop, dgrad, wgrad); a GEMM whose flag is True runs in the
-      module's dtype on the unquantized operands. ``GroupedLinear`` honours it; the expert MLP runs
-      all six GEMMs in FP8 and refuses any override.
+      module's dtype on the unquantized operands. ``GroupedLinear`` and ``GroupedMLP`` honour it
+      (GroupedMLP then runs unfused, as two FP8 GroupedLinear layers around the activation);
+      ``expert_mlp_fp8``, the fused MLP, runs all six GEMMs in FP8 and refuses any override.
     """
 
     pow2_scales: bool = False
@@ -195,9 +196,10 @@ def check_recipe(who: str, recipe, all_fp8: bool, name: str = "fp8_recipe") -> F
         raise TypeError(f"{who}: {name}: expected a moe_engine.torch.Fp8Recipe or None, got "
                         f"{type(recipe).__name__}")
     if all_fp8 and any(recipe.override_linear_precision):
-        raise ValueError(f"{who}: {name}: the expert MLP runs all six GEMMs in FP8; "
+        raise ValueError(f"{who}: {name}: the fused expert MLP runs all six GEMMs in FP8; "
                          f"override_linear_precision must be (False, False, False), got "
-                         f"{recipe.override_linear_precision} (GroupedLinear honours overrides)")
+                         f"{recipe.override_linear_precision} (the modules GroupedLinear and GroupedMLP honour "
+                         f"overrides)")
     return recipe
 
 

@@ -294,6 +294,20 @@ def _check_fp8_dtype(who: str, x: Tensor) -> None:
 # ---- GroupedMLP ----
 
 
+class _LinearOfMLP:
+    """One of GroupedMLP's two layers as ``_GroupedLinearFp8Function`` reads its module: the MLP's
+    recipe, delayed-wgrad flag and queue, this layer's parameters and weight-gradient contract."""
+
+    def __init__(self, mlp: "GroupedMLP", params: "_ExpertParams", contract: WeightGradContract):
+        self.fp8_recipe = mlp.fp8_recipe
+        self.has_bias = params.has_bias
+        self.delay_wgrad_compute = mlp.delay_wgrad_compute
+        self._delayed = mlp._delayed
+        self._weight_grad = contract
+        self.weights = params.weights
+        self.weight_names = params.weight_names
+
+
 class GroupedMLP(nn.Module):
     """The expert MLP ``y = FC2(act(FC1(x) + b1) * p) + p * b2`` (Megatron's ``p * (W2 act + b2)``)
     for G experts, with GroupedLinear's training contract for both weights.
@@ -307,10 +321,12 @@ class GroupedMLP(nn.Module):
     epilogue fuses the activation for the non-gated ones and for ``pairs`` and ``blocks:s``
     (``fusion``). ``recompute_fc1`` keeps only x for backward instead of the ``[T, W]``
     pre-activation.
-    ``fp8_recipe``: an ``Fp8Recipe`` to run all six GEMMs in FP8 (no override may be set; backward
-    keeps the pre-activation's rows and x's columns in FP8, x's rows instead of its columns where
-    those would be more than twice the bytes; ``fusion`` other than ``none`` fuses the
-    steps around the GLU on CUDA; no ``recompute_fc1``).
+    ``fp8_recipe``: an ``Fp8Recipe`` to run the six GEMMs in FP8 (backward keeps the
+    pre-activation's rows and x's columns in FP8, x's rows instead of its columns where those would
+    be more than twice the bytes; ``fusion`` other than ``none`` fuses the steps around the GLU on
+    CUDA; no ``recompute_fc1``). A recipe whose ``override_linear_precision`` runs some GEMMs
+    unquantized makes the MLP two of GroupedLinear's FP8 layers around the activation op, unfused:
+    each GEMM as GroupedLinear runs it, and backward keeps what those layers keep.
     """
 
     def __init__(self, num_groups: int, hidden: int, ffn: int, *, bias: bool = False,
@@ -345,7 +361,7 @@ class GroupedMLP(nn.Module):
         return self._glu.layout
 
     def _checked_recipe(self, recipe, dtype: torch.dtype, hidden: int, ffn: int) -> Optional[Fp8Recipe]:
-        recipe = _check_fp8_module("GroupedMLP", recipe, True, dtype, {"hidden": hidden, "ffn": ffn})
+        recipe = _check_fp8_module("GroupedMLP", recipe, False, dtype, {"hidden": hidden, "ffn": ffn})
         if recipe is not None and self.recompute_fc1:
             raise ValueError("GroupedMLP: fp8_recipe and recompute_fc1=True: the FP8 MLP keeps the pre-activation "
                              "in FP8 (2F + F/16 bytes per token) and has no recompute mode; leave recompute_fc1 False")
@@ -369,12 +385,29 @@ class GroupedMLP(nn.Module):
 
     @torch.compiler.disable  # Python state (the caches) read and written: runs eagerly, outside a trace
     def _fp8_weight_tensors(self):
-        """FC1's and FC2's cached quantized weights, (data, scales, data_t, scales_t) each."""
+        """FC1's and FC2's cached quantized weights, (data, scales, data_t, scales_t) each: data for
+        an FP8 forward, data_t for an FP8 dgrad (None where the recipe runs that GEMM unquantized)."""
+        fprop_hp, dgrad_hp, _ = self._fp8_recipe.override_linear_precision
         out = []
         for cache, params in zip(self._fp8_weights, (self.fc1.weights(), self.fc2.weights())):
-            w = cache.get(params, self._fp8_recipe, True, True)
+            if fprop_hp and dgrad_hp:
+                out += [None] * 4
+                continue
+            w = cache.get(params, self._fp8_recipe, not fprop_hp, not dgrad_hp)
             out += [w.data, w.scales, w.data_t, w.scales_t]
         return tuple(out)
+
+    def _forward_fp8_linears(self, x: Tensor, splits: Tensor, probs: Optional[Tensor]) -> Tensor:
+        """The FP8 MLP with a recipe that overrides some GEMMs: FC1 and FC2 as two FP8 grouped-linear
+        nodes (GroupedLinear's, each GEMM in FP8 or, where overridden, unquantized) around the
+        activation op, unfused; p * b2 as FC2's bias scaled by the probs."""
+        w = self._fp8_weight_tensors()
+        fc1, fc2 = _LinearOfMLP(self, self.fc1, self._fc1_grad), _LinearOfMLP(self, self.fc2, self._fc2_grad)
+        h = _GroupedLinearFp8Function.apply(fc1, x, splits, None, *w[:4], *self.fc1.weights(), *self.fc1.biases())
+        act = ops._glu(h, probs, splits, self._glu_text)[0]
+        scale = probs if self.fc2.has_bias else None
+        return _GroupedLinearFp8Function.apply(fc2, act, splits, scale, *w[4:], *self.fc2.weights(),
+                                               *self.fc2.biases())
 
     def _split_params(self, params):
         n1, nb1 = len(self.fc1.weights()), len(self.fc1.biases())
@@ -398,6 +431,8 @@ class GroupedMLP(nn.Module):
                     return _mlp_forward_two_nodes(self, x, splits, probs, params)
                 return _GroupedMLPFunction.apply(self, x, splits, probs, *params)
             _check_fp8_dtype("GroupedMLP", x)
+            if any(self._fp8_recipe.override_linear_precision):
+                return self._forward_fp8_linears(x, splits, probs)
             return _GroupedMLPFp8Function.apply(self, x, splits, probs, *self._fp8_weight_tensors(), *params)
 
     def backward_dw(self) -> None:
