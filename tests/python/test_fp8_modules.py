@@ -348,9 +348,12 @@ ROWS = json.loads((Path(__file__).resolve().parent.parent / "data" / "grad_contr
 
 
 def contract_module(kind, device, **opt):
+    """kind: linear, mlp, or mlp-overrides (a bf16 wgrad: the MLP as two FP8 GroupedLinear layers)."""
     dtype = CONTRACT_DTYPE[device.type]
     if kind == "linear":
         return linear(4, 32, 48, device, dtype, seed=11, **opt)
+    if kind == "mlp-overrides":
+        opt["recipe"] = me.Fp8Recipe(override_linear_precision=(False, False, True))
     return mlp(4, 32, 16, device, dtype, seed=11, activation="clamped_qgeglu", glu_layout="pairs", **opt)
 
 
@@ -392,7 +395,7 @@ def attach_ddp(m, with_flag, zero_out=False):
     return log
 
 
-@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("kind", ["linear", "mlp", "mlp-overrides"])
 @pytest.mark.parametrize("layout", ["packed", "per-expert"])
 @pytest.mark.parametrize("row", ROWS, ids=[r["name"] for r in ROWS])
 def test_every_row_of_the_gradient_contract(device, kind, layout, row):
