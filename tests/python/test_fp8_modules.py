@@ -132,6 +132,17 @@ def mlp_step(m, x, p, dy, splits):
     return [y.detach(), x.grad, p.grad] + grads
 
 
+def mlp_float64(m, x, p, dy, splits_list, glu_layout, activation):
+    """The float64 MLP of the unquantized inputs and m's parameters: y, dx, dprobs, dw1, db1, dw2, db2
+    (mlp_step's order)."""
+    ref_in = [t.detach().cpu().double().requires_grad_() for t in
+              (x, stacked(m.fc1.weights()), stacked(m.fc2.weights()), p, stacked(m.fc1.biases()),
+               stacked(m.fc2.biases()))]
+    ref_y = expert_mlp_ref(*ref_in[:3], splits_list, *ref_in[3:], glu_layout, activation)
+    ref_y.backward(dy.cpu().double())
+    return [ref_y, ref_in[0].grad, ref_in[3].grad, ref_in[1].grad, ref_in[4].grad, ref_in[2].grad, ref_in[5].grad]
+
+
 def linear_step(m, x, p, dy, splits):
     x = x.detach().requires_grad_()
     p = p.detach().requires_grad_()
@@ -161,12 +172,7 @@ def test_mlp_matches_the_float64_mlp(device, case, dtype, x_form, monkeypatch):
     x, p, dy = inputs(T, H, dtype, device, seed=1)
     got = mlp_step(m, x, p, dy, make_splits(splits_list, device))
     y, dx, dp = got[:3]
-    ref_in = [t.detach().cpu().double().requires_grad_() for t in
-              (x, stacked(m.fc1.weights()), stacked(m.fc2.weights()), p, stacked(m.fc1.biases()),
-               stacked(m.fc2.biases()))]
-    ref_y = expert_mlp_ref(*ref_in[:3], splits_list, *ref_in[3:], glu_layout, activation)
-    ref_y.backward(dy.cpu().double())
-    want = [ref_y, ref_in[0].grad, ref_in[3].grad, ref_in[1].grad, ref_in[4].grad, ref_in[2].grad, ref_in[5].grad]
+    want = mlp_float64(m, x, p, dy, splits_list, glu_layout, activation)
     names = ["y", "dx", "dprobs", "dw1", "db1", "dw2", "db2"]
     for name, a, b in zip(names, got, want):
         if name in ("y", "dx", "dprobs"):
@@ -272,12 +278,7 @@ def test_mlp_overrides_are_two_fp8_linear_layers(device, case, override, delayed
     for name, a, b in zip(names, got, want):
         assert torch.equal(a, b), f"{name}: not the two FP8 layers' result"
 
-    ref_in = [t.detach().cpu().double().requires_grad_() for t in
-              (x, stacked(m.fc1.weights()), stacked(m.fc2.weights()), p, stacked(m.fc1.biases()),
-               stacked(m.fc2.biases()))]
-    ref_y = expert_mlp_ref(*ref_in[:3], splits_list, *ref_in[3:], glu_layout, activation)
-    ref_y.backward(dy.cpu().double())
-    ref = [ref_y, ref_in[0].grad, ref_in[3].grad, ref_in[1].grad, ref_in[4].grad, ref_in[2].grad, ref_in[5].grad]
+    ref = mlp_float64(m, x, p, dy, splits_list, glu_layout, activation)
     for name, a, b in zip(names, got, ref):
         if name in ("y", "dx", "dprobs"):
             assert torch.all(a[rows:] == 0), f"{name}: rows past sum(splits)"
@@ -675,12 +676,7 @@ def test_many_small_experts_keep_x_rows(device, monkeypatch):
     assert not any(s == (H, me.fp8_columns_capacity(T, G)) for _, s in kept), "no x columns"
     got = mlp_step(m, x, p, dy, splits)
 
-    ref_in = [t.detach().cpu().double().requires_grad_() for t in
-              (x, stacked(m.fc1.weights()), stacked(m.fc2.weights()), p, stacked(m.fc1.biases()),
-               stacked(m.fc2.biases()))]
-    ref_y = expert_mlp_ref(*ref_in[:3], splits_list, *ref_in[3:], glu_layout, activation)
-    ref_y.backward(dy.cpu().double())
-    want = [ref_y, ref_in[0].grad, ref_in[3].grad, ref_in[1].grad, ref_in[4].grad, ref_in[2].grad, ref_in[5].grad]
+    want = mlp_float64(m, x, p, dy, splits_list, glu_layout, activation)
     names = ["y", "dx", "dprobs", "dw1", "db1", "dw2", "db2"]
     for name, a, b in zip(names, got, want):
         if name in ("y", "dx", "dprobs"):

@@ -774,3 +774,12 @@ class Fp8WeightCache:
                          if t is not None))
         self._key, self._layout = key, layout
         return self.weight
+
+    def tensors(self, params: Sequence[Tensor], recipe: Fp8Recipe) -> tuple:
+        """(data, scales, data_t, scales_t) of the weight as a layer with ``recipe`` reads it: data for
+        an FP8 forward, data_t for an FP8 dgrad, None where the recipe overrides that GEMM."""
+        fprop_hp, dgrad_hp, _ = recipe.override_linear_precision
+        if fprop_hp and dgrad_hp:
+            return (None,) * 4
+        w = self.get(params, recipe, not fprop_hp, not dgrad_hp)
+        return w.data, w.scales, w.data_t, w.scales_t

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _C
-from . import fp8, ops
+from . import ops
 from ._autograd import (_GroupedLinearFp8Function, _GroupedLinearFunction, _GroupedMLPFp8Function,
                         _GroupedMLPFunction, _mlp_forward_two_nodes, _mlp_two_nodes)
 from ._bridge import dtype_name as _dtype_name
@@ -249,11 +249,7 @@ class GroupedLinear(_ExpertParams):
     def _fp8_weight_tensors(self):
         """(data, scales, data_t, scales_t) of the cached quantized weight: data for an FP8 forward,
         data_t for an FP8 dgrad (None where the recipe runs that GEMM unquantized)."""
-        fprop_hp, dgrad_hp, _ = self._fp8_recipe.override_linear_precision
-        if fprop_hp and dgrad_hp:
-            return (None,) * 4
-        w = self._fp8_weight.get(self.weights(), self._fp8_recipe, not fprop_hp, not dgrad_hp)
-        return w.data, w.scales, w.data_t, w.scales_t
+        return self._fp8_weight.tensors(self.weights(), self._fp8_recipe)
 
     def forward(self, x: Tensor, splits: Tensor, row_scale: Optional[Tensor] = None) -> Tensor:
         """x ``[T, in]`` (rows sorted by expert), splits ``[G]`` -> y ``[T, out]``; rows past
@@ -387,15 +383,8 @@ class GroupedMLP(nn.Module):
     def _fp8_weight_tensors(self):
         """FC1's and FC2's cached quantized weights, (data, scales, data_t, scales_t) each: data for
         an FP8 forward, data_t for an FP8 dgrad (None where the recipe runs that GEMM unquantized)."""
-        fprop_hp, dgrad_hp, _ = self._fp8_recipe.override_linear_precision
-        out = []
-        for cache, params in zip(self._fp8_weights, (self.fc1.weights(), self.fc2.weights())):
-            if fprop_hp and dgrad_hp:
-                out += [None] * 4
-                continue
-            w = cache.get(params, self._fp8_recipe, not fprop_hp, not dgrad_hp)
-            out += [w.data, w.scales, w.data_t, w.scales_t]
-        return tuple(out)
+        return (*self._fp8_weights[0].tensors(self.fc1.weights(), self._fp8_recipe),
+                *self._fp8_weights[1].tensors(self.fc2.weights(), self._fp8_recipe))
 
     def _forward_fp8_linears(self, x: Tensor, splits: Tensor, probs: Optional[Tensor]) -> Tensor:
         """The FP8 MLP with a recipe that overrides some GEMMs: FC1 and FC2 as two FP8 grouped-linear

@@ -248,6 +248,37 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_tokens_kernel(const Toke
   run_stages(begin, end, p.stages, issue, process);
 }
 
+// The row part of the register-resident quantizers: a half-warp's 4 rows of one 128-feature block,
+// 8 values a lane in words[s] (zeros past K); slot s is row row_of(s), written where in_range(s).
+// Row amaxes by half-warp shuffles; lane m of the half-warp scales slot m % 4 (the divisions of one
+// row per lane, one pass) and the multipliers go back by shuffles.
+template <class T, class RowOf, class InRange>
+__device__ __forceinline__ void quantize_row_slots(const TokenParams& p, const uint32_t (&words)[4][4], RowOf&& row_of,
+                                                   InRange&& in_range, int64_t kb, int64_t k, bool feature_in,
+                                                   int lane) {
+  using V = Words<T>;
+  const int half = lane / 16, m = lane % 16;
+  uint32_t a[4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    a[s] = V::fold(words[s]);
+#pragma unroll
+    for (int bit = 8; bit >= 1; bit /= 2) a[s] = V::max(a[s], __shfl_xor_sync(~0u, a[s], bit));
+  }
+  const int pick = m % 4;  // selects, not an indexed (local-memory) array read
+  const uint32_t mine = pick < 2 ? (pick == 0 ? a[0] : a[1]) : (pick == 2 ? a[2] : a[3]);
+  const detail::Fp8TileScale scale = p.recipe.scale(V::amax_bits(mine));
+  if (m < 4 && in_range(m)) p.rows_scales[kb * p.rows_scales_ld + row_of(m)] = scale.scale;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const float multiplier = __shfl_sync(~0u, scale.multiplier, 16 * half + s);
+    uint32_t q[2];
+    quantize_run<T, 8>(words[s], multiplier, q);
+    if (feature_in && in_range(s))
+      *reinterpret_cast<uint2*>(p.rows_data + row_of(s) * p.rows_ld + k) = make_uint2(q[0], q[1]);
+  }
+}
+
 // Rows alone, 16-bit x with 16-byte aligned rows: straight from registers, no shared memory and no
 // barrier. A half-warp holds one row's 128 features of a block (8 a lane, one 16-byte load), a
 // warp 8 rows of one block (4 loads in flight a lane); its lanes compute the 8 rows' scales in
@@ -259,7 +290,6 @@ constexpr int kDirectRows = 8;  // rows of a warp's item: 4 slots of 2 rows (one
 template <class T>
 __global__ void __launch_bounds__(kThreads, 4) quantize_rows_direct_kernel(const TokenParams p) {
   static_assert(sizeof(T) == 2, "16-bit values: 8 of a row per 16-byte load");
-  using V = Words<T>;
   constexpr int kSlots = kDirectRows / 2;
   const int64_t rows_total = p.offsets[p.num_groups];
   const int64_t items = (rows_total + kDirectRows - 1) / kDirectRows * p.k_blocks;
@@ -279,32 +309,9 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_rows_direct_kernel(const
       if (feature_in && row < rows_total) v = __ldcs(reinterpret_cast<const uint4*>(x + row * p.x_ld + k));
       words[s][0] = v.x, words[s][1] = v.y, words[s][2] = v.z, words[s][3] = v.w;
     }
-    // Row amaxes over each half-warp (zeros past K change nothing).
-    uint32_t a[kSlots];
-#pragma unroll
-    for (int s = 0; s < kSlots; ++s) {
-      a[s] = V::fold(words[s]);
-#pragma unroll
-      for (int bit = 8; bit >= 1; bit /= 2) a[s] = V::max(a[s], __shfl_xor_sync(~0u, a[s], bit));
-    }
-    // Lane m of a half-warp scales slot m % kSlots; every lane gets each slot's multiplier back.
-    static_assert(kSlots == 4, "the selection below");
-    const int pick = m % kSlots;  // selects, not an indexed (local-memory) array read
-    const uint32_t mine = pick < 2 ? (pick == 0 ? a[0] : a[1]) : (pick == 2 ? a[2] : a[3]);
-    const detail::Fp8TileScale scale = p.recipe.scale(V::amax_bits(mine));
-    if (m < kSlots) {
-      const int64_t row = row0 + 2 * m;
-      if (row < rows_total) p.rows_scales[kb * p.rows_scales_ld + row] = scale.scale;
-    }
-#pragma unroll
-    for (int s = 0; s < kSlots; ++s) {
-      const float multiplier = __shfl_sync(~0u, scale.multiplier, 16 * half + s);
-      const int64_t row = row0 + 2 * s;
-      uint32_t q[2];
-      quantize_run<T, 8>(words[s], multiplier, q);
-      if (feature_in && row < rows_total)
-        *reinterpret_cast<uint2*>(p.rows_data + row * p.rows_ld + k) = make_uint2(q[0], q[1]);
-    }
+    quantize_row_slots<T>(
+        p, words, [&](int s) { return row0 + 2 * s; }, [&](int s) { return row0 + 2 * s < rows_total; }, kb, k,
+        feature_in, lane);
   }
 }
 
@@ -444,27 +451,10 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
     const int64_t k0 = kb * kTile, k = k0 + 8 * m;
     const int features = int(std::min<int64_t>(kTile, p.K - k0));
     const bool feature_in = k < p.K;  // K is a multiple of 8: a lane's 8 features are all in or out
-    if constexpr (kRows) {
-      uint32_t a[4];
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        a[s] = V::fold(words[s]);
-#pragma unroll
-        for (int bit = 8; bit >= 1; bit /= 2) a[s] = V::max(a[s], __shfl_xor_sync(~0u, a[s], bit));
-      }
-      const int pick = m % 4;  // lane m of a half-warp scales its row m % 4
-      const uint32_t mine = pick < 2 ? (pick == 0 ? a[0] : a[1]) : (pick == 2 ? a[2] : a[3]);
-      const detail::Fp8TileScale scale = p.recipe.scale(V::amax_bits(mine));
-      if (m < 4 && first_row + m < rows) p.rows_scales[kb * p.rows_scales_ld + row0 + first_row + m] = scale.scale;
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const float multiplier = __shfl_sync(~0u, scale.multiplier, 16 * h + s);
-        uint32_t q[2];
-        quantize_run<T, 8>(words[s], multiplier, q);
-        if (feature_in && first_row + s < rows)
-          *reinterpret_cast<uint2*>(p.rows_data + (row0 + first_row + s) * p.rows_ld + k) = make_uint2(q[0], q[1]);
-      }
-    }
+    if constexpr (kRows)
+      quantize_row_slots<T>(
+          p, words, [&](int s) { return row0 + first_row + s; }, [&](int s) { return first_row + s < rows; }, kb, k,
+          feature_in, lane);
     // Column amaxes: this thread's 4 rows, the warp's 8, then every warp's.
     uint32_t c[4];
 #pragma unroll
