@@ -596,7 +596,7 @@ def run_shape(shape, builders, a, device):
     if cuda:
         torch.cuda.empty_cache()
     if "ours" in builders:
-        me.check_errors()  # raises if a kernel saw bad splits
+        me.check_errors(device)  # raises if a kernel saw bad splits (the run's device: a CPU run never asks CUDA)
     layer_report.add_ratios(entry)
     return entry
 
