@@ -632,7 +632,7 @@ class _ExpertMlpFp8Function(torch.autograd.Function):
         w1_8, w2_8, rest = tensors[:4], tensors[4:8], tensors[8:]
         nb1, nb2, nm1, _ = counts
         b1, b2 = list(rest[:nb1]), list(rest[nb1 : nb1 + nb2])
-        m1, m2 = rest[nb1 + nb2 : nb1 + nb2 + nm1], rest[nb1 + nb2 + nm1 :]
+        m1 = rest[nb1 + nb2 : nb1 + nb2 + nm1]  # FC1's master weights (FC2's follow)
         need_w1 = any(t.requires_grad for t in m1)
         need_any = (x.requires_grad or (probs is not None and probs.requires_grad)
                     or any(t.requires_grad for t in rest))
