@@ -172,8 +172,8 @@ class MOE_API WeightGradContract {
 
 // What a module runs in FP8 (docs/api.md, "Modules"): the quantizers' recipe, and which GEMMs read
 // FP8 operands. A GEMM left out runs in the module's dtype (TransformerEngine's
-// override_linear_precision, inverted). GroupedMLP runs all six of its GEMMs in FP8 (the FP8 expert
-// MLP op) and rejects a recipe that leaves any out.
+// override_linear_precision, inverted). GroupedMLP with all three runs the FP8 expert MLP op; with
+// some left out, its two layers run as GroupedLinear's around the activation op (unfused).
 struct Fp8ModuleRecipe {
   Fp8Recipe quantizer{};  // for every tensor the module quantizes: weights, activations, gradients
   bool forward = true;    // y = x W^T over x's FP8 rows and the weight's FP8 copy
@@ -228,6 +228,14 @@ class MOE_API Fp8WeightCache {
   GroupedTensor source_;
   bool fresh_ = false;
   uint64_t quantizations_ = 0;
+};
+
+// A weight gradient's operands, kept for a delayed one: dy and x in the module's dtype, or their
+// FP8 columns (an FP8 wgrad).
+struct LinearWgradOperands {
+  Tensor dy, x;
+  Fp8ColumnsBuffers dy_columns, x_columns;
+  GroupLayout groups;
 };
 
 }  // namespace detail
@@ -333,20 +341,13 @@ class MOE_API GroupedLinear {
   uint64_t fp8_weight_quantizations() const { return weight_cache_.quantizations(); }
 
  private:
-  struct WgradJob {
-    Tensor dy, x;                                     // the weight gradient in the module's dtype
-    detail::Fp8ColumnsBuffers dy_columns, x_columns;  // ... or in FP8
-    GroupLayout groups;
-  };
-  void run_wgrad(const WgradJob& job, const ParamGrad& target, const ExecContext& exec) const;
-
   int64_t groups_, in_, out_;
   GroupedLinearOptions options_;
   Parameter weight_;
   std::optional<Parameter> bias_;
   detail::WeightGradContract weight_grad_;
   detail::Fp8WeightCache weight_cache_;  // fp8 only
-  std::deque<WgradJob> queue_;
+  std::deque<detail::LinearWgradOperands> queue_;
   std::vector<std::function<void()>> hooks_;
 };
 
@@ -380,10 +381,15 @@ class MOE_API MlpContext {
  public:
   bool saves_input() const { return x_.defined() || x_columns_.defined() || x_rows_.defined(); }
   bool saves_fc1_out() const { return fc1_out_.defined() || fc1_out_rows_.defined(); }
+  // fp8 with some GEMM left unquantized: FC2's input (the activation's output) is kept for FC2's
+  // weight gradient, as act or its FP8 columns.
+  bool saves_act() const { return act_.defined() || act_columns_.defined(); }
   bool computes_dgrad() const { return input_requires_grad_; }
   // Bytes of the tensors held on the device for backward (x, the pre-activation, probs): [T, H] + [T, W] in the
   // input dtype + [T] float32 when all are kept. x is the caller's tensor, referenced, not copied. With fp8: x's
-  // FP8 columns or rows and the pre-activation's FP8 rows (expert_mlp_fp8_saved_shapes) + the probs.
+  // FP8 columns or rows and the pre-activation's FP8 rows (expert_mlp_fp8_saved_shapes) + the probs; with some
+  // GEMM left unquantized, what the two layers keep (x and act, or their FP8 columns where the wgrads run in
+  // FP8) + the pre-activation [T, W] in the input dtype + the probs.
   int64_t saved_bytes() const;
   bool offloaded() const { return offload_.away; }  // its tensors are in host memory (ActivationOffload)
   // fp8: what the FP8 MLP op keeps (when the FC1 weight wants a gradient x's columns, or its rows
@@ -393,14 +399,28 @@ class MOE_API MlpContext {
  private:
   friend class GroupedMLP;
   friend struct ActivationOffload::Impl;
-  std::array<Tensor*, 10> saved_tensors() {
-    return {&x_, &fc1_out_, &probs_, &x_columns_.data, &x_columns_.scales, &x_columns_.offsets,
-            &fc1_out_rows_.data, &fc1_out_rows_.scales, &x_rows_.data, &x_rows_.scales};
+  std::array<Tensor*, 14> saved_tensors() {
+    return {&x_,
+            &fc1_out_,
+            &probs_,
+            &x_columns_.data,
+            &x_columns_.scales,
+            &x_columns_.offsets,
+            &fc1_out_rows_.data,
+            &fc1_out_rows_.scales,
+            &x_rows_.data,
+            &x_rows_.scales,
+            &act_,
+            &act_columns_.data,
+            &act_columns_.scales,
+            &act_columns_.offsets};
   }
   Tensor x_, fc1_out_, probs_;
   detail::Fp8ColumnsBuffers x_columns_;  // fp8: in place of x ...
   detail::Fp8RowsBuffers fc1_out_rows_;  // fp8: in place of the pre-activation
   detail::Fp8RowsBuffers x_rows_;        // ... or x's rows instead (expert_mlp_fp8_keeps_x_rows)
+  Tensor act_;                           // fp8, some GEMM unquantized: FC2's input ...
+  detail::Fp8ColumnsBuffers act_columns_;  // ... or its FP8 columns (FC2's wgrad in FP8)
   GroupLayout groups_;
   bool input_requires_grad_ = false;
   bool live_ = false;  // backward may run once
@@ -484,12 +504,23 @@ class MOE_API GroupedMLP {
     // (with fc2); the job then runs the wgrad GEMMs alone and `saved` keeps only x. FP8: undefined,
     // the job runs the backward op again from `saved`.
     Tensor d_fc1, act;
+    // fp8 with some GEMM unquantized (linears()): each layer's wgrad operands; dy and saved unused.
+    detail::LinearWgradOperands fc1_operands, fc2_operands;
   };
   ExpertMlpWeights weights() const;
   ExpertMlpSpec spec() const { return {options_.glu}; }
   ExpertMlpFp8Weights fp8_weights(const ExecContext& exec);
   void run_backward(const Tensor& dy, const Saved& saved, const GroupLayout& groups, const ExpertMlpGrads& grads,
                     const ExecContext& exec);
+  // fp8 leaving some GEMM unquantized: the two layers as GroupedLinear runs them, around the
+  // activation op.
+  bool linears() const {
+    return options_.fp8 && !(options_.fp8->forward && options_.fp8->dgrad && options_.fp8->wgrad);
+  }
+  void forward_linears(const Tensor& x, const GroupLayout& groups, const Tensor& probs, bool keep_fc1_out,
+                       MlpForwardResult& r, const ExecContext& exec);
+  void backward_linears(MlpContext& ctx, const Tensor& dy, ExpertMlpGrads& g, MlpBackwardResult& r,
+                        const ExecContext& exec);
 
   int64_t groups_, hidden_, ffn_;
   GroupedMLPOptions options_;

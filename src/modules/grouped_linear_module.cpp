@@ -4,8 +4,9 @@
 #include <string>
 #include <utility>
 
-#include "moe_engine/modules.hpp"
+#include "modules/linear_steps.hpp"
 #include "modules/parameter_io.hpp"
+#include "moe_engine/modules.hpp"
 
 namespace moe {
 
@@ -91,15 +92,11 @@ LinearForwardResult GroupedLinear::forward(const Tensor& x, const GroupLayout& g
   if (bias_) bias = {bias_->value(), row_scale.view()};
   // Keep what backward needs, no more: x (or only its FP8 columns, for an FP8 wgrad) for the weight
   // gradient, the scales for the bias gradients.
-  if (weight_.requires_grad && fp8 && fp8->wgrad)
-    c.x_columns_ = detail::Fp8ColumnsBuffers::empty(T, groups_, in_, options_.device, exec.stream);
-  if (fp8 && fp8->forward) {
-    // x's rows for this GEMM and its columns for the weight gradient: one pass over x.
-    const detail::Fp8RowsBuffers x_rows = detail::Fp8RowsBuffers::empty(T, in_, options_.device, exec.stream);
-    quantize_fp8(x, groups, x_rows.view(), c.x_columns_.view(), fp8->quantizer, exec);
-    grouped_linear_forward(x_rows.view(), weight_cache_.get(weight_, fp8->quantizer, exec), groups, r.y, bias, exec);
+  if (fp8) {
+    if (weight_.requires_grad && fp8->wgrad)
+      c.x_columns_ = detail::Fp8ColumnsBuffers::empty(T, groups_, in_, options_.device, exec.stream);
+    detail::linear_forward({weight_, weight_cache_, *fp8}, x, groups, bias, c.x_columns_, r.y, exec);
   } else {
-    if (c.x_columns_.defined()) quantize_fp8(x, groups, {}, c.x_columns_.view(), fp8->quantizer, exec);
     grouped_linear_forward(x, weight_.value(), groups, r.y, bias, exec);
   }
   if (weight_.requires_grad && !c.x_columns_.defined()) c.x_ = x;
@@ -129,19 +126,15 @@ LinearBackwardResult GroupedLinear::backward(LinearContext& ctx, const Tensor& d
   const int64_t T = dy.size(0);
   const std::optional<Fp8ModuleRecipe>& fp8 = options_.fp8;
   // dy's FP8 rows for dgrad and columns for wgrad, in one pass over dy.
-  detail::Fp8RowsBuffers dy_rows;
-  detail::Fp8ColumnsBuffers dy_columns;
-  if (ctx.input_requires_grad_ && fp8 && fp8->dgrad)
-    dy_rows = detail::Fp8RowsBuffers::empty(T, out_, options_.device, exec.stream);
-  if (weight_.requires_grad && ctx.x_columns_.defined())
-    dy_columns = detail::Fp8ColumnsBuffers::empty(T, groups_, out_, options_.device, exec.stream);
-  if (dy_rows.defined() || dy_columns.defined())
-    quantize_fp8(dy, groups, dy_rows.view(), dy_columns.view(), fp8->quantizer, exec);
+  const detail::GradCopies dy8 =
+      fp8 ? detail::quantize_gradient(dy, groups, groups_, ctx.input_requires_grad_ && fp8->dgrad,
+                                      weight_.requires_grad && ctx.x_columns_.defined(), fp8->quantizer, exec)
+          : detail::GradCopies{};
   LinearBackwardResult r;
   if (ctx.input_requires_grad_) {
     r.dx = Tensor::zeros_async({T, in_}, options_.dtype, options_.device, exec.stream);
-    if (dy_rows.defined())
-      grouped_linear_dgrad(dy_rows.view(), weight_cache_.get(weight_, fp8->quantizer, exec), groups, r.dx, exec);
+    if (fp8)
+      detail::linear_dgrad({weight_, weight_cache_, *fp8}, dy, dy8.rows, groups, r.dx, exec);
     else
       grouped_linear_dgrad(dy, weight_.value(), groups, r.dx, exec);
   }
@@ -159,12 +152,13 @@ LinearBackwardResult GroupedLinear::backward(LinearContext& ctx, const Tensor& d
   }
   if (weight_.requires_grad) {
     // The job keeps the wgrad's operands: dy and x, or their FP8 columns (no bf16 copy).
-    WgradJob job{dy_columns.defined() ? Tensor() : dy, ctx.x_, dy_columns, ctx.x_columns_, groups};
+    detail::LinearWgradOperands job{dy8.columns.defined() ? Tensor() : dy, ctx.x_, dy8.columns, ctx.x_columns_,
+                                    groups};
     if (options_.delay_wgrad_compute) {
       queue_.push_back(std::move(job));
       r.weight = weight_grad_.queued(weight_, exec);
     } else {
-      run_wgrad(job, weight_grad_.immediate(weight_, r.weight, exec), exec);
+      detail::linear_wgrad(job, weight_grad_.immediate(weight_, r.weight, exec), exec);
     }
   }
   ctx.x_ = ctx.row_scale_ = Tensor();
@@ -172,18 +166,10 @@ LinearBackwardResult GroupedLinear::backward(LinearContext& ctx, const Tensor& d
   return r;
 }
 
-void GroupedLinear::run_wgrad(const WgradJob& job, const ParamGrad& target, const ExecContext& exec) const {
-  if (job.x_columns.defined())
-    grouped_linear_wgrad(job.dy_columns.view(), job.x_columns.view(), job.groups, target.grad, target.mode, exec);
-  else
-    grouped_linear_wgrad(job.dy, job.x, job.groups, target.grad, target.mode, exec);
-}
-
 void GroupedLinear::backward_dw(const ExecContext& exec) {
   if (queue_.empty()) return;
   while (!queue_.empty()) {
-    const WgradJob& job = queue_.front();
-    run_wgrad(job, weight_grad_.delayed_target(weight_), exec);
+    detail::linear_wgrad(queue_.front(), weight_grad_.delayed_target(weight_), exec);
     weight_grad_.ran(weight_);
     queue_.pop_front();
   }

@@ -1,7 +1,8 @@
 // GroupedMLP: the expert MLP op with GroupedLinear's training contract for both weights, delayed
 // weight gradients, checkpoints with GLU layout conversion; with fp8 the FP8 expert MLP op over
-// cached FP8 copies of the weights. FC1's width is fc1_width(options.glu, ffn): 2F for a GLU, F
-// for a non-gated activation.
+// cached FP8 copies of the weights, or, where the recipe leaves a GEMM unquantized, the two layers
+// as GroupedLinear runs them around the activation op. FC1's width is fc1_width(options.glu, ffn):
+// 2F for a GLU, F for a non-gated activation.
 #include <cmath>
 #include <cstring>
 #include <span>
@@ -9,14 +10,16 @@
 #include <utility>
 
 #include "io/glu_rows.hpp"
+#include "modules/linear_steps.hpp"
 #include "modules/parameter_io.hpp"
+#include "moe_engine/glu.hpp"
 #include "moe_engine/modules.hpp"
 
 namespace moe {
 
 int64_t MlpContext::saved_bytes() const {
-  int64_t bytes = x_columns_.nbytes() + x_rows_.nbytes() + fc1_out_rows_.nbytes();
-  for (const Tensor* t : {&x_, &fc1_out_, &probs_})
+  int64_t bytes = x_columns_.nbytes() + x_rows_.nbytes() + fc1_out_rows_.nbytes() + act_columns_.nbytes();
+  for (const Tensor* t : {&x_, &fc1_out_, &probs_, &act_})
     if (t->defined()) bytes += int64_t(t->nbytes());
   return bytes;
 }
@@ -50,10 +53,9 @@ GroupedMLP::GroupedMLP(int64_t groups, int64_t hidden, int64_t ffn, const Groupe
   check_glu_spec(o.glu, ffn, "GroupedMLP");
   if (o.fp8) {
     const Fp8ModuleRecipe& fp8 = *o.fp8;
-    MOE_CHECK(fp8.forward && fp8.dgrad && fp8.wgrad, ErrorCode::kInvalidArgument,
-              "GroupedMLP: options.fp8 runs all six GEMMs in FP8 (the FP8 expert MLP); expected forward, dgrad "
-              "and wgrad all true, got forward = ", fp8.forward, ", dgrad = ", fp8.dgrad, ", wgrad = ", fp8.wgrad,
-              " (per-GEMM precision is a GroupedLinear option)");
+    MOE_CHECK(fp8.forward || fp8.dgrad || fp8.wgrad, ErrorCode::kInvalidArgument,
+              "GroupedMLP: options.fp8 names no GEMM (forward, dgrad and wgrad are all false); leave fp8 unset "
+              "for a module without FP8");
     MOE_CHECK(o.dtype == DType::kBFloat16 || o.dtype == DType::kFloat32, ErrorCode::kDType,
               "GroupedMLP: options.fp8 needs dtype bfloat16 or float32 (the FP8 GEMMs write those), got ",
               dtype_name(o.dtype));
@@ -61,14 +63,14 @@ GroupedMLP::GroupedMLP(int64_t groups, int64_t hidden, int64_t ffn, const Groupe
               "GroupedMLP: options.fp8 needs hidden and ffn multiples of 16 (FP8 rows are read in 16-byte units), "
               "got hidden = ", hidden, ", ffn = ", ffn);
     MOE_CHECK(!o.recompute_fc1, ErrorCode::kInvalidArgument,
-              "GroupedMLP: options.fp8 keeps the pre-activation in FP8 for backward; expected "
-              "recompute_fc1 = false, got true");
+              "GroupedMLP: options.fp8 keeps the pre-activation for backward (in FP8 when all GEMMs run in FP8); "
+              "expected recompute_fc1 = false, got true");
     MOE_CHECK(fp8.quantizer.amax_epsilon >= 0.f && std::isfinite(fp8.quantizer.amax_epsilon),
               ErrorCode::kInvalidArgument,
               "GroupedMLP: options.fp8.quantizer.amax_epsilon: expected a finite value >= 0, got ",
               fp8.quantizer.amax_epsilon);
-    fc1_cache_ = detail::Fp8WeightCache(fc1_weight_, true, true);
-    fc2_cache_ = detail::Fp8WeightCache(fc2_weight_, true, true);
+    fc1_cache_ = detail::Fp8WeightCache(fc1_weight_, fp8.forward, fp8.dgrad);
+    fc2_cache_ = detail::Fp8WeightCache(fc2_weight_, fp8.forward, fp8.dgrad);
   }
   const float bound1 = 1.0f / std::sqrt(float(hidden)), bound2 = 1.0f / std::sqrt(float(ffn));
   detail::init_uniform(fc1_weight_.storage(), o.seed, -bound1, bound1);
@@ -120,7 +122,11 @@ MlpForwardResult GroupedMLP::forward(const Tensor& x, const GroupLayout& groups,
   MlpForwardResult r;
   r.y = Tensor::zeros_async({T, hidden_}, options_.dtype, options_.device, exec.stream);
   MlpContext& c = r.ctx;
-  if (options_.fp8) {
+  if (linears()) {
+    // The pre-activation for the activation's backward; FC2's weight gradient reads act instead.
+    forward_linears(x, groups, probs, input_requires_grad || probs.defined() || fc1_weight_.requires_grad || bias1,
+                    r, exec);
+  } else if (options_.fp8) {
     // The op keeps FP8 only: the pre-activation's rows, and for the FC1 weight gradient x's columns,
     // or its rows where the columns would take more than twice their bytes (many experts of few
     // tokens: each expert's columns are padded to 128 tokens); backward then makes the columns.
@@ -151,6 +157,91 @@ MlpForwardResult GroupedMLP::forward(const Tensor& x, const GroupLayout& groups,
   c.live_ = true;
   c.offloadable_ = options_.offload_activations;
   return r;
+}
+
+void GroupedMLP::forward_linears(const Tensor& x, const GroupLayout& groups, const Tensor& probs, bool keep_fc1_out,
+                                 MlpForwardResult& r, const ExecContext& exec) {
+  MOE_CHECK(!probs.defined() || probs.dtype() == DType::kFloat32, ErrorCode::kDType,
+            "GroupedMLP.forward: options.fp8 leaving a GEMM unquantized scales FC2's bias by the probs, which must "
+            "be float32, got ", dtype_name(probs.dtype()));
+  const Fp8ModuleRecipe& fp8 = *options_.fp8;
+  const int64_t T = x.size(0);
+  MlpContext& c = r.ctx;
+  const Tensor h =
+      Tensor::zeros_async({T, fc1_width(options_.glu, ffn_)}, options_.dtype, options_.device, exec.stream);
+  if (fc1_weight_.requires_grad && fp8.wgrad)
+    c.x_columns_ = detail::Fp8ColumnsBuffers::empty(T, groups_, hidden_, options_.device, exec.stream);
+  const BiasEpilogue b1{fc1_bias_ ? fc1_bias_->value() : GroupedParam(), {}};
+  detail::linear_forward({fc1_weight_, fc1_cache_, fp8}, x, groups, b1, c.x_columns_, h, exec);
+  if (fc1_weight_.requires_grad && !c.x_columns_.defined()) c.x_ = x;
+  const Tensor act = Tensor::zeros_async({T, ffn_}, options_.dtype, options_.device, exec.stream);
+  glu_forward(h, probs, groups, act, options_.glu, exec);
+  if (fc2_weight_.requires_grad && fp8.wgrad)
+    c.act_columns_ = detail::Fp8ColumnsBuffers::empty(T, groups_, ffn_, options_.device, exec.stream);
+  // p * b2: FC2's bias scaled by the probs (GroupedLinear's scale_bias).
+  const BiasEpilogue b2 = fc2_bias_ ? BiasEpilogue{fc2_bias_->value(), probs.view()} : BiasEpilogue{};
+  detail::linear_forward({fc2_weight_, fc2_cache_, fp8}, act, groups, b2, c.act_columns_, r.y, exec);
+  if (fc2_weight_.requires_grad && !c.act_columns_.defined()) c.act_ = act;
+  if (keep_fc1_out) c.fc1_out_ = h;
+}
+
+void GroupedMLP::backward_linears(MlpContext& ctx, const Tensor& dy, ExpertMlpGrads& g, MlpBackwardResult& r,
+                                  const ExecContext& exec) {
+  const Fp8ModuleRecipe& fp8 = *options_.fp8;
+  const GroupLayout& groups = ctx.groups_;
+  const int64_t T = dy.size(0);
+  const bool fc1 = fc1_weight_.requires_grad, fc2 = fc2_weight_.requires_grad;
+  // dL/d(pre-activation), wanted by everything before the activation.
+  const bool to_fc1_out = g.dx.defined() || g.dprobs.defined() || g.fc1_bias.grad.defined() || fc1;
+  MOE_CHECK(!to_fc1_out || ctx.fc1_out_.defined(), ErrorCode::kInvalidArgument,
+            "GroupedMLP.backward: gradients before the activation are wanted but forward kept no pre-activation "
+            "(nothing wanted one when forward ran)");
+  MOE_CHECK(!fc1 || ctx.saves_input(), ErrorCode::kInvalidArgument,
+            "GroupedMLP.backward: the FC1 weight wants a gradient but forward kept no input (its requires_grad was "
+            "false when forward ran)");
+  MOE_CHECK(!fc2 || ctx.saves_act(), ErrorCode::kInvalidArgument,
+            "GroupedMLP.backward: the FC2 weight wants a gradient but forward kept no activation (its "
+            "requires_grad was false when forward ran)");
+  // FC2: dy's FP8 copies, d(act), p-scaled db2, and its weight gradient's operands.
+  const detail::GradCopies dy8 = detail::quantize_gradient(dy, groups, groups_, to_fc1_out && fp8.dgrad,
+                                                           fc2 && ctx.act_columns_.defined(), fp8.quantizer, exec);
+  Tensor d_act;
+  if (to_fc1_out) {
+    d_act = Tensor::zeros_async({T, ffn_}, options_.dtype, options_.device, exec.stream);
+    detail::linear_dgrad({fc2_weight_, fc2_cache_, fp8}, dy, dy8.rows, groups, d_act, exec);
+  }
+  if (g.fc2_bias.grad.defined())
+    grouped_linear_dbias(dy, groups, g.fc2_bias.grad, GradMode::kWrite, ctx.probs_.view(), exec);
+  const detail::LinearWgradOperands fc2_operands{dy8.columns.defined() ? Tensor() : dy, ctx.act_, dy8.columns,
+                                                 ctx.act_columns_, groups};
+  // The activation: dL/dh and the probs' gradient through it, plus <dy, b2> through FC2's bias.
+  Tensor dh;
+  if (to_fc1_out) {
+    dh = Tensor::zeros_async({T, fc1_width(options_.glu, ffn_)}, options_.dtype, options_.device, exec.stream);
+    glu_backward(ctx.fc1_out_, ctx.probs_, d_act, groups, {dh, g.dprobs, {}}, options_.glu, exec);
+  }
+  if (g.dprobs.defined() && fc2_bias_)
+    grouped_linear_dscales(dy, fc2_bias_->value(), groups, g.dprobs, /*accumulate=*/true, exec);
+  // FC1: dx, db1 and its weight gradient's operands.
+  if (g.fc1_bias.grad.defined()) grouped_linear_dbias(dh, groups, g.fc1_bias.grad, GradMode::kWrite, {}, exec);
+  const detail::GradCopies dh8 = detail::quantize_gradient(dh, groups, groups_, g.dx.defined() && fp8.dgrad,
+                                                           fc1 && ctx.x_columns_.defined(), fp8.quantizer, exec);
+  if (g.dx.defined()) detail::linear_dgrad({fc1_weight_, fc1_cache_, fp8}, dh, dh8.rows, groups, g.dx, exec);
+  const detail::LinearWgradOperands fc1_operands{dh8.columns.defined() ? Tensor() : dh, ctx.x_, dh8.columns,
+                                                 ctx.x_columns_, groups};
+  if (options_.delay_wgrad_compute) {
+    if (fc1 || fc2) {
+      WgradJob job{{}, {}, groups, fc1, fc2, {}, {}, {}, {}};
+      if (fc1) job.fc1_operands = fc1_operands;
+      if (fc2) job.fc2_operands = fc2_operands;
+      queue_.push_back(std::move(job));
+    }
+    if (fc1) r.fc1_weight = fc1_grad_.queued(fc1_weight_, exec);
+    if (fc2) r.fc2_weight = fc2_grad_.queued(fc2_weight_, exec);
+  } else {
+    if (fc2) detail::linear_wgrad(fc2_operands, fc2_grad_.immediate(fc2_weight_, r.fc2_weight, exec), exec);
+    if (fc1) detail::linear_wgrad(fc1_operands, fc1_grad_.immediate(fc1_weight_, r.fc1_weight, exec), exec);
+  }
 }
 
 void GroupedMLP::run_backward(const Tensor& dy, const Saved& saved, const GroupLayout& groups,
@@ -199,11 +290,23 @@ MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const 
   };
   bias_grad(fc1_bias_, r.fc1_bias, g.fc1_bias);
   bias_grad(fc2_bias_, r.fc2_bias, g.fc2_bias);
+  auto release = [&] {  // backward ran: the context's tensors go
+    ctx.x_ = ctx.fc1_out_ = ctx.probs_ = ctx.act_ = Tensor();
+    ctx.x_columns_ = {};
+    ctx.fc1_out_rows_ = {};
+    ctx.x_rows_ = {};
+    ctx.act_columns_ = {};
+  };
+  if (linears()) {
+    backward_linears(ctx, dy, g, r, exec);
+    release();
+    return r;
+  }
   const bool fc1 = fc1_weight_.requires_grad, fc2 = fc2_weight_.requires_grad;
   const Saved saved{ctx.x_, ctx.probs_, ctx.fc1_out_, ctx.x_columns_, ctx.fc1_out_rows_, ctx.x_rows_};
   if (options_.delay_wgrad_compute) {
     if (fc1 || fc2) {
-      WgradJob job{dy, saved, ctx.groups_, fc1, fc2, {}, {}};
+      WgradJob job{dy, saved, ctx.groups_, fc1, fc2, {}, {}, {}, {}};
       if (!options_.fp8) {
         // This backward writes out what the weight gradients read (dL/d(fc1_out), FC2's input), so
         // the job runs the two wgrad GEMMs alone; with FP8 it keeps what forward kept and runs the
@@ -228,10 +331,7 @@ MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const 
     run_backward(dy, saved, ctx.groups_, g, exec);
   else if (g.fc2_bias.grad.defined())  // only db2 = sum_r p[r] dy[r]: no activation backward
     grouped_linear_dbias(dy, ctx.groups_, g.fc2_bias.grad, GradMode::kWrite, ctx.probs_, exec);
-  ctx.x_ = ctx.fc1_out_ = ctx.probs_ = Tensor();
-  ctx.x_columns_ = {};
-  ctx.fc1_out_rows_ = {};
-  ctx.x_rows_ = {};
+  release();
   return r;
 }
 
@@ -242,7 +342,10 @@ void GroupedMLP::backward_dw(const ExecContext& exec) {
     ExpertMlpGrads g;
     if (job.fc1) g.fc1_weight = fc1_grad_.delayed_target(fc1_weight_);
     if (job.fc2) g.fc2_weight = fc2_grad_.delayed_target(fc2_weight_);
-    if (options_.fp8) {
+    if (linears()) {
+      if (job.fc2) detail::linear_wgrad(job.fc2_operands, g.fc2_weight, exec);
+      if (job.fc1) detail::linear_wgrad(job.fc1_operands, g.fc1_weight, exec);
+    } else if (options_.fp8) {
       run_backward(job.dy, job.saved, job.groups, g, exec);
     } else {  // the order and operands of the backward op's own wgrads: the same bits
       if (job.fc2) grouped_linear_wgrad(job.dy, job.act, job.groups, g.fc2_weight.grad, g.fc2_weight.mode, exec);

@@ -327,9 +327,11 @@ GroupedMLPOptions fp8_mlp_options(Device device, ExpertLayout layout) {
   return o;
 }
 
+// `recipe`: all six GEMMs in FP8 (the FP8 MLP op), or some left out (the two layers' form).
 Fp8DeviceRun run_fp8_mlp(Device device, ExpertLayout layout, bool delay, const Tensor& x_host, const Tensor& dy_host,
-                         const Tensor& probs_host) {
+                         const Tensor& probs_host, const Fp8ModuleRecipe& recipe = {}) {
   GroupedMLPOptions o = fp8_mlp_options(device, layout);
+  o.fp8 = recipe;
   o.accumulate_into_main_grad = true;
   o.delay_wgrad_compute = delay;
   GroupedMLP m(kG, kFp8H, kFp8F, o);
@@ -414,6 +416,30 @@ TEST_P(GpuFp8Modules, MatchTheCpuModulesAndDelayedEqualsImmediate) {
     EXPECT_EQ(later.hooks, 1);
     EXPECT_EQ(later.flag, std::optional<bool>(true));
     EXPECT_EQ(now.quantizations, 2u);
+  }
+}
+
+// GroupedMLP with a recipe leaving some GEMMs unquantized (FC1 and FC2 as GroupedLinear's layers
+// around the activation op): close to the CPU module, delayed = immediate bit for bit.
+TEST_P(GpuFp8Modules, MlpWithOverriddenGemmsMatchesTheCpuModule) {
+  if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
+  Rng rng;
+  const Tensor probs = uniform_tensor({kT}, DType::kFloat32, rng, 0.05, 1.0);
+  const Tensor x = random_tensor({kT, kFp8H}, DType::kBFloat16, rng);
+  const Tensor dy = random_tensor({kT, kFp8H}, DType::kBFloat16, rng);
+  for (const bool fp8_wgrad : {false, true}) {
+    Fp8ModuleRecipe recipe;  // FP8 forward and dgrad with unquantized wgrads, or FP8 wgrads alone
+    recipe.forward = recipe.dgrad = !fp8_wgrad;
+    recipe.wgrad = fp8_wgrad;
+    SCOPED_TRACE(fp8_wgrad ? "FP8 wgrads only" : "FP8 forward and dgrad");
+    const Fp8DeviceRun cpu = run_fp8_mlp(Device::cpu(), GetParam(), false, x, dy, probs, recipe);
+    const Fp8DeviceRun now = run_fp8_mlp(Device::cuda(0), GetParam(), false, x, dy, probs, recipe);
+    const Fp8DeviceRun later = run_fp8_mlp(Device::cuda(0), GetParam(), true, x, dy, probs, recipe);
+    expect_close_to_cpu(now, cpu);
+    expect_bit_identical(later, now);
+    EXPECT_EQ(now.kind, GradKind::kDummy);
+    EXPECT_EQ(later.hooks, 1);
+    EXPECT_EQ(now.quantizations, fp8_wgrad ? 0u : 2u);
   }
 }
 

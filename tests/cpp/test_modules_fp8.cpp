@@ -18,91 +18,13 @@
 #include <vector>
 
 #include "fp8_mlp_support.hpp"
+#include "fp8_module_support.hpp"
 #include "grad_contract_rows.hpp"
 #include "moe_engine/modules.hpp"
 #include "moe_engine/offload.hpp"
 
 namespace moe::test {
 namespace {
-
-// ---- shared helpers ----
-
-Tensor packed_of(const GroupedParam& p) {  // a packed CPU copy of any grouped parameter
-  Shape s{p.num_groups()};
-  for (int64_t d : p.expert_shape()) s.push_back(d);
-  Tensor out = Tensor::zeros(s, p.dtype());
-  for (int64_t g = 0; g < p.num_groups(); ++g) copy_tensor(out.view().select(g), p.expert(g));
-  return out;
-}
-
-// The bytes a quantizer writes of FP8 columns: the offsets, and the columns of the experts'
-// segments (the rest of the buffer is whatever the allocation held).
-bool same_columns(const Fp8Columns& a, const Fp8Columns& b) {
-  if (!a.data.defined() || !b.data.defined() || !bitwise_equal(a.offsets, b.offsets)) return false;
-  const int64_t G = a.offsets.numel() - 1, used = a.offsets.data_as<int64_t>()[G];
-  const int64_t K = a.data.size(0), C = a.data.size(1);
-  if (b.data.size(0) != K || b.data.size(1) != C) return false;
-  for (int64_t k = 0; k < K; ++k)
-    if (std::memcmp(a.data.data_as<uint8_t>() + k * C, b.data.data_as<uint8_t>() + k * C, size_t(used)) != 0)
-      return false;
-  return std::memcmp(a.scales.data(), b.scales.data(), size_t(used / kFp8Block * K) * sizeof(float)) == 0;
-}
-
-// The bytes a quantizer writes of FP8 rows: the first `rows` rows and their scales.
-bool same_rows(const Fp8Rows& a, const Fp8Rows& b, int64_t rows) {
-  if (!a.data.defined() || !b.data.defined() || a.data.shape() != b.data.shape()) return false;
-  const int64_t K = a.data.size(1), blocks = a.scales.size(0);
-  if (std::memcmp(a.data.data(), b.data.data(), size_t(rows * K)) != 0) return false;
-  for (int64_t kb = 0; kb < blocks; ++kb)
-    if (std::memcmp(a.scales.data_as<float>() + kb * a.scales.size(1),
-                    b.scales.data_as<float>() + kb * b.scales.size(1), size_t(rows) * sizeof(float)) != 0)
-      return false;
-  return true;
-}
-
-int64_t columns_bytes(int64_t T, int64_t G, int64_t K) {
-  const int64_t C = fp8_columns_capacity(T, G);
-  return K * C + 4 * (C / kFp8Block) * K + 8 * (G + 1);
-}
-int64_t rows_bytes(int64_t T, int64_t K) { return T * K + 4 * blocks_of(K) * fp8_scales_pitch(T); }
-
-// A float32 main_grad for `p`, packed, zero.
-Tensor main_grad_for(Parameter& p) {
-  Shape s{p.num_groups()};
-  for (int64_t d : p.expert_shape()) s.push_back(d);
-  Tensor t = Tensor::zeros(s, DType::kFloat32);
-  p.set_main_grad(GroupedParam::packed(t));
-  return t;
-}
-
-Tensor doubled(const Tensor& t) {  // 2 * t, exactly (float32)
-  Tensor out = Tensor::zeros(t.shape(), DType::kFloat32);
-  for (int64_t i = 0; i < t.numel(); ++i) out.data_as<float>()[i] = 2 * t.data_as<float>()[i];
-  return out;
-}
-
-// One batch: x [T, in], dy [T, out] in the module's dtype, row scales / probs [T] float32.
-struct Batch {
-  Routing routing;
-  Tensor x, dy, scales;
-  Batch(Rng& rng, std::vector<int64_t> splits, int64_t capacity, int64_t in, int64_t out, DType dt)
-      : routing(std::move(splits), capacity),
-        x(random_tensor({capacity, in}, dt, rng)),
-        dy(random_tensor({capacity, out}, dt, rng)),
-        scales(uniform_tensor({capacity}, DType::kFloat32, rng, 0.05, 1.0)) {}
-  const GroupLayout& groups() const { return routing.layout; }
-  int64_t T() const { return routing.capacity; }
-};
-
-Fp8ModuleRecipe gemms(bool forward, bool dgrad, bool wgrad) {
-  Fp8ModuleRecipe r;
-  r.forward = forward;
-  r.dgrad = dgrad;
-  r.wgrad = wgrad;
-  return r;
-}
-
-const char* layout_name(ExpertLayout l) { return l == ExpertLayout::kPacked ? "packed" : "per_expert"; }
 
 // ---- GroupedLinear ----
 
@@ -458,13 +380,6 @@ GroupedMLPOptions mlp_options(DType dt = DType::kBFloat16, ExpertLayout layout =
 // The FP8 MLP op on the module's parameters (weights quantized here), every gradient written,
 // the weight gradients as `wdtype`. x kept as the op's rule says (expert_mlp_fp8_keeps_x_rows), or
 // in the form `x_rows` names.
-struct MlpReference {
-  Tensor y, dx, dprobs, dw1, dw2, db1, db2;
-  OwnedColumns x_columns;  // x's columns, or (x kept as rows) undefined
-  OwnedRows x_rows;        // x's rows, or undefined
-  OwnedRows h_rows;
-};
-
 MlpReference mlp_reference(GroupedMLP& m, const Batch& b, DType wdtype, bool probs = true,
                            std::optional<bool> x_rows = std::nullopt) {
   const int64_t G = m.num_groups(), H = m.hidden(), F = m.ffn(), T = b.T(), W = fc1_width(m.options().glu, F);
@@ -656,105 +571,129 @@ TEST_P(Fp8GroupedMlp, MatchesTheFloat64MlpWithinFp8Error) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, Fp8GroupedMlp, ::testing::Values(DType::kBFloat16, DType::kFloat32),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
+// The recipes of the module-contract tests: all six GEMMs in FP8 (the FP8 MLP op), FP8 forward and
+// dgrad with unquantized wgrads, FP8 wgrads alone (the last two: the two layers' form).
+const Fp8ModuleRecipe kMlpRecipes[] = {gemms(true, true, true), gemms(true, true, false), gemms(false, false, true)};
+
+std::string recipe_name(const Fp8ModuleRecipe& r) {
+  return std::string("forward ") + (r.forward ? "fp8" : "16-bit") + ", dgrad " + (r.dgrad ? "fp8" : "16-bit") +
+         ", wgrad " + (r.wgrad ? "fp8" : "16-bit");
+}
+
+// The module's results from the ops, in the form its recipe runs: the FP8 MLP op, or the two layers.
+MlpReference reference_for(GroupedMLP& m, const Batch& b, DType wdtype) {
+  const Fp8ModuleRecipe& r = *m.options().fp8;
+  return r.forward && r.dgrad && r.wgrad ? mlp_reference(m, b, wdtype) : mlp_layers_reference(m, b, wdtype);
+}
+
 class Fp8MlpGradientContract : public ::testing::TestWithParam<std::tuple<Row, ExpertLayout>> {};
 
 TEST_P(Fp8MlpGradientContract, Row) {
   const auto& [row, layout] = GetParam();
-  Rng rng;
-  const Batch b(rng, kSplits, kMlpT, kH, kH, DType::kBFloat16);
-  GroupedMLPOptions o = mlp_options(DType::kBFloat16, layout);
-  o.delay_wgrad_compute = row.delay;
-  o.accumulate_into_main_grad = row.main_grad;
-  o.overwrite_main_grad = row.overwrite;
-  o.zero_out_wgrad = row.zero_out;
-  GroupedMLP m(kG, kH, kF, o);
-  Tensor mg1, mg2;
-  if (row.main_grad) mg1 = main_grad_for(m.fc1_weight()), mg2 = main_grad_for(m.fc2_weight());
-  if (row.flag) m.fc1_weight().grad_added_to_main_grad = m.fc2_weight().grad_added_to_main_grad = false;
-  int hook_calls = 0;
-  m.register_wgrad_hook([&] { ++hook_calls; });
+  for (const Fp8ModuleRecipe& recipe : kMlpRecipes) {
+    SCOPED_TRACE(recipe_name(recipe));
+    Rng rng;
+    const Batch b(rng, kSplits, kMlpT, kH, kH, DType::kBFloat16);
+    GroupedMLPOptions o = mlp_options(DType::kBFloat16, layout);
+    o.fp8 = recipe;
+    o.delay_wgrad_compute = row.delay;
+    o.accumulate_into_main_grad = row.main_grad;
+    o.overwrite_main_grad = row.overwrite;
+    o.zero_out_wgrad = row.zero_out;
+    GroupedMLP m(kG, kH, kF, o);
+    Tensor mg1, mg2;
+    if (row.main_grad) mg1 = main_grad_for(m.fc1_weight()), mg2 = main_grad_for(m.fc2_weight());
+    if (row.flag) m.fc1_weight().grad_added_to_main_grad = m.fc2_weight().grad_added_to_main_grad = false;
+    int hook_calls = 0;
+    m.register_wgrad_hook([&] { ++hook_calls; });
 
-  std::optional<MlpForwardResult> f = m.forward(b.x, b.groups(), b.scales);
-  MlpBackwardResult r = m.backward(f->ctx, b.dy);
-  f.reset();  // a queued job keeps its own tensors
-  for (auto [got, param] : {std::pair{&r.fc1_weight, &m.fc1_weight()}, {&r.fc2_weight, &m.fc2_weight()}}) {
-    EXPECT_EQ(got->kind, row.backward_kind) << grad_kind_name(got->kind);
-    EXPECT_EQ(got->grad.defined(), row.backward_kind != GradKind::kNone);
-    EXPECT_EQ(param->grad_added_to_main_grad.has_value(), row.flag);
-    if (row.flag) EXPECT_EQ(*param->grad_added_to_main_grad, row.flag_after_backward);
-  }
-  EXPECT_EQ(r.fc1_bias.kind, GradKind::kGrad) << "bias gradients are never delayed";
-  EXPECT_EQ(m.queued_wgrads(), row.delay ? 1u : 0u);
-  m.backward_dw();
-  EXPECT_EQ(hook_calls, row.delay ? 1 : 0);
-  if (row.flag) {
-    EXPECT_EQ(*m.fc1_weight().grad_added_to_main_grad, row.flag_after_dw);
-    EXPECT_EQ(*m.fc2_weight().grad_added_to_main_grad, row.flag_after_dw);
-  }
-  const MlpReference exact32 = mlp_reference(m, b, DType::kFloat32);
-  EXPECT_TRUE(bitwise_equal(r.dx, exact32.dx));
-  EXPECT_TRUE(bitwise_equal(r.dprobs, exact32.dprobs));
-  if (row.main_grad) {
-    EXPECT_TRUE(bitwise_equal(mg1, exact32.dw1)) << "fc1 main_grad";
-    EXPECT_TRUE(bitwise_equal(mg2, exact32.dw2)) << "fc2 main_grad";
-  } else if (row.delay) {
-    EXPECT_TRUE(bitwise_equal(packed_of(m.fc1_weight().grad().view()), exact32.dw1)) << "fc1 .grad";
-    EXPECT_TRUE(bitwise_equal(packed_of(m.fc2_weight().grad().view()), exact32.dw2)) << "fc2 .grad";
-  } else {
-    const MlpReference exact = mlp_reference(m, b, DType::kBFloat16);
-    EXPECT_TRUE(bitwise_equal(packed_of(r.fc1_weight.grad.view()), exact.dw1));
-    EXPECT_TRUE(bitwise_equal(packed_of(r.fc2_weight.grad.view()), exact.dw2));
-  }
-  if (row.backward_kind == GradKind::kDummy) {
-    EXPECT_TRUE(bitwise_equal(packed_of(r.fc1_weight.grad.view()), Tensor::zeros({kG, 2 * kF, kH}, DType::kBFloat16)));
-    EXPECT_NE(r.fc1_weight.grad.view().expert(0).data(), r.fc2_weight.grad.view().expert(0).data());
+    std::optional<MlpForwardResult> f = m.forward(b.x, b.groups(), b.scales);
+    MlpBackwardResult r = m.backward(f->ctx, b.dy);
+    f.reset();  // a queued job keeps its own tensors
+    for (auto [got, param] : {std::pair{&r.fc1_weight, &m.fc1_weight()}, {&r.fc2_weight, &m.fc2_weight()}}) {
+      EXPECT_EQ(got->kind, row.backward_kind) << grad_kind_name(got->kind);
+      EXPECT_EQ(got->grad.defined(), row.backward_kind != GradKind::kNone);
+      EXPECT_EQ(param->grad_added_to_main_grad.has_value(), row.flag);
+      if (row.flag) EXPECT_EQ(*param->grad_added_to_main_grad, row.flag_after_backward);
+    }
+    EXPECT_EQ(r.fc1_bias.kind, GradKind::kGrad) << "bias gradients are never delayed";
+    EXPECT_EQ(m.queued_wgrads(), row.delay ? 1u : 0u);
+    m.backward_dw();
+    EXPECT_EQ(hook_calls, row.delay ? 1 : 0);
+    if (row.flag) {
+      EXPECT_EQ(*m.fc1_weight().grad_added_to_main_grad, row.flag_after_dw);
+      EXPECT_EQ(*m.fc2_weight().grad_added_to_main_grad, row.flag_after_dw);
+    }
+    const MlpReference exact32 = reference_for(m, b, DType::kFloat32);
+    EXPECT_TRUE(bitwise_equal(r.dx, exact32.dx));
+    EXPECT_TRUE(bitwise_equal(r.dprobs, exact32.dprobs));
+    if (row.main_grad) {
+      EXPECT_TRUE(bitwise_equal(mg1, exact32.dw1)) << "fc1 main_grad";
+      EXPECT_TRUE(bitwise_equal(mg2, exact32.dw2)) << "fc2 main_grad";
+    } else if (row.delay) {
+      EXPECT_TRUE(bitwise_equal(packed_of(m.fc1_weight().grad().view()), exact32.dw1)) << "fc1 .grad";
+      EXPECT_TRUE(bitwise_equal(packed_of(m.fc2_weight().grad().view()), exact32.dw2)) << "fc2 .grad";
+    } else {
+      const MlpReference exact = reference_for(m, b, DType::kBFloat16);
+      EXPECT_TRUE(bitwise_equal(packed_of(r.fc1_weight.grad.view()), exact.dw1));
+      EXPECT_TRUE(bitwise_equal(packed_of(r.fc2_weight.grad.view()), exact.dw2));
+    }
+    if (row.backward_kind == GradKind::kDummy) {
+      EXPECT_TRUE(
+          bitwise_equal(packed_of(r.fc1_weight.grad.view()), Tensor::zeros({kG, 2 * kF, kH}, DType::kBFloat16)));
+      EXPECT_NE(r.fc1_weight.grad.view().expert(0).data(), r.fc2_weight.grad.view().expert(0).data());
+    }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(TableRows, Fp8MlpGradientContract, all_rows_and_layouts(), row_and_layout_name);
 
 TEST(Fp8GroupedMlpModule, DelayedEqualsImmediateTwiceIsDoubleOverwriteReplaces) {
-  Rng rng;
-  const Batch b(rng, kSplits, kMlpT, kH, kH, DType::kBFloat16);
-  GroupedMLPOptions o = mlp_options(DType::kBFloat16, ExpertLayout::kPerExpert);
-  o.accumulate_into_main_grad = true;
-  GroupedMLP now(kG, kH, kF, o);
-  o.delay_wgrad_compute = true;
-  GroupedMLP later(kG, kH, kF, o);
-  const Tensor now1 = main_grad_for(now.fc1_weight()), now2 = main_grad_for(now.fc2_weight());
-  const Tensor later1 = main_grad_for(later.fc1_weight()), later2 = main_grad_for(later.fc2_weight());
-  int hooks = 0;
-  later.register_wgrad_hook([&] { ++hooks; });
-  for (int step = 0; step < 2; ++step) {
-    MlpForwardResult f = now.forward(b.x, b.groups(), b.scales);
-    MlpBackwardResult rn = now.backward(f.ctx, b.dy);
-    MlpForwardResult g = later.forward(b.x, b.groups(), b.scales);
-    MlpBackwardResult rl = later.backward(g.ctx, b.dy);
-    EXPECT_TRUE(bitwise_equal(rl.dx, rn.dx));
-    EXPECT_TRUE(bitwise_equal(rl.dprobs, rn.dprobs));
-  }
-  EXPECT_EQ(later.queued_wgrads(), 2u);
-  EXPECT_TRUE(bitwise_equal(later1, Tensor::zeros({kG, 2 * kF, kH}, DType::kFloat32)));
-  later.backward_dw();
-  EXPECT_EQ(hooks, 1);
-  EXPECT_TRUE(bitwise_equal(later1, now1)) << "delayed != immediate";
-  EXPECT_TRUE(bitwise_equal(later2, now2)) << "delayed != immediate";
-  const MlpReference once = mlp_reference(now, b, DType::kFloat32);
-  EXPECT_TRUE(bitwise_equal(now1, doubled(once.dw1))) << "accumulating twice is not 2x";
-  EXPECT_TRUE(bitwise_equal(now2, doubled(once.dw2))) << "accumulating twice is not 2x";
+  for (const Fp8ModuleRecipe& recipe : kMlpRecipes) {
+    SCOPED_TRACE(recipe_name(recipe));
+    Rng rng;
+    const Batch b(rng, kSplits, kMlpT, kH, kH, DType::kBFloat16);
+    GroupedMLPOptions o = mlp_options(DType::kBFloat16, ExpertLayout::kPerExpert);
+    o.fp8 = recipe;
+    o.accumulate_into_main_grad = true;
+    GroupedMLP now(kG, kH, kF, o);
+    o.delay_wgrad_compute = true;
+    GroupedMLP later(kG, kH, kF, o);
+    const Tensor now1 = main_grad_for(now.fc1_weight()), now2 = main_grad_for(now.fc2_weight());
+    const Tensor later1 = main_grad_for(later.fc1_weight()), later2 = main_grad_for(later.fc2_weight());
+    int hooks = 0;
+    later.register_wgrad_hook([&] { ++hooks; });
+    for (int step = 0; step < 2; ++step) {
+      MlpForwardResult f = now.forward(b.x, b.groups(), b.scales);
+      MlpBackwardResult rn = now.backward(f.ctx, b.dy);
+      MlpForwardResult g = later.forward(b.x, b.groups(), b.scales);
+      MlpBackwardResult rl = later.backward(g.ctx, b.dy);
+      EXPECT_TRUE(bitwise_equal(rl.dx, rn.dx));
+      EXPECT_TRUE(bitwise_equal(rl.dprobs, rn.dprobs));
+    }
+    EXPECT_EQ(later.queued_wgrads(), 2u);
+    EXPECT_TRUE(bitwise_equal(later1, Tensor::zeros({kG, 2 * kF, kH}, DType::kFloat32)));
+    later.backward_dw();
+    EXPECT_EQ(hooks, 1);
+    EXPECT_TRUE(bitwise_equal(later1, now1)) << "delayed != immediate";
+    EXPECT_TRUE(bitwise_equal(later2, now2)) << "delayed != immediate";
+    const MlpReference once = reference_for(now, b, DType::kFloat32);
+    EXPECT_TRUE(bitwise_equal(now1, doubled(once.dw1))) << "accumulating twice is not 2x";
+    EXPECT_TRUE(bitwise_equal(now2, doubled(once.dw2))) << "accumulating twice is not 2x";
 
-  o.delay_wgrad_compute = false;
-  o.overwrite_main_grad = true;
-  GroupedMLP over(kG, kH, kF, o);
-  const Tensor over1 = main_grad_for(over.fc1_weight()), over2 = main_grad_for(over.fc2_weight());
-  fill_uniform(over1, 3, -1, 1);
-  fill_uniform(over2, 4, -1, 1);
-  for (int step = 0; step < 2; ++step) {
-    MlpForwardResult f = over.forward(b.x, b.groups(), b.scales);
-    over.backward(f.ctx, b.dy);
+    o.delay_wgrad_compute = false;
+    o.overwrite_main_grad = true;
+    GroupedMLP over(kG, kH, kF, o);
+    const Tensor over1 = main_grad_for(over.fc1_weight()), over2 = main_grad_for(over.fc2_weight());
+    fill_uniform(over1, 3, -1, 1);
+    fill_uniform(over2, 4, -1, 1);
+    for (int step = 0; step < 2; ++step) {
+      MlpForwardResult f = over.forward(b.x, b.groups(), b.scales);
+      over.backward(f.ctx, b.dy);
+    }
+    EXPECT_TRUE(bitwise_equal(over1, once.dw1)) << "overwrite";
+    EXPECT_TRUE(bitwise_equal(over2, once.dw2)) << "overwrite";
   }
-  EXPECT_TRUE(bitwise_equal(over1, once.dw1)) << "overwrite";
-  EXPECT_TRUE(bitwise_equal(over2, once.dw2)) << "overwrite";
 }
 
 TEST(Fp8GroupedMlpModule, KeepsOnlyWhatBackwardNeeds) {
@@ -887,11 +826,9 @@ TEST(Fp8GroupedMlpModule, WeightCacheIsReusedUntilInvalidated) {
 
 TEST(Fp8GroupedMlpModule, BadOptionsAreClearErrors) {
   GroupedMLPOptions o = mlp_options();
-  o.fp8->dgrad = false;
-  EXPECT_MOE_ERROR(
-      (GroupedMLP(kG, kH, kF, o)), ErrorCode::kInvalidArgument,
-      "GroupedMLP: options.fp8 runs all six GEMMs in FP8 (the FP8 expert MLP); expected forward, dgrad and "
-      "wgrad all true, got forward = 1, dgrad = 0, wgrad = 1");
+  o.fp8 = gemms(false, false, false);
+  EXPECT_MOE_ERROR((GroupedMLP(kG, kH, kF, o)), ErrorCode::kInvalidArgument,
+                   "GroupedMLP: options.fp8 names no GEMM (forward, dgrad and wgrad are all false)");
   o = mlp_options(DType::kFloat16);
   EXPECT_MOE_ERROR((GroupedMLP(kG, kH, kF, o)), ErrorCode::kDType, "needs dtype bfloat16 or float32");
   EXPECT_MOE_ERROR((GroupedMLP(kG, kH, 40, mlp_options())), ErrorCode::kShape, "got hidden = 144, ffn = 40");
