@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
 #include <type_traits>
 
 #include "common/fp8_math.hpp"
@@ -481,24 +480,15 @@ __global__ void __launch_bounds__(kThreads) fp8_glu_backward_quantize_kernel(con
   }
 }
 
-// Blocks per launch: all resident at once (from the device only, never the routing).
-int grid_blocks(int device) {
-  constexpr int kMaxDevices = 64;
-  static int blocks[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  std::call_once(once[device], [device] {
-    int sm_count = 0;
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device), "SM count");
-    blocks[device] = sm_count * (2048 / kThreads);
-  });
-  return blocks[device];
-}
-
+// Blocks per launch: at most as many as are resident at once (from the device only, never the
+// routing), so that no block waits for a second wave.
 template <class T, bool kPairs, HBlocks kHBlocks>
 void launch(const GluQuantizeParams& p, int64_t items, int device, Stream stream) {
+  constexpr auto kernel = fp8_glu_quantize_kernel<T, kPairs, kHBlocks>;
+  const int resident = resident_blocks<kernel>(device, kThreads, 0, "fp8_glu_quantize_kernel");
   const int64_t wanted = (items + kWarps - 1) / kWarps;
-  const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>(wanted, grid_blocks(device))));
-  fp8_glu_quantize_kernel<T, kPairs, kHBlocks><<<blocks, kThreads, 0, stream>>>(p);
+  const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>(wanted, resident)));
+  kernel<<<blocks, kThreads, 0, stream>>>(p);
   MOE_CUDA_CHECK_LAUNCH("fp8_glu_quantize_kernel");
 }
 
