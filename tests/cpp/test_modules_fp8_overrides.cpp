@@ -136,6 +136,30 @@ TEST_P(Fp8MlpOverrides, KeepsOnlyWhatBackwardNeeds) {
   }
 }
 
+// srelu and gelu_tanh: FC1 of F rows, the pre-activation [T, F]; the module gives the ops' bits.
+TEST_P(Fp8MlpOverrides, NonGatedActivationsEqualTheLayersOps) {
+  const Fp8ModuleRecipe r = recipe_of(GetParam());
+  Rng rng;
+  const Batch b(rng, kSplits, kT, kH, kH, DType::kBFloat16);
+  for (Activation act : kElementwiseActivations) {
+    SCOPED_TRACE(activation_name(act));
+    GroupedMLPOptions o = options_with(r);
+    o.glu = spec_of(act);
+    GroupedMLP m(kG, kH, kF, o);
+    EXPECT_EQ(m.fc1_weight().expert_shape(), (Shape{kF, kH}));
+    const MlpReference ref = mlp_layers_reference(m, b, DType::kBFloat16);
+    MlpForwardResult f = m.forward(b.x, b.groups(), b.scales);
+    EXPECT_TRUE(bitwise_equal(f.y, ref.y));
+    EXPECT_EQ(f.ctx.saved_bytes(), saved_bytes(r, kT, kG, kH, kF, kF, 2));
+    MlpBackwardResult g = m.backward(f.ctx, b.dy);
+    EXPECT_TRUE(bitwise_equal(g.dx, ref.dx));
+    EXPECT_TRUE(bitwise_equal(g.dprobs, ref.dprobs));
+    EXPECT_TRUE(bitwise_equal(packed_of(g.fc1_weight.grad.view()), ref.dw1));
+    EXPECT_TRUE(bitwise_equal(packed_of(g.fc1_bias.grad.view()), ref.db1));
+    EXPECT_TRUE(bitwise_equal(packed_of(g.fc2_weight.grad.view()), ref.dw2));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Recipes, Fp8MlpOverrides, ::testing::ValuesIn(partial_masks()),
                          [](const auto& info) { return mask_name(info.param); });
 
