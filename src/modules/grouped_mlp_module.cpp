@@ -202,45 +202,55 @@ void GroupedMLP::backward_linears(MlpContext& ctx, const Tensor& dy, ExpertMlpGr
   MOE_CHECK(!fc2 || ctx.saves_act(), ErrorCode::kInvalidArgument,
             "GroupedMLP.backward: the FC2 weight wants a gradient but forward kept no activation (its "
             "requires_grad was false when forward ran)");
-  // FC2: dy's FP8 copies, d(act), p-scaled db2, and its weight gradient's operands.
-  const detail::GradCopies dy8 = detail::quantize_gradient(dy, groups, groups_, to_fc1_out && fp8.dgrad,
-                                                           fc2 && ctx.act_columns_.defined(), fp8.quantizer, exec);
-  Tensor d_act;
-  if (to_fc1_out) {
-    d_act = Tensor::zeros_async({T, ffn_}, options_.dtype, options_.device, exec.stream);
-    detail::linear_dgrad({fc2_weight_, fc2_cache_, fp8}, dy, dy8.rows, groups, d_act, exec);
-  }
-  if (g.fc2_bias.grad.defined())
-    grouped_linear_dbias(dy, groups, g.fc2_bias.grad, GradMode::kWrite, ctx.probs_.view(), exec);
-  const detail::LinearWgradOperands fc2_operands{dy8.columns.defined() ? Tensor() : dy, ctx.act_, dy8.columns,
-                                                 ctx.act_columns_, groups};
-  // The activation: dL/dh and the probs' gradient through it, plus <dy, b2> through FC2's bias.
-  Tensor dh;
-  if (to_fc1_out) {
-    dh = Tensor::zeros_async({T, fc1_width(options_.glu, ffn_)}, options_.dtype, options_.device, exec.stream);
-    glu_backward(ctx.fc1_out_, ctx.probs_, d_act, groups, {dh, g.dprobs, {}}, options_.glu, exec);
-  }
-  if (g.dprobs.defined() && fc2_bias_)
-    grouped_linear_dscales(dy, fc2_bias_->value(), groups, g.dprobs, /*accumulate=*/true, exec);
-  // FC1: dx, db1 and its weight gradient's operands.
-  if (g.fc1_bias.grad.defined()) grouped_linear_dbias(dh, groups, g.fc1_bias.grad, GradMode::kWrite, {}, exec);
-  const detail::GradCopies dh8 = detail::quantize_gradient(dh, groups, groups_, g.dx.defined() && fp8.dgrad,
-                                                           fc1 && ctx.x_columns_.defined(), fp8.quantizer, exec);
-  if (g.dx.defined()) detail::linear_dgrad({fc1_weight_, fc1_cache_, fp8}, dh, dh8.rows, groups, g.dx, exec);
-  const detail::LinearWgradOperands fc1_operands{dh8.columns.defined() ? Tensor() : dh, ctx.x_, dh8.columns,
-                                                 ctx.x_columns_, groups};
-  if (options_.delay_wgrad_compute) {
-    if (fc1 || fc2) {
-      WgradJob job{{}, {}, groups, fc1, fc2, {}, {}, {}, {}};
-      if (fc1) job.fc1_operands = fc1_operands;
-      if (fc2) job.fc2_operands = fc2_operands;
-      queue_.push_back(std::move(job));
+  // Each weight gradient runs (or is queued) as soon as its operands exist, and each block's
+  // temporaries go at its end: the step's peak holds one layer's backward at a time.
+  auto weight_gradient = [&](bool wanted, Parameter& w, detail::WeightGradContract& contract,
+                             ParamGradResult& result, detail::LinearWgradOperands&& operands,
+                             detail::LinearWgradOperands& queued) {
+    if (!wanted) return;
+    if (options_.delay_wgrad_compute)
+      queued = std::move(operands);
+    else
+      detail::linear_wgrad(operands, contract.immediate(w, result, exec), exec);
+  };
+  WgradJob job{{}, {}, groups, fc1, fc2, {}, {}, {}, {}};
+  Tensor dh;  // dL/d(pre-activation)
+  {
+    // FC2: dy's FP8 copies, d(act), p-scaled db2, its weight gradient.
+    const detail::GradCopies dy8 = detail::quantize_gradient(dy, groups, groups_, to_fc1_out && fp8.dgrad,
+                                                             fc2 && ctx.act_columns_.defined(), fp8.quantizer, exec);
+    Tensor d_act;
+    if (to_fc1_out) {
+      d_act = Tensor::zeros_async({T, ffn_}, options_.dtype, options_.device, exec.stream);
+      detail::linear_dgrad({fc2_weight_, fc2_cache_, fp8}, dy, dy8.rows, groups, d_act, exec);
     }
+    if (g.fc2_bias.grad.defined())
+      grouped_linear_dbias(dy, groups, g.fc2_bias.grad, GradMode::kWrite, ctx.probs_.view(), exec);
+    weight_gradient(fc2, fc2_weight_, fc2_grad_, r.fc2_weight,
+                    {dy8.columns.defined() ? Tensor() : dy, ctx.act_, dy8.columns, ctx.act_columns_, groups},
+                    job.fc2_operands);
+    // The activation: dL/dh and the probs' gradient through it, plus <dy, b2> through FC2's bias.
+    if (to_fc1_out) {
+      dh = Tensor::zeros_async({T, fc1_width(options_.glu, ffn_)}, options_.dtype, options_.device, exec.stream);
+      glu_backward(ctx.fc1_out_, ctx.probs_, d_act, groups, {dh, g.dprobs, {}}, options_.glu, exec);
+    }
+    if (g.dprobs.defined() && fc2_bias_)
+      grouped_linear_dscales(dy, fc2_bias_->value(), groups, g.dprobs, /*accumulate=*/true, exec);
+  }
+  {
+    // FC1: dx, db1, its weight gradient.
+    if (g.fc1_bias.grad.defined()) grouped_linear_dbias(dh, groups, g.fc1_bias.grad, GradMode::kWrite, {}, exec);
+    const detail::GradCopies dh8 = detail::quantize_gradient(dh, groups, groups_, g.dx.defined() && fp8.dgrad,
+                                                             fc1 && ctx.x_columns_.defined(), fp8.quantizer, exec);
+    if (g.dx.defined()) detail::linear_dgrad({fc1_weight_, fc1_cache_, fp8}, dh, dh8.rows, groups, g.dx, exec);
+    weight_gradient(fc1, fc1_weight_, fc1_grad_, r.fc1_weight,
+                    {dh8.columns.defined() ? Tensor() : dh, ctx.x_, dh8.columns, ctx.x_columns_, groups},
+                    job.fc1_operands);
+  }
+  if (options_.delay_wgrad_compute) {
+    if (fc1 || fc2) queue_.push_back(std::move(job));
     if (fc1) r.fc1_weight = fc1_grad_.queued(fc1_weight_, exec);
     if (fc2) r.fc2_weight = fc2_grad_.queued(fc2_weight_, exec);
-  } else {
-    if (fc2) detail::linear_wgrad(fc2_operands, fc2_grad_.immediate(fc2_weight_, r.fc2_weight, exec), exec);
-    if (fc1) detail::linear_wgrad(fc1_operands, fc1_grad_.immediate(fc1_weight_, r.fc1_weight, exec), exec);
   }
 }
 
