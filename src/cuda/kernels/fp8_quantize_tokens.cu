@@ -323,15 +323,14 @@ void launch_rows_direct(const TokenParams& params, int device, Stream stream) {
   MOE_CUDA_CHECK_LAUNCH("quantize_rows_direct_kernel");
 }
 
-// Columns, alone or with the rows, 16-bit x with aligned rows: a block of 512 threads holds one
-// 128-token column block x 128 features in registers (no block-wide staging ring): warp w rows 8 w .. 8 w + 7, half-warp h rows 8 w + 4 h .. + 3, lane m % 16
-// features 8 m .. 8 m + 7. Row amaxes are half-warp shuffles (as quantize_rows_direct_kernel);
-// column amaxes fold the thread's 4 rows, then the two half-warps, then the 16 warps through shared
-// memory; the column bytes (4 tokens of a feature: one word) go through a swizzled transposed tile
-// and out as whole 128-token feature rows. Items are (column block, feature block), feature blocks
-// fastest, shared out evenly over a resident grid; each block finds its column blocks' experts with
-// warp-wide scans of the offsets (32 experts a step, no block-wide scan), block 0's warp 0 writing
-// the columns' offsets. Three block barriers a tile; the next tiles' loads are in flight through
+// Columns, alone or with the rows, 16-bit x with aligned rows: a block of 512 threads holds one 128-token column block
+// x 128 features in registers (no block-wide staging ring): warp w rows 8 w .. 8 w + 7, half-warp h rows 8 w + 4 h .. +
+// 3, lane m % 16 features 8 m .. 8 m + 7. Row amaxes are half-warp shuffles (as quantize_rows_direct_kernel); column
+// amaxes fold the thread's 4 rows, then the two half-warps, then the 16 warps through shared memory; the column bytes
+// (4 tokens of a feature: one word) go through a swizzled transposed tile and out as whole 128-token feature rows.
+// Items are (column block, feature block), feature blocks fastest, shared out evenly over a resident grid; each block
+// finds its column blocks' experts with warp-wide scans of the offsets (32 experts a step, no block-wide scan), block
+// 0's warp 0 writing the columns' offsets. Three block barriers a tile; the next tiles' loads are in flight through
 // them (see kColumnStages below). The same bytes as the tiled kernel.
 constexpr int kColumnThreads = 512;
 constexpr int kColumnWarps = kColumnThreads / 32;
@@ -432,12 +431,22 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
   const T* x = static_cast<const T*>(p.x);
   const int first_row = 8 * warp + 4 * h;  // this thread's 4 rows of the tile: first_row .. + 3
   ExpertCursor cur;
-  // Column block jb's first row and rows.
-  auto locate = [&](int64_t jb, int64_t& first, int& count) {
-    seek_column(p, jb * kTile, cur, lane);
-    const int64_t offset = jb * kTile - cur.first_col;
-    first = cur.row_begin + offset;
-    count = int(std::min<int64_t>(kTile, cur.rows - offset));
+  // An item: column block j (its first row and rows) x feature block kb.
+  struct Item {
+    int64_t j, kb, row0;
+    int rows;
+  };
+  // Column block it.j's first row and rows.
+  auto locate = [&](Item& it) {
+    seek_column(p, it.j * kTile, cur, lane);
+    const int64_t offset = it.j * kTile - cur.first_col;
+    it.row0 = cur.row_begin + offset;
+    it.rows = int(std::min<int64_t>(kTile, cur.rows - offset));
+  };
+  // The item after `it` (feature blocks fastest).
+  auto advance = [&](Item it) {
+    if (++it.kb == p.k_blocks) it.kb = 0, ++it.j, locate(it);
+    return it;
   };
   // This thread's 4 rows x 8 features of item (column block at `first` with `count` rows, feature
   // block fb); zeros past the rows and K.
@@ -451,8 +460,8 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
       w[s][0] = v.x, w[s][1] = v.y, w[s][2] = v.z, w[s][3] = v.w;
     }
   };
-  // Columns alone: the copies of a tile at (first, count, fb) into stage `stage`; this thread reads back
-  // only what it copied, so its own wait_group orders them (no barrier).
+  // Columns alone: the copies of a tile at (first, count, fb) into stage `stage`; this thread reads
+  // back only what it copied, so its own wait_group orders them (no barrier).
   auto issue = [&](int64_t first, int count, int64_t fb, int stage) {
     const int64_t k = fb * kTile + 8 * m;
 #pragma unroll
@@ -460,8 +469,8 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
       const int r = first_row + s;
       const bool valid = k < p.K && r < count;
       const T* src = valid ? x + (first + r) * p.x_ld + k : x;
-      ptx::cp_async_16(static_cast<uint32_t>(__cvta_generic_to_shared(&staged[(stage * 4 + s) * kColumnThreads + tid])),
-                       src, valid);
+      const void* slot = &staged[(stage * 4 + s) * kColumnThreads + tid];
+      ptx::cp_async_16(static_cast<uint32_t>(__cvta_generic_to_shared(slot)), src, valid);
     }
     ptx::cp_async_commit_group();
   };
@@ -472,23 +481,22 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
       w[s][0] = v.x, w[s][1] = v.y, w[s][2] = v.z, w[s][3] = v.w;
     }
   };
-  int64_t j = begin / p.k_blocks, kb = begin % p.k_blocks, row0 = 0;
-  int rows = 0;
-  locate(j, row0, rows);
+  Item now{begin / p.k_blocks, begin % p.k_blocks, 0, 0};
+  locate(now);
   uint32_t words[4][4];
-  // Columns alone: the item after the current one (ahead_*), whose copies are in flight.
-  int64_t ahead_j = j, ahead_kb = kb, ahead_row0 = row0;
-  int ahead_rows = rows, stage = 0;
+  // Columns alone: the item after the current one, whose copies are in flight.
+  Item ahead = now;
+  int stage = 0;
   if constexpr (kStaged) {
-    issue(row0, rows, kb, 0);
+    issue(now.row0, now.rows, now.kb, 0);
     if (begin + 1 < end) {
-      if (++ahead_kb == p.k_blocks) ahead_kb = 0, ++ahead_j, locate(ahead_j, ahead_row0, ahead_rows);
-      issue(ahead_row0, ahead_rows, ahead_kb, 1);
+      ahead = advance(now);
+      issue(ahead.row0, ahead.rows, ahead.kb, 1);
     } else {
       ptx::cp_async_commit_group();  // an empty group: one group per item
     }
   } else {
-    load(row0, rows, kb, words);
+    load(now.row0, now.rows, now.kb, words);
   }
 #pragma unroll 1
   for (int64_t item = begin; item < end; ++item) {
@@ -496,6 +504,8 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
       ptx::cp_async_wait_group<1>();
       read_back(stage, words);
     }
+    const int64_t j = now.j, kb = now.kb, row0 = now.row0;
+    const int rows = now.rows;
     const int64_t k0 = kb * kTile, k = k0 + 8 * m;
     const int features = int(std::min<int64_t>(kTile, p.K - k0));
     const bool feature_in = k < p.K;  // K is a multiple of 8: a lane's 8 features are all in or out
@@ -514,12 +524,11 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
     if (h == 0) reinterpret_cast<uint4*>(shared.col_partial[warp])[m] = make_uint4(c[0], c[1], c[2], c[3]);
     // Columns alone: the stage just read is free (its values are used above): the item after next
     // goes in.
-    int64_t after_j = ahead_j, after_kb = ahead_kb, after_row0 = ahead_row0;
-    int after_rows = ahead_rows;
+    Item after = ahead;
     if constexpr (kStaged) {
       if (item + 2 < end) {
-        if (++after_kb == p.k_blocks) after_kb = 0, ++after_j, locate(after_j, after_row0, after_rows);
-        issue(after_row0, after_rows, after_kb, stage);
+        after = advance(ahead);
+        issue(after.row0, after.rows, after.kb, stage);
       } else {
         ptx::cp_async_commit_group();
       }
@@ -556,17 +565,15 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
       shared.transposed[(8 * m + jj) * (kTile / 4) + word] = q & keep;
     }
     // With the rows: the next item's loads go out now, in flight through the barrier and the stores.
-    int64_t next_j = j, next_kb = kb + 1, next_row0 = row0;
-    int next_rows = rows;
+    Item next = now;
     if constexpr (kStaged) {
-      next_j = ahead_j, next_kb = ahead_kb, next_row0 = ahead_row0, next_rows = ahead_rows;
-      ahead_j = after_j, ahead_kb = after_kb, ahead_row0 = after_row0, ahead_rows = after_rows;
+      next = ahead, ahead = after;
       stage ^= 1;
-    } else {
-      if (next_kb == p.k_blocks) next_kb = 0, ++next_j;
+    } else {  // advance(now), locating only when there is a next item
+      if (++next.kb == p.k_blocks) next.kb = 0, ++next.j;
       if (item + 1 < end) {
-        if (next_j != j) locate(next_j, next_row0, next_rows);
-        load(next_row0, next_rows, next_kb, words);
+        if (next.j != now.j) locate(next);
+        load(next.row0, next.rows, next.kb, words);
       }
     }
     __syncthreads();  // the transposed tile complete
@@ -578,7 +585,7 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
       if (swizzle & 2) v = make_uint4(v.z, v.w, v.x, v.y);
       if (f < features) *reinterpret_cast<uint4*>(p.cols_data + (k0 + f) * p.cols_ld + j * kTile + 16 * chunk) = v;
     }
-    j = next_j, kb = next_kb, row0 = next_row0, rows = next_rows;
+    now = next;
   }
 }
 
