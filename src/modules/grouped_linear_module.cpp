@@ -152,8 +152,7 @@ LinearBackwardResult GroupedLinear::backward(LinearContext& ctx, const Tensor& d
   }
   if (weight_.requires_grad) {
     // The job keeps the wgrad's operands: dy and x, or their FP8 columns (no bf16 copy).
-    detail::LinearWgradOperands job{dy8.columns.defined() ? Tensor() : dy, ctx.x_, dy8.columns, ctx.x_columns_,
-                                    groups};
+    detail::LinearWgradOperands job = detail::wgrad_operands(dy, dy8, ctx.x_, ctx.x_columns_, groups);
     if (options_.delay_wgrad_compute) {
       queue_.push_back(std::move(job));
       r.weight = weight_grad_.queued(weight_, exec);

@@ -227,8 +227,7 @@ void GroupedMLP::backward_linears(MlpContext& ctx, const Tensor& dy, ExpertMlpGr
     if (g.fc2_bias.grad.defined())
       grouped_linear_dbias(dy, groups, g.fc2_bias.grad, GradMode::kWrite, ctx.probs_.view(), exec);
     weight_gradient(fc2, fc2_weight_, fc2_grad_, r.fc2_weight,
-                    {dy8.columns.defined() ? Tensor() : dy, ctx.act_, dy8.columns, ctx.act_columns_, groups},
-                    job.fc2_operands);
+                    detail::wgrad_operands(dy, dy8, ctx.act_, ctx.act_columns_, groups), job.fc2_operands);
     // The activation: dL/dh and the probs' gradient through it, plus <dy, b2> through FC2's bias.
     if (to_fc1_out) {
       dh = Tensor::zeros_async({T, fc1_width(options_.glu, ffn_)}, options_.dtype, options_.device, exec.stream);
@@ -244,8 +243,7 @@ void GroupedMLP::backward_linears(MlpContext& ctx, const Tensor& dy, ExpertMlpGr
                                                              fc1 && ctx.x_columns_.defined(), fp8.quantizer, exec);
     if (g.dx.defined()) detail::linear_dgrad({fc1_weight_, fc1_cache_, fp8}, dh, dh8.rows, groups, g.dx, exec);
     weight_gradient(fc1, fc1_weight_, fc1_grad_, r.fc1_weight,
-                    {dh8.columns.defined() ? Tensor() : dh, ctx.x_, dh8.columns, ctx.x_columns_, groups},
-                    job.fc1_operands);
+                    detail::wgrad_operands(dh, dh8, ctx.x_, ctx.x_columns_, groups), job.fc1_operands);
   }
   if (options_.delay_wgrad_compute) {
     if (fc1 || fc2) queue_.push_back(std::move(job));

@@ -33,6 +33,11 @@ void linear_dgrad(const LinearLayer& layer, const Tensor& dy, const Fp8RowsBuffe
     grouped_linear_dgrad(dy, layer.weight.value(), groups, dx, exec);
 }
 
+LinearWgradOperands wgrad_operands(const Tensor& dy, const GradCopies& dy8, const Tensor& x,
+                                   const Fp8ColumnsBuffers& x_columns, const GroupLayout& groups) {
+  return {dy8.columns.defined() ? Tensor() : dy, x, dy8.columns, x_columns, groups};
+}
+
 void linear_wgrad(const LinearWgradOperands& operands, const ParamGrad& target, const ExecContext& exec) {
   if (operands.x_columns.defined())
     grouped_linear_wgrad(operands.dy_columns.view(), operands.x_columns.view(), operands.groups, target.grad,

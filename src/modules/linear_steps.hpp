@@ -32,6 +32,11 @@ GradCopies quantize_gradient(const Tensor& dy, const GroupLayout& groups, int64_
 void linear_dgrad(const LinearLayer& layer, const Tensor& dy, const Fp8RowsBuffers& dy_rows,
                   const GroupLayout& groups, const TensorView& dx, const ExecContext& exec);
 
+// A weight gradient's operands: dy's FP8 columns where dy8 has them, else dy; x as forward kept it
+// (x, or its FP8 columns).
+LinearWgradOperands wgrad_operands(const Tensor& dy, const GradCopies& dy8, const Tensor& x,
+                                   const Fp8ColumnsBuffers& x_columns, const GroupLayout& groups);
+
 // dW = dy^T x into `target`, over the FP8 columns where the operands hold them.
 void linear_wgrad(const LinearWgradOperands& operands, const ParamGrad& target, const ExecContext& exec);
 
