@@ -92,51 +92,54 @@ inline Fp8ModuleRecipe gemms(bool forward, bool dgrad, bool wgrad) {
 inline const char* layout_name(ExpertLayout l) { return l == ExpertLayout::kPacked ? "packed" : "per_expert"; }
 
 
+// FP8 copies made by the quantizers, for the references.
+inline OwnedWeight quantized_weight(const GroupedParam& w, const Fp8Recipe& recipe) {
+  OwnedWeight q(w.num_groups(), w.expert_shape()[0], w.expert_shape()[1]);
+  quantize_fp8_weight(w, q.view(), recipe);
+  return q;
+}
+inline OwnedRows quantized_rows(const Tensor& x, const GroupLayout& groups, const Fp8Recipe& recipe) {
+  OwnedRows q(x.size(0), x.size(1));
+  quantize_fp8(x, groups, q.view(), {}, recipe);
+  return q;
+}
+inline OwnedColumns quantized_columns(const Tensor& x, const GroupLayout& groups, const Fp8Recipe& recipe) {
+  OwnedColumns q(x.size(0), groups.num_groups(), x.size(1));
+  quantize_fp8(x, groups, {}, q.view(), recipe);
+  return q;
+}
+
 // One layer's GEMMs from the ops, in FP8 where `r` names them (the weight quantized here).
 inline Tensor layer_forward(const GroupedParam& w, const BiasEpilogue& bias, const Tensor& x,
                             const GroupLayout& groups, const Fp8ModuleRecipe& r, DType dt) {
-  const int64_t G = w.num_groups(), N = w.expert_shape()[0], K = w.expert_shape()[1], T = x.size(0);
-  Tensor y = Tensor::zeros({T, N}, dt);
-  if (r.forward) {
-    OwnedWeight q(G, N, K);
-    quantize_fp8_weight(w, q.view(), r.quantizer);
-    OwnedRows rows(T, K);
-    quantize_fp8(x, groups, rows.view(), {}, r.quantizer);
-    grouped_linear_forward(rows.view(), q.view(), groups, y, bias);
-  } else {
+  Tensor y = Tensor::zeros({x.size(0), w.expert_shape()[0]}, dt);
+  if (r.forward)
+    grouped_linear_forward(quantized_rows(x, groups, r.quantizer).view(), quantized_weight(w, r.quantizer).view(),
+                           groups, y, bias);
+  else
     grouped_linear_forward(x, w, groups, y, bias);
-  }
   return y;
 }
 
 inline Tensor layer_dgrad(const GroupedParam& w, const Tensor& dy, const GroupLayout& groups,
                           const Fp8ModuleRecipe& r, DType dt) {
-  const int64_t G = w.num_groups(), N = w.expert_shape()[0], K = w.expert_shape()[1], T = dy.size(0);
-  Tensor dx = Tensor::zeros({T, K}, dt);
-  if (r.dgrad) {
-    OwnedWeight q(G, N, K);
-    quantize_fp8_weight(w, q.view(), r.quantizer);
-    OwnedRows rows(T, N);
-    quantize_fp8(dy, groups, rows.view(), {}, r.quantizer);
-    grouped_linear_dgrad(rows.view(), q.view(), groups, dx);
-  } else {
+  Tensor dx = Tensor::zeros({dy.size(0), w.expert_shape()[1]}, dt);
+  if (r.dgrad)
+    grouped_linear_dgrad(quantized_rows(dy, groups, r.quantizer).view(), quantized_weight(w, r.quantizer).view(),
+                         groups, dx);
+  else
     grouped_linear_dgrad(dy, w, groups, dx);
-  }
   return dx;
 }
 
 // dW = dy^T x into `dw` per `mode`.
 inline void layer_wgrad(const Tensor& dy, const Tensor& x, const GroupLayout& groups, const Fp8ModuleRecipe& r,
                         const GroupedParam& dw, GradMode mode) {
-  if (r.wgrad) {
-    const int64_t T = dy.size(0), G = groups.num_groups();
-    OwnedColumns dyc(T, G, dy.size(1)), xc(T, G, x.size(1));
-    quantize_fp8(dy, groups, {}, dyc.view(), r.quantizer);
-    quantize_fp8(x, groups, {}, xc.view(), r.quantizer);
-    grouped_linear_wgrad(dyc.view(), xc.view(), groups, dw, mode);
-  } else {
+  if (r.wgrad)
+    grouped_linear_wgrad(quantized_columns(dy, groups, r.quantizer).view(),
+                         quantized_columns(x, groups, r.quantizer).view(), groups, dw, mode);
+  else
     grouped_linear_wgrad(dy, x, groups, dw, mode);
-  }
 }
 
 // A GroupedMLP's results computed from the ops on its parameters (weights quantized here), every

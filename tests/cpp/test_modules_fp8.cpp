@@ -54,8 +54,7 @@ LinearReference linear_reference(GroupedLinear& m, const Batch& b, DType wdtype)
   const int64_t G = m.num_groups(), N = m.out_features(), K = m.in_features(), T = b.T();
   const DType dt = m.options().dtype;
   const GroupLayout& groups = b.groups();
-  OwnedWeight w(G, N, K);
-  quantize_fp8_weight(m.weight().value(), w.view(), fp8.quantizer);
+  const OwnedWeight w = quantized_weight(m.weight().value(), fp8.quantizer);
   OwnedRows x_rows(T, K), dy_rows(T, N);
   OwnedColumns dy_columns(T, G, N);
   LinearReference r;
@@ -385,9 +384,8 @@ MlpReference mlp_reference(GroupedMLP& m, const Batch& b, DType wdtype, bool pro
   const int64_t G = m.num_groups(), H = m.hidden(), F = m.ffn(), T = b.T(), W = fc1_width(m.options().glu, F);
   const DType dt = m.options().dtype;
   const Fp8Recipe& recipe = m.options().fp8->quantizer;
-  OwnedWeight w1(G, W, H), w2(G, H, F);
-  quantize_fp8_weight(m.fc1_weight().value(), w1.view(), recipe);
-  quantize_fp8_weight(m.fc2_weight().value(), w2.view(), recipe);
+  const OwnedWeight w1 = quantized_weight(m.fc1_weight().value(), recipe);
+  const OwnedWeight w2 = quantized_weight(m.fc2_weight().value(), recipe);
   ExpertMlpFp8Weights w{w1.view(), w2.view(), {}, {}};
   if (m.has_bias()) w.fc1_bias = m.fc1_bias().value(), w.fc2_bias = m.fc2_bias().value();
   MlpReference r;
