@@ -38,6 +38,10 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t smem_address, uint3
   return desc;
 }
 
+// The descriptor of the operand `bytes` further on: its address field holds address >> 4 in the
+// low 14 bits, and shared addresses (< 256 KiB) never carry out of it, so one add moves it.
+__device__ __forceinline__ uint64_t descriptor_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
 // WgmmaSS<N, is_fp16>::mma<kTransA, kTransB>(acc, desc_a, desc_b, scale_d): acc (+)= A B for a
 // 64 x N x 16 step; scale_d = 0 overwrites the accumulators instead of adding.
 template <int kN, bool kFp16>

@@ -39,8 +39,11 @@ struct MainloopFp8 {
   const GemmParams& p;
   const uint32_t lane;
   const uint32_t math;      // which math warpgroup: 64 rows of the tile, and the turn it waits on
-  const uint32_t a_offset;  // this warpgroup's 64 rows of A within a stage
-  const uint32_t row;       // this thread's first accumulator row within the tile (and row + 8)
+  const uint32_t stages;    // shared address of the ring's first stage, computed once
+  // The wgmma descriptors of stage 0's A (this warpgroup's 64 rows) and B: a step's are these
+  // advanced by the stage's offset, one add each instead of building them per k32 step.
+  const uint64_t desc_a, desc_b;
+  const uint32_t row;  // this thread's first accumulator row within the tile (and row + 8)
 
   __device__ __forceinline__ MainloopFp8(const SharedStorage<Pipe>& smem, const GemmParams& p, uint32_t math,
                                          uint32_t lane)
@@ -48,21 +51,22 @@ struct MainloopFp8 {
         p(p),
         lane(lane),
         math(math),
-        a_offset(math * 64 * 128),
+        stages(ptx::smem_address(smem.stage_a(0))),
+        desc_a(ptx::smem_descriptor(stages + math * 64 * 128, 0, 1024)),
+        desc_b(ptx::smem_descriptor(stages + Cfg::kABytes, 0, 1024)),
         row(64 * math + 16 * ((threadIdx.x / 32) % 4) + lane / 4) {}
+
+  __device__ __forceinline__ uint32_t stage_address(int stage) const { return stages + stage * Cfg::kStageBytes; }
 
   // Issues step kb's four k32 wgmma of the stage into `partial` (the first one overwrites it).
   __device__ __forceinline__ void issue(float (&partial)[kAccRegs], int stage) const {
-    const uint32_t a_base = ptx::smem_address(smem.stage_a(stage)) + a_offset;
-    const uint32_t b_base = ptx::smem_address(smem.stage_b(stage));
+    const uint64_t da = ptx::descriptor_advance(desc_a, stage * Cfg::kStageBytes);
+    const uint64_t db = ptx::descriptor_advance(desc_b, stage * Cfg::kStageBytes);
     ptx::fence_accumulators(partial);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kK32Steps; ++kk) {
-      const uint64_t da = ptx::smem_descriptor(a_base + kk * 32, 0, 1024);
-      const uint64_t db = ptx::smem_descriptor(b_base + kk * 32, 0, 1024);
-      Wgmma::mma(partial, da, db, kk > 0 ? 1u : 0u);
-    }
+    for (int kk = 0; kk < kK32Steps; ++kk)
+      Wgmma::mma(partial, ptx::descriptor_advance(da, kk * 32), ptx::descriptor_advance(db, kk * 32), kk > 0 ? 1u : 0u);
     ptx::wgmma_commit_group();
     ptx::fence_accumulators(partial);
   }
@@ -85,7 +89,7 @@ struct MainloopFp8 {
   // j < kFirstGroups take the first weight block's scale, the others the next block's.
   template <int kFirstGroups>
   __device__ __forceinline__ void promote(float (&partial)[kAccRegs], Accumulators& acc, int stage) const {
-    const uint32_t scales = smem.stage_scales(stage);
+    const uint32_t scales = stage_address(stage) + Cfg::kABytes + Cfg::kBBytes;
     float sa[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) sa[h] = __uint_as_float(ptx::ld_shared_b32(scales + 4 * (row + 8 * h)));
