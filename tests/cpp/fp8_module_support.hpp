@@ -3,7 +3,10 @@
 // GroupedMLP reference of a recipe leaving some GEMM unquantized.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -12,7 +15,6 @@
 #include "moe_engine/modules.hpp"
 
 namespace moe::test {
-
 
 inline Tensor packed_of(const GroupedParam& p) {  // a packed CPU copy of any grouped parameter
   Shape s{p.num_groups()};
@@ -183,6 +185,20 @@ inline MlpReference mlp_layers_reference(GroupedMLP& m, const Batch& b, DType wd
   layer_wgrad(dh, b.x, groups, r, GroupedParam::packed(out.dw1), GradMode::kWrite);
   layer_wgrad(b.dy, act, groups, r, GroupedParam::packed(out.dw2), GradMode::kWrite);
   return out;
+}
+
+// A GroupedMLP backward that computed every gradient: dx, dprobs and the four gradients equal the
+// reference's, bit for bit.
+inline void expect_backward_equals(const MlpBackwardResult& r, const MlpReference& ref) {
+  EXPECT_TRUE(bitwise_equal(r.dx, ref.dx));
+  EXPECT_TRUE(bitwise_equal(r.dprobs, ref.dprobs));
+  for (auto [got, want, name] : {std::tuple{&r.fc1_weight, &ref.dw1, "dw1"},
+                                 {&r.fc2_weight, &ref.dw2, "dw2"},
+                                 {&r.fc1_bias, &ref.db1, "db1"},
+                                 {&r.fc2_bias, &ref.db2, "db2"}}) {
+    EXPECT_EQ(got->kind, GradKind::kGrad) << name;
+    EXPECT_TRUE(bitwise_equal(packed_of(got->grad.view()), *want)) << name;
+  }
 }
 
 }  // namespace moe::test

@@ -6,11 +6,13 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <initializer_list>
 #include <nlohmann/json.hpp>
 #include <ostream>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "moe_engine/modules.hpp"
@@ -75,6 +77,34 @@ inline const std::vector<Row>& grad_contract_rows() {
     return out;
   }();
   return rows;
+}
+
+// The row's switches on a module's options (GroupedLinearOptions or GroupedMLPOptions).
+template <class Options>
+void apply_row(Options& o, const Row& row) {
+  o.delay_wgrad_compute = row.delay;
+  o.accumulate_into_main_grad = row.main_grad;
+  o.overwrite_main_grad = row.overwrite;
+  o.zero_out_wgrad = row.zero_out;
+}
+
+// The contract's steps after a backward of module m, whose wgrad hook counts into hook_calls:
+// what backward handed back for each weight (pairs of the result's gradient and the parameter)
+// and the flags then, the queued job; then backward_dw, the hook and the flags after it.
+template <class Module>
+void expect_contract_steps(Module& m, std::initializer_list<std::pair<const ParamGradResult*, Parameter*>> weights,
+                           const Row& row, const int& hook_calls) {
+  for (auto [got, param] : weights) {
+    EXPECT_EQ(got->kind, row.backward_kind) << row.name << ": got " << grad_kind_name(got->kind);
+    EXPECT_EQ(got->grad.defined(), row.backward_kind != GradKind::kNone);
+    EXPECT_EQ(param->grad_added_to_main_grad.has_value(), row.flag) << "the flag appeared or vanished";
+    if (row.flag) EXPECT_EQ(*param->grad_added_to_main_grad, row.flag_after_backward) << row.name;
+  }
+  EXPECT_EQ(m.queued_wgrads(), row.delay ? 1u : 0u);
+  m.backward_dw();
+  EXPECT_EQ(hook_calls, row.delay ? 1 : 0) << "hooks fire once per backward_dw that ran something";
+  for (const auto& weight : weights)
+    if (row.flag) EXPECT_EQ(*weight.second->grad_added_to_main_grad, row.flag_after_dw) << row.name;
 }
 
 // Every row x both layouts, named "row_layout".

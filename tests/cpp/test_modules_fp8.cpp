@@ -191,10 +191,7 @@ TEST_P(Fp8LinearGradientContract, Row) {
   Rng rng;
   const Batch b(rng, kSplits, kT, kIn, kOut, DType::kBFloat16);
   GroupedLinearOptions o = linear_options(DType::kBFloat16, layout);
-  o.delay_wgrad_compute = row.delay;
-  o.accumulate_into_main_grad = row.main_grad;
-  o.overwrite_main_grad = row.overwrite;
-  o.zero_out_wgrad = row.zero_out;
+  apply_row(o, row);
   GroupedLinear m(kG, kIn, kOut, o);
   Tensor main_grad;
   if (row.main_grad) main_grad = main_grad_for(m.weight());
@@ -205,14 +202,7 @@ TEST_P(Fp8LinearGradientContract, Row) {
   std::optional<LinearForwardResult> f = m.forward(b.x, b.groups(), b.scales);
   LinearBackwardResult r = m.backward(f->ctx, b.dy);
   f.reset();  // a queued job keeps its own FP8 tensors
-  EXPECT_EQ(r.weight.kind, row.backward_kind) << grad_kind_name(r.weight.kind);
-  EXPECT_EQ(r.weight.grad.defined(), row.backward_kind != GradKind::kNone);
-  EXPECT_EQ(m.weight().grad_added_to_main_grad.has_value(), row.flag);
-  if (row.flag) EXPECT_EQ(*m.weight().grad_added_to_main_grad, row.flag_after_backward);
-  EXPECT_EQ(m.queued_wgrads(), row.delay ? 1u : 0u);
-  m.backward_dw();
-  EXPECT_EQ(hook_calls, row.delay ? 1 : 0);
-  if (row.flag) EXPECT_EQ(*m.weight().grad_added_to_main_grad, row.flag_after_dw);
+  expect_contract_steps(m, {{&r.weight, &m.weight()}}, row, hook_calls);
 
   const Tensor exact32 = linear_reference(m, b, DType::kFloat32).dw;
   if (row.main_grad) {
@@ -494,15 +484,7 @@ TEST_P(Fp8GroupedMlp, EqualsTheFp8OpAndLayoutsAreBitIdentical) {
       EXPECT_TRUE(same_rows(f.ctx.fp8_saved().fc1_out, ref.h_rows.view(), rows));
       EXPECT_EQ(f.ctx.saved_bytes(), mlp_saved_bytes(T, G, kH, kF, true, true));
       MlpBackwardResult r = m->backward(f.ctx, b.dy);
-      EXPECT_TRUE(bitwise_equal(r.dx, ref.dx));
-      EXPECT_TRUE(bitwise_equal(r.dprobs, ref.dprobs));
-      for (auto [got, want, name] : {std::tuple{&r.fc1_weight, &ref.dw1, "dw1"},
-                                     {&r.fc2_weight, &ref.dw2, "dw2"},
-                                     {&r.fc1_bias, &ref.db1, "db1"},
-                                     {&r.fc2_bias, &ref.db2, "db2"}}) {
-        EXPECT_EQ(got->kind, GradKind::kGrad) << name;
-        EXPECT_TRUE(bitwise_equal(packed_of(got->grad.view()), *want)) << name;
-      }
+      expect_backward_equals(r, ref);
       EXPECT_EQ(r.fc1_weight.grad.layout(), m->options().layout);
       EXPECT_EQ(m->fp8_weight_quantizations(), 2u) << "each weight once, for forward and backward";
     }
@@ -594,10 +576,7 @@ TEST_P(Fp8MlpGradientContract, Row) {
     const Batch b(rng, kSplits, kMlpT, kH, kH, DType::kBFloat16);
     GroupedMLPOptions o = mlp_options(DType::kBFloat16, layout);
     o.fp8 = recipe;
-    o.delay_wgrad_compute = row.delay;
-    o.accumulate_into_main_grad = row.main_grad;
-    o.overwrite_main_grad = row.overwrite;
-    o.zero_out_wgrad = row.zero_out;
+    apply_row(o, row);
     GroupedMLP m(kG, kH, kF, o);
     Tensor mg1, mg2;
     if (row.main_grad) mg1 = main_grad_for(m.fc1_weight()), mg2 = main_grad_for(m.fc2_weight());
@@ -608,20 +587,8 @@ TEST_P(Fp8MlpGradientContract, Row) {
     std::optional<MlpForwardResult> f = m.forward(b.x, b.groups(), b.scales);
     MlpBackwardResult r = m.backward(f->ctx, b.dy);
     f.reset();  // a queued job keeps its own tensors
-    for (auto [got, param] : {std::pair{&r.fc1_weight, &m.fc1_weight()}, {&r.fc2_weight, &m.fc2_weight()}}) {
-      EXPECT_EQ(got->kind, row.backward_kind) << grad_kind_name(got->kind);
-      EXPECT_EQ(got->grad.defined(), row.backward_kind != GradKind::kNone);
-      EXPECT_EQ(param->grad_added_to_main_grad.has_value(), row.flag);
-      if (row.flag) EXPECT_EQ(*param->grad_added_to_main_grad, row.flag_after_backward);
-    }
     EXPECT_EQ(r.fc1_bias.kind, GradKind::kGrad) << "bias gradients are never delayed";
-    EXPECT_EQ(m.queued_wgrads(), row.delay ? 1u : 0u);
-    m.backward_dw();
-    EXPECT_EQ(hook_calls, row.delay ? 1 : 0);
-    if (row.flag) {
-      EXPECT_EQ(*m.fc1_weight().grad_added_to_main_grad, row.flag_after_dw);
-      EXPECT_EQ(*m.fc2_weight().grad_added_to_main_grad, row.flag_after_dw);
-    }
+    expect_contract_steps(m, {{&r.fc1_weight, &m.fc1_weight()}, {&r.fc2_weight, &m.fc2_weight()}}, row, hook_calls);
     const MlpReference exact32 = reference_for(m, b, DType::kFloat32);
     EXPECT_TRUE(bitwise_equal(r.dx, exact32.dx));
     EXPECT_TRUE(bitwise_equal(r.dprobs, exact32.dprobs));

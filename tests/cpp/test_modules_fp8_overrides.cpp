@@ -72,15 +72,7 @@ TEST_P(Fp8MlpOverrides, EqualsTheLayersOpsBothLayoutsAndDtypes) {
       EXPECT_FALSE(f.ctx.fp8_saved().fc1_out.data.defined()) << "the pre-activation stays in the module's dtype";
       EXPECT_EQ(f.ctx.saved_bytes(), saved_bytes(r, kT, kG, kH, kF, 2 * kF, int64_t(dtype_size(dt))));
       MlpBackwardResult g = m->backward(f.ctx, b.dy);
-      EXPECT_TRUE(bitwise_equal(g.dx, ref.dx));
-      EXPECT_TRUE(bitwise_equal(g.dprobs, ref.dprobs));
-      for (auto [got, want, name] : {std::tuple{&g.fc1_weight, &ref.dw1, "dw1"},
-                                     {&g.fc2_weight, &ref.dw2, "dw2"},
-                                     {&g.fc1_bias, &ref.db1, "db1"},
-                                     {&g.fc2_bias, &ref.db2, "db2"}}) {
-        EXPECT_EQ(got->kind, GradKind::kGrad) << name;
-        EXPECT_TRUE(bitwise_equal(packed_of(got->grad.view()), *want)) << name;
-      }
+      expect_backward_equals(g, ref);
       EXPECT_FALSE(f.ctx.saves_input() || f.ctx.saves_fc1_out() || f.ctx.saves_act()) << "backward releases";
       EXPECT_EQ(m->fp8_weight_quantizations(), r.forward || r.dgrad ? 2u : 0u)
           << "each weight once for forward and backward; a wgrad-only recipe never quantizes one";
