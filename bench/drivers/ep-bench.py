@@ -16,7 +16,8 @@ output gradient random bf16.
 Timed: one step is x.grad and every .grad unset, y = layer(x), y.backward(g); a sample is --block
 steps back to back (CUDA events), the sample's time the slowest rank's; ms is the median over
 --iters samples. Peak memory: the largest rank's max_memory_allocated over a step, above what was
-allocated before the step. weak_scaling_efficiency = the baseline's step time / the P-GPU step time.
+allocated before the step (the previous step's gradients cleared). weak_scaling_efficiency = the
+baseline's step time / the P-GPU step time.
 
 The all-to-all, measured alone in the same run: the token exchange of one dropless forward with that
 step's split sizes (dispatch; combine moves the same rows back), against NCCL's all_to_all_single
@@ -118,9 +119,12 @@ def time_steps(step, args, clock, device):
     return statistics.median(slowest(samples, device))
 
 
-def peak_of(step, device):
+def peak_of(step, clear, device):
+    """The step's peak allocation above what is allocated before it, the previous step's gradients
+    cleared first (they would count in the base and be freed during the step)."""
     if device.type != "cuda":
         return None
+    clear()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -182,14 +186,17 @@ def worker(rank, world, args, store, out_file):
             with torch.no_grad():
                 layer.router.weight.normal_(0, 0.02)
 
-            def step(layer=layer):
+            def clear(layer=layer):
                 x.grad = None
                 for p in layer.parameters():
                     p.grad = None
+
+            def step(layer=layer):
+                clear(layer)
                 layer(x).backward(g)
 
             ms = time_steps(step, args, clock, device)
-            peak = peak_of(step, device)
+            peak = peak_of(step, clear, device)
             row = dict(s, gpus=world, mode=mode, experts=E, ms=ms, tflops_per_gpu=flops / (ms * 1e-3) / 1e12,
                        peak_bytes=peak)
             if mode == "capacity":

@@ -145,6 +145,16 @@ def run_case(rank, world, device, dtype, case):
         before = kept_assignments(full.router(data[rank][0]).indices, full.num_experts, full.capacity_factor, world,
                                   None)
         assert ep.ep_drops() == int(before.sum() - keep.sum()), f"{name}: ep_drops"
+    # Dropless: a token travels once to each rank holding any of its kept experts, however many.
+    if epf is None:
+        from moe_engine.torch.expert_parallel import expert_parallel_forward
+
+        with torch.no_grad():
+            _, rec = expert_parallel_forward(ep, x)
+        idx = full.router(x).indices.cpu()
+        want = [sum(1 for t in range(idx.shape[0]) if any(keep[t, j] and int(idx[t, j]) // ep.experts.num_groups == d
+                                                          for j in range(idx.shape[1]))) for d in range(world)]
+        assert rec.send_sizes == want, f"{name}: rows sent per rank {rec.send_sizes} != {want}"
     # The local experts' row counts: what reached them from every rank.
     got = ep.ep_tokens_per_local_expert.cpu().tolist()
     want = [0] * L

@@ -2,34 +2,38 @@
 (docs/design.md section 16).
 
 Rank r of P holds the contiguous experts ``r L .. (r + 1) L - 1`` (L = E / P); every rank routes its
-own tokens with the replicated router and gets its own tokens' outputs back. Two ways to size the
-exchange:
+own tokens with the replicated router and gets its own tokens' outputs back.
 
-- **dropless** (``ep_capacity_factor=None``): the layer's own dispatch sorts the tokens by expert,
-  which is also by destination rank; the per-expert counts go through an all-to-all on the device and
-  are read on the host once (the step's one host sync, so it cannot be captured in a CUDA graph) to
-  size one all-to-all of the rows (and one of their probs). Each source's block arrives in expert
-  order; the receiver sorts the blocks by local expert (a stable counting sort: source order within
-  an expert), runs the experts, sorts back, and the rows return into the layer's own combine.
+A token goes to each rank that holds one of its experts **once**, however many of its k experts that
+rank holds (as DeepEP's and Megatron's flex dispatchers do): with deepseek-v3's top-8 over 4 ranks of
+32 experts a token travels to ~3.6 ranks instead of 8 times, over 2 ranks to 2 instead of 8. Each
+sent row carries its k slots' local expert ids (L where the slot's expert is on another rank) and
+probs. The receiver plans the slots by local expert (a stable counting sort: source order within an
+expert), runs the experts, sums each row's local experts' outputs (the partial combine, float32,
+rounded once) and sends one row back per received row; the sender's combine sums its ranks' rows.
 
-      route -> dispatch (permute) -> counts all-to-all -> all-to-all -> sort by local expert
-            -> GroupedMLP (L experts) -> unsort -> all-to-all back -> combine (unpermute)
+    route -> rows by destination -> all-to-all (rows, slot probs, slot ids) -> permute by local
+          expert -> GroupedMLP (L experts) -> partial combine -> all-to-all back -> combine
 
-- **fixed capacity** (``ep_capacity_factor=f``): every (source, destination) pair has a buffer of
-  ``C = min(T k, ceil(T k / P * f))`` rows, a static shape; the exchanges are all-to-alls with equal
-  splits and nothing is read on the host, so forward and backward can be captured and replayed. A
-  source sends each destination its first C assignments in token order; the rest are dropped (they
-  add nothing to y and get zero gradients, as capacity drops of the layer do) and counted on the
-  device in ``MoELayer.ep_dropped`` (per destination), which ``ep_drops()`` reads outside capture.
-  ``f = P`` never drops. Each row travels with its local expert id; the receiver sorts by it (a
-  stable counting sort) before the experts and back after.
+Two ways to size the exchange:
 
-      route -> plan by destination -> permute into [P C] -> all-to-all (rows, probs, ids)
-            -> sort by local expert -> GroupedMLP -> unsort -> all-to-all back -> combine
+- **dropless** (``ep_capacity_factor=None``): the per-destination counts (rows, assignments) go
+  through an all-to-all on the device and are read on the host once (the step's one host sync, so it
+  cannot be captured in a CUDA graph) to size the exchange and the experts' buffer exactly.
+- **fixed capacity** (``ep_capacity_factor=f``): each destination takes a source's first
+  ``C = min(T k, ceil(T k / P * f))`` assignments in token order (then choice order); the rest are
+  dropped (they add nothing to y and get zero gradients, as capacity drops of the layer do) and
+  counted on the device in ``MoELayer.ep_dropped`` (per destination), which ``ep_drops()`` reads
+  outside capture. ``f = P`` never drops. Every (source, destination) pair has a buffer of
+  ``min(T, C)`` rows (rows never outnumber assignments) and the receiver's experts a buffer of P C
+  rows: static shapes, all-to-alls with equal splits, nothing read on the host, so forward and
+  backward can be captured and replayed.
 
 Every step is deterministic: the plans are stable counting sorts, the exchanges move bytes, and each
 expert sees its rows in (source rank, token) order, the order a single process would give the
-concatenation of the ranks' tokens.
+concatenation of the ranks' tokens. The output differs from the single-process layer's only by
+rounding: a token's experts on one rank are summed and rounded there, then the ranks' partial sums
+are summed (float32) and rounded again.
 """
 
 from __future__ import annotations
@@ -67,74 +71,118 @@ def pair_capacity(tokens: int, topk: int, ranks: int, factor: float) -> int:
 
 class _AllToAll(torch.autograd.Function):
     """Rows of x exchanged among the group's ranks; the gradient goes back the same way reversed.
-    ``send_sizes`` / ``recv_sizes``: rows per peer (host lists), or None for equal splits."""
+    ``send_sizes`` / ``recv_sizes``: rows per peer (host lists), or None for equal splits. The rows
+    sent are x's first ``sum(send_sizes)``, the rows received the output's first ``sum(recv_sizes)``
+    of ``out_rows``: buffers sized before the sizes were known keep their shapes, and the rows past
+    the exchanged ones (never read) are left unwritten, in the gradient too."""
 
     @staticmethod
     def forward(ctx, x: Tensor, out_rows: int, send_sizes: Optional[List[int]], recv_sizes: Optional[List[int]],
                 group) -> Tensor:
+        sent = x.shape[0] if send_sizes is None else sum(send_sizes)
+        got = out_rows if recv_sizes is None else sum(recv_sizes)
         out = x.new_empty((out_rows, *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv_sizes, send_sizes, group=group)
-        ctx.group, ctx.in_rows, ctx.send_sizes, ctx.recv_sizes = group, x.shape[0], send_sizes, recv_sizes
+        dist.all_to_all_single(out[:got], x[:sent].contiguous(), recv_sizes, send_sizes, group=group)
+        ctx.group, ctx.in_rows, ctx.sent, ctx.got = group, x.shape[0], sent, got
+        ctx.send_sizes, ctx.recv_sizes = send_sizes, recv_sizes
         return out
 
     @staticmethod
     def backward(ctx, d_out: Tensor):
         dx = d_out.new_empty((ctx.in_rows, *d_out.shape[1:]))
-        dist.all_to_all_single(dx, d_out.contiguous(), ctx.send_sizes, ctx.recv_sizes, group=ctx.group)
+        dist.all_to_all_single(dx[:ctx.sent], d_out[:ctx.got].contiguous(), ctx.send_sizes, ctx.recv_sizes,
+                               group=ctx.group)
         return dx, None, None, None, None
 
 
 def all_to_all(x: Tensor, out_rows: int, send_sizes: Optional[List[int]], recv_sizes: Optional[List[int]],
                group) -> Tensor:
-    """Differentiable ``all_to_all_single`` over rows (the gradient takes the reverse exchange)."""
+    """Differentiable ``all_to_all_single`` over rows (the gradient takes the reverse exchange):
+    x's first ``sum(send_sizes)`` rows out, into the first ``sum(recv_sizes)`` of ``out_rows``."""
     return _AllToAll.apply(x, out_rows, send_sizes, recv_sizes, group)
 
 
 class SendPlan(NamedTuple):
-    """The fixed-capacity mode's send buffer."""
-    row_send: Tensor  # [T, k] int32: the send-buffer row of each assignment, -1 if not sent
-    splits: Tensor  # [P] int64: C rows per destination
+    """The send buffer: one row per (token, destination rank holding some of its experts)."""
+    row_send: Tensor  # [T, P] int32: the send row of token t for rank d, -1 if none
+    splits: Tensor  # [P] int64: the buffer's rows per destination
     routing: Tensor  # the routing tensor of splits (their offsets)
-    rows: int  # the send buffer's rows, P C
-    ids: Tensor  # [rows] int32: each send row's local expert at its destination (L: none)
-    dropped: Tensor  # [P] int64: assignments not sent to each destination
+    rows: int  # the send buffer's rows
+    slots: Tensor  # [rows, 2 k] float32: each row's k slot probs (0 where the slot's expert is on
+    #                another rank), then its k slot ids (int32 bits: the local expert, L elsewhere);
+    #                differentiable in the probs; one tensor, one exchange
+    dropped: Optional[Tensor]  # [P] int64 (fixed capacity): assignments not sent to each destination
 
 
-def plan_send(indices: Tensor, row_of_expert: Optional[Tensor], experts_per_rank: int, ranks: int,
+def destinations(indices: Tensor, row_of_expert: Optional[Tensor], experts_per_rank: int, ranks: int) -> Tensor:
+    """[T, k] int64: the rank of each assignment's expert, ``ranks`` where the layer's own capacity
+    plan (``row_of_expert``, or None) dropped it."""
+    dest = torch.div(indices, experts_per_rank, rounding_mode="floor")
+    return dest if row_of_expert is None else torch.where(row_of_expert >= 0, dest, ranks)
+
+
+def _rows_by_destination(on: Tensor, first_row: Tensor) -> Tensor:
+    """[T, P] int32: token t's row for rank d, ``first_row[d]`` + its rank among d's tokens (token
+    order), -1 where ``on`` [T, P] is false. The scan runs along contiguous memory ([P, T])."""
+    on_t = on.t().contiguous()
+    rank_in_dest = on_t.to(torch.int32).cumsum(1, dtype=torch.int32) - 1
+    return torch.where(on_t, rank_in_dest + first_row.view(-1, 1).to(torch.int32), -1).t().contiguous()
+
+
+def _slot_table(dest: Tensor, indices: Tensor, probs: Tensor, row_send: Tensor, rows: int,
+                experts_per_rank: int) -> Tensor:
+    """[rows, 2 k] (SendPlan.slots) of the rows ``row_send`` [T, P] places: each row's k slots, the
+    local expert and prob of each of its token's assignments sent to that rank (``dest``), L and 0
+    for the others. ``rows`` may exceed the rows placed: the rest get no slots."""
+    L = experts_per_rank
+    T, k = indices.shape
+    P = row_send.shape[1]
+    dev = indices.device
+    match = dest.unsqueeze(1) == torch.arange(P, device=dev).view(1, P, 1)  # [T, P, k]
+    local = (indices - dest.clamp_max(P - 1) * L).to(torch.int32).unsqueeze(1)
+    ids = torch.where(match, local, L).view(torch.float32)  # int32 bits, carried as float32
+    pairs = torch.cat([torch.where(match, probs.unsqueeze(1), 0.0), ids], 2).view(T * P, 2 * k)
+    # Pair T P (one past the end) has no slots: the rows no token is placed in take it.
+    none = torch.cat([probs.new_zeros(1, k), torch.full((1, k), L, dtype=torch.int32, device=dev).view(torch.float32)],
+                     1)
+    pairs = torch.cat([pairs, none])
+    target = torch.where(row_send >= 0, row_send, rows).reshape(-1).to(torch.int64)
+    pair_of_row = torch.full((rows + 1,), T * P, dtype=torch.int64, device=dev).scatter_(
+        0, target, torch.arange(T * P, device=dev))[:rows]  # row `rows` collects the pairs not placed
+    return pairs.index_select(0, pair_of_row)
+
+
+def plan_send(indices: Tensor, probs: Tensor, row_of_expert: Optional[Tensor], experts_per_rank: int, ranks: int,
               capacity: int) -> SendPlan:
-    """The fixed-capacity send buffer ``[P C, H]``: destination d's group is rows ``[d C, (d + 1) C)``
-    and holds its first C assignments in token order (a stable counting sort on the device); the
-    rest are dropped. ``row_of_expert`` (the layer's own capacity plan, or None) marks assignments the
-    layer dropped already (-1)."""
+    """The fixed-capacity send buffer: each destination takes its first ``capacity`` assignments in
+    token order (then choice order; the rest are dropped and counted), and a token with any kept
+    assignment on rank d sends it one row, at ``[d C, (d + 1) C)`` with ``C = min(T, capacity)``
+    rows a destination (rows never outnumber assignments). Static shapes, no host read."""
 
     L, P = experts_per_rank, ranks
     T, k = indices.shape
-    dest = torch.div(indices, L, rounding_mode="floor")
-    local = (indices - dest * L).to(torch.int32)
-    if row_of_expert is not None:
-        dest = torch.where(row_of_expert >= 0, dest, P)
-    # P + 1 destinations: the last holds what the layer dropped, and is never sent.
-    row_of_dest, splits, routing, _ = _permute_plan(dest, P + 1, None)
-    pos = row_of_dest.to(torch.int64) - routing.index_select(0, dest.reshape(-1)).view(T, k)
-    keep = (dest < P) & (pos < capacity)
-    row_send = torch.where(keep, dest * capacity + pos, -1).to(torch.int32)
-    rows = P * capacity
-    dropped = (splits[:P] - capacity).clamp_min(0)
-    send_splits = torch.full((P,), capacity, dtype=torch.int64, device=indices.device)
-    send_routing = routing_tensor(routing_for_capacity("MoELayer (expert parallel)", rows, send_splits,
-                                                       stream_of(send_splits)))
-    # Each send row's local expert; rows nothing is sent from keep L (the receiver's "no expert").
-    ids = torch.full((rows + 1,), L, dtype=torch.int32, device=indices.device)
-    target = torch.where(row_send >= 0, row_send, rows).reshape(-1).to(torch.int64)
-    ids.scatter_(0, target, local.reshape(-1))
-    return SendPlan(row_send, send_splits, send_routing, rows, ids[:rows], dropped)
+    dev = indices.device
+    dest = destinations(indices, row_of_expert, L, P)
+    # Each assignment's rank among its destination's, in token order (a stable counting sort).
+    row_of_dest, splits_dest, routing_dest, _ = _permute_plan(dest, P + 1, None)
+    pos = row_of_dest.to(torch.int64) - routing_dest.index_select(0, dest.reshape(-1)).view(T, k)
+    kept = torch.where((dest < P) & (pos < capacity), dest, P)
+    on = torch.zeros(T, P + 1, dtype=torch.bool, device=dev).scatter_(1, kept, True)[:, :P]
+    per_dest = min(T, capacity)
+    row_send = _rows_by_destination(on, torch.arange(P, device=dev) * per_dest)
+    splits = torch.full((P,), per_dest, dtype=torch.int64, device=dev)
+    routing = routing_tensor(routing_for_capacity("MoELayer (expert parallel)", P * per_dest, splits,
+                                                  stream_of(splits)))
+    slots = _slot_table(kept, indices, probs, row_send, P * per_dest, L)
+    dropped = (splits_dest[:P] - capacity).clamp_min(0)
+    return SendPlan(row_send, splits, routing, P * per_dest, slots, dropped)
 
 
 class ExpertParallelStep(NamedTuple):
     """What one EP forward made, for breakdowns and tests."""
     send_sizes: Optional[List[int]]  # rows sent to each peer (dropless; None with fixed capacity)
     recv_sizes: Optional[List[int]]  # rows received from each peer (dropless)
-    send: Optional[SendPlan]  # the fixed-capacity exchange's plan (None dropless)
+    send: SendPlan
     recv_rows: int
     local_splits: Tensor  # [L] int64: rows each local expert computed (on the device)
 
@@ -142,69 +190,87 @@ class ExpertParallelStep(NamedTuple):
 def expert_parallel_forward(layer, x: Tensor):
     """The EP layer's forward (``MoELayer.forward`` with ``ep_group``): y [T, H] and the step's record."""
     r = layer.route(x)
+    row_of_expert = None
+    if layer.capacity_factor is not None:  # the layer's own capacity drops come first
+        row_of_expert, _, _, _ = _permute_plan(r.indices, layer.num_experts, layer.capacity_factor)
     if layer.ep_capacity_factor is None:
-        return _dropless_forward(layer, x, r)
-    return _fixed_capacity_forward(layer, x, r)
+        return _dropless_forward(layer, x, r, row_of_expert)
+    return _fixed_capacity_forward(layer, x, r, row_of_expert)
 
 
-def _local_experts(layer, x_recv: Tensor, p_recv: Tensor, ids_recv: Tensor, groups: int):
-    """The experts on the received rows: a stable sort by local expert id (rows with id L, if any, last
-    and not computed), the GroupedMLP, the inverse sort. Returns the rows' outputs in received order
-    and the local experts' row counts."""
+def _local_plan(slots: Tensor, experts_per_rank: int):
+    """The received rows' slots [N, 2 k] planned by local expert (a stable counting sort: source
+    order within an expert; slots of no local expert, id L, not routed): (probs [N, k] float32,
+    row_of [N, k] int32 (-1: not routed), splits [L] int64)."""
+    L = experts_per_rank
+    k = slots.shape[1] // 2
+    probs, ids = slots[:, :k].contiguous(), slots[:, k:].detach().contiguous().view(torch.int32)
+    row_of, splits_all, _, _ = _permute_plan(ids, L + 1, None)
+    return probs, torch.where(ids < L, row_of, -1), splits_all[:L].contiguous()
 
-    L, rows = layer.experts.num_groups, x_recv.shape[0]
-    row_local, local_splits, local_routing, _ = _permute_plan(ids_recv.view(-1, 1).to(torch.int64), groups, None)
-    x_loc, p_loc = _permute(x_recv, p_recv.view(-1, 1), row_local, local_splits, local_routing, rows)
-    splits_l = local_splits[:L] if groups > L else local_splits
+
+def _exchange_and_experts(layer, x_send: Tensor, plan: SendPlan, recv_rows: int, send_sizes, recv_sizes,
+                          local, local_rows: int):
+    """The send buffer's rows to their ranks; there, with the received rows' ``local`` plan
+    (``_local_plan``), the GroupedMLP and each received row's experts summed (float32, rounded
+    once); the rows back; the ranks' partial sums summed. Returns y [T, H] and the local experts'
+    row counts."""
+
+    group = layer.ep_group
+    p_recv, row_local, splits_l = local
+    x_recv = all_to_all(x_send, recv_rows, send_sizes, recv_sizes, group)
+    routing_l = routing_tensor(routing_for_capacity("MoELayer (expert parallel)", local_rows, splits_l,
+                                                    stream_of(splits_l)))
+    x_loc, p_loc = _permute(x_recv, p_recv, row_local, splits_l, routing_l, local_rows)
     out_loc = layer.experts(x_loc, splits_l, p_loc)
-    return _unpermute(out_loc, None, row_local, local_splits, local_routing), splits_l
-
-
-def _dropless_forward(layer, x: Tensor, r):
-    """The layer's own dispatch (its expert order is also destination order), the per-expert counts
-    exchanged on the device and read once on the host, the rows exchanged by one all-to-all with those
-    sizes, sorted by local expert on the receiver (each source's block is already in expert order),
-    the experts, the way back, the layer's own combine."""
-
-    group, P, L = layer.ep_group, layer.ep_size, layer.experts.num_groups
-    d = layer.dispatch(x, r)
-    send_counts = d.splits.view(P, L)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    counts = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # the mode's one host read
-    send_sizes, recv_sizes = counts[0], counts[1]
-    sent, recv_rows = sum(send_sizes), sum(recv_sizes)
-    x_recv = all_to_all(d.x[:sent], recv_rows, send_sizes, recv_sizes, group)
-    p_recv = all_to_all(d.probs[:sent], recv_rows, send_sizes, recv_sizes, group)
-    ids_recv = torch.repeat_interleave(torch.arange(L, device=x.device).repeat(P), recv_counts.reshape(-1),
-                                       output_size=recv_rows)
-    y_recv, splits_l = _local_experts(layer, x_recv, p_recv, ids_recv, L)
-    y_sent = all_to_all(y_recv, sent, recv_sizes, send_sizes, group)
-    # The combine over the sent rows: the plan's routing is recomputed for their count.
-    y = _unpermute(y_sent, None, d.row_of, d.splits, d.routing)
+    y_recv = _unpermute(out_loc, None, row_local, splits_l, routing_l)
+    y_sent = all_to_all(y_recv, plan.rows, recv_sizes, send_sizes, group)
     layer.ep_tokens_per_local_expert = splits_l
-    return y, ExpertParallelStep(send_sizes, recv_sizes, None, recv_rows, splits_l)
+    return _unpermute(y_sent, None, plan.row_send, plan.splits, plan.routing), splits_l
 
 
-def _fixed_capacity_forward(layer, x: Tensor, r):
-    """Static shapes, no host read: per-pair buffers of C rows exchanged with equal splits, with each
-    row's local expert id; the receiver's sort by it and its inverse."""
+def _dropless_forward(layer, x: Tensor, r, row_of_expert: Optional[Tensor]):
+    """The rows each rank needs and the per-destination counts (rows, assignments), exchanged on the
+    device and read once on the host to size the exchange. After the read the GPU waits on the host
+    until the experts' first GEMM is queued, so what needs no size runs before it: the send buffer
+    and its slots, sized for the most rows a rank can send (T min(P, k); the rows past the sent ones
+    are not exchanged)."""
 
     group, P, L = layer.ep_group, layer.ep_size, layer.experts.num_groups
     T, k = r.indices.shape
-    row_of_expert = None
-    if layer.capacity_factor is not None:
-        row_of_expert, _, _, _ = _permute_plan(r.indices, layer.num_experts, layer.capacity_factor)
+    dest = destinations(r.indices, row_of_expert, L, P)
+    # assigned[t, d]: token t's experts on rank d; it sends d a row when there is any.
+    assigned = torch.zeros(T, P + 1, dtype=torch.int32, device=x.device).scatter_add_(
+        1, dest, torch.ones_like(dest, dtype=torch.int32))[:, :P]
+    on = assigned > 0
+    send_counts = torch.stack([on.sum(0), assigned.sum(0)], 1)  # [P, 2] int64: rows, assignments
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    splits = send_counts[:, 0].contiguous()
+    rows = T * min(P, k)
+    row_send = _rows_by_destination(on, splits.cumsum(0) - splits)  # destination-major, token order
+    routing = routing_tensor(routing_for_capacity("MoELayer (expert parallel)", rows, splits, stream_of(splits)))
+    plan = SendPlan(row_send, splits, routing, rows, _slot_table(dest, r.indices, r.probs, row_send, rows, L), None)
+    x_send, _ = _permute(x, None, row_send, splits, routing, rows)
+    host = torch.cat([splits, recv_counts.reshape(-1)]).tolist()  # the mode's one host read
+    send_sizes, recv_sizes = host[:P], host[P::2]
+    recv_rows = sum(recv_sizes)
+    local = _local_plan(all_to_all(plan.slots, recv_rows, send_sizes, recv_sizes, group), L)
+    y, splits_l = _exchange_and_experts(layer, x_send, plan, recv_rows, send_sizes, recv_sizes, local,
+                                        sum(host[P + 1::2]))
+    return y, ExpertParallelStep(send_sizes, recv_sizes, plan, recv_rows, splits_l)
+
+
+def _fixed_capacity_forward(layer, x: Tensor, r, row_of_expert: Optional[Tensor]):
+    """Static shapes, no host read: per-pair buffers exchanged with equal splits; the receiver's
+    expert buffer holds the P pair capacities' assignments."""
+
+    P, L = layer.ep_size, layer.experts.num_groups
+    T, k = r.indices.shape
     capacity = pair_capacity(T, k, P, layer.ep_capacity_factor)
-    plan = plan_send(r.indices, row_of_expert, L, P, capacity)
+    plan = plan_send(r.indices, r.probs, row_of_expert, L, P, capacity)
     layer.ep_dropped.add_(plan.dropped)
-    x_send, p_send = _permute(x, r.probs, plan.row_send, plan.splits, plan.routing, plan.rows)
-    rows = plan.rows
-    x_recv = all_to_all(x_send, rows, None, None, group)
-    p_recv = all_to_all(p_send, rows, None, None, group)
-    ids_recv = all_to_all(plan.ids, rows, None, None, group)  # int32: no gradient
-    y_recv, splits_l = _local_experts(layer, x_recv, p_recv, ids_recv, L + 1)
-    y_send = all_to_all(y_recv, rows, None, None, group)
-    y = _unpermute(y_send, None, plan.row_send, plan.splits, plan.routing)
-    layer.ep_tokens_per_local_expert = splits_l
-    return y, ExpertParallelStep(None, None, plan, rows, splits_l)
+    x_send, _ = _permute(x, None, plan.row_send, plan.splits, plan.routing, plan.rows)
+    local = _local_plan(all_to_all(plan.slots, plan.rows, None, None, layer.ep_group), L)
+    y, splits_l = _exchange_and_experts(layer, x_send, plan, plan.rows, None, None, local, P * capacity)
+    return y, ExpertParallelStep(None, None, plan, plan.rows, splits_l)
