@@ -69,7 +69,7 @@ def worker(rank, world, models, modes, store, steps=3):
             with torch.no_grad():
                 layer.router.weight.normal_(0, 0.02)
 
-            def step():
+            def step(layer=layer):
                 x.grad = None
                 for p in layer.parameters():
                     p.grad = None
