@@ -10,6 +10,8 @@ GPU count P (E = L P experts in all):
   dropless   MoELayer(..., ep_group=WORLD): the exchange sized from the counts (one host read a step)
   capacity   MoELayer(..., ep_group=WORLD, ep_capacity_factor=--capacity-factor): fixed per-pair
              buffers, graph safe; its drops are reported
+  baseline-graph, capacity-graph (CUDA): the same steps captured once in a CUDA graph and replayed
+             (no host time in the step); capacity-graph's efficiency is against baseline-graph
 The router weight is random (std 0.02: near-balanced routing, as at the start of training), x and the
 output gradient random bf16.
 
@@ -135,6 +137,22 @@ def peak_of(step, clear, device):
     return int(t.item())
 
 
+def captured(step, clear):
+    """The step captured once in a CUDA graph (after two warm-up steps on a side stream, gradients
+    unset so that capture allocates them); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def bandwidth(once, sent_rows, H, elem, args, clock, device, world):
     """ms of once() and the GB/s per GPU of the rows each rank sends to other ranks (summed over ranks)."""
     ms = time_steps(once, args, clock, device)
@@ -173,14 +191,17 @@ def worker(rank, world, args, store, out_file):
         gated = s["activation"] not in ("srelu", "gelu_tanh")
         flops = 3 * 2 * T * k * H * F * (3 if gated else 2)  # the experts' GEMMs, forward + backward, per GPU
         modes = (["baseline"] if world == 1 else []) + ["dropless", "capacity"]
+        if cuda:
+            modes += (["baseline-graph"] if world == 1 else []) + ["capacity-graph"]
         for mode in modes:
             torch.manual_seed(7)
+            kind = mode.removesuffix("-graph")
             opts = dict(activation=s["activation"], bias=s["bias"], device=device, dtype=dtype)
             if s["activation"] in ("swiglu", "clamped_qgeglu"):
                 opts["glu_layout"] = "blocks:32"
-            if mode != "baseline":
+            if kind != "baseline":
                 opts["ep_group"] = dist.group.WORLD
-            if mode == "capacity":
+            if kind == "capacity":
                 opts["ep_capacity_factor"] = args.capacity_factor
             layer = me.MoELayer(H, F, E, k, **opts)
             with torch.no_grad():
@@ -195,11 +216,15 @@ def worker(rank, world, args, store, out_file):
                 clear(layer)
                 layer(x).backward(g)
 
-            ms = time_steps(step, args, clock, device)
-            peak = peak_of(step, clear, device)
+            peak = None  # a graph's memory is its pool's, allocated at capture
+            if mode.endswith("-graph"):
+                ms = time_steps(captured(step, clear), args, clock, device)
+            else:
+                ms = time_steps(step, args, clock, device)
+                peak = peak_of(step, clear, device)
             row = dict(s, gpus=world, mode=mode, experts=E, ms=ms, tflops_per_gpu=flops / (ms * 1e-3) / 1e12,
                        peak_bytes=peak)
-            if mode == "capacity":
+            if kind == "capacity":
                 row["dropped_assignments"] = layer.ep_drops()
                 row["capacity_factor"] = args.capacity_factor
             if mode == "dropless" and world > 1:
@@ -237,7 +262,10 @@ def worker(rank, world, args, store, out_file):
 
 def markdown(res):
     lines = [f"# Expert parallelism, weak scaling ({res['device']})", "", f"Command: `{res['command']}`", "",
-             f"weak_scaling_efficiency_4gpu (dropless, min over shapes): {res.get('weak_scaling_efficiency_4gpu')}",
+             f"weak_scaling_efficiency_4gpu (dropless, min over shapes): {res.get('weak_scaling_efficiency_4gpu')}; "
+             f"2 GPUs: {res.get('weak_scaling_efficiency_2gpu')}; captured in a CUDA graph (fixed capacity, against the "
+             f"captured one-GPU layer), 4 / 2 GPUs: {res.get('weak_scaling_efficiency_4gpu_graph')} / "
+             f"{res.get('weak_scaling_efficiency_2gpu_graph')}",
              "", "| model | GPUs | mode | ms | TFLOP/s per GPU | efficiency | peak GiB | a2a GB/s per GPU | "
              "of same-run NCCL | a2a share | drops |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["entries"]:
@@ -262,17 +290,20 @@ def main():
             mp.start_processes(worker, args=(world, args, os.path.join(tmp, "store"), out_file), nprocs=world,
                                start_method="spawn")
             entries += json.load(open(out_file))
-    base = {r["model"]: r["ms"] for r in entries if r["mode"] == "baseline"}
+    base = {(r["model"], r["mode"].endswith("-graph")): r["ms"] for r in entries if r["mode"].startswith("baseline")}
     for r in entries:
-        if r["model"] in base and r["mode"] != "baseline":
-            r["weak_scaling_efficiency"] = base[r["model"]] / r["ms"]
+        key = (r["model"], r["mode"].endswith("-graph"))
+        if key in base and not r["mode"].startswith("baseline"):
+            r["weak_scaling_efficiency"] = base[key] / r["ms"]
     eff = lambda mode, n: [r["weak_scaling_efficiency"] for r in entries  # noqa: E731
                            if r["mode"] == mode and r["gpus"] == n and "weak_scaling_efficiency" in r]
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     res = dict(device=device, command="python " + " ".join(sys.argv), date=datetime.date.today().isoformat(),
                torch=torch.__version__, weak_scaling_efficiency_4gpu=min(eff("dropless", 4), default=None),
                weak_scaling_efficiency_4gpu_fixed_capacity=min(eff("capacity", 4), default=None),
-               weak_scaling_efficiency_2gpu=min(eff("dropless", 2), default=None), entries=entries)
+               weak_scaling_efficiency_2gpu=min(eff("dropless", 2), default=None),
+               weak_scaling_efficiency_4gpu_graph=min(eff("capacity-graph", 4), default=None),
+               weak_scaling_efficiency_2gpu_graph=min(eff("capacity-graph", 2), default=None), entries=entries)
     fr = [r["a2a_fraction_of_peak"] for r in entries if r.get("a2a_fraction_of_peak") is not None]
     res["min_a2a_fraction_of_same_run_nccl"] = min(fr, default=None)
     if args.out:
