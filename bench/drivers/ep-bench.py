@@ -137,6 +137,25 @@ def peak_of(step, clear, device):
     return int(t.item())
 
 
+def make_layer(s, experts, kind, capacity_factor, device, dtype):
+    """The layer of shape ``s`` for a mode's kind (baseline, dropless, capacity), seeded, its router
+    weight drawn with std 0.02."""
+    import moe_engine.torch as me
+
+    torch.manual_seed(7)
+    opts = dict(activation=s["activation"], bias=s["bias"], device=device, dtype=dtype)
+    if s["activation"] in ("swiglu", "clamped_qgeglu"):
+        opts["glu_layout"] = "blocks:32"
+    if kind != "baseline":
+        opts["ep_group"] = dist.group.WORLD
+    if kind == "capacity":
+        opts["ep_capacity_factor"] = capacity_factor
+    layer = me.MoELayer(s["hidden"], s["ffn"], experts, s["topk"], **opts)
+    with torch.no_grad():
+        layer.router.weight.normal_(0, 0.02)
+    return layer
+
+
 def captured(step, clear):
     """The step captured once in a CUDA graph (after two warm-up steps on a side stream, gradients
     unset so that capture allocates them); returns its replay."""
@@ -170,7 +189,6 @@ def equal_a2a(rows, H, dtype, device, args, clock, rank, world):
 
 
 def worker(rank, world, args, store, out_file):
-    import moe_engine.torch as me
     from moe_engine.torch.expert_parallel import expert_parallel_forward
 
     cuda = args.device == "cuda"
@@ -194,18 +212,8 @@ def worker(rank, world, args, store, out_file):
         if cuda:
             modes += (["baseline-graph"] if world == 1 else []) + ["capacity-graph"]
         for mode in modes:
-            torch.manual_seed(7)
             kind = mode.removesuffix("-graph")
-            opts = dict(activation=s["activation"], bias=s["bias"], device=device, dtype=dtype)
-            if s["activation"] in ("swiglu", "clamped_qgeglu"):
-                opts["glu_layout"] = "blocks:32"
-            if kind != "baseline":
-                opts["ep_group"] = dist.group.WORLD
-            if kind == "capacity":
-                opts["ep_capacity_factor"] = args.capacity_factor
-            layer = me.MoELayer(H, F, E, k, **opts)
-            with torch.no_grad():
-                layer.router.weight.normal_(0, 0.02)
+            layer = make_layer(s, E, kind, args.capacity_factor, device, dtype)
 
             def clear(layer=layer):
                 x.grad = None

@@ -41,8 +41,6 @@ def family(name):
 
 
 def worker(rank, world, models, modes, store, steps=3):
-    import moe_engine.torch as me
-
     torch.cuda.set_device(rank)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -50,24 +48,14 @@ def worker(rank, world, models, modes, store, steps=3):
     shape_args = type("A", (), dict(models=models, routing="balanced", tokens=8192,
                                     workloads=os.path.join(HERE, "..", "workloads.json")))
     for s in ep_bench.shapes(shape_args):
-        L, H, F, k, T = s["experts_per_gpu"], s["hidden"], s["ffn"], s["topk"], s["tokens_per_gpu"]
+        L, H, T = s["experts_per_gpu"], s["hidden"], s["tokens_per_gpu"]
         gen = torch.Generator().manual_seed(1234 + rank)
         x = torch.randn(T, H, generator=gen).to(device, torch.bfloat16).requires_grad_()
         g = torch.randn(T, H, generator=gen).to(device, torch.bfloat16)
         for mode in modes:
             if mode == "baseline" and world > 1:
                 continue
-            torch.manual_seed(7)
-            opts = dict(activation=s["activation"], bias=s["bias"], device=device, dtype=torch.bfloat16)
-            if s["activation"] in ("swiglu", "clamped_qgeglu"):
-                opts["glu_layout"] = "blocks:32"
-            if mode != "baseline":
-                opts["ep_group"] = dist.group.WORLD
-            if mode == "capacity":
-                opts["ep_capacity_factor"] = 1.25
-            layer = me.MoELayer(H, F, L * world, k, **opts)
-            with torch.no_grad():
-                layer.router.weight.normal_(0, 0.02)
+            layer = ep_bench.make_layer(s, L * world, mode, 1.25, device, torch.bfloat16)
 
             def step(layer=layer):
                 x.grad = None
