@@ -146,10 +146,18 @@ def _slot_table(dest: Tensor, indices: Tensor, probs: Tensor, row_send: Tensor, 
     none = torch.cat([probs.new_zeros(1, k), torch.full((1, k), L, dtype=torch.int32, device=dev).view(torch.float32)],
                      1)
     pairs = torch.cat([pairs, none])
-    target = torch.where(row_send >= 0, row_send, rows).reshape(-1).to(torch.int64)
-    pair_of_row = torch.full((rows + 1,), T * P, dtype=torch.int64, device=dev).scatter_(
-        0, target, torch.arange(T * P, device=dev))[:rows]  # row `rows` collects the pairs not placed
+    # Each row's pair by a scatter of distinct targets (the pairs not placed go past the rows, one
+    # slot each), so it is deterministic under torch.use_deterministic_algorithms too.
+    pair = torch.arange(T * P, device=dev)
+    target = torch.where(row_send.reshape(-1) >= 0, row_send.reshape(-1).to(torch.int64), rows + pair)
+    pair_of_row = torch.full((rows + T * P,), T * P, dtype=torch.int64, device=dev).scatter_(0, target, pair)[:rows]
     return pairs.index_select(0, pair_of_row)
+
+
+def _per_destination(dest: Tensor, ranks: int) -> Tensor:
+    """[T, P] int32: how many of each token's assignments go to each rank (``dest`` [T, k]; ``ranks``
+    there counts nowhere). A comparison and a sum: no scatter, deterministic in every mode."""
+    return (dest.unsqueeze(2) == torch.arange(ranks, device=dest.device)).sum(1, dtype=torch.int32)
 
 
 def plan_send(indices: Tensor, probs: Tensor, row_of_expert: Optional[Tensor], experts_per_rank: int, ranks: int,
@@ -167,7 +175,7 @@ def plan_send(indices: Tensor, probs: Tensor, row_of_expert: Optional[Tensor], e
     row_of_dest, splits_dest, routing_dest, _ = _permute_plan(dest, P + 1, None)
     pos = row_of_dest.to(torch.int64) - routing_dest.index_select(0, dest.reshape(-1)).view(T, k)
     kept = torch.where((dest < P) & (pos < capacity), dest, P)
-    on = torch.zeros(T, P + 1, dtype=torch.bool, device=dev).scatter_(1, kept, True)[:, :P]
+    on = _per_destination(kept, P) > 0
     per_dest = min(T, capacity)
     row_send = _rows_by_destination(on, torch.arange(P, device=dev) * per_dest)
     splits = torch.full((P,), per_dest, dtype=torch.int64, device=dev)
@@ -240,8 +248,7 @@ def _dropless_forward(layer, x: Tensor, r, row_of_expert: Optional[Tensor]):
     T, k = r.indices.shape
     dest = destinations(r.indices, row_of_expert, L, P)
     # assigned[t, d]: token t's experts on rank d; it sends d a row when there is any.
-    assigned = torch.zeros(T, P + 1, dtype=torch.int32, device=x.device).scatter_add_(
-        1, dest, torch.ones_like(dest, dtype=torch.int32))[:, :P]
+    assigned = _per_destination(dest, P)
     on = assigned > 0
     send_counts = torch.stack([on.sum(0), assigned.sum(0)], 1)  # [P, 2] int64: rows, assignments
     recv_counts = torch.empty_like(send_counts)
