@@ -69,6 +69,18 @@ def pair_capacity(tokens: int, topk: int, ranks: int, factor: float) -> int:
     return min(n, math.ceil(n / ranks * factor))
 
 
+def _exchange_rows(x: Tensor, out_rows: int, send_sizes: Optional[List[int]], recv_sizes: Optional[List[int]],
+                   group) -> Tensor:
+    """``all_to_all_single`` over rows: x's first ``sum(send_sizes)`` rows out, into the first
+    ``sum(recv_sizes)`` of a new [out_rows, ...] tensor (the rest unwritten); None sizes: equal
+    splits of all rows."""
+    sent = x.shape[0] if send_sizes is None else sum(send_sizes)
+    got = out_rows if recv_sizes is None else sum(recv_sizes)
+    out = x.new_empty((out_rows, *x.shape[1:]))
+    dist.all_to_all_single(out[:got], x[:sent].contiguous(), recv_sizes, send_sizes, group=group)
+    return out
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows of x exchanged among the group's ranks; the gradient goes back the same way reversed.
     ``send_sizes`` / ``recv_sizes``: rows per peer (host lists), or None for equal splits. The rows
@@ -79,20 +91,12 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, out_rows: int, send_sizes: Optional[List[int]], recv_sizes: Optional[List[int]],
                 group) -> Tensor:
-        sent = x.shape[0] if send_sizes is None else sum(send_sizes)
-        got = out_rows if recv_sizes is None else sum(recv_sizes)
-        out = x.new_empty((out_rows, *x.shape[1:]))
-        dist.all_to_all_single(out[:got], x[:sent].contiguous(), recv_sizes, send_sizes, group=group)
-        ctx.group, ctx.in_rows, ctx.sent, ctx.got = group, x.shape[0], sent, got
-        ctx.send_sizes, ctx.recv_sizes = send_sizes, recv_sizes
-        return out
+        ctx.group, ctx.in_rows, ctx.send_sizes, ctx.recv_sizes = group, x.shape[0], send_sizes, recv_sizes
+        return _exchange_rows(x, out_rows, send_sizes, recv_sizes, group)
 
     @staticmethod
     def backward(ctx, d_out: Tensor):
-        dx = d_out.new_empty((ctx.in_rows, *d_out.shape[1:]))
-        dist.all_to_all_single(dx[:ctx.sent], d_out[:ctx.got].contiguous(), ctx.send_sizes, ctx.recv_sizes,
-                               group=ctx.group)
-        return dx, None, None, None, None
+        return _exchange_rows(d_out, ctx.in_rows, ctx.recv_sizes, ctx.send_sizes, ctx.group), None, None, None, None
 
 
 def all_to_all(x: Tensor, out_rows: int, send_sizes: Optional[List[int]], recv_sizes: Optional[List[int]],
@@ -218,14 +222,15 @@ def _local_plan(slots: Tensor, experts_per_rank: int):
 
 
 def _exchange_and_experts(layer, x_send: Tensor, plan: SendPlan, recv_rows: int, send_sizes, recv_sizes,
-                          local, local_rows: int):
-    """The send buffer's rows to their ranks; there, with the received rows' ``local`` plan
-    (``_local_plan``), the GroupedMLP and each received row's experts summed (float32, rounded
-    once); the rows back; the ranks' partial sums summed. Returns y [T, H] and the local experts'
-    row counts."""
+                          local_rows: int):
+    """The send buffer's slots, then its rows, to their ranks; there the slots planned by local
+    expert (``_local_plan``), the GroupedMLP and each received row's experts summed (float32,
+    rounded once); the rows back; the ranks' partial sums summed. Returns y [T, H] and the local
+    experts' row counts."""
 
     group = layer.ep_group
-    p_recv, row_local, splits_l = local
+    p_recv, row_local, splits_l = _local_plan(all_to_all(plan.slots, recv_rows, send_sizes, recv_sizes, group),
+                                              layer.experts.num_groups)
     x_recv = all_to_all(x_send, recv_rows, send_sizes, recv_sizes, group)
     routing_l = routing_tensor(routing_for_capacity("MoELayer (expert parallel)", local_rows, splits_l,
                                                     stream_of(splits_l)))
@@ -262,9 +267,7 @@ def _dropless_forward(layer, x: Tensor, r, row_of_expert: Optional[Tensor]):
     host = torch.cat([splits, recv_counts.reshape(-1)]).tolist()  # the mode's one host read
     send_sizes, recv_sizes = host[:P], host[P::2]
     recv_rows = sum(recv_sizes)
-    local = _local_plan(all_to_all(plan.slots, recv_rows, send_sizes, recv_sizes, group), L)
-    y, splits_l = _exchange_and_experts(layer, x_send, plan, recv_rows, send_sizes, recv_sizes, local,
-                                        sum(host[P + 1::2]))
+    y, splits_l = _exchange_and_experts(layer, x_send, plan, recv_rows, send_sizes, recv_sizes, sum(host[P + 1::2]))
     return y, ExpertParallelStep(send_sizes, recv_sizes, plan, recv_rows, splits_l)
 
 
@@ -278,6 +281,5 @@ def _fixed_capacity_forward(layer, x: Tensor, r, row_of_expert: Optional[Tensor]
     plan = plan_send(r.indices, r.probs, row_of_expert, L, P, capacity)
     layer.ep_dropped.add_(plan.dropped)
     x_send, _ = _permute(x, None, plan.row_send, plan.splits, plan.routing, plan.rows)
-    local = _local_plan(all_to_all(plan.slots, plan.rows, None, None, layer.ep_group), L)
-    y, splits_l = _exchange_and_experts(layer, x_send, plan, plan.rows, None, None, local, P * capacity)
+    y, splits_l = _exchange_and_experts(layer, x_send, plan, plan.rows, None, None, P * capacity)
     return y, ExpertParallelStep(None, None, plan, plan.rows, splits_l)
