@@ -250,33 +250,40 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_tokens_kernel(const Toke
 }
 
 // The row part of the register-resident quantizers: a half-warp's 4 rows of one 128-feature block,
-// 8 values a lane in words[s] (zeros past K); slot s is row row_of(s), written where in_range(s).
-// Row amaxes by half-warp shuffles; lane m of the half-warp scales slot m % 4 (the divisions of one
-// row per lane, one pass) and the multipliers go back by shuffles.
-template <class T, class RowOf, class InRange>
-__device__ __forceinline__ void quantize_row_slots(const TokenParams& p, const uint32_t (&words)[4][4], RowOf&& row_of,
-                                                   InRange&& in_range, int64_t kb, int64_t k, bool feature_in,
-                                                   int lane) {
+// 8 values a lane in words[s] (zeros past K). Slot s's bytes go to out + s * out_step (the lane's 8
+// features), its scale to scales + s * scales_step, where in_range(s). The row amaxes are reduced and
+// scattered at once over the half-warp (xor 8 and 4 halve the slots a lane carries, xor 2 and 1 finish):
+// 5 shuffles instead of 16, and lane m ends with slot m / 4's amax, whose scale it computes (the
+// divisions of one row per lane); the multipliers go back by shuffles.
+template <class T, class InRange>
+__device__ __forceinline__ void quantize_row_slots(const TokenParams& p, const uint32_t (&words)[4][4], uint8_t* out,
+                                                   int64_t out_step, float* scales, int scales_step,
+                                                   InRange&& in_range, bool feature_in, int lane) {
   using V = Words<T>;
   const int half = lane / 16, m = lane % 16;
+  const bool upper8 = m & 8, upper4 = m & 4;
   uint32_t a[4];
 #pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    a[s] = V::fold(words[s]);
-#pragma unroll
-    for (int bit = 8; bit >= 1; bit /= 2) a[s] = V::max(a[s], __shfl_xor_sync(~0u, a[s], bit));
-  }
-  const int pick = m % 4;  // selects, not an indexed (local-memory) array read
-  const uint32_t mine = pick < 2 ? (pick == 0 ? a[0] : a[1]) : (pick == 2 ? a[2] : a[3]);
+  for (int s = 0; s < 4; ++s) a[s] = V::fold(words[s]);
+  // xor 8: the upper lanes keep slots 2 and 3, the lower ones 0 and 1.
+  uint32_t keep0 = upper8 ? a[2] : a[0], keep1 = upper8 ? a[3] : a[1];
+  const uint32_t send0 = upper8 ? a[0] : a[2], send1 = upper8 ? a[1] : a[3];
+  keep0 = V::max(keep0, __shfl_xor_sync(~0u, send0, 8));
+  keep1 = V::max(keep1, __shfl_xor_sync(~0u, send1, 8));
+  // xor 4: bit 2 picks the odd slot.
+  uint32_t mine = upper4 ? keep1 : keep0;
+  mine = V::max(mine, __shfl_xor_sync(~0u, upper4 ? keep0 : keep1, 4));
+  mine = V::max(mine, __shfl_xor_sync(~0u, mine, 2));
+  mine = V::max(mine, __shfl_xor_sync(~0u, mine, 1));
+  const int own = m / 4;  // the slot whose amax this lane holds
   const detail::Fp8TileScale scale = p.recipe.scale(V::amax_bits(mine));
-  if (m < 4 && in_range(m)) p.rows_scales[kb * p.rows_scales_ld + row_of(m)] = scale.scale;
+  if (m % 4 == 0 && in_range(own)) scales[own * scales_step] = scale.scale;
 #pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const float multiplier = __shfl_sync(~0u, scale.multiplier, 16 * half + s);
+  for (int s = 0; s < 4; ++s, out += out_step) {
+    const float multiplier = __shfl_sync(~0u, scale.multiplier, 16 * half + 4 * s);
     uint32_t q[2];
     quantize_run<T, 8>(words[s], multiplier, q);
-    if (feature_in && in_range(s))
-      *reinterpret_cast<uint2*>(p.rows_data + row_of(s) * p.rows_ld + k) = make_uint2(q[0], q[1]);
+    if (feature_in && in_range(s)) *reinterpret_cast<uint2*>(out) = make_uint2(q[0], q[1]);
   }
 }
 
@@ -303,16 +310,16 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_rows_direct_kernel(const
     const int64_t k = kb * kTile + 8 * m, row0 = group * kDirectRows + half;
     const bool feature_in = k < p.K;  // K is a multiple of 8: a lane's 8 features are all in or out
     uint32_t words[kSlots][4];
+    const T* src = x + row0 * p.x_ld + k;  // one 64-bit address an item, then steps
 #pragma unroll
-    for (int s = 0; s < kSlots; ++s) {
-      const int64_t row = row0 + 2 * s;
+    for (int s = 0; s < kSlots; ++s, src += 2 * p.x_ld) {
       uint4 v = make_uint4(0, 0, 0, 0);
-      if (feature_in && row < rows_total) v = __ldcs(reinterpret_cast<const uint4*>(x + row * p.x_ld + k));
+      if (feature_in && row0 + 2 * s < rows_total) v = __ldcs(reinterpret_cast<const uint4*>(src));
       words[s][0] = v.x, words[s][1] = v.y, words[s][2] = v.z, words[s][3] = v.w;
     }
     quantize_row_slots<T>(
-        p, words, [&](int s) { return row0 + 2 * s; }, [&](int s) { return row0 + 2 * s < rows_total; }, kb, k,
-        feature_in, lane);
+        p, words, p.rows_data + row0 * p.rows_ld + k, 2 * p.rows_ld, p.rows_scales + kb * p.rows_scales_ld + row0, 2,
+        [&](int s) { return row0 + 2 * s < rows_total; }, feature_in, lane);
   }
 }
 
@@ -452,11 +459,11 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
   // block fb); zeros past the rows and K.
   auto load = [&](int64_t first, int count, int64_t fb, uint32_t(&w)[4][4]) {
     const int64_t k = fb * kTile + 8 * m;
+    const T* src = x + (first + first_row) * p.x_ld + k;
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const int r = first_row + s;
+    for (int s = 0; s < 4; ++s, src += p.x_ld) {
       uint4 v = make_uint4(0, 0, 0, 0);
-      if (k < p.K && r < count) v = __ldcs(reinterpret_cast<const uint4*>(x + (first + r) * p.x_ld + k));
+      if (k < p.K && first_row + s < count) v = __ldcs(reinterpret_cast<const uint4*>(src));
       w[s][0] = v.x, w[s][1] = v.y, w[s][2] = v.z, w[s][3] = v.w;
     }
   };
@@ -464,13 +471,12 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
   // back only what it copied, so its own wait_group orders them (no barrier).
   auto issue = [&](int64_t first, int count, int64_t fb, int stage) {
     const int64_t k = fb * kTile + 8 * m;
+    const T* src = x + (first + first_row) * p.x_ld + k;
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const int r = first_row + s;
-      const bool valid = k < p.K && r < count;
-      const T* src = valid ? x + (first + r) * p.x_ld + k : x;
+    for (int s = 0; s < 4; ++s, src += p.x_ld) {
+      const bool valid = k < p.K && first_row + s < count;
       const void* slot = &staged[(stage * 4 + s) * kColumnThreads + tid];
-      ptx::cp_async_16(static_cast<uint32_t>(__cvta_generic_to_shared(slot)), src, valid);
+      ptx::cp_async_16(static_cast<uint32_t>(__cvta_generic_to_shared(slot)), valid ? src : x, valid);
     }
     ptx::cp_async_commit_group();
   };
@@ -509,17 +515,24 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
     const int64_t k0 = kb * kTile, k = k0 + 8 * m;
     const int features = int(std::min<int64_t>(kTile, p.K - k0));
     const bool feature_in = k < p.K;  // K is a multiple of 8: a lane's 8 features are all in or out
-    if constexpr (kRows)
+    // A warp whose 8 rows are all past the expert's end (the last column block of an expert) holds
+    // zeros: it skips the math and contributes zero amaxes and zero bytes.
+    const bool live = 8 * warp < rows;
+    if (kRows && live)
       quantize_row_slots<T>(
-          p, words, [&](int s) { return row0 + first_row + s; }, [&](int s) { return first_row + s < rows; }, kb, k,
+          p, words, p.rows_data + (row0 + first_row) * p.rows_ld + k, p.rows_ld,
+          p.rows_scales + kb * p.rows_scales_ld + row0 + first_row, 1, [&](int s) { return first_row + s < rows; },
           feature_in, lane);
     // Column amaxes: this thread's 4 rows, the warp's 8, then every warp's.
-    uint32_t c[4];
+    uint32_t c[4] = {0, 0, 0, 0};
+    // (Columns alone fold a dead warp's zeros too: skipping them there spilled at 64 registers.)
+    if (kStaged || live) {
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      c[w] = V::max(V::max(V::magnitude(words[0][w]), V::magnitude(words[1][w])),
-                    V::max(V::magnitude(words[2][w]), V::magnitude(words[3][w])));
-      c[w] = V::max(c[w], __shfl_xor_sync(~0u, c[w], 16));
+      for (int w = 0; w < 4; ++w) {
+        c[w] = V::max(V::max(V::magnitude(words[0][w]), V::magnitude(words[1][w])),
+                      V::max(V::magnitude(words[2][w]), V::magnitude(words[3][w])));
+        c[w] = V::max(c[w], __shfl_xor_sync(~0u, c[w], 16));
+      }
     }
     if (h == 0) reinterpret_cast<uint4*>(shared.col_partial[warp])[m] = make_uint4(c[0], c[1], c[2], c[3]);
     // Columns alone: the stage just read is free (its values are used above): the item after next
@@ -543,26 +556,31 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
       if (tid < features) p.cols_scales[j * p.cols_scales_ld + k0 + tid] = cs.scale;
     }
     __syncthreads();  // multipliers complete; every partial read
-    float mult[8];
-    {
-      const float4 lo = reinterpret_cast<const float4*>(shared.col_multiplier)[2 * m];
-      const float4 hi = reinterpret_cast<const float4*>(shared.col_multiplier)[2 * m + 1];
-      mult[0] = lo.x, mult[1] = lo.y, mult[2] = lo.z, mult[3] = lo.w;
-      mult[4] = hi.x, mult[5] = hi.y, mult[6] = hi.z, mult[7] = hi.w;
-    }
-    // Padding tokens past the expert's end are zero bytes, whatever the multiplier (a NaN one
-    // would make them 0x7f).
-    const int valid = rows - first_row;
-    const uint32_t keep = valid >= 4 ? ~0u : valid <= 0 ? 0u : (~0u >> (32 - 8 * valid));
     // Word (first_row / 4) of feature row f sits at word index (first_row / 4) ^ 2 (f / 8): a
     // warp's stores of one j hit 32 distinct banks.
-    const int word = (first_row / 4) ^ (2 * m);
+    uint32_t* transposed = shared.transposed + 8 * m * (kTile / 4) + ((first_row / 4) ^ (2 * m));
+    if (live) {
+      float mult[8];
+      {
+        const float4 lo = reinterpret_cast<const float4*>(shared.col_multiplier)[2 * m];
+        const float4 hi = reinterpret_cast<const float4*>(shared.col_multiplier)[2 * m + 1];
+        mult[0] = lo.x, mult[1] = lo.y, mult[2] = lo.z, mult[3] = lo.w;
+        mult[4] = hi.x, mult[5] = hi.y, mult[6] = hi.z, mult[7] = hi.w;
+      }
+      // Padding tokens past the expert's end are zero bytes, whatever the multiplier (a NaN one
+      // would make them 0x7f).
+      const int valid = rows - first_row;
+      const uint32_t keep = valid >= 4 ? ~0u : valid <= 0 ? 0u : (~0u >> (32 - 8 * valid));
 #pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      const float mj = mult[jj];
-      const uint32_t q = e4m3x4(V::value(words[0], jj) * mj, V::value(words[1], jj) * mj,
-                                V::value(words[2], jj) * mj, V::value(words[3], jj) * mj);
-      shared.transposed[(8 * m + jj) * (kTile / 4) + word] = q & keep;
+      for (int jj = 0; jj < 8; ++jj) {
+        const float mj = mult[jj];
+        const uint32_t q = e4m3x4(V::value(words[0], jj) * mj, V::value(words[1], jj) * mj,
+                                  V::value(words[2], jj) * mj, V::value(words[3], jj) * mj);
+        transposed[jj * (kTile / 4)] = q & keep;
+      }
+    } else {
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) transposed[jj * (kTile / 4)] = 0;
     }
     // With the rows: the next item's loads go out now, in flight through the barrier and the stores.
     Item next = now;
@@ -577,9 +595,11 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
       }
     }
     __syncthreads();  // the transposed tile complete
+    // Feature rows tid / 8 + 64 it, 16 tokens (chunk tid % 8) each.
+    constexpr int kRowsPerPass = kColumnThreads / 8;
 #pragma unroll
-    for (int it = 0; it < kTile * kTile / 16 / kColumnThreads; ++it) {
-      const int index = it * kColumnThreads + tid, f = index / 8, chunk = index % 8;
+    for (int it = 0; it < kTile / kRowsPerPass; ++it) {
+      const int f = it * kRowsPerPass + tid / 8, chunk = tid % 8;
       const int swizzle = 2 * (f / 8);
       uint4 v = reinterpret_cast<const uint4*>(shared.transposed + f * (kTile / 4))[chunk ^ (swizzle >> 2)];
       if (swizzle & 2) v = make_uint4(v.z, v.w, v.x, v.y);
