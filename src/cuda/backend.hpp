@@ -134,6 +134,7 @@ struct RouterPartials {  // carved from the forward's workspace, one row per 64 
   TensorView counts;      // [chunks, E] int32: the routing's counts
   TensorView aux_counts;  // [chunks, E] int32: the load-balancing loss's own top-k counts
   TensorView z_terms;     // [chunks] float32: sum of logsumexp^2
+  TensorView gemm_offsets;  // [2] int64: {0, T}, the logits GEMM's one group (written here)
 };
 void router_forward(const TensorView& x, const TensorView& weight, const TensorView& expert_bias,
                     const RouterOutputs& out, const RouterSpec& spec, const RouterPartials& partials, Stream stream);
@@ -145,10 +146,19 @@ void router_backward(const RouterOutputGrads& d_out, const TensorView& x, const 
                      const TensorView& wgrad_partials, Stream stream);
 void router_update_expert_bias(const TensorView& expert_bias, const TensorView& counts, float rate, Stream stream);
 
-// The router's float32 products (kernels/router_linear.cu), each output summed by one thread over
-// the contraction in order (CUDA-graph safe, deterministic; no tensor cores yet):
+// The router's float32 products (kernels/router_linear.cu; CUDA-graph safe, deterministic):
 //   logits [T, E] = x W^T;  dx [T, H] = d_logits W (x's dtype);  dweight [E, H] = d_logits^T x (per mode).
-void router_logits(const TensorView& x, const TensorView& weight, const TensorView& logits, Stream stream);
+// The logits run on the Hopper grouped GEMM where it can (16-bit x and weight: exact products,
+// float32 sums in the tensor cores' order; gemm_offsets [2] int64 scratch takes the one group's
+// offsets), else each output is summed by one thread over H in order (the CPU backend's bits).
+// dx and dweight: one thread per output, in order.
+void router_logits(const TensorView& x, const TensorView& weight, const TensorView& logits,
+                   const TensorView& gemm_offsets, Stream stream);
+// logits = x W^T on the Hopper grouped GEMM as one group with offsets {0, T} (already in `offsets`,
+// [2] int64); the first says whether that kernel can run it (dispatch/grouped_linear.cpp).
+bool router_logits_gemm_can_run(const TensorView& x, const TensorView& weight, const TensorView& logits);
+void router_logits_gemm(const TensorView& x, const TensorView& weight, const TensorView& logits,
+                        const TensorView& offsets, Stream stream);
 // dx = d_logits W, or dx += it (accumulate: dx's value plus the float32 sum, rounded once).
 void router_dgrad(const TensorView& d_logits, const TensorView& weight, const TensorView& dx, bool accumulate,
                   Stream stream);

@@ -20,9 +20,10 @@ namespace {
 DType acc_dtype(DType x) { return x == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
 
 // The CUDA forward's partial sums, one row per 64 tokens (kernels/router.cu): each expert's
-// load-balancing scores, token counts and the loss's own counts, and the z-loss terms.
+// load-balancing scores, token counts and the loss's own counts, and the z-loss terms; and the
+// logits GEMM's one-group offsets {0, T} (on Hopper the logits run on the grouped GEMM).
 struct ForwardPartials {
-  TensorView scores, counts, aux_counts, z_terms;
+  TensorView scores, counts, aux_counts, z_terms, gemm_offsets;
 };
 
 ForwardPartials forward_partials(ops::WorkspaceCarver& c, int64_t tokens, int64_t num_experts) {
@@ -30,7 +31,8 @@ ForwardPartials forward_partials(ops::WorkspaceCarver& c, int64_t tokens, int64_
   if (chunks == 0) return {};
   return {c.take({chunks, num_experts}, DType::kFloat32),
           c.take({chunks, num_experts}, DType::kInt32),
-          c.take({chunks, num_experts}, DType::kInt32), c.take({chunks}, DType::kFloat32)};
+          c.take({chunks, num_experts}, DType::kInt32), c.take({chunks}, DType::kFloat32),
+          c.take({2}, DType::kInt64)};
 }
 
 TensorView backward_logits_grad(ops::WorkspaceCarver& c, int64_t tokens, int64_t num_experts,
@@ -142,7 +144,7 @@ void router_forward(const TensorView& x, const TensorView& weight, const TensorV
           ops::WorkspaceCarver carver(ctx.workspace);
           const ForwardPartials p = forward_partials(carver, T, E);
           cuda::router_forward(x, weight, expert_bias, out, spec,
-                               {p.scores, p.counts, p.aux_counts, p.z_terms}, ctx.stream);
+                               {p.scores, p.counts, p.aux_counts, p.z_terms, p.gemm_offsets}, ctx.stream);
         });
       });
 }

@@ -38,13 +38,14 @@ inline DType router_acc(DType dtype) {
 }
 
 // A poisoned tensor of `shape` plus `extra` rows (entries for 1-D, one more value for a scalar),
-// and the view of its first part: what an op may write. tail_untouched() checks the rest.
+// and the view of its first part: what an op may write. tail_untouched() checks the rest. A
+// matrix may also get `extra_cols` columns past each row (a row stride of cols + extra_cols).
 struct Padded {
   Tensor storage;
   TensorView view;
 
   Padded() = default;
-  Padded(Shape shape, DType dtype, Device device, int64_t extra = 2) {
+  Padded(Shape shape, DType dtype, Device device, int64_t extra = 2, int64_t extra_cols = 0) {
     if (shape.size() == 0) {
       storage = poisoned({1 + extra}, dtype).to(device);
       view = storage.view().select(0);
@@ -52,8 +53,11 @@ struct Padded {
     }
     Shape with_tail = shape;
     with_tail[0] += extra;
+    if (extra_cols > 0) with_tail[1] += extra_cols;
     storage = poisoned(with_tail, dtype).to(device);
     view = storage.view().slice(0, shape[0]);
+    if (extra_cols > 0)
+      view = TensorView(view.data(), shape, {with_tail[1], 1}, dtype, device);
   }
   Tensor host() const {
     Tensor h = Tensor::empty(storage.shape(), storage.dtype());
@@ -64,15 +68,30 @@ struct Padded {
   // The view's values on the host (contiguous).
   Tensor values() const {
     Tensor h = Tensor::empty(view.shape(), view.dtype());
-    copy_tensor(h, view);
-    synchronize(nullptr);
+    if (view.is_contiguous()) {
+      copy_tensor(h, view);
+      synchronize(nullptr);
+      return h;
+    }
+    const Tensor all = host();  // a padded matrix: its rows gathered on the host
+    const size_t es = view.element_size(), row = size_t(view.size(1)) * es;
+    for (int64_t r = 0; r < view.size(0); ++r)
+      std::memcpy(static_cast<uint8_t*>(h.data()) + size_t(r) * row,
+                  static_cast<const uint8_t*>(all.data()) + size_t(r * view.stride(0)) * es, row);
     return h;
   }
+  // Every byte of the storage outside the view still poison.
   bool tail_untouched() const {
     const Tensor h = host();
     const auto* p = static_cast<const uint8_t*>(h.data());
-    for (size_t i = view.nbytes(); i < h.nbytes(); ++i)
+    const size_t es = view.element_size();
+    const bool strided = view.dim() == 2 && view.stride(0) != view.size(1);
+    const size_t rows = strided ? size_t(view.size(0)) : 0, row_bytes = strided ? size_t(view.stride(0)) * es : 0,
+                 used = strided ? size_t(view.size(1)) * es : 0;
+    for (size_t i = strided ? 0 : view.nbytes(); i < h.nbytes(); ++i) {
+      if (strided && i / row_bytes < rows && i % row_bytes < used) continue;
       if (p[i] != kPoison) return false;
+    }
     return true;
   }
 };
@@ -119,16 +138,18 @@ struct RouterRun {
   }
 };
 
-// Allocates the outputs (poisoned, with tails) and runs router_forward on x's device.
+// Allocates the outputs (poisoned, with tails) and runs router_forward on x's device. With
+// logits_extra_cols the logits' rows are E + logits_extra_cols apart: 1 makes their stride
+// unaligned for TMA, so on Hopper the logits take the SIMT kernels instead of the grouped GEMM.
 inline RouterRun run_router_forward(const TensorView& x, const TensorView& weight,
                                     const TensorView& bias, const RouterSpec& spec,
                                     DType index_dtype = DType::kInt64, bool losses = true,
-                                    Stream stream = nullptr) {
+                                    Stream stream = nullptr, int64_t logits_extra_cols = 0) {
   const Device device = x.device();
   const int64_t T = x.size(0), E = weight.size(0), k = spec.topk;
   const DType acc = router_acc(x.dtype());
   RouterRun r;
-  r.logits = Padded({T, E}, acc, device);
+  r.logits = Padded({T, E}, acc, device, 2, logits_extra_cols);
   r.indices = Padded({T, k}, index_dtype, device);
   r.probs = Padded({T, k}, acc, device);
   r.counts = Padded({E}, DType::kInt64, device);

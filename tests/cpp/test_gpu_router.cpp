@@ -1,10 +1,12 @@
 // The router on CUDA (label "gpu") against the CPU backend on the same inputs: bit for bit the
-// logits (16-bit inputs, or float32 inputs whose products and sums are exact), the choices, the
-// probabilities and the counts; the losses and the gradients within float32 rounding. E = 8, 64,
-// 256, odd counts (5, 12, 60, 200) and the limits (512 experts, topk 32); T = 0, 1, 3 and sizes that are multiples of nothing;
-// both score functions, expert bias, group-limited routing; rows past every output untouched;
-// CUDA-graph replay with new inputs, bit-identical to eager runs; the expert-bias update. Skips
-// without a GPU.
+// logits where both sum exactly (inputs whose products and sums are exact in float32), and the SIMT
+// kernels' logits for any 16-bit inputs (the CPU's order); the logits of the grouped GEMM (Hopper)
+// within float32 summation error of the float64 product, and the choices, probabilities and counts
+// the CPU's bits given those logits; the losses and the gradients within float32 rounding. E = 8,
+// 64, 256, odd counts (5, 12, 60, 200) and the limits (512 experts, topk 32); T = 0, 1, 3 and sizes
+// that are multiples of nothing; both score functions, expert bias, group-limited routing; rows past
+// every output untouched; CUDA-graph replay with new inputs, bit-identical to eager runs; the
+// expert-bias update. Skips without a GPU.
 #include <cuda_runtime_api.h>
 
 #include <tuple>
@@ -36,11 +38,12 @@ std::vector<RouterSpec> specs_for(int64_t E) {
           router_spec(RouterScore::kSigmoid, std::min<int64_t>(8, E / 2), 8, 4, true, 2.5f)};
 }
 
-// Inputs on the host: 16-bit normal values, or float32 ones whose logits are exact (dyadic_tensor).
+// Inputs on the host: values whose logits are exact in any order of summation (dyadic_tensor), or
+// with exact = false normal 16-bit values.
 struct Inputs {
   Tensor x, w, bias;
-  Inputs(Rng& rng, int64_t T, int64_t H, int64_t E, DType dt) {
-    if (dt == DType::kFloat32) {
+  Inputs(Rng& rng, int64_t T, int64_t H, int64_t E, DType dt, bool exact = true) {
+    if (exact || dt == DType::kFloat32) {
       x = dyadic_tensor({T, H}, dt, rng, 0.25);
       w = dyadic_tensor({E, H}, dt, rng, 0.125);
     } else {
@@ -88,18 +91,23 @@ TEST_F(GpuRouter, ForwardIsTheCpusBitsForEveryShapeAndSpec) {
                          std::to_string(T) + ", " + describe(spec) + (with_bias ? ", bias" : ""));
             const RouterRun cpu = run_router_forward(
                 in.x, in.w, with_bias ? TensorView(in.bias) : TensorView(), spec, index_dtype);
-            const RouterRun gpu = run_router_forward(
-                xd, wd, with_bias ? TensorView(bd) : TensorView(), spec, index_dtype);
-            expect_same_forward(gpu, cpu);
+            // Contiguous logits (the grouped GEMM's on Hopper) and logits rows an odd number of
+            // floats apart (the SIMT kernels').
+            for (int64_t extra_cols : {0, 1}) {
+              const RouterRun gpu = run_router_forward(xd, wd, with_bias ? TensorView(bd) : TensorView(), spec,
+                                                       index_dtype, true, nullptr, extra_cols);
+              expect_same_forward(gpu, cpu);
+            }
           }
       }
 }
 
-// The 16-bit kernels' edges (router_linear_16bit.cu): hidden sizes of many pipeline stages with a
-// partial last one, expert counts that fill no 8-expert chunk or power-of-2 chunk count, token
-// counts that fill no block, the 256-expert limit of the logits kernel, every schedule of the logits
-// kernel, and a hidden size that is no multiple of 8 (the generic kernel). Logits the CPU's bits; gradients within float32 rounding,
-// written and accumulated into a float32 main_grad.
+// The 16-bit SIMT kernels' edges (router_linear_16bit.cu; logits rows an odd number of floats
+// apart keep the grouped GEMM out on Hopper): hidden sizes of many pipeline stages with a partial
+// last one, expert counts that fill no 8-expert chunk or power-of-2 chunk count, token counts that
+// fill no block, the 256-expert limit of the logits kernel, every schedule of the logits kernel, and
+// a hidden size that is no multiple of 8 (the generic kernel). Normal inputs: logits the CPU's bits;
+// gradients within float32 rounding, written and accumulated into a float32 main_grad.
 TEST_F(GpuRouter, SixteenBitProductsAtLongHiddenSizesAndOddExpertCounts) {
   Rng rng;
   // The last three take the logits schedules of 8 experts x 4 tokens and 2 x 2 a thread
@@ -110,11 +118,11 @@ TEST_F(GpuRouter, SixteenBitProductsAtLongHiddenSizesAndOddExpertCounts) {
     for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
       SCOPED_TRACE(std::string(dtype_name(dt)) + ", T = " + std::to_string(T) + ", H = " + std::to_string(H) +
                    ", E = " + std::to_string(E));
-      const Inputs in(rng, T, H, E, dt);
+      const Inputs in(rng, T, H, E, dt, /*exact=*/false);
       const Tensor xd = to_gpu(in.x), wd = to_gpu(in.w), bd = to_gpu(in.bias);
       const RouterSpec spec = router_spec(RouterScore::kSoftmax, std::min<int64_t>(4, E), 1, 1, true, 1.f);
       const RouterRun cpu = run_router_forward(in.x, in.w, in.bias, spec);
-      const RouterRun gpu = run_router_forward(xd, wd, bd, spec);
+      const RouterRun gpu = run_router_forward(xd, wd, bd, spec, DType::kInt64, true, nullptr, /*extra_cols=*/1);
       expect_same_forward(gpu, cpu);
       const Tensor g = random_tensor({T, spec.topk}, DType::kFloat32, rng);
       const Tensor a = scalar_tensor(30, DType::kFloat32), z = scalar_tensor(-20, DType::kFloat32);
@@ -154,6 +162,56 @@ TEST_F(GpuRouter, LargestExpertCountAndTopk) {
     const RouterRun gpu = run_router_forward(to_gpu(in.x), to_gpu(in.w), to_gpu(in.bias), spec);
     expect_same_forward(gpu, cpu);
   }
+}
+
+// The logits on the grouped GEMM (Hopper; elsewhere the SIMT kernels, which pass the same checks)
+// for normal 16-bit inputs at the suite's hidden sizes: within float32 summation error of the
+// float64 product (every product is exact, the sums run in the tensor cores' order), and the
+// choices, probabilities, counts and losses the CPU's given those logits (the CPU router run on
+// them as x with an identity weight, whose logits are x's bits).
+TEST_F(GpuRouter, LogitsOfTheGroupedGemmAndTheChoicesTheyGive) {
+  Rng rng;
+  for (const auto& [T, H, E] : {std::tuple<int64_t, int64_t, int64_t>{4099, 7168, 256}, {1000, 2048, 128},
+                                {1, 64, 8}, {777, 1000, 60}, {3, 4096, 8}, {8192, 4096, 64}})
+    for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + ", T = " + std::to_string(T) + ", H = " + std::to_string(H) +
+                   ", E = " + std::to_string(E));
+      const Inputs in(rng, T, H, E, dt, /*exact=*/false);
+      const RouterSpec spec = router_spec(RouterScore::kSigmoid, std::min<int64_t>(8, E / 2), 4, 2, true, 2.5f);
+      const RouterRun gpu = run_router_forward(to_gpu(in.x), to_gpu(in.w), to_gpu(in.bias), spec);
+      EXPECT_TRUE(gpu.tails_untouched()) << "an output was written past its end";
+      const Tensor logits = gpu.logits.values();
+      const oracle::Matrix x = oracle::to_matrix(in.x), w = oracle::to_matrix(in.w);
+      double worst = 0;
+      const int64_t step = std::max<int64_t>(1, T / 512);  // the float64 product of up to 512 tokens
+      for (int64_t t = 0; t < T; t += step)
+        for (int64_t e = 0; e < E; ++e) {
+          double exact = 0, magnitude = 0;
+          for (int64_t h = 0; h < H; ++h) {
+            const double p = x.data[size_t(t * H + h)] * w.data[size_t(e * H + h)];
+            exact += p;
+            magnitude += std::abs(p);
+          }
+          const double got = logits.data_as<float>()[t * E + e];
+          worst = std::max(worst, std::abs(got - exact) / std::max(magnitude, 1e-30));
+        }
+      // float32 sums of H exact products: a few 2^-24 of sum |x w| (one rounding to 16 bits anywhere
+      // would be ~2^-9).
+      EXPECT_LE(worst, 4e-6) << "logits";
+      Tensor identity = Tensor::zeros({E, E}, DType::kFloat32);
+      for (int64_t e = 0; e < E; ++e) identity.data_as<float>()[e * E + e] = 1.f;
+      const RouterRun cpu = run_router_forward(logits, identity, in.bias, spec);
+      EXPECT_TRUE(bitwise_equal(cpu.logits.values(), logits)) << "the CPU's logits of x I^T are x";
+      EXPECT_EQ(gpu.host_indices(), cpu.host_indices());
+      EXPECT_TRUE(bitwise_equal(gpu.probs.values(), cpu.probs.values())) << "probs";
+      EXPECT_EQ(RouterRun::int64s(gpu.counts), RouterRun::int64s(cpu.counts));
+      EXPECT_EQ(RouterRun::int64s(gpu.aux_counts), RouterRun::int64s(cpu.aux_counts));
+      for (const auto& [name, g, c] : {std::tuple{"aux_loss", &gpu.aux_loss, &cpu.aux_loss},
+                                       std::tuple{"z_loss", &gpu.z_loss, &cpu.z_loss}}) {
+        const double want = scalar_value(c->view), got = scalar_value(g->view);
+        EXPECT_NEAR(got, want, 1e-4 * std::abs(want)) << name;
+      }
+    }
 }
 
 TEST_F(GpuRouter, BackwardMatchesTheCpuInEveryGradientMode) {

@@ -534,7 +534,7 @@ void router_forward(const TensorView& x, const TensorView& weight, const TensorV
                     const RouterPartials& partials, Stream stream) {
   const int64_t T = x.size(0), E = weight.size(0);
   check_limits("router_forward", x.dtype(), E, spec.topk);
-  router_logits(x, weight, out.logits, stream);
+  router_logits(x, weight, out.logits, partials.gemm_offsets, stream);
   const bool aux = out.aux_loss.defined();
   const int64_t chunks = (T + detail::kRouterChunkTokens - 1) / detail::kRouterChunkTokens;
   if (chunks > 0) {
