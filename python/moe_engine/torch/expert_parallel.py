@@ -223,15 +223,16 @@ def _local_plan(slots: Tensor, experts_per_rank: int):
 
 def _exchange_and_experts(layer, x_send: Tensor, plan: SendPlan, recv_rows: int, send_sizes, recv_sizes,
                           local_rows: int):
-    """The send buffer's slots, then its rows, to their ranks; there the slots planned by local
-    expert (``_local_plan``), the GroupedMLP and each received row's experts summed (float32,
-    rounded once); the rows back; the ranks' partial sums summed. Returns y [T, H] and the local
-    experts' row counts."""
+    """The send buffer's rows, then their slots, to their ranks (the large exchange first: on two
+    H200s the step measured ~2% faster than slots first); there the slots planned by local expert
+    (``_local_plan``), the GroupedMLP and each received row's experts summed (float32, rounded
+    once); the rows back; the ranks' partial sums summed. Returns y [T, H] and the local experts'
+    row counts."""
 
     group = layer.ep_group
+    x_recv = all_to_all(x_send, recv_rows, send_sizes, recv_sizes, group)
     p_recv, row_local, splits_l = _local_plan(all_to_all(plan.slots, recv_rows, send_sizes, recv_sizes, group),
                                               layer.experts.num_groups)
-    x_recv = all_to_all(x_send, recv_rows, send_sizes, recv_sizes, group)
     routing_l = routing_tensor(routing_for_capacity("MoELayer (expert parallel)", local_rows, splits_l,
                                                     stream_of(splits_l)))
     x_loc, p_loc = _permute(x_recv, p_recv, row_local, splits_l, routing_l, local_rows)
