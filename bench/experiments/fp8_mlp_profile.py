@@ -7,6 +7,7 @@ bench/workloads.json whose names contain one of the given substrings.
     e.g. python bench/experiments/fp8_mlp_profile.py mixtral-8x7b/balanced,deepseek-v3-ep8/balanced 3
 """
 import collections
+import importlib.util
 import json
 import os
 import re
@@ -18,6 +19,9 @@ import torch
 import moe_engine.torch as me
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("step_bench", os.path.join(HERE, "..", "drivers", "step-bench.py"))
+step_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(step_bench)  # its make_inputs: the step benchmark's inputs of a case
 
 
 def short_name(name):
@@ -40,16 +44,6 @@ def build(case, device, fp8):
     return m
 
 
-def inputs(case, device):
-    T, H = sum(case["tokens_per_expert"]), case["hidden"]
-    gen = torch.Generator(device=device).manual_seed(1)
-    x = torch.randn(T, H, generator=gen, device=device, dtype=torch.bfloat16).requires_grad_()
-    probs = torch.rand(T, generator=gen, device=device).requires_grad_()
-    dy = torch.randn(T, H, generator=gen, device=device, dtype=torch.bfloat16)
-    splits = torch.tensor(case["tokens_per_expert"], dtype=torch.int64, device=device)
-    return x, splits, probs, dy
-
-
 def step(m, x, splits, probs, dy):
     x.grad = probs.grad = None
     y = m(x, splits, probs)
@@ -60,7 +54,7 @@ def step(m, x, splits, probs, dy):
 
 def profile(case, fp8, steps, device):
     m = build(case, device, fp8)
-    args = inputs(case, device)
+    args = step_bench.make_inputs(case, device)
     for _ in range(3):
         step(m, *args)
     torch.cuda.synchronize()
