@@ -21,7 +21,7 @@ import moe_engine.torch as me
 HERE = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.util.spec_from_file_location("step_bench", os.path.join(HERE, "..", "drivers", "step-bench.py"))
 step_bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(step_bench)  # its make_inputs: the step benchmark's inputs of a case
+_spec.loader.exec_module(step_bench)  # the step benchmark's inputs, layouts and Megatron DDP hooks
 
 
 def short_name(name):
@@ -33,23 +33,18 @@ def short_name(name):
 
 
 def build(case, device, fp8):
+    """step-bench's mode (b): main_grad accumulated by the module under Megatron's DDP hooks."""
     torch.manual_seed(0)
-    layout = "pairs" if case["name"].startswith("gpt-oss") else "blocks:32"
     m = me.GroupedMLP(case["experts"], case["hidden"], case["ffn"], bias=case["bias"], activation=case["activation"],
-                      glu_layout=layout, accumulate_into_main_grad=True, device=device, dtype=torch.bfloat16,
-                      fp8_recipe=me.Fp8Recipe() if fp8 else None)
-    for p in m.parameters():
-        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
-        p.grad_added_to_main_grad = False
+                      glu_layout=step_bench.glu_layout_of(case, None), accumulate_into_main_grad=True, device=device,
+                      dtype=torch.bfloat16, fp8_recipe=me.Fp8Recipe() if fp8 else None)
+    step_bench.attach_megatron_ddp(m)
     return m
 
 
 def step(m, x, splits, probs, dy):
     x.grad = probs.grad = None
-    y = m(x, splits, probs)
-    y.backward(dy)
-    for p in m.parameters():
-        p.grad = None
+    m(x, splits, probs).backward(dy)
 
 
 def profile(case, fp8, steps, device):
