@@ -1,10 +1,11 @@
 """The router's forward + backward (moe_engine.torch.Router) at the suite's router shapes, timed
-with CUDA events, and its kernels per step (torch.profiler). For A/B runs of two builds or
-settings in one device call.
+with CUDA events, and its kernels per step (torch.profiler; the grouped GEMM's instances named by
+form). For A/B runs of two builds or settings in one device call.
 
     python bench/experiments/router_logits_ab.py [LABEL]
 """
 import collections
+import re
 import sys
 
 import torch
@@ -54,9 +55,13 @@ def main():
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 n = e.name.replace("(anonymous namespace)::", "")
-                n = n.split("(")[0].replace("void ", "")[:60]
+                form = re.search(r"grouped_gemm_kernel<\(moe::cuda::Form\)(\d)", n)
+                if form:  # the router's GEMMs apart: forward (logits), dgrad (dx), wgrad (weight)
+                    n = "grouped_gemm " + ("forward", "dgrad", "wgrad")[int(form.group(1))]
+                else:
+                    n = n.split("(")[0].replace("void ", "").replace("moe::cuda::", "")[:60]
                 per[n] += e.device_time_total / 1e3 / 5
-        top = ", ".join(f"{n} {ms * 1e3:.0f} us" for n, ms in sorted(per.items(), key=lambda kv: -kv[1])[:5])
+        top = ", ".join(f"{n} {ms * 1e3:.0f} us" for n, ms in sorted(per.items(), key=lambda kv: -kv[1])[:7])
         print(f"{label} {name}: T {T} H {H} E {E}: step {times[len(times) // 2]:.3f} ms (min {times[0]:.3f}); {top}")
 
 

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "common/router_scratch.hpp"
 #include "moe_engine/bias_epilogue.hpp"
 #include "moe_engine/fp8.hpp"
 #include "moe_engine/glu_spec.hpp"
@@ -126,43 +127,55 @@ void grouped_linear_dgrad(const Fp8Rows& dy, const Fp8Weight& weight, const Grou
 void grouped_linear_wgrad(const Fp8Columns& dy, const Fp8Columns& x, const GroupLayout& groups,
                           const GroupedParam& dweight, GradMode mode, Stream stream);
 
-// The router (kernels/router.cu, kernels/router_linear.cu; docs/design.md section 13): the logits
-// by a float32 SIMT GEMM, then one warp per token; the sums over tokens in a fixed order, through
-// per-64-token partial sums. kNotImplemented beyond E = 512 experts or topk = 32.
-struct RouterPartials {  // carved from the forward's workspace, one row per 64 tokens
-  TensorView scores;      // [chunks, E] float32: the load-balancing loss's scores, summed
-  TensorView counts;      // [chunks, E] int32: the routing's counts
-  TensorView aux_counts;  // [chunks, E] int32: the load-balancing loss's own top-k counts
-  TensorView z_terms;     // [chunks] float32: sum of logsumexp^2
-  TensorView gemm_offsets;  // [2] int64: {0, T}, the logits GEMM's one group (written here)
-};
+// The router (kernels/router.cu, kernels/router_linear.cu, dispatch/router_gemm.cpp;
+// docs/design.md section 13): the logits, then one warp per token; the sums over tokens in a fixed
+// order, through per-64-token partial sums. kNotImplemented beyond E = 512 experts or topk = 32.
+// The buffers are carved from the ops' workspaces (common/router_scratch.hpp).
 void router_forward(const TensorView& x, const TensorView& weight, const TensorView& expert_bias,
-                    const RouterOutputs& out, const RouterSpec& spec, const RouterPartials& partials, Stream stream);
-// d_logits: the workspace's [T, E] float32.
-// wgrad_partials: [S, E, H] float32 scratch for the weight gradient's S token slices (undefined: one).
+                    const RouterOutputs& out, const RouterSpec& spec, const detail::RouterForwardScratch& scratch,
+                    Stream stream);
 void router_backward(const RouterOutputGrads& d_out, const TensorView& x, const TensorView& weight,
                      const TensorView& logits, const TensorView& indices, const TensorView& aux_loss_counts,
-                     const RouterGrads& grads, const RouterSpec& spec, const TensorView& d_logits,
-                     const TensorView& wgrad_partials, Stream stream);
+                     const RouterGrads& grads, const RouterSpec& spec, const detail::RouterBackwardScratch& scratch,
+                     Stream stream);
 void router_update_expert_bias(const TensorView& expert_bias, const TensorView& counts, float rate, Stream stream);
 
 // The router's float32 products (kernels/router_linear.cu; CUDA-graph safe, deterministic):
 //   logits [T, E] = x W^T;  dx [T, H] = d_logits W (x's dtype);  dweight [E, H] = d_logits^T x (per mode).
-// The logits run on the Hopper grouped GEMM where it can (16-bit x and weight: exact products,
-// float32 sums in the tensor cores' order; gemm_offsets [2] int64 scratch takes the one group's
-// offsets), else each output is summed by one thread over H in order (the CPU backend's bits).
-// dx and dweight: one thread per output, in order.
+// On Hopper, 16-bit x and weight with rows TMA can read run on the grouped GEMM: the logits as
+// they are (exact products, float32 sums in the tensor cores' order; gemm_offsets [2] int64 scratch
+// takes the one group's offsets); for bfloat16, dx and dweight over d_logits split into three
+// bfloat16 parts whose sum is d_logits exactly (the same exact products and float32 sums). The rest
+// runs on SIMT kernels, each output summed by one thread in order (the CPU backend's logits bits).
 void router_logits(const TensorView& x, const TensorView& weight, const TensorView& logits,
                    const TensorView& gemm_offsets, Stream stream);
-// logits = x W^T on the Hopper grouped GEMM as one group with offsets {0, T} (already in `offsets`,
-// [2] int64); the first says whether that kernel can run it (dispatch/grouped_linear.cpp).
+// Which backward products run on the grouped GEMM; router_backward_products then expects the
+// scratch's d_split written (the backward kernel writes it beside d_logits).
+struct RouterBackwardPlan {
+  bool dx_on_gemm = false, dweight_on_gemm = false;
+  bool splits() const { return dx_on_gemm || dweight_on_gemm; }
+};
+RouterBackwardPlan router_backward_plan(const TensorView& x, const TensorView& weight, const RouterGrads& grads,
+                                        const detail::RouterBackwardScratch& scratch);
+// dx = d_logits W (or dx += it with grads.accumulate_dx: dx's value plus the float32 sum, rounded
+// once) and dweight (per grads.dweight_mode) from the scratch's d_logits / d_split.
+void router_backward_products(const RouterBackwardPlan& plan, const TensorView& x, const TensorView& weight,
+                              const RouterGrads& grads, const detail::RouterBackwardScratch& scratch,
+                              Stream stream);
+
+// The router's problems on the Hopper grouped GEMM (dispatch/router_gemm.cpp); each can_run says
+// whether that kernel takes the operands (offsets may be null there).
+//   logits = x W^T: the forward of one group, offsets {0, T};
+//   dx = d_split weight_stack: the dgrad of one group, offsets {0, T};
+//   partials[s] = d_split^T x over token slice s: the wgrad of S' groups, offsets the slices'.
 bool router_logits_gemm_can_run(const TensorView& x, const TensorView& weight, const TensorView& logits);
 void router_logits_gemm(const TensorView& x, const TensorView& weight, const TensorView& logits,
-                        const TensorView& offsets, Stream stream);
-// dx = d_logits W, or dx += it (accumulate: dx's value plus the float32 sum, rounded once).
-void router_dgrad(const TensorView& d_logits, const TensorView& weight, const TensorView& dx, bool accumulate,
-                  Stream stream);
-void router_wgrad(const TensorView& d_logits, const TensorView& x, const TensorView& dweight, GradMode mode,
-                  const TensorView& partials, Stream stream);
+                        const int64_t* offsets, Stream stream);
+bool router_dgrad_gemm_can_run(const TensorView& d_split, const TensorView& weight_stack, const TensorView& dx);
+void router_dgrad_gemm(const TensorView& d_split, const TensorView& weight_stack, const TensorView& dx,
+                       const int64_t* offsets, Stream stream);
+bool router_wgrad_gemm_can_run(const TensorView& d_split, const TensorView& x, const TensorView& partials);
+void router_wgrad_gemm(const TensorView& d_split, const TensorView& x, const TensorView& partials,
+                       const int64_t* offsets, Stream stream);
 
 }  // namespace moe::cuda

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "common/router_math.hpp"
+#include "common/router_scratch.hpp"
 #include "cpu/backend.hpp"
 #include "moe_engine/config.hpp"
 #if MOE_ENGINE_WITH_CUDA
@@ -16,17 +17,15 @@
 namespace moe {
 namespace {
 
+using detail::RouterBackwardScratch;
+using detail::RouterForwardScratch;
+
 // The router's float type: float32, or float64 for float64 inputs (CPU backend).
 DType acc_dtype(DType x) { return x == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
 
-// The CUDA forward's partial sums, one row per 64 tokens (kernels/router.cu): each expert's
-// load-balancing scores, token counts and the loss's own counts, and the z-loss terms; and the
-// logits GEMM's one-group offsets {0, T} (on Hopper the logits run on the grouped GEMM).
-struct ForwardPartials {
-  TensorView scores, counts, aux_counts, z_terms, gemm_offsets;
-};
-
-ForwardPartials forward_partials(ops::WorkspaceCarver& c, int64_t tokens, int64_t num_experts) {
+// The CUDA forward's partial sums, one row per 64 tokens (kernels/router.cu), and the logits GEMM's
+// one-group offsets {0, T} (on Hopper the logits run on the grouped GEMM).
+RouterForwardScratch forward_scratch(ops::WorkspaceCarver& c, int64_t tokens, int64_t num_experts) {
   const int64_t chunks = (tokens + detail::kRouterChunkTokens - 1) / detail::kRouterChunkTokens;
   if (chunks == 0) return {};
   return {c.take({chunks, num_experts}, DType::kFloat32),
@@ -35,15 +34,10 @@ ForwardPartials forward_partials(ops::WorkspaceCarver& c, int64_t tokens, int64_
           c.take({2}, DType::kInt64)};
 }
 
-TensorView backward_logits_grad(ops::WorkspaceCarver& c, int64_t tokens, int64_t num_experts,
-                                DType dtype) {
-  return tokens == 0 ? TensorView() : c.take({tokens, num_experts}, acc_dtype(dtype));
-}
-
-// The weight gradient's contraction over the T tokens runs on CUDA in this many slices, each into
-// its own float32 partial sums, added in slice order: its E x H outputs are few (a thread of the
-// 16-bit kernel owns 8 x 8 of them, so 1024 columns x 8 experts per block: 4 to 32 blocks at the
-// suite's shapes), and one slice would leave most of the GPU idle. About eight blocks per SM of an
+// The SIMT weight gradient's contraction over the T tokens runs in this many slices, each into its
+// own float32 partial sums, added in slice order: its E x H outputs are few (a thread of the 16-bit
+// kernel owns 8 x 8 of them, so 1024 columns x 8 experts per block: 4 to 32 blocks at the suite's
+// shapes), and one slice would leave most of the GPU idle. About eight blocks per SM of an
 // H100/H200, slices of at least 64 tokens, at most 32 MiB of partial sums (at the suite's shapes the
 // fastest of 1-32 slices or within 10% of it, the partial sums' addition included:
 // bench/experiments/router_schedules.cu).
@@ -53,9 +47,40 @@ int64_t wgrad_slices(int64_t tokens, int64_t num_experts, int64_t hidden) {
   return std::clamp<int64_t>(std::min({(1056 + blocks - 1) / blocks, tokens / 64, by_bytes}), 1, 32);
 }
 
-TensorView wgrad_partials(ops::WorkspaceCarver& c, int64_t tokens, int64_t num_experts, int64_t hidden) {
-  const int64_t slices = wgrad_slices(tokens, num_experts, hidden);
-  return slices == 1 ? TensorView() : c.take({slices, num_experts, hidden}, DType::kFloat32);
+// The grouped GEMM's weight gradient: [3E, H] outputs a slice in 128 x 128 tiles, and a slice's
+// tiles run the whole slice's tokens. Enough slices for two tiles per SM of an H100/H200 (264),
+// slices of at least 256 tokens, at most 32 MiB of partial sums (but one slice always).
+int64_t gemm_wgrad_slices(int64_t tokens, int64_t num_experts, int64_t hidden) {
+  const int64_t rows = 3 * num_experts;
+  const int64_t tiles = ((rows + 127) / 128) * ((hidden + 127) / 128);
+  const int64_t by_bytes = (int64_t(32) << 20) / std::max<int64_t>(1, rows * hidden * 4);
+  return std::clamp<int64_t>(std::min({(264 + tiles - 1) / tiles, tokens / 256, by_bytes}), 1, 32);
+}
+
+// The grouped GEMM takes the backward's products of bfloat16 x whose rows TMA can read.
+bool gemm_backward_possible(int64_t hidden, DType dtype) {
+  return dtype == DType::kBFloat16 && hidden > 0 && hidden % 8 == 0;
+}
+
+RouterBackwardScratch backward_scratch(ops::WorkspaceCarver& c, int64_t tokens, int64_t num_experts,
+                                       int64_t hidden, DType dtype) {
+  RouterBackwardScratch s;
+  if (tokens == 0) return s;
+  s.d_logits = c.take({tokens, num_experts}, acc_dtype(dtype));
+  const size_t shared = c.mark();
+  if (const int64_t slices = wgrad_slices(tokens, num_experts, hidden); slices > 1)
+    s.wgrad_partials = c.take({slices, num_experts, hidden}, DType::kFloat32);
+  if (!gemm_backward_possible(hidden, dtype)) return s;
+  c.rewind(shared);
+  const int64_t rows = 3 * num_experts, split_ld = (rows + 7) / 8 * 8;
+  const TensorView split = c.take({tokens, split_ld}, DType::kBFloat16);
+  if (split.defined())
+    s.d_split = TensorView(split.data(), {tokens, rows}, {split_ld, 1}, DType::kBFloat16, split.device());
+  s.weight_stack = c.take({rows, hidden}, DType::kBFloat16);
+  const int64_t slices = gemm_wgrad_slices(tokens, num_experts, hidden);
+  s.gemm_partials = c.take({slices, rows, hidden}, DType::kFloat32);
+  s.gemm_offsets = c.take({slices + 3}, DType::kInt64);
+  return s;
 }
 
 void check_sizes(const char* who, int64_t tokens, int64_t num_experts) {
@@ -88,7 +113,7 @@ void check_matrix(const ops::Validator& v, const char* name, const TensorView& t
 size_t router_forward_workspace_size(int64_t tokens, int64_t num_experts) {
   check_sizes("router_forward_workspace_size", tokens, num_experts);
   ops::WorkspaceCarver sizes;
-  forward_partials(sizes, tokens, num_experts);
+  forward_scratch(sizes, tokens, num_experts);
   return sizes.used();
 }
 
@@ -97,8 +122,7 @@ size_t router_backward_workspace_size(int64_t tokens, int64_t num_experts, int64
   MOE_CHECK(hidden >= 0, ErrorCode::kInvalidArgument, "router_backward_workspace_size: expected hidden >= 0, got ",
             hidden);
   ops::WorkspaceCarver sizes;
-  backward_logits_grad(sizes, tokens, num_experts, dtype);
-  wgrad_partials(sizes, tokens, num_experts, hidden);
+  backward_scratch(sizes, tokens, num_experts, hidden, dtype);
   return sizes.used();
 }
 
@@ -142,9 +166,7 @@ void router_forward(const TensorView& x, const TensorView& weight, const TensorV
       [&] {
         MOE_CUDA_ONLY({
           ops::WorkspaceCarver carver(ctx.workspace);
-          const ForwardPartials p = forward_partials(carver, T, E);
-          cuda::router_forward(x, weight, expert_bias, out, spec,
-                               {p.scores, p.counts, p.aux_counts, p.z_terms, p.gemm_offsets}, ctx.stream);
+          cuda::router_forward(x, weight, expert_bias, out, spec, forward_scratch(carver, T, E), ctx.stream);
         });
       });
 }
@@ -198,17 +220,16 @@ void router_backward(const RouterOutputGrads& d_out, const TensorView& x, const 
   v.workspace(ctx.workspace, router_backward_workspace_size(T, E, x.size(1), x.dtype()),
               "router_backward_workspace_size");
   ops::WorkspaceCarver carver(ctx.workspace);
-  const TensorView d_logits = backward_logits_grad(carver, T, E, x.dtype());
-  const TensorView partials = wgrad_partials(carver, T, E, x.size(1));
+  const RouterBackwardScratch scratch = backward_scratch(carver, T, E, H, x.dtype());
   ops::dispatch(
       v,
       [&] {
         cpu::router_backward(d_out, x, weight, logits, indices, aux_loss_counts, grads, spec,
-                             d_logits);
+                             scratch.d_logits);
       },
       [&] {
         MOE_CUDA_ONLY(cuda::router_backward(d_out, x, weight, logits, indices, aux_loss_counts,
-                                            grads, spec, d_logits, partials, ctx.stream));
+                                            grads, spec, scratch, ctx.stream));
       });
 }
 

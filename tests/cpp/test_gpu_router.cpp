@@ -9,6 +9,7 @@
 // expert-bias update. Skips without a GPU.
 #include <cuda_runtime_api.h>
 
+#include <cstring>
 #include <tuple>
 
 #include "gpu_support.hpp"
@@ -74,6 +75,19 @@ void expect_same_forward(const RouterRun& gpu, const RouterRun& cpu) {
   expect_same_choices(gpu, cpu);
 }
 
+// dL/dlogits of a router run, on the host: the CPU router's dx for its logits and choices with an
+// identity weight (the GPU's backward kernel computes the same function in the same order).
+Tensor d_logits_of(const RouterRun& run, const RouterOutputGrads& d_out_on_host, const RouterSpec& spec) {
+  const Tensor logits = run.logits.values();
+  const int64_t T = logits.size(0), E = logits.size(1);
+  Tensor identity = Tensor::zeros({E, E}, DType::kFloat32), dl = Tensor::zeros({T, E}, DType::kFloat32);
+  for (int64_t e = 0; e < E; ++e) identity.data_as<float>()[e * E + e] = 1.f;
+  const Tensor ws = workspace_tensor(router_backward_workspace_size(T, E, E, DType::kFloat32), Device::cpu());
+  router_backward(d_out_on_host, Tensor::zeros({T, E}, DType::kFloat32), identity, logits, run.indices.values(),
+                  run.aux_counts.values(), {dl, {}}, spec, {nullptr, workspace_of(ws, Device::cpu())});
+  return dl;
+}
+
 class GpuRouter : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -108,7 +122,7 @@ TEST_F(GpuRouter, ForwardIsTheCpusBitsForEveryShapeAndSpec) {
 }
 
 // The 16-bit SIMT kernels' edges (router_linear_16bit.cu; logits rows an odd number of floats
-// apart keep the grouped GEMM out on Hopper): hidden sizes of many pipeline stages with a partial
+// apart keep the grouped GEMM out of the logits on Hopper, and float16 out of the backward): hidden sizes of many pipeline stages with a partial
 // last one, expert counts that fill no 8-expert chunk or power-of-2 chunk count, token counts that
 // fill no block, the 256-expert limit of the logits kernel, every schedule of the logits kernel, and
 // a hidden size that is no multiple of 8 (the generic kernel). Normal inputs: logits the CPU's bits;
@@ -209,6 +223,110 @@ TEST_F(GpuRouter, LogitsOfTheGroupedGemmAndTheChoicesTheyGive) {
       EXPECT_TRUE(bitwise_equal(cpu.logits.values(), logits)) << "the CPU's logits of x I^T are x";
       expect_same_choices(gpu, cpu);
     }
+}
+
+// The backward's products on the grouped GEMM (Hopper, bfloat16: d_logits split exactly into three
+// bfloat16 parts; float16 takes the SIMT kernels, which pass the same checks) at the suite's hidden
+// sizes, expert counts with 3E no multiple of 8, and token counts that take one or many token
+// slices: dx within float32 summation error of the float64 product of the same d_logits (then one
+// rounding to 16 bits) and the weight gradient within float32 summation error; a bfloat16 weight
+// gradient is the float32 one rounded. The d_logits come from the CPU router run on the GPU's
+// logits with an identity weight (its dx is then d_logits).
+TEST_F(GpuRouter, BackwardProductsWithinFloat32SummationError) {
+  Rng rng;
+  for (const auto& [T, H, E] : {std::tuple<int64_t, int64_t, int64_t>{4099, 7168, 256}, {1000, 2048, 128},
+                                {8192, 4096, 8}, {1, 64, 8}, {777, 1000, 60}, {3, 4096, 8}, {2000, 7168, 5}})
+    for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + ", T = " + std::to_string(T) + ", H = " + std::to_string(H) +
+                   ", E = " + std::to_string(E));
+      const Inputs in(rng, T, H, E, dt, /*exact=*/false);
+      const RouterSpec spec = router_spec(RouterScore::kSigmoid, std::min<int64_t>(4, E / 2), 1, 1, true, 2.5f);
+      const Tensor xd = to_gpu(in.x), wd = to_gpu(in.w);
+      const RouterRun gpu = run_router_forward(xd, wd, to_gpu(in.bias), spec);
+      const Tensor g = random_tensor({T, spec.topk}, DType::kFloat32, rng);
+      const Tensor a = scalar_tensor(30, DType::kFloat32), z = scalar_tensor(-20, DType::kFloat32);
+      const Tensor gd = to_gpu(g), ad = to_gpu(a), zd = to_gpu(z);
+      const RouterOutputGrads d_out{gd, ad, zd};
+      const RouterBackwardRun bg = run_router_backward(d_out, xd, wd, gpu, spec, DType::kFloat32);
+      EXPECT_TRUE(bg.dx.tail_untouched());
+      EXPECT_TRUE(bg.dweight.tail_untouched());
+      const RouterBackwardRun rounded = run_router_backward(d_out, xd, wd, gpu, spec, DType::kBFloat16);
+      Tensor want_rounded = Tensor::empty({E, H}, DType::kBFloat16);
+      oracle::assign(want_rounded, oracle::to_matrix(bg.dweight.values()).data);
+      EXPECT_TRUE(bitwise_equal(rounded.dweight.values(), want_rounded))
+          << "a bfloat16 weight gradient is the float32 one rounded";
+
+      const Tensor dl = d_logits_of(gpu, {g, a, z}, spec);
+      const oracle::Matrix x = oracle::to_matrix(in.x), w = oracle::to_matrix(in.w);
+      const oracle::Matrix dx = oracle::to_matrix(bg.dx.values()), dw = oracle::to_matrix(bg.dweight.values());
+      const float* d = dl.data_as<float>();
+      double worst_dx = 0, worst_dw = 0;
+      const int64_t t_step = std::max<int64_t>(1, T / 48), h_step = std::max<int64_t>(1, H / 24);
+      for (int64_t t = 0; t < T; t += t_step)
+        for (int64_t h = 0; h < H; ++h) {
+          double exact = 0, magnitude = 0;
+          for (int64_t e = 0; e < E; ++e) {
+            const double p = double(d[t * E + e]) * w.data[size_t(e * H + h)];
+            exact += p;
+            magnitude += std::abs(p);
+          }
+          // One rounding to 16 bits on top: half an ulp, 2^-8 of the value for bfloat16, 2^-11 for
+          // float16 (2^-25 in its subnormal range).
+          const double rounding =
+              dt == DType::kBFloat16 ? std::ldexp(std::abs(exact), -8) * 1.001
+                                     : std::max(std::ldexp(std::abs(exact), -11) * 1.001, std::ldexp(1.0, -25));
+          const double error = std::max(0.0, std::abs(dx.data[size_t(t * H + h)] - exact) - rounding);
+          worst_dx = std::max(worst_dx, error / std::max(magnitude, 1e-30));
+        }
+      for (int64_t e = 0; e < E; ++e)
+        for (int64_t h = 0; h < H; h += h_step) {
+          double exact = 0, magnitude = 0;
+          for (int64_t t = 0; t < T; ++t) {
+            const double p = double(d[t * E + e]) * x.data[size_t(t * H + h)];
+            exact += p;
+            magnitude += std::abs(p);
+          }
+          worst_dw = std::max(worst_dw, std::abs(dw.data[size_t(e * H + h)] - exact) / std::max(magnitude, 1e-30));
+        }
+      // float32 sums of exact products: a few 2^-24 of sum |d w| (one rounding of d_logits to
+      // bfloat16 would be ~2^-9). The tensor cores' float32 accumulation truncates, which adds up
+      // over the weight gradient's long sums: measured on an H200 ~2^-24 of the magnitude per 16
+      // tokens (1e-5 at T = 4099, E = 256); the bound allows 2^-23.
+      EXPECT_LE(worst_dx, 2e-6) << "dx";
+      EXPECT_LE(worst_dw, std::max(2e-6, std::ldexp(double(T) / 16, -23))) << "dweight";
+    }
+}
+
+// The split of d_logits is exact: with one-hot tokens (x[t, t] = 1) each weight gradient dW[e, t] is
+// the one product d_logits[t, e] * 1, which the grouped GEMM (three bfloat16 parts, added in
+// float32) and the SIMT kernels (float16) both give bit for bit; columns past T are zeros. (No
+// z-loss: its logarithm is each platform's, so its d_logits may differ from the CPU's in last bits.)
+TEST_F(GpuRouter, WeightGradientOfOneHotTokensIsDLogitsBitForBit) {
+  Rng rng;
+  const int64_t T = 300, H = 304, E = 60;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const Inputs in(rng, T, H, E, dt, /*exact=*/false);
+    oracle::Vector one_hot(size_t(T * H), 0.0);
+    for (int64_t t = 0; t < T; ++t) one_hot[size_t(t * H + t)] = 1.0;
+    Tensor x = Tensor::empty({T, H}, dt);
+    oracle::assign(x, one_hot);
+    const RouterSpec spec = router_spec(RouterScore::kSoftmax, 4, 1, 1, true, 1.f);
+    const Tensor xd = to_gpu(x), wd = to_gpu(in.w);
+    const RouterRun gpu = run_router_forward(xd, wd, to_gpu(in.bias), spec);
+    const Tensor g = random_tensor({T, spec.topk}, DType::kFloat32, rng);
+    const Tensor a = scalar_tensor(30, DType::kFloat32);
+    const Tensor gd = to_gpu(g), ad = to_gpu(a);
+    const RouterBackwardRun bg = run_router_backward({gd, ad, {}}, xd, wd, gpu, spec, DType::kFloat32);
+    const Tensor dl = d_logits_of(gpu, {g, a, {}}, spec), dw = bg.dweight.values();
+    int64_t differing = 0;
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t h = 0; h < H; ++h) {
+        const float want = h < T ? dl.data_as<float>()[h * E + e] : 0.f;
+        differing += std::memcmp(&want, dw.data_as<float>() + e * H + h, sizeof(float)) != 0;
+      }
+    EXPECT_EQ(differing, 0) << "of " << E * H << " weight gradients";
+  }
 }
 
 TEST_F(GpuRouter, BackwardMatchesTheCpuInEveryGradientMode) {

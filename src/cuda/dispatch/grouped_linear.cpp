@@ -102,43 +102,4 @@ void grouped_linear_dscales(const TensorView& dy, const GroupedParam& bias,
                  dscales, accumulate, stream);
 }
 
-namespace {
-
-// The router's logits [T, E] = x [T, H] W [E, H]^T as the forward of one group (a [1, E, H] weight)
-// with a float32 output.
-GroupedGemmProblem router_logits_problem(const TensorView& x, const TensorView& weight, const TensorView& logits,
-                                         const int64_t* offsets) {
-  GroupedGemmProblem p;
-  p.form = Form::kForward;
-  p.in_dtype = x.dtype();
-  p.out_dtype = logits.dtype();
-  p.num_groups = 1;
-  p.capacity = x.size(0);
-  p.offsets = offsets;
-  p.device = x.device().index;
-  p.a = x.data();
-  p.a_row_stride = x.stride(0);
-  p.b = plain(weight.data());
-  p.b_row_stride = weight.stride(0);
-  p.d = plain(logits.data());
-  p.d_row_stride = logits.stride(0);
-  p.n = weight.size(0);
-  p.k = x.size(1);
-  return p;
-}
-
-}  // namespace
-
-bool router_logits_gemm_can_run(const TensorView& x, const TensorView& weight, const TensorView& logits) {
-  // The weight's rows are read as one expert of n rows of stride k: they must be contiguous.
-  if (weight.stride(1) != 1 || weight.stride(0) != weight.size(1) || x.stride(1) != 1 || logits.stride(1) != 1)
-    return false;
-  return sm90::can_run(router_logits_problem(x, weight, logits, nullptr), nullptr);
-}
-
-void router_logits_gemm(const TensorView& x, const TensorView& weight, const TensorView& logits,
-                        const TensorView& offsets, Stream stream) {
-  sm90::run(router_logits_problem(x, weight, logits, offsets.data_as<int64_t>()), stream);
-}
-
 }  // namespace moe::cuda

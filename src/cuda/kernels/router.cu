@@ -1,14 +1,16 @@
 // The router on CUDA (docs/design.md section 13), after the logits (kernels/router_linear.cu):
 //   - forward: one warp per token. Lane l holds experts l, l + 32, ... (slot i: expert 32 i + l).
-//   The
-//     scores, the group-limited and top-k choices (a warp's maximum of 64-bit keys, one per expert:
+//     The scores, the group-limited and top-k choices (a warp's maximum of 64-bit keys, one per expert:
 //     value and index, common/router_math.hpp) and the probabilities use the CPU backend's
 //     functions and sum order, so they are its bits for the same logits. A block of 8 warps takes
 //     64 tokens and writes their counts and loss terms, summed per warp in token order then over
 //     the warps in order, to one row of partial sums; one block then sums the rows in order.
-//   - backward: one warp per token writes dL/dlogits (the CPU backend's formulas and order).
+//   - backward: one warp per token writes dL/dlogits (the CPU backend's formulas and order), and
+//     where the products run on the grouped GEMM also its exact three-part bfloat16 split.
 //   - the expert-bias update: one block.
 // Fixed grids from T and E, no atomics, no host sync: deterministic and CUDA-graph safe.
+#include <cuda_bf16.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -374,6 +376,16 @@ __global__ void __launch_bounds__(kThreads) router_finish_kernel(FinishArgs a) {
 
 // ---- backward ----
 
+// v = hi + mid + lo exactly for finite v (three 8-bit significands cover float32's 24, and each
+// remainder is exact in float32), up to bfloat16's smallest subnormal (2^-133): the grouped GEMM's
+// products with them are exact, as the SIMT kernels' products of v.
+__device__ __forceinline__ void split_exactly(float v, __nv_bfloat16& hi, __nv_bfloat16& mid, __nv_bfloat16& lo) {
+  hi = __float2bfloat16_rn(v);
+  const float rest = __fsub_rn(v, __bfloat162float(hi));
+  mid = __float2bfloat16_rn(rest);
+  lo = __float2bfloat16_rn(__fsub_rn(rest, __bfloat162float(mid)));
+}
+
 template <class Index>
 struct BackwardArgs {
   const float* logits;
@@ -386,6 +398,8 @@ struct BackwardArgs {
   const int64_t* aux_counts;
   const float* d_z_loss;  // optional
   float* d_logits;        // [T, E]
+  __nv_bfloat16* d_split;  // optional [T, ld_split]: [hi | mid | lo] of d_logits (split_exactly)
+  int64_t ld_split;
   int64_t tokens;
   int experts, topk;
   float scaling, aux_factor, z_factor_twice;
@@ -473,6 +487,15 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BackwardArgs<
 #pragma unroll
     for (int i = 0; i < kSlots; ++i)
       if (at.holds(i)) a.d_logits[t * a.experts + at.expert(i)] = dl[i];
+    if (a.d_split) {
+      __nv_bfloat16* row = a.d_split + t * a.ld_split;
+#pragma unroll
+      for (int i = 0; i < kSlots; ++i)
+        if (at.holds(i)) {
+          const int e = at.expert(i);
+          split_exactly(dl[i], row[e], row[a.experts + e], row[2 * a.experts + e]);
+        }
+    }
   }
 }
 
@@ -531,7 +554,7 @@ void with_index_type(DType dtype, Fn&& fn) {
 
 void router_forward(const TensorView& x, const TensorView& weight, const TensorView& expert_bias,
                     const RouterOutputs& out, const RouterSpec& spec,
-                    const RouterPartials& partials, Stream stream) {
+                    const detail::RouterForwardScratch& partials, Stream stream) {
   const int64_t T = x.size(0), E = weight.size(0);
   check_limits("router_forward", x.dtype(), E, spec.topk);
   router_logits(x, weight, out.logits, partials.gemm_offsets, stream);
@@ -592,10 +615,10 @@ void router_forward(const TensorView& x, const TensorView& weight, const TensorV
 void router_backward(const RouterOutputGrads& d_out, const TensorView& x, const TensorView& weight,
                      const TensorView& logits, const TensorView& indices,
                      const TensorView& aux_loss_counts, const RouterGrads& grads,
-                     const RouterSpec& spec, const TensorView& d_logits,
-                     const TensorView& wgrad_partials, Stream stream) {
+                     const RouterSpec& spec, const detail::RouterBackwardScratch& scratch, Stream stream) {
   const int64_t T = x.size(0), E = weight.size(0);
   check_limits("router_backward", x.dtype(), E, spec.topk);
+  const RouterBackwardPlan plan = router_backward_plan(x, weight, grads, scratch);
   if (T > 0) {
     with_index_type(indices.dtype(), [&](auto index) {
       using Index = decltype(index);
@@ -609,7 +632,9 @@ void router_backward(const RouterOutputGrads& d_out, const TensorView& x, const 
       a.d_aux_loss = d_out.d_aux_loss.defined() ? d_out.d_aux_loss.data_as<float>() : nullptr;
       a.aux_counts = d_out.d_aux_loss.defined() ? aux_loss_counts.data_as<int64_t>() : nullptr;
       a.d_z_loss = d_out.d_z_loss.defined() ? d_out.d_z_loss.data_as<float>() : nullptr;
-      a.d_logits = d_logits.data_as<float>();
+      a.d_logits = scratch.d_logits.data_as<float>();
+      a.d_split = plan.splits() ? scratch.d_split.data_as<__nv_bfloat16>() : nullptr;
+      a.ld_split = scratch.d_split.defined() ? scratch.d_split.stride(0) : 0;
       a.tokens = T;
       a.experts = int(E);
       a.topk = int(spec.topk);
@@ -626,10 +651,7 @@ void router_backward(const RouterOutputGrads& d_out, const TensorView& x, const 
       });
     });
   }
-  if (grads.dx.defined()) router_dgrad(d_logits, weight, grads.dx, grads.accumulate_dx, stream);
-  // No tokens: dweight is zeros, a main_grad is left untouched.
-  if (grads.dweight.defined() && !(T == 0 && grads.dweight_mode == GradMode::kAccumulate))
-    router_wgrad(d_logits, x, grads.dweight, grads.dweight_mode, wgrad_partials, stream);
+  router_backward_products(plan, x, weight, grads, scratch, stream);
 }
 
 void router_update_expert_bias(const TensorView& expert_bias, const TensorView& counts, float rate,

@@ -1,15 +1,17 @@
-// The router's three float32 products (docs/design.md section 13) in one tiled SIMT kernel:
-// C[m, n] = sum_k A(m, k) B(n, k). The logits and dx: each output summed by one thread over k in
-// increasing order, one fused multiply-add per step. 16-bit x and weight have products exact in
-// float32, so the fused steps round as the CPU backend's separate product and sum: the logits are
-// its bits. The weight gradient (K = T, few outputs) sums two interleaved k ranges and adds them
-// in a fixed order. Products with a float32 operand (float32 inputs; d_logits in the backward)
-// round differently from the CPU, within float32's error.
-// On Hopper the logits of 16-bit operands with aligned rows run on the grouped GEMM instead (one
-// group, float32 output: the same exact products, summed in the tensor cores' order; H200: 5-18x
-// faster at E = 8..256). Other 16-bit operands of the common shapes take the kernels of
-// router_linear_16bit.cu (the same orders as here; schedules that fill the GPU); this kernel covers
-// the rest.
+// The router's three float32 products (docs/design.md section 13), and where each runs.
+// - On Hopper, 16-bit x and weight whose rows TMA can read: the logits on the grouped GEMM (one
+//   group, float32 output: exact products summed in the tensor cores' order; H200: 5-18x the SIMT
+//   kernels at E = 8..256). For bfloat16 also dx and the weight gradient, over d_logits split into
+//   three bfloat16 parts whose sum is d_logits exactly (the backward kernel writes them): dx as the
+//   dgrad of one group over the weight stacked three times, the weight gradient as the wgrad of
+//   token-slice groups into float32 partial sums, then added in order (dispatch/router_gemm.cpp).
+// - Otherwise SIMT: 16-bit operands of the common shapes take router_linear_16bit.cu's kernels;
+//   the rest this file's tiled kernel, C[m, n] = sum_k A(m, k) B(n, k). The logits and dx: each
+//   output summed by one thread over k in increasing order, one fused multiply-add per step
+//   (16-bit x and weight have products exact in float32, so the logits are the CPU backend's bits).
+//   The weight gradient (K = T, few outputs) sums two interleaved k ranges and adds them in a fixed
+//   order. Products with a float32 operand (float32 inputs; d_logits in the backward) round
+//   differently from the CPU, within float32's error.
 #include <algorithm>
 
 #include "cuda/backend.hpp"
@@ -173,33 +175,26 @@ void launch(const char* what, Operand<TA> a, Operand<TB> b, Output<TC> c, int64_
   MOE_CUDA_CHECK_LAUNCH(what);
 }
 
-}  // namespace
 
-namespace {
-
-__global__ void one_group_offsets_kernel(int64_t* offsets, int64_t rows) {
-  offsets[0] = 0;
-  offsets[1] = rows;
+// offsets[0..1] = {0, rows}: one group of all rows (the logits, dx); then, for the weight
+// gradient's `slices` token slices, offsets[2 + i] = min(i * slice_rows, rows), i = 0..slices.
+__global__ void gemm_offsets_kernel(int64_t* offsets, int64_t rows, int slices, int64_t slice_rows) {
+  const int i = int(threadIdx.x);
+  if (i < 2) offsets[i] = i == 0 ? 0 : rows;
+  else if (i - 2 <= slices) offsets[i] = min(int64_t(i - 2) * slice_rows, rows);
 }
 
-}  // namespace
-
-void router_logits(const TensorView& x, const TensorView& weight, const TensorView& logits,
-                   const TensorView& gemm_offsets, Stream stream) {
-  if (x.size(0) > 0 && gemm_offsets.defined() && router_logits_gemm_can_run(x, weight, logits)) {
-    one_group_offsets_kernel<<<1, 1, 0, stream>>>(gemm_offsets.data_as<int64_t>(), x.size(0));
-    MOE_CUDA_CHECK_LAUNCH("router logits: one_group_offsets_kernel");
-    return router_logits_gemm(x, weight, logits, gemm_offsets, stream);
+// out [3E, H] = [W; W; W], 16 bytes a thread (rows of W 16-byte aligned, H a multiple of 8).
+__global__ void stack_weight_kernel(const uint4* __restrict__ w, int64_t w_ld16, uint4* __restrict__ out,
+                                    int64_t experts, int64_t row16) {
+  const int64_t n = 3 * experts * row16;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / row16, c = i - r * row16;
+    out[i] = w[(r % experts) * w_ld16 + c];
   }
-  if (router_logits_16bit(x, weight, logits, stream)) return;
-  with_cuda_type(x.dtype(), "router_forward", [&](auto type) {
-    using T = decltype(type);
-    launch("router logits", Operand<T>{x.data_as<T>(), x.stride(0), 1},
-           Operand<T>{weight.data_as<T>(), weight.stride(0), 1},
-           Output<float>{logits.data_as<float>(), logits.stride(0), false}, x.size(0),
-           weight.size(0), x.size(1), stream);
-  });
 }
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 void router_dgrad(const TensorView& d_logits, const TensorView& weight, const TensorView& dx,
                   bool accumulate, Stream stream) {
@@ -216,7 +211,7 @@ void router_dgrad(const TensorView& d_logits, const TensorView& weight, const Te
 
 // dweight (per mode) = the sum of the slices' partial sums, in slice order.
 template <class TC>
-static __global__ void add_slices_kernel(const float* __restrict__ partials, int64_t slices, int64_t rows,
+__global__ void add_slices_kernel(const float* __restrict__ partials, int64_t slices, int64_t rows,
                                   int64_t cols, TC* __restrict__ out, int64_t ld, bool accumulate) {
   const int64_t n = rows * cols;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -227,14 +222,16 @@ static __global__ void add_slices_kernel(const float* __restrict__ partials, int
   }
 }
 
-template <class TC>
-static void add_slices(const TensorView& partials, int64_t slices, int64_t E, int64_t H, const TensorView& dweight,
-                       bool accumulate, Stream stream) {
-  const int64_t n = E * H;
+// partials: `slices` contiguous [E, H] float32 blocks.
+void add_slices(const float* partials, int64_t slices, const TensorView& dweight, bool accumulate, Stream stream) {
+  const int64_t E = dweight.size(0), H = dweight.size(1), n = E * H;
   const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 4096));
-  add_slices_kernel<TC><<<blocks, 256, 0, stream>>>(partials.data_as<float>(), slices, E, H, dweight.data_as<TC>(),
-                                                    dweight.stride(0), accumulate);
-  MOE_CUDA_CHECK_LAUNCH("router wgrad: add_slices_kernel");
+  with_cuda_type(dweight.dtype(), "router_backward", [&](auto out) {
+    using TC = decltype(out);
+    add_slices_kernel<TC><<<blocks, 256, 0, stream>>>(partials, slices, E, H, dweight.data_as<TC>(),
+                                                      dweight.stride(0), accumulate);
+    MOE_CUDA_CHECK_LAUNCH("router wgrad: add_slices_kernel");
+  });
 }
 
 void router_wgrad(const TensorView& d_logits, const TensorView& x, const TensorView& dweight,
@@ -247,10 +244,7 @@ void router_wgrad(const TensorView& d_logits, const TensorView& x, const TensorV
   const int64_t slices = sliced ? partials.size(0) : 1;
   const bool accumulate = mode == GradMode::kAccumulate;
   if (router_wgrad_16bit(d_logits, x, partials, dweight, accumulate, stream)) {
-    if (sliced)
-      with_cuda_type(dweight.dtype(), "router_backward", [&](auto out) {
-        add_slices<decltype(out)>(partials, slices, E, H, dweight, accumulate, stream);
-      });
+    if (sliced) add_slices(partials.data_as<float>(), slices, dweight, accumulate, stream);
     return;
   }
   with_cuda_type(x.dtype(), "router_backward", [&](auto in) {
@@ -266,9 +260,75 @@ void router_wgrad(const TensorView& d_logits, const TensorView& x, const TensorV
       }
       launch<2>("router wgrad", a, b, Output<float>{partials.data_as<float>(), H, false}, E, H, T, stream, slices,
                 E * H);
-      add_slices<TC>(partials, slices, E, H, dweight, accumulate, stream);
     });
   });
+  if (sliced) add_slices(partials.data_as<float>(), slices, dweight, accumulate, stream);
+}
+
+}  // namespace
+
+void router_logits(const TensorView& x, const TensorView& weight, const TensorView& logits,
+                   const TensorView& gemm_offsets, Stream stream) {
+  if (x.size(0) > 0 && gemm_offsets.defined() && router_logits_gemm_can_run(x, weight, logits)) {
+    gemm_offsets_kernel<<<1, 2, 0, stream>>>(gemm_offsets.data_as<int64_t>(), x.size(0), 0, 0);
+    MOE_CUDA_CHECK_LAUNCH("router logits: gemm_offsets_kernel");
+    return router_logits_gemm(x, weight, logits, gemm_offsets.data_as<int64_t>(), stream);
+  }
+  if (router_logits_16bit(x, weight, logits, stream)) return;
+  with_cuda_type(x.dtype(), "router_forward", [&](auto type) {
+    using T = decltype(type);
+    launch("router logits", Operand<T>{x.data_as<T>(), x.stride(0), 1},
+           Operand<T>{weight.data_as<T>(), weight.stride(0), 1},
+           Output<float>{logits.data_as<float>(), logits.stride(0), false}, x.size(0),
+           weight.size(0), x.size(1), stream);
+  });
+}
+
+RouterBackwardPlan router_backward_plan(const TensorView& x, const TensorView& weight, const RouterGrads& grads,
+                                        const detail::RouterBackwardScratch& scratch) {
+  RouterBackwardPlan plan;
+  if (!scratch.d_split.defined() || x.size(0) == 0 || x.dtype() != DType::kBFloat16) return plan;
+  // The stacking kernel's 16-byte copies; dx's accumulation rounds once on the SIMT kernels only.
+  const bool stackable = weight.stride(1) == 1 && weight.stride(0) % 8 == 0 && aligned16(weight.data());
+  plan.dx_on_gemm = grads.dx.defined() && !grads.accumulate_dx && stackable &&
+                    router_dgrad_gemm_can_run(scratch.d_split, scratch.weight_stack, grads.dx);
+  plan.dweight_on_gemm = grads.dweight.defined() && router_wgrad_gemm_can_run(scratch.d_split, x, scratch.gemm_partials);
+  return plan;
+}
+
+void router_backward_products(const RouterBackwardPlan& plan, const TensorView& x, const TensorView& weight,
+                              const RouterGrads& grads, const detail::RouterBackwardScratch& scratch,
+                              Stream stream) {
+  const int64_t T = x.size(0), E = weight.size(0), H = x.size(1);
+  if (plan.splits()) {
+    const int64_t slices = scratch.gemm_partials.size(0);
+    const int64_t slice_rows = ((T + slices - 1) / slices + 63) / 64 * 64;
+    gemm_offsets_kernel<<<1, unsigned(slices + 3), 0, stream>>>(scratch.gemm_offsets.data_as<int64_t>(), T,
+                                                                int(slices), slice_rows);
+    MOE_CUDA_CHECK_LAUNCH("router backward: gemm_offsets_kernel");
+  }
+  const int64_t* one_group = plan.splits() ? scratch.gemm_offsets.data_as<int64_t>() : nullptr;
+  if (plan.dx_on_gemm) {
+    const int64_t n16 = 3 * E * (H / 8);
+    const unsigned blocks = unsigned(std::min<int64_t>((n16 + 255) / 256, 2048));
+    stack_weight_kernel<<<blocks, 256, 0, stream>>>(static_cast<const uint4*>(weight.data()), weight.stride(0) / 8,
+                                                    static_cast<uint4*>(scratch.weight_stack.data()), E, H / 8);
+    MOE_CUDA_CHECK_LAUNCH("router dgrad: stack_weight_kernel");
+    router_dgrad_gemm(scratch.d_split, scratch.weight_stack, grads.dx, one_group, stream);
+  } else if (grads.dx.defined()) {
+    router_dgrad(scratch.d_logits, weight, grads.dx, grads.accumulate_dx, stream);
+  }
+  if (!grads.dweight.defined()) return;
+  // No tokens: dweight is zeros, a main_grad is left untouched.
+  if (T == 0 && grads.dweight_mode == GradMode::kAccumulate) return;
+  if (plan.dweight_on_gemm) {
+    router_wgrad_gemm(scratch.d_split, x, scratch.gemm_partials, one_group + 2, stream);
+    // The slices' [hi; mid; lo] blocks are 3 S' blocks of [E, H], added in order.
+    add_slices(scratch.gemm_partials.data_as<float>(), 3 * scratch.gemm_partials.size(0), grads.dweight,
+               grads.dweight_mode == GradMode::kAccumulate, stream);
+    return;
+  }
+  router_wgrad(scratch.d_logits, x, grads.dweight, grads.dweight_mode, scratch.wgrad_partials, stream);
 }
 
 }  // namespace moe::cuda
