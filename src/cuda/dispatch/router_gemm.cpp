@@ -9,14 +9,14 @@
 namespace moe::cuda {
 namespace {
 
-ExpertAddress plain(const void* data) { return {data, 0, nullptr}; }
-
 // Rows that TMA reads or writes whole: unit column stride (the kernel checks the rest).
 bool unit_columns(const TensorView& t) { return t.stride(1) == 1; }
 
-// a [rows, a_cols] against one b; the sizes n and k and the output are the form's.
+// A problem over one b (the weight, its stack, or x) with a's rows T; n and k as the form reads
+// them (grouped_gemm_problem.hpp), d's rows `d_row_stride` apart.
 GroupedGemmProblem one_weight_problem(Form form, const TensorView& a, const TensorView& b, const TensorView& d,
-                                      int64_t groups, const int64_t* offsets) {
+                                      int64_t n, int64_t k, int64_t d_row_stride, int64_t groups,
+                                      const int64_t* offsets) {
   GroupedGemmProblem p;
   p.form = form;
   p.in_dtype = a.dtype();
@@ -27,40 +27,34 @@ GroupedGemmProblem one_weight_problem(Form form, const TensorView& a, const Tens
   p.device = a.device().index;
   p.a = a.data();
   p.a_row_stride = a.stride(0);
-  p.b = plain(b.data());
+  p.b = {b.data(), 0, nullptr};
   p.b_row_stride = b.stride(0);
-  p.d = plain(d.data());
+  p.d = {d.data(), 0, nullptr};
+  p.d_row_stride = d_row_stride;
+  p.n = n;
+  p.k = k;
   return p;
 }
 
 // logits [T, E] = x [T, H] W [E, H]^T: the forward of one group (a [1, E, H] weight), float32 out.
 GroupedGemmProblem logits_problem(const TensorView& x, const TensorView& weight, const TensorView& logits,
                                   const int64_t* offsets) {
-  GroupedGemmProblem p = one_weight_problem(Form::kForward, x, weight, logits, 1, offsets);
-  p.d_row_stride = logits.stride(0);
-  p.n = weight.size(0);
-  p.k = x.size(1);
-  return p;
+  return one_weight_problem(Form::kForward, x, weight, logits, weight.size(0), x.size(1), logits.stride(0), 1,
+                            offsets);
 }
 
 // dx [T, H] = d_split [T, 3E] weight_stack [3E, H]: the dgrad of one group.
 GroupedGemmProblem dgrad_problem(const TensorView& d_split, const TensorView& weight_stack, const TensorView& dx,
                                  const int64_t* offsets) {
-  GroupedGemmProblem p = one_weight_problem(Form::kDgrad, d_split, weight_stack, dx, 1, offsets);
-  p.d_row_stride = dx.stride(0);
-  p.n = d_split.size(1);
-  p.k = dx.size(1);
-  return p;
+  return one_weight_problem(Form::kDgrad, d_split, weight_stack, dx, d_split.size(1), dx.size(1), dx.stride(0), 1,
+                            offsets);
 }
 
 // partials [S', 3E, H]: slice s = d_split[slice s]^T x[slice s], the wgrad of S' groups.
 GroupedGemmProblem wgrad_problem(const TensorView& d_split, const TensorView& x, const TensorView& partials,
                                  const int64_t* offsets) {
-  GroupedGemmProblem p = one_weight_problem(Form::kWgrad, d_split, x, partials, partials.size(0), offsets);
-  p.d_row_stride = partials.stride(1);
-  p.n = d_split.size(1);
-  p.k = x.size(1);
-  return p;
+  return one_weight_problem(Form::kWgrad, d_split, x, partials, d_split.size(1), x.size(1), partials.stride(1),
+                            partials.size(0), offsets);
 }
 
 }  // namespace
