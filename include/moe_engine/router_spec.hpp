@@ -84,7 +84,8 @@ struct RouterGrads {
   TensorView dweight;  // [E, H]: any float dtype with kWrite, float32 main_grad otherwise
   GradMode dweight_mode = GradMode::kWrite;
   // dx += dL/dlogits W instead of dx = ...: per element dx's value plus the product's float32 sum,
-  // rounded once to dx's dtype (the MoE layer adds the router's part into the experts' dx).
+  // rounded once to dx's dtype (the MoE layer adds the router's part into the experts' dx); on
+  // Hopper's grouped GEMM (bfloat16) the sum is rounded to bfloat16 first, then added and rounded.
   bool accumulate_dx = false;
 };
 

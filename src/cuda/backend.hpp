@@ -157,8 +157,9 @@ struct RouterBackwardPlan {
 };
 RouterBackwardPlan router_backward_plan(const TensorView& x, const TensorView& weight, const RouterGrads& grads,
                                         const detail::RouterBackwardScratch& scratch);
-// dx = d_logits W (or dx += it with grads.accumulate_dx: dx's value plus the float32 sum, rounded
-// once) and dweight (per grads.dweight_mode) from the scratch's d_logits / d_split.
+// dx = d_logits W (or dx += it with grads.accumulate_dx: on the SIMT kernels dx's value plus the
+// float32 sum, rounded once; on the grouped GEMM the sum rounded to dx's dtype, then added and
+// rounded) and dweight (per grads.dweight_mode) from the scratch's d_logits / d_split.
 void router_backward_products(const RouterBackwardPlan& plan, const TensorView& x, const TensorView& weight,
                               const RouterGrads& grads, const detail::RouterBackwardScratch& scratch,
                               Stream stream);
@@ -166,14 +167,16 @@ void router_backward_products(const RouterBackwardPlan& plan, const TensorView& 
 // The router's problems on the Hopper grouped GEMM (dispatch/router_gemm.cpp); each can_run says
 // whether that kernel takes the operands (offsets may be null there).
 //   logits = x W^T: the forward of one group, offsets {0, T};
-//   dx = d_split weight_stack: the dgrad of one group, offsets {0, T};
+//   dx = d_split weight_stack: the dgrad of one group, offsets {0, T}; with `accumulate` added into
+//     dx by the TMA's reductions (the product rounded to dx's dtype, then the sum);
 //   partials[s] = d_split^T x over token slice s: the wgrad of S' groups, offsets the slices'.
 bool router_logits_gemm_can_run(const TensorView& x, const TensorView& weight, const TensorView& logits);
 void router_logits_gemm(const TensorView& x, const TensorView& weight, const TensorView& logits,
                         const int64_t* offsets, Stream stream);
-bool router_dgrad_gemm_can_run(const TensorView& d_split, const TensorView& weight_stack, const TensorView& dx);
+bool router_dgrad_gemm_can_run(const TensorView& d_split, const TensorView& weight_stack, const TensorView& dx,
+                               bool accumulate);
 void router_dgrad_gemm(const TensorView& d_split, const TensorView& weight_stack, const TensorView& dx,
-                       const int64_t* offsets, Stream stream);
+                       bool accumulate, const int64_t* offsets, Stream stream);
 bool router_wgrad_gemm_can_run(const TensorView& d_split, const TensorView& x, const TensorView& partials);
 void router_wgrad_gemm(const TensorView& d_split, const TensorView& x, const TensorView& partials,
                        const int64_t* offsets, Stream stream);

@@ -397,7 +397,8 @@ MoELayerBackwardResult MoELayer::backward(MoELayerContext& ctx, const Tensor& dy
     }
     permute_backward(dx_sorted, mlp.dprobs, ctx.row_of_, ctx.groups_, dx, d_probs, exec);
     // The router: d_probs and the losses' gradient (loss = aux + z: both get d_loss). Its dx is
-    // added into permute's, dx = round(permute's dx + float32 sum_e dl_e W_e): deterministic.
+    // added into permute's, dx = round(permute's dx + float32 sum_e dl_e W_e) (on Hopper's grouped
+    // GEMM the sum rounded first): deterministic.
     RouterOutputGrads d_out{d_probs, {}, {}};
     if (d_loss.defined()) {
       if (ctx.aux_counts_.defined()) d_out.d_aux_loss = d_loss;

@@ -229,8 +229,8 @@ TEST_F(GpuRouter, LogitsOfTheGroupedGemmAndTheChoicesTheyGive) {
 // bfloat16 parts; float16 takes the SIMT kernels, which pass the same checks) at the suite's hidden
 // sizes, expert counts with 3E no multiple of 8, and token counts that take one or many token
 // slices: dx within float32 summation error of the float64 product of the same d_logits (then one
-// rounding to 16 bits) and the weight gradient within float32 summation error; a bfloat16 weight
-// gradient is the float32 one rounded. The d_logits come from the CPU router run on the GPU's
+// rounding to 16 bits), also added into a start (accumulate_dx), and the weight gradient within
+// float32 summation error; a bfloat16 weight gradient is the float32 one rounded. The d_logits come from the CPU router run on the GPU's
 // logits with an identity weight (its dx is then d_logits).
 TEST_F(GpuRouter, BackwardProductsWithinFloat32SummationError) {
   Rng rng;
@@ -256,11 +256,19 @@ TEST_F(GpuRouter, BackwardProductsWithinFloat32SummationError) {
       EXPECT_TRUE(bitwise_equal(rounded.dweight.values(), want_rounded))
           << "a bfloat16 weight gradient is the float32 one rounded";
 
+      // accumulate_dx (the C++ layer's): added into a start.
+      const Tensor start = random_tensor({T, H}, dt, rng), added = to_gpu(start);
+      const Tensor ws = workspace_tensor(router_backward_workspace_size(T, E, H, dt), Device::cuda(0));
+      router_backward(d_out, xd, wd, gpu.logits.view, gpu.indices.view, gpu.aux_counts.view,
+                      {added, {}, GradMode::kWrite, /*accumulate_dx=*/true}, spec,
+                      {nullptr, workspace_of(ws, Device::cuda(0))});
+
       const Tensor dl = d_logits_of(gpu, {g, a, z}, spec);
       const oracle::Matrix x = oracle::to_matrix(in.x), w = oracle::to_matrix(in.w);
       const oracle::Matrix dx = oracle::to_matrix(bg.dx.values()), dw = oracle::to_matrix(bg.dweight.values());
+      const oracle::Matrix dx0 = oracle::to_matrix(start), dx_added = oracle::to_matrix(to_host(added));
       const float* d = dl.data_as<float>();
-      double worst_dx = 0, worst_dw = 0;
+      double worst_dx = 0, worst_added = 0, worst_dw = 0;
       const int64_t t_step = std::max<int64_t>(1, T / 48), h_step = std::max<int64_t>(1, H / 24);
       for (int64_t t = 0; t < T; t += t_step)
         for (int64_t h = 0; h < H; ++h) {
@@ -272,11 +280,18 @@ TEST_F(GpuRouter, BackwardProductsWithinFloat32SummationError) {
           }
           // One rounding to 16 bits on top: half an ulp, 2^-8 of the value for bfloat16, 2^-11 for
           // float16 (2^-25 in its subnormal range).
-          const double rounding =
-              dt == DType::kBFloat16 ? std::ldexp(std::abs(exact), -8) * 1.001
-                                     : std::max(std::ldexp(std::abs(exact), -11) * 1.001, std::ldexp(1.0, -25));
-          const double error = std::max(0.0, std::abs(dx.data[size_t(t * H + h)] - exact) - rounding);
+          auto rounding = [&](double v) {
+            return dt == DType::kBFloat16 ? std::ldexp(std::abs(v), -8) * 1.001
+                                          : std::max(std::ldexp(std::abs(v), -11) * 1.001, std::ldexp(1.0, -25));
+          };
+          const size_t i = size_t(t * H + h);
+          const double error = std::max(0.0, std::abs(dx.data[i] - exact) - rounding(exact));
           worst_dx = std::max(worst_dx, error / std::max(magnitude, 1e-30));
+          // Added: at most two roundings (the grouped GEMM rounds the product, then the sum).
+          const double sum = dx0.data[i] + exact;
+          const double added_error =
+              std::max(0.0, std::abs(dx_added.data[i] - sum) - rounding(exact) - rounding(sum));
+          worst_added = std::max(worst_added, added_error / std::max(magnitude, 1e-30));
         }
       for (int64_t e = 0; e < E; ++e)
         for (int64_t h = 0; h < H; h += h_step) {
@@ -293,6 +308,7 @@ TEST_F(GpuRouter, BackwardProductsWithinFloat32SummationError) {
       // over the weight gradient's long sums: measured on an H200 ~2^-24 of the magnitude per 16
       // tokens (1e-5 at T = 4099, E = 256); the bound allows 2^-23.
       EXPECT_LE(worst_dx, 2e-6) << "dx";
+      EXPECT_LE(worst_added, 2e-6) << "dx added into a start (accumulate_dx)";
       EXPECT_LE(worst_dw, std::max(2e-6, std::ldexp(double(T) / 16, -23))) << "dweight";
     }
 }
@@ -456,7 +472,8 @@ TEST_F(GpuRouter, GraphReplayWithNewInputsMatchesEagerRuns) {
 }
 
 // counts_total, total_loss and accumulate_dx: the CPU's counts, its loss within float32 rounding,
-// and dx added into its start within rounding (bfloat16: one rounding of the sum, as on the CPU).
+// and dx added into its start within rounding (the CPU and the SIMT kernels round the sum once, the
+// grouped GEMM the product and then the sum).
 TEST_F(GpuRouter, AccumulatingOutputsMatchTheCpu) {
   Rng rng;
   const int64_t T = 300, H = 40, E = 24, k = 3;

@@ -43,11 +43,13 @@ GroupedGemmProblem logits_problem(const TensorView& x, const TensorView& weight,
                             offsets);
 }
 
-// dx [T, H] = d_split [T, 3E] weight_stack [3E, H]: the dgrad of one group.
+// dx [T, H] = d_split [T, 3E] weight_stack [3E, H] (or dx += it): the dgrad of one group.
 GroupedGemmProblem dgrad_problem(const TensorView& d_split, const TensorView& weight_stack, const TensorView& dx,
-                                 const int64_t* offsets) {
-  return one_weight_problem(Form::kDgrad, d_split, weight_stack, dx, d_split.size(1), dx.size(1), dx.stride(0), 1,
-                            offsets);
+                                 bool accumulate, const int64_t* offsets) {
+  GroupedGemmProblem p = one_weight_problem(Form::kDgrad, d_split, weight_stack, dx, d_split.size(1), dx.size(1),
+                                            dx.stride(0), 1, offsets);
+  p.accumulate = accumulate;
+  return p;
 }
 
 // partials [S', 3E, H]: slice s = d_split[slice s]^T x[slice s], the wgrad of S' groups.
@@ -70,16 +72,17 @@ void router_logits_gemm(const TensorView& x, const TensorView& weight, const Ten
   sm90::run(logits_problem(x, weight, logits, offsets), stream);
 }
 
-bool router_dgrad_gemm_can_run(const TensorView& d_split, const TensorView& weight_stack, const TensorView& dx) {
+bool router_dgrad_gemm_can_run(const TensorView& d_split, const TensorView& weight_stack, const TensorView& dx,
+                               bool accumulate) {
   if (!weight_stack.is_contiguous() || !unit_columns(d_split) || !unit_columns(dx) ||
       d_split.dtype() != weight_stack.dtype())
     return false;
-  return sm90::can_run(dgrad_problem(d_split, weight_stack, dx, nullptr), nullptr);
+  return sm90::can_run(dgrad_problem(d_split, weight_stack, dx, accumulate, nullptr), nullptr);
 }
 
 void router_dgrad_gemm(const TensorView& d_split, const TensorView& weight_stack, const TensorView& dx,
-                       const int64_t* offsets, Stream stream) {
-  sm90::run(dgrad_problem(d_split, weight_stack, dx, offsets), stream);
+                       bool accumulate, const int64_t* offsets, Stream stream) {
+  sm90::run(dgrad_problem(d_split, weight_stack, dx, accumulate, offsets), stream);
 }
 
 bool router_wgrad_gemm_can_run(const TensorView& d_split, const TensorView& x, const TensorView& partials) {

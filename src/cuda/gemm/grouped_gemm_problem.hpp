@@ -30,7 +30,8 @@ struct GroupedGemmProblem {
   ExpertAddress bias;                   // forward: per-expert [N]; undefined = no bias
   DType bias_dtype = DType::kBFloat16;  // the kernels read it in in_dtype
   const float* row_scale = nullptr;     // forward: [T] scales of the bias
-  bool accumulate = false;              // wgrad: d += result (fp32); empty groups untouched
+  bool accumulate = false;              // wgrad: d += result (fp32), empty groups untouched; dgrad
+                                        // (sm90): d += result rounded to d's dtype (TMA reductions)
   int device = 0;
   // FP8 block scaling (in_dtype float8_e4m3; moe_engine/fp8.hpp). The dgrad runs as the forward
   // form over the weight's transposed copy; the wgrad's a and b are the columns copies [N, C] and

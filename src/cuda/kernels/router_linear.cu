@@ -288,10 +288,10 @@ RouterBackwardPlan router_backward_plan(const TensorView& x, const TensorView& w
                                         const detail::RouterBackwardScratch& scratch) {
   RouterBackwardPlan plan;
   if (!scratch.d_split.defined() || x.size(0) == 0 || x.dtype() != DType::kBFloat16) return plan;
-  // The stacking kernel's 16-byte copies; dx's accumulation rounds once on the SIMT kernels only.
+  // The stacking kernel's 16-byte copies.
   const bool stackable = weight.stride(1) == 1 && weight.stride(0) % 8 == 0 && aligned16(weight.data());
-  plan.dx_on_gemm = grads.dx.defined() && !grads.accumulate_dx && stackable &&
-                    router_dgrad_gemm_can_run(scratch.d_split, scratch.weight_stack, grads.dx);
+  plan.dx_on_gemm = grads.dx.defined() && stackable &&
+                    router_dgrad_gemm_can_run(scratch.d_split, scratch.weight_stack, grads.dx, grads.accumulate_dx);
   plan.dweight_on_gemm = grads.dweight.defined() && router_wgrad_gemm_can_run(scratch.d_split, x, scratch.gemm_partials);
   return plan;
 }
@@ -314,7 +314,7 @@ void router_backward_products(const RouterBackwardPlan& plan, const TensorView& 
     stack_weight_kernel<<<blocks, 256, 0, stream>>>(static_cast<const uint4*>(weight.data()), weight.stride(0) / 8,
                                                     static_cast<uint4*>(scratch.weight_stack.data()), E, H / 8);
     MOE_CUDA_CHECK_LAUNCH("router dgrad: stack_weight_kernel");
-    router_dgrad_gemm(scratch.d_split, scratch.weight_stack, grads.dx, one_group, stream);
+    router_dgrad_gemm(scratch.d_split, scratch.weight_stack, grads.dx, grads.accumulate_dx, one_group, stream);
   } else if (grads.dx.defined()) {
     router_dgrad(scratch.d_logits, weight, grads.dx, grads.accumulate_dx, stream);
   }

@@ -55,6 +55,7 @@ struct EpilogueSlab {
   using OutType = Out;
   using Cfg = typename Pipe::Cfg;
   static constexpr bool kKGrouped = kForm == Form::kWgrad;
+  static constexpr bool kDgrad = kForm == Form::kDgrad;
   static constexpr int kBN = Cfg::kBlockN;
   static_assert(kBN <= 256, "the bias staging gives each of a warpgroup's 128 threads at most one pair of columns");
   static constexpr int kChunkCols = 128 / int(sizeof(Out));  // columns per 128-byte row (a multiple of 8)
@@ -207,6 +208,14 @@ __device__ __forceinline__ void with_store_batches(const GemmParams& p, const Sh
             ptx::tma_store_3d<true>(md, buffer, col0, tile_row0, gd);
           else
             ptx::tma_store_3d<false>(md, buffer, col0, tile_row0, gd);
+        } else if constexpr (Slab::kDgrad) {  // written, or added into dx (the router's dx)
+          const CUtensorMap* md = map != nullptr ? map : &map_d;
+          if (p.reduce_add)
+            ptx::tma_store_4d<true>(md, buffer, col0, ragged_row(t, tile_row0), ragged_end(t),
+                                    int32_t(Config::kRaggedRows));
+          else
+            ptx::tma_store_4d<false>(md, buffer, col0, ragged_row(t, tile_row0), ragged_end(t),
+                                     int32_t(Config::kRaggedRows));
         } else {
           ptx::tma_store_4d(map != nullptr ? map : &map_d, buffer, col0, ragged_row(t, tile_row0), ragged_end(t),
                             int32_t(Config::kRaggedRows));

@@ -69,8 +69,9 @@ bool can_run(const GroupedGemmProblem& p, std::string* why) {
     return no("outputs must be bfloat16, float16 or float32");
   if (p.bias.defined() && p.bias_dtype != p.in_dtype)
     return no("the bias must have the input dtype");
-  if (p.accumulate && p.out_dtype != DType::kFloat32)
-    return no("accumulation needs a float32 output");
+  if (p.accumulate && p.form == Form::kForward) return no("the forward does not accumulate");
+  if (p.accumulate && p.form == Form::kWgrad && p.out_dtype != DType::kFloat32)
+    return no("the weight gradient accumulates into a float32 output only");
   const size_t in = dtype_size(p.in_dtype), out = dtype_size(p.out_dtype);
   // Per-expert tensors: the weights (forward/dgrad) or dW (wgrad) through one TMA map per expert,
   // which needs every expert 16-byte aligned; the bias through its pointer table.

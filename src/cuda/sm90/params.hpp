@@ -18,7 +18,7 @@ struct GemmParams {
   int32_t k;               // forward/dgrad: contraction length
   const void* bias;        // forward: [G, n_out] in the input dtype, or null
   const float* row_scale;  // forward: [T] scales of the bias ("scale_bias"), or null
-  int32_t reduce_add;      // wgrad: add into D (fp32 main_grad) instead of storing
+  int32_t reduce_add;      // wgrad: add into D (fp32 main_grad); dgrad: into dx (rounded to its dtype first)
   int32_t multicast;       // 0: pairs never share B loads (an A/B switch for measurements)
   GluEpilogueParams glu;   // Epilogue::kGluForward / kGluBackward only
   // Per-expert tensors: one tensor map per group in device memory (group coordinate 0) replaces
