@@ -111,7 +111,7 @@ def main():
                 row["row_kernels"][name] = {"us_per_launch": us, "tb_s": tbs, "fraction_of_copy": tbs / copy_tbs}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del layer, m
+        layer = m = None  # freed before the next case (the closures above read them)
         torch.cuda.empty_cache()
     fractions = [v["fraction_of_copy"] for r in rows if r["tokens"] >= 4096 for v in r["row_kernels"].values()]
     if not fractions:

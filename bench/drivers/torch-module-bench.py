@@ -122,7 +122,7 @@ def time_modules(case, layout, iters, precisions, device, warmup=3, block=4):
     for prec in precisions:
         ms = sorted(a.elapsed_time(b) / block for a, b in times[prec]) if cuda else sorted(t / block for t in times[prec])
         out[prec]["ms"] = ms[len(ms) // 2]
-    del modules, x, p, dy
+    modules = x = p = dy = None  # freed before the next case (the closures above read them)
     gc.collect()
     return out
 
@@ -256,7 +256,7 @@ def markdown(s):
     if "geomean_time_ratio_fp8_vs_bf16" in s:
         g = 2**30
         geo = s["geomean_time_ratio_fp8_vs_bf16"]
-        lines += ["", f"## FP8 module (`GroupedMLP(..., fp8_recipe=Fp8Recipe())`) vs the bf16 module", "",
+        lines += ["", "## FP8 module (`GroupedMLP(..., fp8_recipe=Fp8Recipe())`) vs the bf16 module", "",
                   f"Same inputs, the two modules alternated iteration by iteration. FP8 / bf16 time over the "
                   f"{s['fp8_compute_bound_cases']} compute-bound cases (all but the small batch): geomean "
                   f"**{_f(geo, '.3f')}**, max {_f(s['max_time_ratio_fp8_vs_bf16'], '.3f')}; over all cases: geomean "

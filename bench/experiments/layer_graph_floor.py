@@ -37,4 +37,4 @@ for name in ["qwen3-30b-a3b-small-batch/balanced", "qwen3-30b-a3b/balanced"]:
         except Exception as e:
             graph = float("nan"); print("capture failed", kind, repr(e)[:200])
         print(f"{name} {kind}: eager {eager:.3f} ms, graph replay {graph:.3f} ms", flush=True)
-        del layer; torch.cuda.empty_cache()
+        layer = None; torch.cuda.empty_cache()

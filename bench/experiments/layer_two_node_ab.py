@@ -61,5 +61,5 @@ for case in cases:
         mem[name] = (torch.cuda.max_memory_allocated() - start) / 2**30
     print(f"{case['name']:36s} " + "  ".join(
         f"{n}: {gpu[n]:.3f} ms GPU, {host[n]:.3f} ms host, +{mem[n]:.2f} GiB peak" for n in fns), flush=True)
-    del ours, x, g
+    ours = x = g = None
     torch.cuda.empty_cache()
