@@ -194,8 +194,6 @@ __global__ void stack_weight_kernel(const uint4* __restrict__ w, int64_t w_ld16,
   }
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
 void router_dgrad(const TensorView& d_logits, const TensorView& weight, const TensorView& dx,
                   bool accumulate, Stream stream) {
   // dx(t, h) = sum_e d_logits(t, e) W(e, h): B(n = h, k = e) is the weight transposed.
@@ -289,7 +287,7 @@ RouterBackwardPlan router_backward_plan(const TensorView& x, const TensorView& w
   RouterBackwardPlan plan;
   if (!scratch.d_split.defined() || x.size(0) == 0 || x.dtype() != DType::kBFloat16) return plan;
   // The stacking kernel's 16-byte copies.
-  const bool stackable = weight.stride(1) == 1 && weight.stride(0) % 8 == 0 && aligned16(weight.data());
+  const bool stackable = weight.stride(1) == 1 && weight.stride(0) % 8 == 0 && is_aligned(weight.data(), 16);
   plan.dx_on_gemm = grads.dx.defined() && stackable &&
                     router_dgrad_gemm_can_run(scratch.d_split, scratch.weight_stack, grads.dx, grads.accumulate_dx);
   plan.dweight_on_gemm = grads.dweight.defined() && router_wgrad_gemm_can_run(scratch.d_split, x, scratch.gemm_partials);

@@ -36,12 +36,10 @@ __device__ __forceinline__ void unpack8(const uint4& v, const __half*, float (&f
   }
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
 // Rows of 16-bit elements that 16-byte loads can read: contiguous rows, the row stride and the
 // base 16-byte aligned.
 bool vector_rows(const TensorView& t) {
-  return t.stride(1) == 1 && t.stride(0) % kVec == 0 && aligned16(t.data());
+  return t.stride(1) == 1 && t.stride(0) % kVec == 0 && is_aligned(t.data(), 16);
 }
 
 bool sixteen_bit(DType d) { return d == DType::kBFloat16 || d == DType::kFloat16; }
@@ -361,7 +359,7 @@ bool router_wgrad_16bit(const TensorView& d_logits, const TensorView& x, const T
   if (H % kVec != 0 || !vector_rows(x)) return false;
   const bool sliced = partials.defined();
   const int64_t slices = sliced ? partials.size(0) : 1;
-  if (sliced && (!partials.is_contiguous() || !aligned16(partials.data()))) return false;
+  if (sliced && (!partials.is_contiguous() || !is_aligned(partials.data(), 16))) return false;
   const int64_t chunks = (E + kWgradExperts - 1) / kWgradExperts;
   const int64_t hblocks = (H / kVec + kThreads - 1) / kThreads;
   const int64_t slice_tokens = (T + slices - 1) / slices;

@@ -208,17 +208,13 @@ __device__ __forceinline__ void with_store_batches(const GemmParams& p, const Sh
             ptx::tma_store_3d<true>(md, buffer, col0, tile_row0, gd);
           else
             ptx::tma_store_3d<false>(md, buffer, col0, tile_row0, gd);
-        } else if constexpr (Slab::kDgrad) {  // written, or added into dx (the router's dx)
-          const CUtensorMap* md = map != nullptr ? map : &map_d;
-          if (p.reduce_add)
-            ptx::tma_store_4d<true>(md, buffer, col0, ragged_row(t, tile_row0), ragged_end(t),
-                                    int32_t(Config::kRaggedRows));
-          else
-            ptx::tma_store_4d<false>(md, buffer, col0, ragged_row(t, tile_row0), ragged_end(t),
-                                     int32_t(Config::kRaggedRows));
         } else {
-          ptx::tma_store_4d(map != nullptr ? map : &map_d, buffer, col0, ragged_row(t, tile_row0), ragged_end(t),
-                            int32_t(Config::kRaggedRows));
+          const CUtensorMap* md = map != nullptr ? map : &map_d;
+          const int32_t row = ragged_row(t, tile_row0), end = ragged_end(t);
+          if (Slab::kDgrad && p.reduce_add)  // the dgrad adds into dx (the router's dx)
+            ptx::tma_store_4d<true>(md, buffer, col0, row, end, int32_t(Config::kRaggedRows));
+          else
+            ptx::tma_store_4d<false>(md, buffer, col0, row, end, int32_t(Config::kRaggedRows));
         }
       }
     };
