@@ -103,6 +103,9 @@ struct Entry {
   // fp8 with the FP8 anchor: torch._scaled_grouped_mm (rowwise), the per-expert loop (loop_ms
   // above), the dense FP8 GEMM of the same size; what the anchor could not measure, and why
   double sgmm_ms = 0, speedup_vs_sgmm = 0, dense_fp8_ms = 0, dense_fraction = 0;
+  // the dense GEMM of the same size with the recipe's block scales (1x128 x 128x128; wgrad 1x128 x
+  // 1x128): the ceiling of block-scaled FP8 on this GPU, where the anchor measured it
+  double dense_blockwise_ms = 0, dense_blockwise_fraction = 0;
   nlohmann::json anchor_errors = nlohmann::json::object();
   double e2e_ms = 0, e2e_ratio_vs_bf16 = 0;  // fp8: quantization + GEMM (see kE2eIncludes)
   bool in_geomean = false;
@@ -190,8 +193,10 @@ void check_fp8_anchor(const nlohmann::json& anchor, const std::string& path) {
 }
 
 // An FP8 anchor measurement: its time, or 0 with its error in `errors` (also for a case it lacks).
-double fp8_anchor_ms(const nlohmann::json* ref, const std::string& key, nlohmann::json& errors) {
-  if (!ref) return 0;
+// An optional path that the file does not have (an anchor from before it existed) is 0, no error.
+double fp8_anchor_ms(const nlohmann::json* ref, const std::string& key, nlohmann::json& errors,
+                     bool optional = false) {
+  if (!ref || (optional && !ref->contains(key + "_ms"))) return 0;
   const nlohmann::json& v = ref->at(key + "_ms");
   if (v.is_number()) return v.get<double>();
   errors[key] = v.at("error");
@@ -400,7 +405,9 @@ int run_bench_gemm(const BenchOptions& o) {
           en.dense_fp8_ms = fp8_anchor_ms(ref, fc + "_dense_fp8" + key, en.anchor_errors);
           if (en.sgmm_ms > 0) en.speedup_vs_sgmm = en.sgmm_ms / en.ms;
           if (en.loop_ms > 0) en.speedup_vs_loop = en.loop_ms / en.ms;
+          en.dense_blockwise_ms = fp8_anchor_ms(ref, fc + "_dense_fp8_blockwise" + key, en.anchor_errors, true);
           if (en.dense_fp8_ms > 0) en.dense_fraction = en.dense_fp8_ms / en.ms;  // our TFLOP/s over its
+          if (en.dense_blockwise_ms > 0) en.dense_blockwise_fraction = en.dense_blockwise_ms / en.ms;
         }
         progress.clear();
         std::printf("%-36s %-4s %-10s %9.4f %8.1f %9.3f %9.4f %8.3f", w.name.c_str(), fc.c_str(),
@@ -470,7 +477,7 @@ int run_bench_gemm(const BenchOptions& o) {
                 vs_torch.min);
 
   // FP8: the figures, over the GEMMs of the geomean (fc1/fc2 x fwd/dgrad/wgrad) that have them.
-  Stat vs_sgmm, vs_loop, tflops_cb, tflops_wgrad_cb, dense_cb, e2e, e2e_cb;
+  Stat vs_sgmm, vs_loop, tflops_cb, tflops_wgrad_cb, dense_cb, blockwise_cb, blockwise_wgrad_cb, e2e, e2e_cb;
   for (const Entry& en : entries) {
     if (!fp8 || !en.in_geomean) continue;
     const bool cb = compute_bound_case(en.case_name), fwd_dgrad = en.gemm == "fwd" || en.gemm == "dgrad";
@@ -479,6 +486,8 @@ int run_bench_gemm(const BenchOptions& o) {
     if (cb && fwd_dgrad) tflops_cb.add(en.tflops);
     if (cb && en.gemm == "wgrad") tflops_wgrad_cb.add(en.tflops);
     if (cb && fwd_dgrad && en.dense_fraction > 0) dense_cb.add(en.dense_fraction);
+    if (cb && en.dense_blockwise_fraction > 0)
+      (fwd_dgrad ? blockwise_cb : blockwise_wgrad_cb).add(en.dense_blockwise_fraction);
     if (en.e2e_ratio_vs_bf16 > 0) e2e.add(en.e2e_ratio_vs_bf16);
     if (cb && en.e2e_ratio_vs_bf16 > 0) e2e_cb.add(en.e2e_ratio_vs_bf16);
   }
@@ -493,6 +502,10 @@ int run_bench_gemm(const BenchOptions& o) {
                 vs_loop.n, vs_loop.mean(), vs_loop.min);
   if (dense_cb.n)
     std::printf("compute-bound forward/dgrad: min fraction of the same-run dense FP8 GEMM %.3f\n", dense_cb.min);
+  if (blockwise_cb.n)
+    std::printf("compute-bound: min fraction of the same-run dense block-scaled FP8 GEMM %.3f (forward/dgrad), "
+                "%.3f (wgrad)\n",
+                blockwise_cb.min, blockwise_wgrad_cb.n ? blockwise_wgrad_cb.min : 0.0);
   if (e2e.n)
     std::printf("end to end (quantization + GEMM) / bf16: geomean %.3f, max on compute-bound cases %.3f\n",
                 e2e.mean(), e2e_cb.n ? e2e_cb.max : 0.0);
@@ -511,6 +524,8 @@ int run_bench_gemm(const BenchOptions& o) {
       j["min_fp8_tflops_compute_bound"] = tflops_cb.lowest();
       j["min_fp8_tflops_wgrad_compute_bound"] = tflops_wgrad_cb.lowest();
       j["min_fraction_of_dense_fp8_compute_bound"] = dense_cb.lowest();
+      j["min_fraction_of_dense_fp8_blockwise_compute_bound"] = blockwise_cb.lowest();
+      j["min_fraction_of_dense_fp8_blockwise_wgrad_compute_bound"] = blockwise_wgrad_cb.lowest();
       j["geomean_speedup_vs_torch_scaled_grouped_mm"] = vs_sgmm.geomean();
       j["min_speedup_vs_torch_scaled_grouped_mm"] = vs_sgmm.lowest();
       j["geomean_speedup_vs_per_expert_loop"] = vs_loop.geomean();
@@ -588,6 +603,11 @@ int run_bench_gemm(const BenchOptions& o) {
         e["dense_fp8_ms"] = en.dense_fp8_ms;
         e["dense_fp8_tflops"] = en.flops / (en.dense_fp8_ms * 1e9);
         e["fraction_of_dense_fp8"] = en.dense_fraction;
+      }
+      if (en.dense_blockwise_ms > 0) {
+        e["dense_fp8_blockwise_ms"] = en.dense_blockwise_ms;
+        e["dense_fp8_blockwise_tflops"] = en.flops / (en.dense_blockwise_ms * 1e9);
+        e["fraction_of_dense_fp8_blockwise"] = en.dense_blockwise_fraction;
       }
       if (en.e2e_ms > 0) {
         e["e2e_ms"] = en.e2e_ms;

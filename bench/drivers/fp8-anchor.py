@@ -14,6 +14,11 @@ wgrad, GEMM time only (operands quantized beforehand, untimed):
                      (--loop-streams); the best is the entry.
   dense_fp8          one dense FP8 GEMM with the same M, N, K totals (torch._scaled_mm tensorwise and
                      rowwise; the better is the entry): the same-run FP8 ceiling of each GEMM.
+  dense_fp8_blockwise  the same dense GEMM with the recipe's block scales (cuBLAS through
+                     F.scaled_mm: 1x128 x 128x128, wgrad 1x128 x 1x128), every dimension rounded up
+                     to a multiple of 128 (TFLOP/s counted on the unpadded FLOPs): the same-run
+                     ceiling of block-scaled FP8, whose promotion every 128 of K costs what
+                     tensorwise scaling does not pay.
 Once per run: dense 8192^3 in bf16 (dense_8192_tflops, as torch_anchor.py) and in FP8.
 
 Timing: triton.testing.do_bench, median, 10 ms warm-up and 100 ms of runs, 256 MB of L2 flush
@@ -350,6 +355,9 @@ def dense_shape(gemm, T, N, K):
 
 
 def dense_operands(M, Nout, Kc, device, seed):
+    if str(device) == "meta":  # shapes only (--dry-run)
+        return (torch.empty(M, Kc, device=device, dtype=torch.float8_e4m3fn),
+                torch.empty(Nout, Kc, device=device, dtype=torch.float8_e4m3fn).t())
     g = torch.Generator(device=device).manual_seed(seed)
     a = torch.randn(M, Kc, device=device, generator=g).to(torch.float8_e4m3fn)
     b = torch.randn(Nout, Kc, device=device, generator=g).to(torch.float8_e4m3fn).t()  # column-major
@@ -366,6 +374,24 @@ def dense_runner(a, b, scaling, fast_accum):
     def run():
         torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
     return run
+
+
+def dense_blockwise_call(gemm, M, Nout, Kc, device, seed):
+    """The call (scaled_mm_call's tuple) and its note of the dense GEMM [M, Kc] x [Kc, Nout] with block
+    scales (all ones: the time does not depend on their values): A 1x128 along Kc (M-major, strides
+    (1, M)); B 128x128 (fwd, dgrad: a weight) or 1x128 along Kc (wgrad: a columnwise activation
+    copy), laid out as the per-expert loop's calls. Dimensions rounded up to multiples of 128."""
+    M, Nout, Kc = (round_up(v, 128) for v in (M, Nout, Kc))
+    a, b = dense_operands(M, Nout, Kc, device, seed)
+    R = F.ScalingType
+    kb = Kc // 128
+    sa = torch.ones(kb, M, device=device).t()
+    if gemm == "wgrad":
+        sb, rb = torch.ones(kb, Nout, device=device).t(), R.BlockWise1x128
+    else:
+        sb, rb = torch.ones(Nout // 128, round_up(kb, 4), device=device).t(), R.BlockWise128x128
+    call = (a, b, sa, R.BlockWise1x128, sb, rb, torch.empty(M, Nout, device=device, dtype=torch.bfloat16))
+    return call, f"F.scaled_mm {'1x128 x 1x128' if gemm == 'wgrad' else '1x128 x 128x128'}, [{M},{Kc}] x [{Kc},{Nout}]"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -539,6 +565,12 @@ class Run:
                 entry[key + "_ms"] = {"error": "neither the tensorwise nor the rowwise dense FP8 GEMM ran"}
             torch.cuda.empty_cache()
 
+            def dense_blockwise():
+                call, note = dense_blockwise_call(gemm, M, Nout, Kc, self.device, seed)
+                return self.timed(layer, self.bench(lambda: scaled_mm_call(call)), _note=note)
+            self.record(entry, f"{fc}_dense_fp8_blockwise_{gemm}", dense_blockwise)
+            torch.cuda.empty_cache()
+
     def dense_8192(self):
         """Dense n^3 GEMMs, n = 8192: bf16 (torch_anchor.py's dense_8192_tflops) and FP8, tensorwise and
         rowwise, with and without fast accumulation."""
@@ -597,6 +629,8 @@ class Run:
                             "out= the expert's slice), host split sizes; best over loop_streams",
                     "dense_fp8": "one dense FP8 GEMM of the same M, N, K (torch._scaled_mm), "
                                  "the faster of tensorwise and rowwise",
+                    "dense_fp8_blockwise": "the same dense GEMM with block scales (F.scaled_mm: 1x128 x 128x128, "
+                                           "wgrad 1x128 x 1x128), dimensions rounded up to multiples of 128",
                 },
                 "cases": [],
             }
@@ -668,6 +702,32 @@ def emulate_grouped(plan):
     return torch.cat([(a[s:e] * sa[s:e, None]) @ (b[g] * sb[g][None, :]) for g, (s, e) in enumerate(zip(begins, ends))])
 
 
+def block_call_failures(call, what):
+    """What ATen's CUDA checks of a block-scaled call would reject: the scale tensors' shapes and
+    strides, the operands' majorness and alignment, the output's shape."""
+    a, b, sa, ra, sb, rb, out = call
+    M, Kc, Nout = a.shape[0], a.shape[1], b.shape[1]
+    want = [((M, ceil_div(Kc, 128)), (1, M))]
+    if rb == F.ScalingType.BlockWise128x128:
+        L4 = round_up(ceil_div(Kc, 128), 4)
+        want.append(((L4, ceil_div(Nout, 128)), (1, L4)))
+    else:
+        want.append(((Nout, ceil_div(Kc, 128)), (1, Nout)))
+    got = [(tuple(t.shape), t.stride()) for t in (sa, sb)]
+    # a size-1 dimension's stride is free (ATen checks it only where the size is > 1)
+    same = all(gs == ws and all(g == w for g, w, n in zip(gst, wst, gs) if n > 1)
+               for (gs, gst), (ws, wst) in zip(got, want))
+    failures = []
+    if not same:
+        failures.append(f"{what}: scale layouts {got}, ATen wants {want}")
+    if a.stride(1) != 1 or b.stride(0) != 1 or Kc % 16 or Nout % 16:
+        failures.append(f"{what}: a {tuple(a.shape)} {a.stride()} must be row-major, b {tuple(b.shape)} "
+                        f"{b.stride()} column-major, both multiples of 16")
+    if out.shape != (M, Nout) or not out.is_contiguous():
+        failures.append(f"{what}: out {tuple(out.shape)} for [{M}, {Nout}]")
+    return failures
+
+
 def dry_run(args, cases):
     """Checks the arguments the GPU run would pass. (1) On the CPU with small shapes (unaligned and
     empty experts, sizes not multiples of 128): an emulated GEMM that reads every scale tensor as
@@ -697,25 +757,8 @@ def dry_run(args, cases):
                 out = plan.result().double()
                 check(f"{fc} loop {gemm} layout {layout} ({len(plan.args)} calls; {plan.note})",
                       float((out - ref).norm() / ref.norm()))
-                for a, b, sa, ra, sb, rb, out in plan.args:  # what ATen's CUDA checks demand
-                    M, Kc, Nout = a.shape[0], a.shape[1], b.shape[1]
-                    want = [((M, ceil_div(Kc, 128)), (1, M))]
-                    if rb == F.ScalingType.BlockWise128x128:
-                        L4 = round_up(ceil_div(Kc, 128), 4)
-                        want.append(((L4, ceil_div(Nout, 128)), (1, L4)))
-                    else:
-                        want.append(((Nout, ceil_div(Kc, 128)), (1, Nout)))
-                    got = [(tuple(t.shape), t.stride()) for t in (sa, sb)]
-                    # a size-1 dimension's stride is free (ATen checks it only where the size is > 1)
-                    same = all(gs == ws and all(g == w for g, w, n in zip(gst, wst, gs) if n > 1)
-                               for (gs, gst), (ws, wst) in zip(got, want))
-                    if not same:
-                        failures.append(f"{fc} loop {gemm} layout {layout}: scale layouts {got}, ATen wants {want}")
-                    if a.stride(1) != 1 or b.stride(0) != 1 or Kc % 16 or Nout % 16:
-                        failures.append(f"{fc} loop {gemm} layout {layout}: a {tuple(a.shape)} {a.stride()} must be "
-                                        f"row-major, b {tuple(b.shape)} {b.stride()} column-major, both multiples of 16")
-                    if out.shape != (M, Nout) or not out.is_contiguous():
-                        failures.append(f"{fc} loop {gemm} layout {layout}: out {tuple(out.shape)} for [{M}, {Nout}]")
+                for call in plan.args:
+                    failures += block_call_failures(call, f"{fc} loop {gemm} layout {layout}")
             plan = layer.scaled_grouped_mm(gemm)
             plan.last = emulate_grouped(plan).to(torch.bfloat16)
             check(f"{fc} scaled_grouped_mm {gemm} ({plan.note})",
@@ -724,6 +767,12 @@ def dry_run(args, cases):
                 sizes = [e - s for s, e in zip([0] + plan.offs.tolist()[:-1], plan.offs.tolist())]
                 if any(n <= 0 or n % 16 for n in sizes):
                     failures.append(f"{fc} scaled_grouped_mm wgrad: group sizes {sizes}: the kernel asserts > 0 and % 16")
+
+    for gemm in GEMMS:  # the dense block-scaled ceiling: odd sizes, rounded up to 128
+        call, note = dense_blockwise_call(gemm, 200, 300, 130, "cpu", 0)
+        failures += block_call_failures(call, f"dense blockwise {gemm}")
+        a, b = call[0].double(), call[1].double()
+        check(f"dense blockwise {gemm} ({note})", float((emulate_block(call) - a @ b).norm() / (a @ b).norm()), 0.0)
 
     for c in cases:
         for fc, N, K in (("fc1", 2 * c["ffn"], c["hidden"]), ("fc2", c["hidden"], c["ffn"])):
@@ -754,6 +803,11 @@ def dry_run(args, cases):
                     msgs.append("dense ok")
                 except Exception as e:
                     msgs.append(f"dense: {error_text(e)[:160]}")
+                try:
+                    scaled_mm_call(dense_blockwise_call(gemm, M, Nout, Kc, "meta", 0)[0], with_out=False)
+                    msgs.append("dense blockwise ok")
+                except Exception as e:
+                    msgs.append(f"dense blockwise: {error_text(e)[:160]}")
                 print(f"  meta {c['name']} {fc} {gemm}: " + "; ".join(msgs))
     failures += emulated_run(args)
     if failures:

@@ -7,7 +7,8 @@ import statistics
 import sys
 
 # Times per entry, each combined by its median over the rounds that have it.
-TIMES = ("ms", "bf16_ms", "torch_scaled_grouped_mm_ms", "per_expert_loop_ms", "dense_fp8_ms", "e2e_ms")
+TIMES = ("ms", "bf16_ms", "torch_scaled_grouped_mm_ms", "per_expert_loop_ms", "dense_fp8_ms",
+         "dense_fp8_blockwise_ms", "e2e_ms")
 COMPUTE_BOUND = ("mixtral", "deepseek", "gpt-oss")  # tools/bench_gemm.cpp: compute_bound_case
 
 
@@ -77,6 +78,9 @@ def combine(rounds, files):
         if "dense_fp8_ms" in c:
             c["dense_fp8_tflops"] = e["flops"] / (c["dense_fp8_ms"] * 1e9)
             c["fraction_of_dense_fp8"] = c["dense_fp8_ms"] / ms
+        if "dense_fp8_blockwise_ms" in c:
+            c["dense_fp8_blockwise_tflops"] = e["flops"] / (c["dense_fp8_blockwise_ms"] * 1e9)
+            c["fraction_of_dense_fp8_blockwise"] = c["dense_fp8_blockwise_ms"] / ms
         if "e2e_ms" in c and "bf16_ms" in c:
             c["time_ratio_e2e_vs_bf16"] = c["e2e_ms"] / c["bf16_ms"]
         entries.append(c)
@@ -101,6 +105,8 @@ def summary(entries):
     sgmm, loop = values(g, "speedup_vs_torch_scaled_grouped_mm"), values(g, "speedup_vs_per_expert_loop")
     e2e, e2e_cb = values(g, "time_ratio_e2e_vs_bf16"), values(cb, "time_ratio_e2e_vs_bf16")
     dense = values(fwd_dgrad, "fraction_of_dense_fp8")
+    blockwise = values(fwd_dgrad, "fraction_of_dense_fp8_blockwise")
+    blockwise_wgrad = values([e for e in cb if e["gemm"] == "wgrad"], "fraction_of_dense_fp8_blockwise")
     wgrad = [e["tflops"] for e in cb if e["gemm"] == "wgrad"]
     return {
         "geomean_time_ratio_fp8_vs_bf16": _geomean(ratio),
@@ -108,6 +114,8 @@ def summary(entries):
         "min_fp8_tflops_compute_bound": min((e["tflops"] for e in fwd_dgrad), default=None),
         "min_fp8_tflops_wgrad_compute_bound": min(wgrad) if wgrad else None,
         "min_fraction_of_dense_fp8_compute_bound": min(dense) if dense else None,
+        "min_fraction_of_dense_fp8_blockwise_compute_bound": min(blockwise) if blockwise else None,
+        "min_fraction_of_dense_fp8_blockwise_wgrad_compute_bound": min(blockwise_wgrad) if blockwise_wgrad else None,
         "geomean_speedup_vs_torch_scaled_grouped_mm": _geomean(sgmm),
         "min_speedup_vs_torch_scaled_grouped_mm": min(sgmm) if sgmm else None,
         "geomean_speedup_vs_per_expert_loop": _geomean(loop),
@@ -141,6 +149,9 @@ def write_markdown(r, path):
         ("min FP8 TFLOP/s, compute-bound wgrad", _f(r["min_fp8_tflops_wgrad_compute_bound"], 1)),
         ("min fraction of the same-run dense FP8 GEMM, compute-bound forward/dgrad",
          _f(r["min_fraction_of_dense_fp8_compute_bound"])),
+        ("min fraction of the same-run dense block-scaled FP8 GEMM, compute-bound forward/dgrad; wgrad",
+         f"{_f(r.get('min_fraction_of_dense_fp8_blockwise_compute_bound'))}; "
+         f"{_f(r.get('min_fraction_of_dense_fp8_blockwise_wgrad_compute_bound'))}"),
         ("speedup vs torch._scaled_grouped_mm (rowwise), geomean (min)",
          f"{_f(r['geomean_speedup_vs_torch_scaled_grouped_mm'])} ({_f(r['min_speedup_vs_torch_scaled_grouped_mm'])})"),
         ("speedup vs the per-expert block-scaled cuBLAS loop, geomean (min)",
@@ -154,8 +165,8 @@ def write_markdown(r, path):
     if r.get("e2e_includes"):
         lines += [f"End to end: {r['e2e_includes']}.", ""]
     lines += ["| case | fc | GEMM | fp8 ms | TFLOP/s | bf16 ms | fp8/bf16 | vs scaled_grouped_mm | vs loop "
-              "| of dense FP8 | e2e ms | e2e/bf16 |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| of dense FP8 | of dense block-scaled | e2e ms | e2e/bf16 |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     quant = {}
     errors = []
     for e in r["entries"]:
@@ -165,7 +176,8 @@ def write_markdown(r, path):
         lines.append(f"| {e['case']} | {e['fc']} | {e['gemm']} | {e['ms']:.4f} | {e['tflops']:.1f} | "
                      f"{_f(e.get('bf16_ms'), 4)} | {_f(e.get('time_ratio_fp8_vs_bf16'))} | "
                      f"{_f(e.get('speedup_vs_torch_scaled_grouped_mm'))} | {_f(e.get('speedup_vs_per_expert_loop'))} | "
-                     f"{_f(e.get('fraction_of_dense_fp8'))} | {_f(e.get('e2e_ms'), 4)} | "
+                     f"{_f(e.get('fraction_of_dense_fp8'))} | {_f(e.get('fraction_of_dense_fp8_blockwise'))} | "
+                     f"{_f(e.get('e2e_ms'), 4)} | "
                      f"{_f(e.get('time_ratio_e2e_vs_bf16'))} |")
         for key, why in e.get("anchor_errors", {}).items():
             errors.append(f"- {e['case']} {e['fc']} {e['gemm']}: `{key}`: {why}")
@@ -217,6 +229,10 @@ def write_plot(r, path):
         ax.barh([i + (k - 1.5) * h for i in range(len(ents))], xs, height=h, label=name)
     dense = [tflops(e, "dense_fp8_ms") for e in ents]
     ax.scatter(dense, range(len(ents)), marker="|", s=120, color="black", label="dense FP8 GEMM, same size", zorder=3)
+    blockwise = [tflops(e, "dense_fp8_blockwise_ms") for e in ents]
+    if any(blockwise):
+        ax.scatter(blockwise, range(len(ents)), marker="x", s=30, color="red",
+                   label="dense block-scaled FP8 GEMM, same size", zorder=3)
     if r["ceilings"].get("fp8_tflops"):
         ax.axvline(r["ceilings"]["fp8_tflops"], color="gray", linestyle="--", label="dense FP8 8192^3 (same run)")
     ax.set_yticks(list(range(len(ents))))

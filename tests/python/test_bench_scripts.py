@@ -30,7 +30,8 @@ MODULE = os.path.join(ROOT, "bench", "drivers", "torch-module-bench.py")
 
 def fp8_round(base, scale):
     """A round as `bench gemm --dtype fp8 --anchor` writes it: the anchor columns derived from our
-    times (torch 1.3x, loop 1.2x, dense 0.9x), e2e = GEMM + its quantizer pass."""
+    times (torch 1.3x, loop 1.2x, dense 0.9x, dense block-scaled 0.95x, wgrad's 0.8x), e2e = GEMM + its
+    quantizer pass."""
     r = copy.deepcopy(base)
     r["ceilings"].update({"fp8_tflops": 1280.0, "roofline_tflops": 1280.0,
                           "fp8_source": "anchor dense_fp8_8192_tflops, same run"})
@@ -44,7 +45,8 @@ def fp8_round(base, scale):
         if not e["in_geomean"]:
             continue
         e.update({"torch_scaled_grouped_mm_ms": 1.3 * e["ms"], "per_expert_loop_ms": 1.2 * e["ms"],
-                  "dense_fp8_ms": 0.9 * e["ms"]})
+                  "dense_fp8_ms": 0.9 * e["ms"],
+                  "dense_fp8_blockwise_ms": (0.8 if e["gemm"] == "wgrad" else 0.95) * e["ms"]})
         q = {"fwd": "quant_x", "dgrad": "quant_dy"}.get(e["gemm"])
         e["e2e_ms"] = e["ms"] + (quant[(e["case"], e["fc"], q)] if q else 0.0)
         if e["case"] == "qwen3-30b-a3b/heavy" and e["fc"] == "fc2" and e["gemm"] == "wgrad":
@@ -72,6 +74,8 @@ def test_fp8_report_combines_rounds(tmp_path):
     # medians: the 1.0 round is the middle one, so the ratios are the synthetic ones exactly
     assert r["geomean_speedup_vs_torch_scaled_grouped_mm"] == pytest.approx(1.3)
     assert r["min_fraction_of_dense_fp8_compute_bound"] == pytest.approx(0.9)
+    assert r["min_fraction_of_dense_fp8_blockwise_compute_bound"] == pytest.approx(0.95)
+    assert r["min_fraction_of_dense_fp8_blockwise_wgrad_compute_bound"] == pytest.approx(0.8)
     e = next(e for e in r["entries"] if e["case"] == "mixtral-8x7b/balanced" and e["fc"] == "fc1" and e["gemm"] == "fwd")
     assert e["ms"] == pytest.approx(next(b["ms"] for b in base["entries"] if b["case"] == e["case"]))
     assert len(e["ms_rounds"]) == 3
@@ -82,6 +86,7 @@ def test_fp8_report_combines_rounds(tmp_path):
     assert r["min_fp8_tflops_compute_bound"] == pytest.approx(min(cb))
     md = open(prefix + ".md").read()
     assert "| case | fc | GEMM | fp8 ms | TFLOP/s | bf16 ms | fp8/bf16 | vs scaled_grouped_mm | vs loop" in md
+    assert "| of dense FP8 | of dense block-scaled |" in md
     assert "qwen3-30b-a3b/heavy fc2 wgrad: `fc2_loop_wgrad`: RuntimeError: example" in md
 
 
