@@ -112,16 +112,51 @@ __device__ __forceinline__ uint32_t quantize4(const float (&v)[4], float m) {
          uint32_t(detail::e4m3x2_from_float(v[2] * m, v[3] * m)) << 16;
 }
 
+// The tile scales of a warp's item, computed once: every lane evaluates one tile rule on the amax
+// it stands for (lane 1: act's block; lanes 0 and 16: h's blocks, per half-warp or the gate and
+// linear runs) and the others take theirs by shuffles, instead of every lane evaluating all three
+// (two IEEE divisions each).
+struct ItemScales {
+  detail::Fp8TileScale gate, linear, act;
+};
+
+template <HBlocks kHBlocks>
+__device__ __forceinline__ ItemScales item_scales(uint32_t gate_amax, uint32_t linear_amax, uint32_t act_amax,
+                                                  uint32_t lane, bool pow2, float epsilon) {
+  // Half-warps: a lane's gate and linear amax are its half-warp's one h block (lane 0 or 16 holds
+  // it). Runs: the gate block's amax is lane 0's, the linear block's lane 16's (every lane holds both).
+  const uint32_t h_amax = kHBlocks == HBlocks::kRuns && lane >= 16 ? linear_amax : gate_amax;
+  const detail::Fp8TileScale mine = detail::fp8_tile_scale(lane == 1 ? act_amax : h_amax, pow2, epsilon);
+  auto from = [&](uint32_t src) {
+    return detail::Fp8TileScale{__shfl_sync(0xffffffffu, mine.multiplier, src),
+                                __shfl_sync(0xffffffffu, mine.scale, src)};
+  };
+  ItemScales s;
+  s.act = from(1);
+  if constexpr (kHBlocks == HBlocks::kHalfWarps) {
+    s.gate = s.linear = from(lane & 16u);
+  } else {
+    s.gate = from(0);
+    s.linear = from(16);
+  }
+  return s;
+}
+
 template <class T, bool kPairs, HBlocks kHBlocks>
 __global__ void __launch_bounds__(kThreads) fp8_glu_quantize_kernel(const GluQuantizeParams p) {
   const int64_t rows = p.offsets[p.num_groups];
   const int32_t feature_blocks = (p.ffn + kFeatures - 1) / kFeatures;
   const int64_t items = rows * feature_blocks;
   const uint32_t lane = threadIdx.x % 32;
-  for (int64_t item = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; item < items;
-       item += int64_t(gridDim.x) * kWarps) {  // warp-uniform
-    const int64_t r = item / feature_blocks;
-    const int32_t fb = int32_t(item - r * feature_blocks);
+  // The warp's items (row r, feature block fb) advance by a fixed stride: one division here, none
+  // per item.
+  const int64_t stride = int64_t(gridDim.x) * kWarps;
+  const int64_t stride_rows = stride / feature_blocks;
+  const int32_t stride_blocks = int32_t(stride - stride_rows * feature_blocks);
+  int64_t item = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  int64_t r = item / feature_blocks;
+  int32_t fb = int32_t(item - r * feature_blocks);
+  for (; item < items; item += stride) {  // warp-uniform
     const int32_t f = fb * kFeatures + 4 * int32_t(lane);
     const bool live = f < p.ffn;  // F % 16 == 0: a lane's four features are all in or all out
     // Gate and linear values of the lane's features; dead lanes hold zeros (amax-neutral).
@@ -142,47 +177,61 @@ __global__ void __launch_bounds__(kThreads) fp8_glu_quantize_kernel(const GluQua
         load4(hr + col + p.block, linear);
       }
     }
-    if (p.h_data != nullptr) {  // uniform
-      uint32_t gate_amax = amax_bits4(gate), linear_amax = amax_bits4(linear);
-      int64_t gate_block, linear_block;
+    const bool keep_h = p.h_data != nullptr;  // uniform
+    uint32_t gate_amax = 0, linear_amax = 0;
+    if (keep_h) {
+      gate_amax = amax_bits4(gate);
+      linear_amax = amax_bits4(linear);
       if constexpr (kHBlocks == HBlocks::kHalfWarps) {
         gate_amax = linear_amax = lanes_max<16>(max(gate_amax, linear_amax));
-        gate_block = linear_block = 2 * int64_t(fb) + lane / 16;
       } else {
         gate_amax = lanes_max<32>(gate_amax);
         linear_amax = lanes_max<32>(linear_amax);
-        // Every live lane's runs lie in the blocks of lane 0's.
-        const int32_t first = (fb * kFeatures / p.block) * 2 * p.block + (fb * kFeatures) % p.block;
-        gate_block = first / kFp8Block;
-        linear_block = (first + p.block) / kFp8Block;
-      }
-      const detail::Fp8TileScale gs = detail::fp8_tile_scale(gate_amax, p.pow2, p.epsilon);
-      const detail::Fp8TileScale ls = detail::fp8_tile_scale(linear_amax, p.pow2, p.epsilon);
-      uint8_t* dr = p.h_data + r * p.h_data_ld;
-      if (live) {
-        if constexpr (kPairs) {
-          const float a[4] = {gate[0], linear[0], gate[1], linear[1]}, b[4] = {gate[2], linear[2], gate[3], linear[3]};
-          *reinterpret_cast<uint2*>(dr + col) = make_uint2(quantize4(a, gs.multiplier), quantize4(b, gs.multiplier));
-        } else {
-          *reinterpret_cast<uint32_t*>(dr + col) = quantize4(gate, gs.multiplier);
-          *reinterpret_cast<uint32_t*>(dr + col + p.block) = quantize4(linear, ls.multiplier);
-        }
-      }
-      if constexpr (kHBlocks == HBlocks::kHalfWarps) {
-        // A half-warp's block exists when its first lane is live (2F may end mid-warp).
-        if (lane % 16 == 0 && live) p.h_scales[gate_block * p.h_scales_ld + r] = gs.scale;
-      } else if (lane == 0) {
-        p.h_scales[gate_block * p.h_scales_ld + r] = gs.scale;
-        p.h_scales[linear_block * p.h_scales_ld + r] = ls.scale;
       }
     }
     const float prob = p.probs != nullptr ? __ldg(p.probs + r) : 1.f;
     float act[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) act[i] = live ? stored<T>(p.math.forward(gate[i], linear[i]) * prob) : 0.f;
-    const detail::Fp8TileScale s = detail::fp8_tile_scale(lanes_max<32>(amax_bits4(act)), p.pow2, p.epsilon);
-    if (live) *reinterpret_cast<uint32_t*>(p.act_data + r * p.act_data_ld + f) = quantize4(act, s.multiplier);
-    if (lane == 0) p.act_scales[int64_t(fb) * p.act_scales_ld + r] = s.scale;
+    const ItemScales scales =
+        item_scales<kHBlocks>(gate_amax, linear_amax, lanes_max<32>(amax_bits4(act)), lane, p.pow2, p.epsilon);
+    if (keep_h) {
+      int64_t gate_block, linear_block;
+      if constexpr (kHBlocks == HBlocks::kHalfWarps) {
+        gate_block = linear_block = 2 * int64_t(fb) + lane / 16;
+      } else {
+        // Every live lane's runs lie in the blocks of lane 0's.
+        const int32_t first = (fb * kFeatures / p.block) * 2 * p.block + (fb * kFeatures) % p.block;
+        gate_block = first / kFp8Block;
+        linear_block = (first + p.block) / kFp8Block;
+      }
+      uint8_t* dr = p.h_data + r * p.h_data_ld;
+      if (live) {
+        if constexpr (kPairs) {
+          const float a[4] = {gate[0], linear[0], gate[1], linear[1]}, b[4] = {gate[2], linear[2], gate[3], linear[3]};
+          *reinterpret_cast<uint2*>(dr + col) =
+              make_uint2(quantize4(a, scales.gate.multiplier), quantize4(b, scales.gate.multiplier));
+        } else {
+          *reinterpret_cast<uint32_t*>(dr + col) = quantize4(gate, scales.gate.multiplier);
+          *reinterpret_cast<uint32_t*>(dr + col + p.block) = quantize4(linear, scales.linear.multiplier);
+        }
+      }
+      if constexpr (kHBlocks == HBlocks::kHalfWarps) {
+        // A half-warp's block exists when its first lane is live (2F may end mid-warp).
+        if (lane % 16 == 0 && live) p.h_scales[gate_block * p.h_scales_ld + r] = scales.gate.scale;
+      } else if (lane == 0) {
+        p.h_scales[gate_block * p.h_scales_ld + r] = scales.gate.scale;
+        p.h_scales[linear_block * p.h_scales_ld + r] = scales.linear.scale;
+      }
+    }
+    if (live) *reinterpret_cast<uint32_t*>(p.act_data + r * p.act_data_ld + f) = quantize4(act, scales.act.multiplier);
+    if (lane == 0) p.act_scales[int64_t(fb) * p.act_scales_ld + r] = scales.act.scale;
+    r += stride_rows;
+    fb += stride_blocks;
+    if (fb >= feature_blocks) {
+      fb -= feature_blocks;
+      ++r;
+    }
   }
 }
 
@@ -492,8 +541,6 @@ void launch(const GluQuantizeParams& p, int64_t items, int device, Stream stream
   MOE_CUDA_CHECK_LAUNCH("fp8_glu_quantize_kernel");
 }
 
-bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
 template <class T, bool kPairs, HBlocks kHBlocks>
 void launch_backward(const GluBackwardQuantizeParams& p, int64_t items, int device, Stream stream) {
   constexpr auto kernel = fp8_glu_backward_quantize_kernel<T, kPairs, kHBlocks>;
@@ -530,9 +577,9 @@ bool fp8_glu_quantize(const TensorView& h, const TensorView& probs, const GroupL
   if (layout == LayoutCase::kNone) return false;
   // Vector loads and stores: h's 4-value runs (16 bytes for fp32) and the FP8 rows' 4-byte words.
   const size_t esize = dtype_size(h.dtype());
-  if (!aligned(h.data(), 4 * esize) || (h.stride(0) * int64_t(esize)) % int64_t(4 * esize) != 0) return false;
-  if (!aligned(act_rows.data.data(), 4) || act_rows.data.stride(0) % 4 != 0) return false;
-  if (keep_h && (!aligned(h_rows.data.data(), 8) || h_rows.data.stride(0) % 8 != 0)) return false;
+  if (!is_aligned(h.data(), 4 * esize) || (h.stride(0) * int64_t(esize)) % int64_t(4 * esize) != 0) return false;
+  if (!is_aligned(act_rows.data.data(), 4) || act_rows.data.stride(0) % 4 != 0) return false;
+  if (keep_h && (!is_aligned(h_rows.data.data(), 8) || h_rows.data.stride(0) % 8 != 0)) return false;
   if (T == 0 || F == 0) return true;
 
   GluQuantizeParams p{};
@@ -586,11 +633,11 @@ bool fp8_glu_backward_quantize(const Fp8Rows& h, const TensorView& d_act, const 
   const int64_t feature_blocks = (F + kFeatures - 1) / kFeatures;
   if (dprobs.defined() && scratch.nbytes() < size_t(T * feature_blocks) * sizeof(float)) return false;
   const size_t esize = dtype_size(d_act.dtype());
-  if (!aligned(d_act.data(), 4 * esize) || (d_act.stride(0) * int64_t(esize)) % int64_t(4 * esize) != 0) return false;
-  if (!aligned(h.data.data(), 8) || h.data.stride(0) % 8 != 0) return false;
-  if (dh_rows.data.defined() && (!aligned(dh_rows.data.data(), 8) || dh_rows.data.stride(0) % 8 != 0)) return false;
+  if (!is_aligned(d_act.data(), 4 * esize) || (d_act.stride(0) * int64_t(esize)) % int64_t(4 * esize) != 0) return false;
+  if (!is_aligned(h.data.data(), 8) || h.data.stride(0) % 8 != 0) return false;
+  if (dh_rows.data.defined() && (!is_aligned(dh_rows.data.data(), 8) || dh_rows.data.stride(0) % 8 != 0)) return false;
   for (const Fp8Columns* c : {&dh_columns, &act_columns})
-    if (!aligned(c->data.data(), 16) || c->data.stride(0) % 16 != 0) return false;
+    if (!is_aligned(c->data.data(), 16) || c->data.stride(0) % 16 != 0) return false;
   if (T == 0) return true;
 
   GluBackwardQuantizeParams p{};
