@@ -86,8 +86,10 @@ MlpProblem::MlpProblem(const Workload& w, const GluLayout& layout, DType dtype, 
   s.h_rows = empty(saved.fc1_out_data, DType::kFloat8E4M3);
   s.h_scales = empty(saved.fc1_out_scales, DType::kFloat32);
   s.forward_ws = empty({int64_t(expert_mlp_fp8_forward_workspace_size(T, H, F, dtype, spec_))}, DType::kUInt8);
-  s.backward_ws =
-      empty({int64_t(expert_mlp_fp8_backward_workspace_size(T, G, H, F, dtype, spec_, x_rows))}, DType::kUInt8);
+  // Sized for the largest fusion (set_fusion may pick any later), as the bf16 workspaces are.
+  s.backward_ws = empty({int64_t(expert_mlp_fp8_backward_workspace_size(
+                            T, G, H, F, dtype, {spec_.glu, MlpFusion::kForwardBackward}, x_rows))},
+                        DType::kUInt8);
   fp8_ = std::move(s);
   quantize_weights();
   fp8_active_ = true;
