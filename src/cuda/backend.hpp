@@ -114,6 +114,15 @@ bool fp8_glu_backward_quantize(const Fp8Rows& h, const TensorView& d_act, const 
                                const GroupLayout& groups, const TensorView& column_offsets, const Fp8Rows& dh_rows,
                                const Fp8Columns& dh_columns, const Fp8Columns& act_columns, const TensorView& dprobs,
                                const TensorView& scratch, const GluSpec& spec, const Fp8Recipe& recipe, Stream stream);
+// The FP8 expert MLP's GLU backward from the kept h in one pass (kernels/fp8_glu_quantize.cu):
+// dequantize_fp8(h) and glu_backward with the same bytes, dL/dh into `dh` [T, 2F] and, where `act` is
+// defined (it must be d_act itself), act * p over d_act = d(act * p); dprobs' per-128-feature shares
+// in `scratch` ([T, ceil(F/128)] floats), added in order. False, doing nothing, for a non-gated
+// activation and where the layout (pairs or runs of a multiple of 4), dtype or alignment is not one
+// it takes.
+bool fp8_glu_backward_rows(const Fp8Rows& h, const TensorView& d_act, const TensorView& probs,
+                           const GroupLayout& groups, const TensorView& dh, const TensorView& act,
+                           const TensorView& dprobs, const TensorView& scratch, const GluSpec& spec, Stream stream);
 // Rows -> out for rows < offsets[G]: one launch, grid from T, K and the device's occupancy
 // (kernels/fp8_dequantize.cu).
 void dequantize_fp8(const Fp8Rows& rows, const GroupLayout& groups, const TensorView& out,

@@ -305,9 +305,22 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
                             grads.dprobs, b.dprobs_shares, spec.glu, recipe, ctx.stream));
         });
   if (!fused) {
-    dequantize_fp8(saved.fc1_out, groups, b.h, ctx);
     const TensorView act = fc2_wgrad ? b.d_act : TensorView{};
-    glu_backward(b.h, probs, b.d_act, groups, {b.h, grads.dprobs, act}, spec.glu, ctx);
+    // CUDA, any fusion but kNone (kForward is the default): the GLU backward reads the kept FP8 h
+    // itself, with the separate steps' bytes (dprobs added in another order); kNone keeps them.
+    bool rows_fused = false;
+    if (spec.fusion != MlpFusion::kNone)
+      ops::dispatch(
+          v, [] {},
+          [&] {
+            MOE_CUDA_ONLY(rows_fused = cuda::fp8_glu_backward_rows(saved.fc1_out, b.d_act, probs, groups, b.h, act,
+                                                                    grads.dprobs, b.dprobs_shares, spec.glu,
+                                                                    ctx.stream));
+          });
+    if (!rows_fused) {
+      dequantize_fp8(saved.fc1_out, groups, b.h, ctx);
+      glu_backward(b.h, probs, b.d_act, groups, {b.h, grads.dprobs, act}, spec.glu, ctx);
+    }
     if (fc2_wgrad) quantize_fp8(act, groups, {}, b.act_columns, recipe, ctx);
   }
   const TensorView& d_fc1 = b.h;

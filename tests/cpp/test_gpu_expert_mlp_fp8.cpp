@@ -94,8 +94,9 @@ TEST_F(GpuFp8Mlp, RunsAreBitIdentical) {
   for (size_t i = 0; i < x.size(); ++i) EXPECT_TRUE(bitwise_equal(test::to_host(*x[i]), test::to_host(*y[i]))) << i;
 }
 
-// The fused steps around the GLU (forward: h and act quantized in the GLU's pass; backward: h
-// dequantized, the GLU backward, dL/dh by rows and columns and act by columns in one pass) against
+// The fused steps around the GLU (forward: h and act quantized in the GLU's pass; backward, fusion
+// all: h dequantized, the GLU backward, dL/dh by rows and columns and act by columns in one pass;
+// backward, fusion forward (the default): h dequantized and the GLU backward in one pass) against
 // the unfused ops: the same bytes everywhere but dprobs (summed in another order), over the layouts
 // they take (half-warp and run blocks), ones they leave to the unfused steps, both activation
 // dtypes and power-of-two scales.
@@ -118,22 +119,26 @@ TEST_F(GpuFp8Mlp, FusedStepsEqualTheUnfusedOps) {
     const Fp8MlpCase c(rng, 640, 5, 160, k.F, k.dt, spec_of(Activation::kSwiGLU, GluLayout::parse(k.layout)), false,
                        true);
     const Fp8MlpWeights w(c, Device::cuda(0));
-    const Fp8MlpBuffers fused(c, Device::cuda(0)), unfused(c, Device::cuda(0));
+    const Fp8MlpBuffers fused(c, Device::cuda(0)), standard(c, Device::cuda(0)), unfused(c, Device::cuda(0));
     const Fp8Recipe recipe{k.pow2, 0.f};
     fused.step(c, w, r.gpu, nullptr, GradMode::kWrite, MlpFusion::kForwardBackward, recipe);
+    standard.step(c, w, r.gpu, nullptr, GradMode::kWrite, MlpFusion::kForward, recipe);
     unfused.step(c, w, r.gpu, nullptr, GradMode::kWrite, MlpFusion::kNone, recipe);
     synchronize(nullptr);
-    const auto a = outputs_of(fused.out), b = outputs_of(unfused.out);
-    ASSERT_EQ(a.size(), b.size());
-    for (size_t i = 0; i < a.size(); ++i)
-      if (a[i] != &fused.out.dprobs)
-        EXPECT_TRUE(bitwise_equal(test::to_host(*a[i]), test::to_host(*b[i]))) << "output " << i;
     const int64_t rows = r.cpu.rows();
-    EXPECT_LE(oracle::similarity_diff(head_of(test::to_host(fused.out.dprobs), rows),
-                                      head_of(test::to_host(unfused.out.dprobs), rows)),
-              1e-9)
-        << "dprobs";
-    expect_fp8_mlp_matches_oracle(c, r.cpu, to_host(fused.out));
+    for (const Fp8MlpBuffers* run : {&fused, &standard}) {
+      SCOPED_TRACE(run == &fused ? "fusion all" : "fusion forward");
+      const auto a = outputs_of(run->out), b = outputs_of(unfused.out);
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i)
+        if (a[i] != &run->out.dprobs)
+          EXPECT_TRUE(bitwise_equal(test::to_host(*a[i]), test::to_host(*b[i]))) << "output " << i;
+      EXPECT_LE(oracle::similarity_diff(head_of(test::to_host(run->out.dprobs), rows),
+                                        head_of(test::to_host(unfused.out.dprobs), rows)),
+                1e-9)
+          << "dprobs";
+      expect_fp8_mlp_matches_oracle(c, r.cpu, to_host(run->out));
+    }
   }
 }
 

@@ -295,6 +295,17 @@ __device__ __forceinline__ T from(float v) {
   else return __float2bfloat16_rn(v);
 }
 
+// Four values of T in one vector store (8 bytes for bf16, 16 for fp32).
+template <class T>
+__device__ __forceinline__ void store4(T* p, const T (&v)[4]) {
+  if constexpr (std::is_same_v<T, float>) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    const auto bits = [&](int i) { return uint32_t(__bfloat16_as_ushort(v[i])); };
+    *reinterpret_cast<uint2*>(p) = make_uint2(bits(0) | bits(1) << 16, bits(2) | bits(3) << 16);
+  }
+}
+
 // The amax bits of rows [first, first + kRows) of column c of a tile in shared memory.
 template <int kRows, class T, int kWidth>
 __device__ __forceinline__ uint32_t column_amax(const T (*tile)[kWidth], int c, int first) {
@@ -529,6 +540,107 @@ __global__ void __launch_bounds__(kThreads) fp8_glu_backward_quantize_kernel(con
   }
 }
 
+// ---- backward, rows only: the GLU backward from the kept FP8 h ----
+
+struct GluBackwardRowsParams {
+  const uint8_t* h_data;  // the kept h, rows [T, 2F] and scales [ceil(2F/128), S]
+  int64_t h_data_ld;
+  const float* h_scales;
+  int64_t h_scales_ld;
+  void* d_act;  // d(act * p) [T, F] in; act * p out (in place: each element read, then written, by one lane)
+  int64_t d_act_ld;
+  bool write_act;
+  const float* probs;
+  const int64_t* offsets;
+  int64_t num_groups;
+  int32_t ffn, block;
+  detail::GluMath<float> math;
+  void* dh;  // dL/dh [T, 2F]
+  int64_t dh_ld;
+  float* dprobs_partial;  // [T, partial_ld], share of feature block fb at [r, fb]; null: no probs
+  int64_t partial_ld;
+};
+
+// dequantize_fp8(h) followed by glu_backward in one pass, with the same bytes (h dequantized and
+// rounded to T as dequantize_fp8 stores it; the GLU backward's math and roundings), but for
+// dprobs, whose per-128-feature shares are added in order by glu_dprobs_reduce. A warp per (row,
+// 128 features) item as the forward pass: h's FP8 words and their scales, d(act * p) and the
+// outputs move once, where the separate steps write and read h in T.
+template <class T, bool kPairs>
+__global__ void __launch_bounds__(kThreads) fp8_glu_backward_rows_kernel(const GluBackwardRowsParams p) {
+  const int64_t rows = p.offsets[p.num_groups];
+  const int32_t feature_blocks = (p.ffn + kFeatures - 1) / kFeatures;
+  const int64_t items = rows * feature_blocks;
+  const uint32_t lane = threadIdx.x % 32;
+  const int64_t stride = int64_t(gridDim.x) * kWarps;
+  const int64_t stride_rows = stride / feature_blocks;
+  const int32_t stride_blocks = int32_t(stride - stride_rows * feature_blocks);
+  int64_t item = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  int64_t r = item / feature_blocks;
+  int32_t fb = int32_t(item - r * feature_blocks);
+  for (; item < items; item += stride) {  // warp-uniform
+    const int32_t f = fb * kFeatures + 4 * int32_t(lane);
+    const bool live = f < p.ffn;  // F % 16 == 0: a lane's four features are all in or all out
+    float dp = 0.f;
+    if (live) {
+      // The lane's columns: pairs g, l, g, l.. from 2 f (one 128-column block); blocks 4 gate columns
+      // from col and 4 linear ones s later (4 | s: each run of 4 lies in one block).
+      const int32_t col = kPairs ? 2 * f : (f / p.block) * 2 * p.block + f % p.block;
+      const int32_t col2 = kPairs ? col + 4 : col + p.block;
+      const uint8_t* hr = p.h_data + r * p.h_data_ld;
+      const uint32_t w0 = *reinterpret_cast<const uint32_t*>(hr + col);
+      const uint32_t w1 = *reinterpret_cast<const uint32_t*>(hr + col2);
+      const float s0 = p.h_scales[(col / kFp8Block) * p.h_scales_ld + r];
+      const float s1 = p.h_scales[(col2 / kFp8Block) * p.h_scales_ld + r];
+      T* dar = static_cast<T*>(p.d_act) + r * p.d_act_ld;
+      float d[4];
+      load4(dar + f, d);
+      const float prob = p.probs != nullptr ? __ldg(p.probs + r) : 1.f;
+      float gate[4], linear[4];
+      if constexpr (kPairs) {
+        float a[4], b[4];
+        dequantize4<T>(w0, s0, a);
+        dequantize4<T>(w1, s1, b);
+        gate[0] = a[0], linear[0] = a[1], gate[1] = a[2], linear[1] = a[3];
+        gate[2] = b[0], linear[2] = b[1], gate[3] = b[2], linear[3] = b[3];
+      } else {
+        dequantize4<T>(w0, s0, gate);
+        dequantize4<T>(w1, s1, linear);
+      }
+      T dgate[4], dlinear[4], act[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float a, dg, dl;
+        p.math.backward(gate[i], linear[i], d[i] * prob, a, dg, dl);
+        dgate[i] = from<T>(dg);
+        dlinear[i] = from<T>(dl);
+        act[i] = from<T>(a * prob);
+        dp += a * d[i];
+      }
+      T* dhr = static_cast<T*>(p.dh) + r * p.dh_ld;
+      if constexpr (kPairs) {
+        const T a[4] = {dgate[0], dlinear[0], dgate[1], dlinear[1]}, b[4] = {dgate[2], dlinear[2], dgate[3], dlinear[3]};
+        store4(dhr + col, a);
+        store4(dhr + col2, b);
+      } else {
+        store4(dhr + col, dgate);
+        store4(dhr + col2, dlinear);
+      }
+      if (p.write_act) store4(dar + f, act);
+    }
+    if (p.dprobs_partial != nullptr) {  // uniform
+      dp = lanes_sum(dp);
+      if (lane == 0) p.dprobs_partial[r * p.partial_ld + fb] = dp;
+    }
+    r += stride_rows;
+    fb += stride_blocks;
+    if (fb >= feature_blocks) {
+      fb -= feature_blocks;
+      ++r;
+    }
+  }
+}
+
 // Blocks per launch: at most as many as are resident at once (from the device only, never the
 // routing), so that no block waits for a second wave.
 template <class T, bool kPairs, HBlocks kHBlocks>
@@ -539,6 +651,15 @@ void launch(const GluQuantizeParams& p, int64_t items, int device, Stream stream
   const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>(wanted, resident)));
   kernel<<<blocks, kThreads, 0, stream>>>(p);
   MOE_CUDA_CHECK_LAUNCH("fp8_glu_quantize_kernel");
+}
+
+template <class T, bool kPairs>
+void launch_rows(const GluBackwardRowsParams& p, int64_t items, int device, Stream stream) {
+  constexpr auto kernel = fp8_glu_backward_rows_kernel<T, kPairs>;
+  const int resident = resident_blocks<kernel>(device, kThreads, 0, "fp8_glu_backward_rows_kernel");
+  const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>((items + kWarps - 1) / kWarps, resident)));
+  kernel<<<blocks, kThreads, 0, stream>>>(p);
+  MOE_CUDA_CHECK_LAUNCH("fp8_glu_backward_rows_kernel");
 }
 
 template <class T, bool kPairs, HBlocks kHBlocks>
@@ -683,6 +804,58 @@ bool fp8_glu_backward_quantize(const Fp8Rows& h, const TensorView& d_act, const 
     if (layout == LayoutCase::kHalfWarps)
       return launch_backward<T_, false, HBlocks::kHalfWarps>(p, items, device, stream);
     launch_backward<T_, false, HBlocks::kRuns>(p, items, device, stream);
+  };
+  if (d_act.dtype() == DType::kFloat32) go(float{});
+  else go(__nv_bfloat16{});
+  if (dprobs.defined()) glu_dprobs_reduce(p.dprobs_partial, feature_blocks, feature_blocks, groups, dprobs, stream);
+  return true;
+}
+
+bool fp8_glu_backward_rows(const Fp8Rows& h, const TensorView& d_act, const TensorView& probs,
+                           const GroupLayout& groups, const TensorView& dh, const TensorView& act,
+                           const TensorView& dprobs, const TensorView& scratch, const GluSpec& spec, Stream stream) {
+  const int64_t F = d_act.size(1), T = groups.capacity();
+  if (!spec.gated()) return false;  // GLUs only: a non-gated activation takes the separate steps
+  if (d_act.dtype() != DType::kBFloat16 && d_act.dtype() != DType::kFloat32) return false;
+  if (dh.dtype() != d_act.dtype()) return false;
+  if (act.defined() && act.data() != d_act.data()) return false;  // act is written in place of d_act
+  if (F % 16 != 0 || F >= (int64_t(1) << 30) || F == 0) return false;
+  const int64_t s = spec.layout.block_size(F);
+  if (s != 1 && s % 4 != 0) return false;  // pairs, or runs of whole 4-column groups
+  const int64_t feature_blocks = (F + kFeatures - 1) / kFeatures;
+  if (dprobs.defined() && scratch.nbytes() < size_t(T * feature_blocks) * sizeof(float)) return false;
+  const size_t esize = dtype_size(d_act.dtype());
+  for (const TensorView* t : {&d_act, &dh})
+    if (!is_aligned(t->data(), 4 * esize) || (t->stride(0) * int64_t(esize)) % int64_t(4 * esize) != 0) return false;
+  if (!is_aligned(h.data.data(), 4) || h.data.stride(0) % 4 != 0) return false;
+  if (T == 0) return true;
+
+  GluBackwardRowsParams p{};
+  p.h_data = static_cast<const uint8_t*>(h.data.data());
+  p.h_data_ld = h.data.stride(0);
+  p.h_scales = h.scales.data_as<float>();
+  p.h_scales_ld = h.scales.stride(0);
+  p.d_act = d_act.data();
+  p.d_act_ld = d_act.stride(0);
+  p.write_act = act.defined();
+  p.probs = probs.defined() ? probs.data_as<float>() : nullptr;
+  p.offsets = groups.offsets().data_as<int64_t>();
+  p.num_groups = groups.num_groups();
+  p.ffn = int32_t(F);
+  p.block = int32_t(s);
+  p.math = detail::GluMath<float>::from(spec);
+  p.dh = dh.data();
+  p.dh_ld = dh.stride(0);
+  if (dprobs.defined()) {
+    p.dprobs_partial = scratch.data_as<float>();
+    p.partial_ld = feature_blocks;
+  }
+  const int64_t items = T * feature_blocks;
+  const int device = d_act.device().index;
+  auto go = [&](auto type) {
+    using T_ = decltype(type);
+    if (s == 1) launch_rows<T_, true>(p, items, device, stream);
+    else launch_rows<T_, false>(p, items, device, stream);
   };
   if (d_act.dtype() == DType::kFloat32) go(float{});
   else go(__nv_bfloat16{});
