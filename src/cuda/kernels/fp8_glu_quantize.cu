@@ -641,25 +641,20 @@ __global__ void __launch_bounds__(kThreads) fp8_glu_backward_rows_kernel(const G
   }
 }
 
-// Blocks per launch: at most as many as are resident at once (from the device only, never the
-// routing), so that no block waits for a second wave.
-template <class T, bool kPairs, HBlocks kHBlocks>
-void launch(const GluQuantizeParams& p, int64_t items, int device, Stream stream) {
-  constexpr auto kernel = fp8_glu_quantize_kernel<T, kPairs, kHBlocks>;
-  const int resident = resident_blocks<kernel>(device, kThreads, 0, "fp8_glu_quantize_kernel");
+// A kernel that takes one item per warp: blocks at most as many as are resident at once (from the
+// device only, never the routing), so that no block waits for a second wave.
+template <auto kKernel, class Params>
+void launch_warp_items(const Params& p, int64_t items, int device, Stream stream, const char* name) {
+  const int resident = resident_blocks<kKernel>(device, kThreads, 0, name);
   const int64_t wanted = (items + kWarps - 1) / kWarps;
   const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>(wanted, resident)));
-  kernel<<<blocks, kThreads, 0, stream>>>(p);
-  MOE_CUDA_CHECK_LAUNCH("fp8_glu_quantize_kernel");
+  kKernel<<<blocks, kThreads, 0, stream>>>(p);
+  MOE_CUDA_CHECK_LAUNCH(name);
 }
 
-template <class T, bool kPairs>
-void launch_rows(const GluBackwardRowsParams& p, int64_t items, int device, Stream stream) {
-  constexpr auto kernel = fp8_glu_backward_rows_kernel<T, kPairs>;
-  const int resident = resident_blocks<kernel>(device, kThreads, 0, "fp8_glu_backward_rows_kernel");
-  const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>((items + kWarps - 1) / kWarps, resident)));
-  kernel<<<blocks, kThreads, 0, stream>>>(p);
-  MOE_CUDA_CHECK_LAUNCH("fp8_glu_backward_rows_kernel");
+// Vector access to rows of t: its data `bytes`-aligned and its row pitch a multiple of `bytes`.
+bool rows_aligned(const TensorView& t, size_t bytes) {
+  return is_aligned(t.data(), bytes) && (t.stride(0) * int64_t(dtype_size(t.dtype()))) % int64_t(bytes) == 0;
 }
 
 template <class T, bool kPairs, HBlocks kHBlocks>
@@ -698,9 +693,8 @@ bool fp8_glu_quantize(const TensorView& h, const TensorView& probs, const GroupL
   if (layout == LayoutCase::kNone) return false;
   // Vector loads and stores: h's 4-value runs (16 bytes for fp32) and the FP8 rows' 4-byte words.
   const size_t esize = dtype_size(h.dtype());
-  if (!is_aligned(h.data(), 4 * esize) || (h.stride(0) * int64_t(esize)) % int64_t(4 * esize) != 0) return false;
-  if (!is_aligned(act_rows.data.data(), 4) || act_rows.data.stride(0) % 4 != 0) return false;
-  if (keep_h && (!is_aligned(h_rows.data.data(), 8) || h_rows.data.stride(0) % 8 != 0)) return false;
+  if (!rows_aligned(h, 4 * esize) || !rows_aligned(act_rows.data, 4)) return false;
+  if (keep_h && !rows_aligned(h_rows.data, 8)) return false;
   if (T == 0 || F == 0) return true;
 
   GluQuantizeParams p{};
@@ -728,9 +722,12 @@ bool fp8_glu_quantize(const TensorView& h, const TensorView& probs, const GroupL
   const int device = h.device().index;
   auto go = [&](auto type) {
     using T_ = decltype(type);
-    if (layout == LayoutCase::kPairs) return launch<T_, true, HBlocks::kHalfWarps>(p, items, device, stream);
-    if (layout == LayoutCase::kHalfWarps) return launch<T_, false, HBlocks::kHalfWarps>(p, items, device, stream);
-    launch<T_, false, HBlocks::kRuns>(p, items, device, stream);
+    constexpr const char* kName = "fp8_glu_quantize_kernel";
+    if (layout == LayoutCase::kPairs)
+      return launch_warp_items<fp8_glu_quantize_kernel<T_, true, HBlocks::kHalfWarps>>(p, items, device, stream, kName);
+    if (layout == LayoutCase::kHalfWarps)
+      return launch_warp_items<fp8_glu_quantize_kernel<T_, false, HBlocks::kHalfWarps>>(p, items, device, stream, kName);
+    launch_warp_items<fp8_glu_quantize_kernel<T_, false, HBlocks::kRuns>>(p, items, device, stream, kName);
   };
   if (h.dtype() == DType::kFloat32) go(float{});
   else go(__nv_bfloat16{});
@@ -754,11 +751,10 @@ bool fp8_glu_backward_quantize(const Fp8Rows& h, const TensorView& d_act, const 
   const int64_t feature_blocks = (F + kFeatures - 1) / kFeatures;
   if (dprobs.defined() && scratch.nbytes() < size_t(T * feature_blocks) * sizeof(float)) return false;
   const size_t esize = dtype_size(d_act.dtype());
-  if (!is_aligned(d_act.data(), 4 * esize) || (d_act.stride(0) * int64_t(esize)) % int64_t(4 * esize) != 0) return false;
-  if (!is_aligned(h.data.data(), 8) || h.data.stride(0) % 8 != 0) return false;
-  if (dh_rows.data.defined() && (!is_aligned(dh_rows.data.data(), 8) || dh_rows.data.stride(0) % 8 != 0)) return false;
+  if (!rows_aligned(d_act, 4 * esize) || !rows_aligned(h.data, 8)) return false;
+  if (dh_rows.data.defined() && !rows_aligned(dh_rows.data, 8)) return false;
   for (const Fp8Columns* c : {&dh_columns, &act_columns})
-    if (!is_aligned(c->data.data(), 16) || c->data.stride(0) % 16 != 0) return false;
+    if (!rows_aligned(c->data, 16)) return false;
   if (T == 0) return true;
 
   GluBackwardQuantizeParams p{};
@@ -825,9 +821,7 @@ bool fp8_glu_backward_rows(const Fp8Rows& h, const TensorView& d_act, const Tens
   const int64_t feature_blocks = (F + kFeatures - 1) / kFeatures;
   if (dprobs.defined() && scratch.nbytes() < size_t(T * feature_blocks) * sizeof(float)) return false;
   const size_t esize = dtype_size(d_act.dtype());
-  for (const TensorView* t : {&d_act, &dh})
-    if (!is_aligned(t->data(), 4 * esize) || (t->stride(0) * int64_t(esize)) % int64_t(4 * esize) != 0) return false;
-  if (!is_aligned(h.data.data(), 4) || h.data.stride(0) % 4 != 0) return false;
+  if (!rows_aligned(d_act, 4 * esize) || !rows_aligned(dh, 4 * esize) || !rows_aligned(h.data, 4)) return false;
   if (T == 0) return true;
 
   GluBackwardRowsParams p{};
@@ -854,8 +848,9 @@ bool fp8_glu_backward_rows(const Fp8Rows& h, const TensorView& d_act, const Tens
   const int device = d_act.device().index;
   auto go = [&](auto type) {
     using T_ = decltype(type);
-    if (s == 1) launch_rows<T_, true>(p, items, device, stream);
-    else launch_rows<T_, false>(p, items, device, stream);
+    constexpr const char* kName = "fp8_glu_backward_rows_kernel";
+    if (s == 1) launch_warp_items<fp8_glu_backward_rows_kernel<T_, true>>(p, items, device, stream, kName);
+    else launch_warp_items<fp8_glu_backward_rows_kernel<T_, false>>(p, items, device, stream, kName);
   };
   if (d_act.dtype() == DType::kFloat32) go(float{});
   else go(__nv_bfloat16{});
