@@ -21,6 +21,10 @@ namespace {
 
 int64_t blocks_of(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
 
+// The columnwise layout of T tokens over G experts can be more than twice the rows' bytes (every
+// expert padded to whole 128-token blocks): many experts of few tokens. From the static shapes.
+bool fp8_columns_mostly_padding(int64_t T, int64_t G) { return fp8_columns_capacity(T, G) > 2 * T; }
+
 // Scratch rows / columns of a [T, K] tensor.
 Fp8Rows take_rows(ops::WorkspaceCarver& c, int64_t T, int64_t K) {
   return {c.take({T, K}, DType::kFloat8E4M3), c.take({blocks_of(K), fp8_scales_pitch(T)}, DType::kFloat32)};
@@ -49,18 +53,26 @@ ForwardBuffers forward_buffers(ops::WorkspaceCarver& c, int64_t T, int64_t H, in
 }
 
 // The activation's backward runs in place: d_fc1 over the dequantized h, the recomputed act over d_act.
-// dL/dh's FP8 copies and x's columns are made after FC2's weight gradient, when dy's copies, d_act
-// and act's columns are dead: they reuse that memory (4F or more bytes per token), except with the
-// fused backward pass, which writes dL/dh's copies beside dy's and act's columns.
+// Two ways through backward share one workspace, chosen at run time (the one-pass backward may
+// decline): FC2's phase (dy's copies, d_act, act's columns) first, then
+// - one pass (fusion != kNone): dL/dh's FP8 copies right after FC2's phase, which it reads while
+//   writing them (one_pass_d_fc1_*);
+// - the separate steps: dL/dh in the activation dtype (h) after FC2's phase, and its FP8 copies,
+//   made after FC2's weight gradient when FC2's phase is dead, over that memory (d_fc1_*).
+// The workspace is the larger of the two; the one pass needs no h, so it is no larger than the
+// separate steps' unless FC2's phase is larger than dL/dh's copies (then by their scales' bytes).
 struct BackwardBuffers {
   TensorView h;              // the kept pre-activation dequantized, then dL/d(h)
-  TensorView dprobs_shares;  // the fused step's dprobs per 128 features [T, ceil(F/128)]
+  TensorView dprobs_shares;  // the fused passes' dprobs shares: per 128 features [T, ceil(F/128)] or per
+                             // 128 columns of h (the one-pass backward's tiles), [T, ceil(W/128)]
   Fp8Rows dy_rows;           // FC2 dgrad's operand
   Fp8Columns dy_columns;     // FC2 wgrad's
   TensorView d_act;          // dL/d(act), then act recomputed (FC2 wgrad's other operand)
   Fp8Columns act_columns;
   Fp8Rows d_fc1_rows;        // FC1 dgrad's operand
   Fp8Columns d_fc1_columns;  // FC1 wgrad's
+  Fp8Rows one_pass_d_fc1_rows;  // the same, written by the one-pass backward
+  Fp8Columns one_pass_d_fc1_columns;
   TensorView x;              // x dequantized from its kept rows, then
   Fp8Columns x_columns;      // its columns (FC1 wgrad's), when forward kept the rows
 };
@@ -68,18 +80,28 @@ struct BackwardBuffers {
 BackwardBuffers backward_buffers(ops::WorkspaceCarver& c, int64_t T, int64_t G, int64_t H, int64_t F, DType dtype,
                                  const ExpertMlpSpec& spec, bool x_rows) {
   const int64_t W = fc1_width(spec.glu, F);
+  const bool one_pass = spec.fusion != MlpFusion::kNone;
   BackwardBuffers b;
-  b.h = c.take({T, W}, dtype);
-  b.dprobs_shares = c.take({T, blocks_of(F)}, DType::kFloat32);
+  b.dprobs_shares = c.take({T, blocks_of(one_pass ? W : F)}, DType::kFloat32);
   const size_t fc2_phase = c.mark();
   b.dy_rows = take_rows(c, T, H);
   b.dy_columns = take_columns(c, T, G, H);
   b.d_act = c.take({T, F}, dtype);
   b.act_columns = take_columns(c, T, G, F);
-  if (spec.fusion != MlpFusion::kForwardBackward) c.rewind(fc2_phase);
+  const size_t fc2_end = c.mark();
+  size_t one_pass_end = fc2_end;
+  if (one_pass) {
+    b.one_pass_d_fc1_rows = take_rows(c, T, W);
+    b.one_pass_d_fc1_columns = take_columns(c, T, G, W);
+    one_pass_end = c.mark();
+  }
+  c.rewind(fc2_phase);
   b.d_fc1_rows = take_rows(c, T, W);
   b.d_fc1_columns = take_columns(c, T, G, W);
+  c.skip_to(fc2_end);
+  b.h = c.take({T, W}, dtype);
   if (x_rows) {
+    c.skip_to(one_pass_end);
     b.x = c.take({T, H}, dtype);
     b.x_columns = take_columns(c, T, G, H);
   }
@@ -174,7 +196,7 @@ ExpertMlpFp8SavedShapes expert_mlp_fp8_saved_shapes(int64_t capacity, int64_t nu
 }
 
 bool expert_mlp_fp8_keeps_x_rows(int64_t capacity, int64_t num_groups) {
-  return fp8_columns_capacity(capacity, num_groups) > 2 * capacity;
+  return fp8_columns_mostly_padding(capacity, num_groups);
 }
 
 size_t expert_mlp_fp8_forward_workspace_size(int64_t capacity, int64_t hidden, int64_t ffn, DType dtype,
@@ -290,24 +312,28 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
   const BackwardBuffers b = backward_buffers(carver, T, G, H, F, dy.dtype(), spec, make_x_columns);
   quantize_fp8(dy, groups, b.dy_rows, fc2_wgrad ? b.dy_columns : Fp8Columns{}, recipe, ctx);
   grouped_linear_dgrad(b.dy_rows, weights.fc2, groups, b.d_act, ctx);
-  // The step between FC2's dgrad and the weight gradients in one pass (CUDA, fusion
-  // kForwardBackward: it measured no faster than the separate steps, docs/performance-log.md): both
-  // weight gradients asked for (it writes both columnwise copies, on dy's column offsets), no FC1
-  // bias gradient (that reads dL/dh unquantized).
+  // The step between FC2's dgrad and the weight gradients in one pass (CUDA, any fusion but kNone):
+  // both weight gradients asked for (it writes both columnwise copies, on dy's column offsets), no
+  // FC1 bias gradient (that reads dL/dh unquantized), and column blocks that are mostly tokens (its
+  // tiles are column blocks; with many small experts they are mostly padding, and the separate
+  // steps measured faster: docs/performance-log.md).
   bool fused = false;
-  if (spec.fusion == MlpFusion::kForwardBackward && fc1_wgrad && fc2_wgrad && !grads.fc1_bias.grad.defined())
+  if (spec.fusion != MlpFusion::kNone && fc1_wgrad && fc2_wgrad && !grads.fc1_bias.grad.defined() &&
+      !fp8_columns_mostly_padding(T, G))
     ops::dispatch(
         v, [] {},
         [&] {
           MOE_CUDA_ONLY(fused = cuda::fp8_glu_backward_quantize(
                             saved.fc1_out, b.d_act, probs, groups, b.dy_columns.offsets,
-                            grads.dx.defined() ? b.d_fc1_rows : Fp8Rows{}, b.d_fc1_columns, b.act_columns,
-                            grads.dprobs, b.dprobs_shares, spec.glu, recipe, ctx.stream));
+                            grads.dx.defined() ? b.one_pass_d_fc1_rows : Fp8Rows{}, b.one_pass_d_fc1_columns,
+                            b.act_columns, grads.dprobs, b.dprobs_shares, spec.glu, recipe, ctx.stream));
         });
+  const Fp8Rows& d_fc1_rows = fused ? b.one_pass_d_fc1_rows : b.d_fc1_rows;
+  const Fp8Columns& d_fc1_columns = fused ? b.one_pass_d_fc1_columns : b.d_fc1_columns;
   if (!fused) {
     const TensorView act = fc2_wgrad ? b.d_act : TensorView{};
-    // CUDA, any fusion but kNone (kForward is the default): the GLU backward reads the kept FP8 h
-    // itself, with the separate steps' bytes (dprobs added in another order); kNone keeps them.
+    // CUDA, any fusion but kNone: the GLU backward reads the kept FP8 h itself, with the separate
+    // steps' bytes (dprobs added in another order); kNone keeps them.
     bool rows_fused = false;
     if (spec.fusion != MlpFusion::kNone)
       ops::dispatch(
@@ -335,16 +361,16 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
     grouped_linear_dbias(d_fc1, groups, grads.fc1_bias.grad, grads.fc1_bias.mode, {}, ctx);
   if (!grads.dx.defined() && !fc1_wgrad) return;
   if (!fused)
-    quantize_fp8(d_fc1, groups, grads.dx.defined() ? b.d_fc1_rows : Fp8Rows{},
-                 fc1_wgrad ? b.d_fc1_columns : Fp8Columns{}, recipe, ctx);
+    quantize_fp8(d_fc1, groups, grads.dx.defined() ? d_fc1_rows : Fp8Rows{}, fc1_wgrad ? d_fc1_columns : Fp8Columns{},
+                 recipe, ctx);
   if (make_x_columns) {
     dequantize_fp8(saved.x_rows, groups, b.x, ctx);
     quantize_fp8(b.x, groups, {}, b.x_columns, recipe, ctx);
   }
   if (fc1_wgrad)
-    grouped_linear_wgrad(b.d_fc1_columns, make_x_columns ? b.x_columns : saved.x, groups, grads.fc1_weight.grad,
+    grouped_linear_wgrad(d_fc1_columns, make_x_columns ? b.x_columns : saved.x, groups, grads.fc1_weight.grad,
                          grads.fc1_weight.mode, ctx);
-  if (grads.dx.defined()) grouped_linear_dgrad(b.d_fc1_rows, weights.fc1, groups, grads.dx, ctx);
+  if (grads.dx.defined()) grouped_linear_dgrad(d_fc1_rows, weights.fc1, groups, grads.dx, ctx);
 }
 
 }  // namespace moe

@@ -183,6 +183,9 @@ class WorkspaceCarver {
   // memory: for buffers whose lifetimes do not overlap theirs. used() stays the high-water mark.
   size_t mark() const { return used_; }
   void rewind(size_t mark);
+  // Buffers taken after skip_to(m) start at or past m (m = mark() after some takes that were then
+  // rewound): they overlap none of those buffers.
+  void skip_to(size_t mark) { used_ = mark > used_ ? mark : used_; }
   size_t used() const { return used_ > high_ ? used_ : high_; }
 
  private:

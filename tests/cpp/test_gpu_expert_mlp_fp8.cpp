@@ -95,11 +95,13 @@ TEST_F(GpuFp8Mlp, RunsAreBitIdentical) {
 }
 
 // The fused steps around the GLU (forward: h and act quantized in the GLU's pass; backward, fusion
-// all: h dequantized, the GLU backward, dL/dh by rows and columns and act by columns in one pass;
-// backward, fusion forward (the default): h dequantized and the GLU backward in one pass) against
-// the unfused ops: the same bytes everywhere but dprobs (summed in another order), over the layouts
-// they take (half-warp and run blocks), ones they leave to the unfused steps, both activation
-// dtypes and power-of-two scales.
+// forward and all alike: h dequantized, the GLU backward, dL/dh by rows and columns and act by
+// columns in one pass, or, where that pass declines (float32, layouts whose 128 columns of h do not
+// hold both halves of their features), h dequantized and the GLU backward in one pass and the
+// quantizers after it) against the unfused ops: the same bytes everywhere but dprobs (summed in
+// another order), over the layouts they take (pairs and blocks of 4 in a lane, blocks of 8..64 over
+// two lanes, runs of 128), ones they leave to the unfused steps, both activation dtypes and
+// power-of-two scales.
 TEST_F(GpuFp8Mlp, FusedStepsEqualTheUnfusedOps) {
   Rng rng;
   struct Case {
@@ -111,7 +113,8 @@ TEST_F(GpuFp8Mlp, FusedStepsEqualTheUnfusedOps) {
   const Case cases[] = {{"pairs", 208, DType::kBFloat16, false},     {"blocks:32", 192, DType::kBFloat16, true},
                         {"blocks:64", 320, DType::kFloat32, false},   {"blocks:128", 256, DType::kBFloat16, false},
                         {"halves", 384, DType::kBFloat16, false},     {"halves", 144, DType::kFloat32, false},
-                        {"blocks:8", 112, DType::kBFloat16, true},    {"blocks:2", 96, DType::kBFloat16, false}};
+                        {"blocks:8", 112, DType::kBFloat16, true},    {"blocks:2", 96, DType::kBFloat16, false},
+                        {"blocks:4", 176, DType::kBFloat16, false},   {"blocks:16", 80, DType::kBFloat16, false}};
   for (const Case& k : cases) {
     SCOPED_TRACE(std::string(k.layout) + " F=" + std::to_string(k.F) + " " + dtype_name(k.dt) +
                  (k.pow2 ? " pow2" : ""));

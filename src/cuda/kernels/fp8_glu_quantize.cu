@@ -5,18 +5,20 @@
 // same GLU function (common/glu_math.hpp), act rounded to h's dtype as glu_forward stores it, the
 // quantizers' tile rule (common/fp8_math.hpp) on the same values.
 //
-// A warp takes one (row, 128-feature) item: lane l holds features f0 + 4l .. + 3, so act's 1 x 128
-// scale block is the warp. h's 128-column blocks are the two half-warps (pairs, or blocks of s <= 64
-// gate and s linear columns: features [f0, f0 + 64) are h's columns [2 f0, 2 f0 + 128)) or the
-// gate and the linear run of the whole warp (blocks of s, s a multiple of 128, halves among them).
-// Other layouts take the unfused steps.
+// A warp takes 8 rows x 128 features (act's scale block): the two 128-column blocks of h that hold
+// those features' gate and linear values, 8 columns a lane and row, in 16-byte loads. h's rows are
+// quantized from the loaded words as the row quantizer does (fp8_tile_stream.cuh's
+// quantize_row_slots), and act from 8 features a lane and row, exchanged between lanes where the
+// layout splits a feature's gate and linear values over two (GluLanes). Layouts: pairs, blocks of
+// 4, blocks of 8..64 dividing 64, blocks of a multiple of 128 (and, with h not kept, of 8); others
+// take the unfused steps.
 //
 // Backward, one pass from the kept h (FP8 rows) and d(act * p) (FC2 dgrad's output): h
 // dequantized, the GLU backward, and dL/dh quantized by rows (FC1 dgrad's operand) and by columns
 // (FC1 wgrad's), act * p recomputed and quantized by columns (FC2 wgrad's), dprobs' per-128-feature
 // shares; the bytes and scales of dequantize_fp8, glu_backward and the quantizers. A block takes
-// one (128-token column block of the columnwise layout, 128 features) tile: its rows as the forward
-// does them (row blocks from registers), then dL/dh [128, 256] and act [128, 128] from shared memory
+// one (128-token column block of the columnwise layout, 128 features) tile: its rows a warp per token
+// (row blocks from registers), then dL/dh [128, 256] and act [128, 128] from shared memory
 // by columns, the tile's tokens all of one expert (zeros past its last token, as the quantizer
 // writes them).
 #include <cuda_bf16.h>
@@ -28,6 +30,7 @@
 #include "common/fp8_math.hpp"
 #include "common/glu_math.hpp"
 #include "cuda/backend.hpp"
+#include "cuda/kernels/fp8_tile_stream.cuh"
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/dtype_dispatch.cuh"
 #include "cuda/runtime/resident_blocks.cuh"
@@ -39,12 +42,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kFeatures = 4 * 32;  // one act scale block per warp
 static_assert(kFeatures == kFp8Block);
-
-// Where h's scale blocks lie relative to a warp's item.
-enum class HBlocks {
-  kHalfWarps,  // pairs, or blocks of s | 64: each half-warp's gate and linear values are one block
-  kRuns,       // blocks of s, s % 128 == 0: the gate run is one block, the linear run another
-};
 
 struct GluQuantizeParams {
   const void* h;
@@ -85,21 +82,6 @@ __device__ __forceinline__ float stored(float v) {
   else return __bfloat162float(__float2bfloat16_rn(v));
 }
 
-__device__ __forceinline__ uint32_t amax_bits4(const float (&v)[4]) {
-  uint32_t a = detail::fp8_abs_bits(v[0]);
-#pragma unroll
-  for (int i = 1; i < 4; ++i) a = max(a, detail::fp8_abs_bits(v[i]));
-  return a;
-}
-
-// Max over the lanes that differ in the bits of `width - 1` (a half-warp for 16, the warp for 32).
-template <int kWidth>
-__device__ __forceinline__ uint32_t lanes_max(uint32_t a) {
-#pragma unroll
-  for (int d = kWidth / 2; d > 0; d /= 2) a = max(a, __shfl_xor_sync(0xffffffffu, a, d));
-  return a;
-}
-
 // The warp's sum in a fixed butterfly (deterministic).
 __device__ __forceinline__ float lanes_sum(float v) {
 #pragma unroll
@@ -107,131 +89,150 @@ __device__ __forceinline__ float lanes_sum(float v) {
   return v;
 }
 
-__device__ __forceinline__ uint32_t quantize4(const float (&v)[4], float m) {
-  return uint32_t(detail::e4m3x2_from_float(v[0] * m, v[1] * m)) |
-         uint32_t(detail::e4m3x2_from_float(v[2] * m, v[3] * m)) << 16;
-}
+// ---- forward ----
 
-// The tile scales of a warp's item, computed once: every lane evaluates one tile rule on the amax
-// it stands for (lane 1: act's block; lanes 0 and 16: h's blocks, per half-warp or the gate and
-// linear runs) and the others take theirs by shuffles, instead of every lane evaluating all three
-// (two IEEE divisions each).
-struct ItemScales {
-  detail::Fp8TileScale gate, linear, act;
+// Where a lane's gate and linear values lie in the two 128-column blocks of h it loads.
+enum class GluLanes {
+  kFour,     // pairs, or blocks of 4: 4 features a block, their gate and linear columns in the lane
+  kPartner,  // blocks of s, 8 <= s <= 64: 8 gate or 8 linear columns, the other 8 in lane m ^ (s / 8)
+  kRuns,     // blocks of s, s % 8 == 0: block 0 the gate run of 8 features, block 1 their linear run
 };
 
-template <HBlocks kHBlocks>
-__device__ __forceinline__ ItemScales item_scales(uint32_t gate_amax, uint32_t linear_amax, uint32_t act_amax,
-                                                  uint32_t lane, bool pow2, float epsilon) {
-  // Half-warps: a lane's gate and linear amax are its half-warp's one h block (lane 0 or 16 holds
-  // it). Runs: the gate block's amax is lane 0's, the linear block's lane 16's (every lane holds both).
-  const uint32_t h_amax = kHBlocks == HBlocks::kRuns && lane >= 16 ? linear_amax : gate_amax;
-  const detail::Fp8TileScale mine = detail::fp8_tile_scale(lane == 1 ? act_amax : h_amax, pow2, epsilon);
-  auto from = [&](uint32_t src) {
-    return detail::Fp8TileScale{__shfl_sync(0xffffffffu, mine.multiplier, src),
-                                __shfl_sync(0xffffffffu, mine.scale, src)};
-  };
-  ItemScales s;
-  s.act = from(1);
-  if constexpr (kHBlocks == HBlocks::kHalfWarps) {
-    s.gate = s.linear = from(lane & 16u);
+// The lane's 8 values of a slot as T words, rounded to T once (as glu_forward stores act).
+template <class T>
+__device__ __forceinline__ void pack8(const float (&v)[8], uint32_t (&w)[8 / fp8_tiles::Words<T>::kPerWord]) {
+  if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = __float_as_uint(v[i]);
   } else {
-    s.gate = from(0);
-    s.linear = from(16);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      w[i] = uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i]))) |
+             uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i + 1]))) << 16;
   }
-  return s;
 }
 
-template <class T, bool kPairs, HBlocks kHBlocks>
+// A warp's item is 8 rows x 128 features (act's scale block): half-warp `half` takes rows
+// r0 + half + 2 s (slots s = 0..3), and lane m 8 columns of each of the two 128-column blocks of
+// h that hold those features' gate and linear values, one 16-byte load per slot and block (8 in
+// flight a lane). h's rows are quantized straight from these words and act = GLU(h) * p, 8
+// features a lane and slot, the same way (quantize_row_slots: a half-warp's row amaxes by
+// halving exchanges, the tile rule once per row).
+template <class T, GluLanes kLanes, bool kPairs>
 __global__ void __launch_bounds__(kThreads) fp8_glu_quantize_kernel(const GluQuantizeParams p) {
+  using fp8_tiles::quantize_row_slots;
+  using fp8_tiles::Words;
+  constexpr int W = 8 / Words<T>::kPerWord;  // words of 8 values
   const int64_t rows = p.offsets[p.num_groups];
   const int32_t feature_blocks = (p.ffn + kFeatures - 1) / kFeatures;
-  const int64_t items = rows * feature_blocks;
-  const uint32_t lane = threadIdx.x % 32;
-  // The warp's items (row r, feature block fb) advance by a fixed stride: one division here, none
-  // per item.
+  const int64_t items = (rows + 7) / 8 * feature_blocks;
+  const int lane = int(threadIdx.x % 32), half = lane / 16, m = lane % 16;
+  const fp8_tiles::Recipe recipe{p.pow2, p.epsilon};
   const int64_t stride = int64_t(gridDim.x) * kWarps;
-  const int64_t stride_rows = stride / feature_blocks;
-  const int32_t stride_blocks = int32_t(stride - stride_rows * feature_blocks);
-  int64_t item = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
-  int64_t r = item / feature_blocks;
-  int32_t fb = int32_t(item - r * feature_blocks);
-  for (; item < items; item += stride) {  // warp-uniform
-    const int32_t f = fb * kFeatures + 4 * int32_t(lane);
-    const bool live = f < p.ffn;  // F % 16 == 0: a lane's four features are all in or all out
-    // Gate and linear values of the lane's features; dead lanes hold zeros (amax-neutral).
-    float gate[4] = {}, linear[4] = {};
-    int32_t col = 0;  // pairs: the first of 8 columns g, l, g, l..; blocks: the first gate column
-    const T* hr = static_cast<const T*>(p.h) + r * p.h_ld;
-    if (live) {
-      if constexpr (kPairs) {
-        col = 2 * f;
-        float a[4], b[4];
-        load4(hr + col, a);
-        load4(hr + col + 4, b);
-        gate[0] = a[0], linear[0] = a[1], gate[1] = a[2], linear[1] = a[3];
-        gate[2] = b[0], linear[2] = b[1], gate[3] = b[2], linear[3] = b[3];
-      } else {
-        col = (f / p.block) * 2 * p.block + f % p.block;
-        load4(hr + col, gate);
-        load4(hr + col + p.block, linear);
-      }
-    }
-    const bool keep_h = p.h_data != nullptr;  // uniform
-    uint32_t gate_amax = 0, linear_amax = 0;
-    if (keep_h) {
-      gate_amax = amax_bits4(gate);
-      linear_amax = amax_bits4(linear);
-      if constexpr (kHBlocks == HBlocks::kHalfWarps) {
-        gate_amax = linear_amax = lanes_max<16>(max(gate_amax, linear_amax));
-      } else {
-        gate_amax = lanes_max<32>(gate_amax);
-        linear_amax = lanes_max<32>(linear_amax);
-      }
-    }
-    const float prob = p.probs != nullptr ? __ldg(p.probs + r) : 1.f;
-    float act[4];
+#pragma unroll 1
+  for (int64_t item = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; item < items; item += stride) {
+    const int64_t group = item / feature_blocks;
+    const int32_t fb = int32_t(item - group * feature_blocks), f0 = fb * kFeatures;
+    const int64_t r0 = 8 * group + half;  // the half-warp's slot 0
+    // The lane's first column in each block, and whether it and the block hold values.
+    int32_t col[2];
+    bool lane_in[2], block_in[2];
+    if constexpr (kLanes == GluLanes::kRuns) {
+      const int32_t gate0 = (f0 / p.block) * 2 * p.block + f0 % p.block;  // the item's gate run
+      col[0] = gate0 + 8 * m;
+      col[1] = col[0] + p.block;
+      lane_in[0] = lane_in[1] = f0 + 8 * m < p.ffn;
+      block_in[0] = block_in[1] = true;
+    } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) act[i] = live ? stored<T>(p.math.forward(gate[i], linear[i]) * prob) : 0.f;
-    const ItemScales scales =
-        item_scales<kHBlocks>(gate_amax, linear_amax, lanes_max<32>(amax_bits4(act)), lane, p.pow2, p.epsilon);
-    if (keep_h) {
-      int64_t gate_block, linear_block;
-      if constexpr (kHBlocks == HBlocks::kHalfWarps) {
-        gate_block = linear_block = 2 * int64_t(fb) + lane / 16;
-      } else {
-        // Every live lane's runs lie in the blocks of lane 0's.
-        const int32_t first = (fb * kFeatures / p.block) * 2 * p.block + (fb * kFeatures) % p.block;
-        gate_block = first / kFp8Block;
-        linear_block = (first + p.block) / kFp8Block;
+      for (int a = 0; a < 2; ++a) {
+        col[a] = 2 * f0 + kFeatures * a + 8 * m;
+        lane_in[a] = col[a] < 2 * p.ffn;  // 2F % 32 == 0: a lane's 8 columns are all in or all out
+        block_in[a] = 2 * f0 + kFeatures * a < 2 * p.ffn;
       }
-      uint8_t* dr = p.h_data + r * p.h_data_ld;
-      if (live) {
-        if constexpr (kPairs) {
-          const float a[4] = {gate[0], linear[0], gate[1], linear[1]}, b[4] = {gate[2], linear[2], gate[3], linear[3]};
-          *reinterpret_cast<uint2*>(dr + col) =
-              make_uint2(quantize4(a, scales.gate.multiplier), quantize4(b, scales.gate.multiplier));
-        } else {
-          *reinterpret_cast<uint32_t*>(dr + col) = quantize4(gate, scales.gate.multiplier);
-          *reinterpret_cast<uint32_t*>(dr + col + p.block) = quantize4(linear, scales.linear.multiplier);
+    }
+    uint32_t hw[2][4][W];
+    const T* hr = static_cast<const T*>(p.h) + r0 * p.h_ld;
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int v = 0; v < W; v += 4) {
+          uint4 q = make_uint4(0, 0, 0, 0);
+          if (lane_in[a] && r0 + 2 * s < rows)
+            q = __ldcs(reinterpret_cast<const uint4*>(hr + 2 * s * p.h_ld + col[a]) + v / 4);
+          hw[a][s][v] = q.x, hw[a][s][v + 1] = q.y, hw[a][s][v + 2] = q.z, hw[a][s][v + 3] = q.w;
         }
-      }
-      if constexpr (kHBlocks == HBlocks::kHalfWarps) {
-        // A half-warp's block exists when its first lane is live (2F may end mid-warp).
-        if (lane % 16 == 0 && live) p.h_scales[gate_block * p.h_scales_ld + r] = scales.gate.scale;
-      } else if (lane == 0) {
-        p.h_scales[gate_block * p.h_scales_ld + r] = scales.gate.scale;
-        p.h_scales[linear_block * p.h_scales_ld + r] = scales.linear.scale;
+    auto row_in = [&](int s) { return r0 + 2 * s < rows; };
+    if (p.h_data != nullptr) {  // uniform
+#pragma unroll
+      for (int a = 0; a < 2; ++a) {
+        const int64_t block = col[a] / kFp8Block;  // the lane's block is every lane's
+        quantize_row_slots<T>(recipe, hw[a], p.h_data + r0 * p.h_data_ld + col[a], 2 * p.h_data_ld,
+                              p.h_scales + block * p.h_scales_ld + r0, 2,
+                              [&](int s) { return block_in[a] && row_in(s); }, lane_in[a], lane);
       }
     }
-    if (live) *reinterpret_cast<uint32_t*>(p.act_data + r * p.act_data_ld + f) = quantize4(act, scales.act.multiplier);
-    if (lane == 0) p.act_scales[int64_t(fb) * p.act_scales_ld + r] = scales.act.scale;
-    r += stride_rows;
-    fb += stride_blocks;
-    if (fb >= feature_blocks) {
-      fb -= feature_blocks;
-      ++r;
+    // The lane's 8 features of act: their first one and, per slot, their values.
+    int32_t act_f;
+    bool is_gate = true;
+    if constexpr (kLanes == GluLanes::kFour) {
+      act_f = m % 2 == 0 ? f0 + 4 * m : f0 + kFeatures / 2 + 4 * (m - 1);
+    } else if constexpr (kLanes == GluLanes::kPartner) {
+      const int32_t within = (8 * m) % (2 * p.block);  // the lane's column in its run pair
+      is_gate = within < p.block;
+      act_f = f0 + (is_gate ? 0 : kFeatures / 2) + (8 * m) / (2 * p.block) * p.block + within % p.block;
+    } else {
+      act_f = f0 + 8 * m;
     }
+    const bool act_in = act_f < p.ffn;  // F % 16 == 0: the lane's 8 features are all in or all out
+    uint32_t aw[4][W];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const float prob = p.probs != nullptr && row_in(s) ? __ldg(p.probs + r0 + 2 * s) : 1.f;
+      using V = Words<T>;
+      float act[8];  // act * p of the lane's 8 features
+      if constexpr (kLanes == GluLanes::kFour) {
+        // The lane's 4 features of each block; the even lane of a pair ends with both lanes'
+        // block-0 features, the odd one with both lanes' block-1 features: 8 consecutive features.
+        float own[2][4];
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            own[a][i] = p.math.forward(V::value(hw[a][s], kPairs ? 2 * i : i),
+                                       V::value(hw[a][s], kPairs ? 2 * i + 1 : 4 + i)) * prob;
+        const bool odd = m % 2;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float other = __shfl_xor_sync(~0u, odd ? own[0][i] : own[1][i], 1);
+          act[i] = odd ? other : own[0][i];
+          act[4 + i] = odd ? own[1][i] : other;
+        }
+      } else if constexpr (kLanes == GluLanes::kPartner) {
+        // The gate lane takes its block-0 features (their linear values from the partner), the
+        // linear lane its block-1 features (their gate values from the partner).
+        uint32_t other[W];
+#pragma unroll
+        for (int v = 0; v < W; ++v) other[v] = __shfl_xor_sync(~0u, is_gate ? hw[1][s][v] : hw[0][s][v], p.block / 8);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float g = is_gate ? V::value(hw[0][s], i) : V::value(other, i);
+          const float l = is_gate ? V::value(other, i) : V::value(hw[1][s], i);
+          act[i] = p.math.forward(g, l) * prob;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) act[i] = p.math.forward(V::value(hw[0][s], i), V::value(hw[1][s], i)) * prob;
+      }
+      // Features past F hold zeros (amax-neutral whatever p is).
+#pragma unroll
+      for (int i = 0; i < 8; ++i) act[i] = act_in ? act[i] : 0.f;
+      pack8<T>(act, aw[s]);
+    }
+    quantize_row_slots<T>(recipe, aw, p.act_data + r0 * p.act_data_ld + act_f, 2 * p.act_data_ld,
+                          p.act_scales + int64_t(fb) * p.act_scales_ld + r0, 2, row_in, act_in, lane);
   }
 }
 
@@ -268,13 +269,6 @@ struct GluBackwardQuantizeParams {
   float epsilon;
 };
 
-template <class T>
-struct TileShared {
-  T dh[kFp8Block][2 * kFeatures];  // dL/dh of the tile's features, gate run then linear run (or as h's columns)
-  T act[kFp8Block][kFeatures];
-  uint32_t act_amax[2][kFeatures];  // act's column amaxes over each half of the tile's tokens
-};
-
 // The dequantized values of 4 E4M3 bytes, rounded as dequantize_fp8 stores them in T.
 template <class T>
 __device__ __forceinline__ void dequantize4(uint32_t word, float scale, float (&v)[4]) {
@@ -284,11 +278,6 @@ __device__ __forceinline__ void dequantize4(uint32_t word, float scale, float (&
   for (int i = 0; i < 4; ++i) v[i] = stored<T>(detail::fp8_dequantize(v[i], scale));
 }
 
-template <class T>
-__device__ __forceinline__ float as_float(T v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return __bfloat162float(v);
-}
 template <class T>
 __device__ __forceinline__ T from(float v) {
   if constexpr (std::is_same_v<T, float>) return v;
@@ -306,63 +295,94 @@ __device__ __forceinline__ void store4(T* p, const T (&v)[4]) {
   }
 }
 
-// The amax bits of rows [first, first + kRows) of column c of a tile in shared memory.
-template <int kRows, class T, int kWidth>
-__device__ __forceinline__ uint32_t column_amax(const T (*tile)[kWidth], int c, int first) {
-  uint32_t amax = 0;
-#pragma unroll 8
-  for (int r = 0; r < kRows; ++r) amax = max(amax, detail::fp8_abs_bits(as_float(tile[first + r][c])));
-  return amax;
+// One pass from the kept h to FC1's and FC2's backward operands, on the columns quantizer's layout
+// (fp8_quantize_tokens.cu's quantize_columns_direct_kernel): a block of 512 threads takes one tile
+// of 128 tokens of one expert (column block j of the columnwise layout) x one 128-column block kb of
+// h (64 features). Warp w holds tokens 8 w .. 8 w + 7, half-warp hh tokens 8 w + 4 hh .. + 3, lane m
+// h's columns 8 m .. 8 m + 7 of them: one 8-byte load of h a token, and the GLU backward of 4 of
+// the features those columns belong to (the partner lane, which holds their other half, does the
+// other 4, GluLanes::kPartner). dL/dh's rows are quantized from registers (quantize_row_slots); its
+// columns and act's through column amaxes combined over the warps in shared memory and bytes
+// transposed there, stored along the tokens. dprobs' share of the 64 features per token.
+constexpr int kBackwardThreads = 512;
+constexpr int kBackwardWarps = kBackwardThreads / 32;
+constexpr int kActColumns = kFp8Block / 2;  // act's columns (features) of a tile
+
+struct BackwardShared {
+  uint32_t dh_transposed[kFp8Block * kFp8Block / 4];  // [h column][token word], word index swizzled
+  uint32_t act_transposed[kActColumns * kFp8Block / 4];  // [feature][token word], swizzled
+  uint32_t dh_partial[kBackwardWarps][kFp8Block / 2];  // per warp: packed bf16 column magnitudes
+  uint32_t act_partial[kBackwardWarps][kActColumns / 2];
+  float dh_multiplier[kFp8Block];
+  float act_multiplier[kActColumns];
+};
+
+// Token word `word` (4 tokens) of transposed row `row`, whose unit of 8 rows or 4 features is
+// `unit`: the word index XOR 2 unit, so that a warp's stores (16 units x 2 half-warps) hit 32
+// distinct banks.
+__device__ __forceinline__ int swizzled_word(int row, int unit, int word) {
+  return row * (kFp8Block / 4) + (word ^ (2 * unit));
 }
 
-// Rows [first, first + kRows) of column c quantized with scale s into kRows bytes at `out`.
-template <int kRows, class T, int kWidth>
-__device__ __forceinline__ void quantize_column_rows(const T (*tile)[kWidth], int c, int first,
-                                                     const detail::Fp8TileScale& s, uint8_t* out) {
+// Stores `rows` transposed rows of 128 tokens (32 swizzled words, unit = row / rows_per_unit) to
+// out + row * ld, 16 bytes a thread and step, where row < valid_rows.
+template <int kRows, int kRowsPerUnit>
+__device__ __forceinline__ void store_transposed(const uint32_t* transposed, int valid_rows, uint8_t* out, int64_t ld) {
 #pragma unroll
-  for (int r0 = 0; r0 < kRows; r0 += 16) {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = first + r0 + 4 * i;
-      const float v[4] = {as_float(tile[r][c]), as_float(tile[r + 1][c]), as_float(tile[r + 2][c]),
-                          as_float(tile[r + 3][c])};
-      w[i] = quantize4(v, s.multiplier);
-    }
-    *reinterpret_cast<uint4*>(out + r0) = make_uint4(w[0], w[1], w[2], w[3]);
+  for (int it = 0; it < kRows * 8 / kBackwardThreads; ++it) {
+    const int index = it * kBackwardThreads + int(threadIdx.x), row = index / 8, chunk = index % 8;
+    const int swizzle = 2 * (row / kRowsPerUnit);
+    uint4 v = reinterpret_cast<const uint4*>(transposed + row * (kFp8Block / 4))[chunk ^ (swizzle >> 2)];
+    if (swizzle & 2) v = make_uint4(v.z, v.w, v.x, v.y);
+    if (row < valid_rows) *reinterpret_cast<uint4*>(out + row * ld + 16 * chunk) = v;
   }
 }
 
-// Quantizes one column of `rows` x `width` values in shared memory (column `c`) into 128 bytes at
-// `out`, returning the scale.
-template <class T, int kWidth>
-__device__ __forceinline__ float quantize_column(const T (*tile)[kWidth], int c, uint8_t* out, bool pow2,
-                                                 float epsilon) {
-  const detail::Fp8TileScale s =
-      detail::fp8_tile_scale(column_amax<kFp8Block>(tile, c, 0), pow2, epsilon);
-  quantize_column_rows<kFp8Block>(tile, c, 0, s, out);
-  return s.scale;
-}
+// A thread's inputs for one tile: per token, h's 8 bytes and scale, d(act * p) of its 4 features, p.
+struct BackwardInputs {
+  uint2 h[4];
+  uint2 d[4];
+  float h_scale[4], prob[4];
+};
 
-template <class T, bool kPairs, HBlocks kHBlocks>
-__global__ void __launch_bounds__(kThreads) fp8_glu_backward_quantize_kernel(const GluBackwardQuantizeParams p) {
-  extern __shared__ __align__(16) uint8_t shared_raw[];
-  TileShared<T>& tile = *reinterpret_cast<TileShared<T>*>(shared_raw);
-  const int32_t feature_blocks = (p.ffn + kFeatures - 1) / kFeatures;
+template <GluLanes kLanes, bool kPairs>
+__global__ void __launch_bounds__(kBackwardThreads, 1) fp8_glu_backward_quantize_kernel(const GluBackwardQuantizeParams p) {
+  using T = __nv_bfloat16;
+  using V = fp8_tiles::Words<T>;
+  static_assert(kLanes != GluLanes::kRuns, "a tile's h columns hold both halves of their features");
+  __shared__ __align__(16) BackwardShared shared;
+  const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32, hh = lane / 16, m = lane % 16;
   const int64_t G = p.num_groups;
   if (blockIdx.x == 0)  // the columnwise copies share dy's expert offsets
-    for (int64_t g = threadIdx.x; g <= G; g += kThreads) {
+    for (int64_t g = tid; g <= G; g += kBackwardThreads) {
       p.dh_column_offsets[g] = p.column_offsets[g];
       p.act_column_offsets[g] = p.column_offsets[g];
     }
-  const int64_t used_blocks = p.column_offsets[G] / kFp8Block;
-  const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int64_t item = blockIdx.x; item < p.column_blocks * feature_blocks; item += gridDim.x) {  // uniform
-    const int64_t j = item / feature_blocks;
-    const int32_t fb = int32_t(item - j * feature_blocks);
-    if (j >= used_blocks) break;  // items run in order of j
-    // The expert whose column segment holds block j: the last g with column_offsets[g] <= 128 j
-    // (an empty expert's segment is empty, so it is never the one).
+  const int32_t h_blocks = (2 * p.ffn + kFp8Block - 1) / kFp8Block;
+  int64_t begin, end;
+  fp8_tiles::share_of(p.column_offsets[G] / kFp8Block * h_blocks, begin, end);
+  if (begin >= end) return;  // block-uniform
+  const fp8_tiles::Recipe recipe{p.pow2, p.epsilon};
+  const int first_row = 8 * warp + 4 * hh;  // this thread's 4 tokens of the tile: first_row .. + 3
+  // The lane's 4 features, relative to the h block's first (64 kb): pairs and blocks of 4, those of
+  // its 8 columns; partners, the gate lane the first 4 of the 8 features its columns belong to, the
+  // linear lane the last 4.
+  bool is_gate = true;
+  int feature_in_block;
+  if constexpr (kLanes == GluLanes::kFour) {
+    feature_in_block = 4 * m;
+  } else {
+    const int within = (8 * m) % (2 * p.block);
+    is_gate = within < p.block;
+    feature_in_block = (8 * m) / (2 * p.block) * p.block + within % p.block + (is_gate ? 0 : 4);
+  }
+  // Tile item's expert: the last g with column_offsets[g] <= 128 j (an empty expert's segment is
+  // empty, so it is never the one); token0 and tokens of the tile.
+  int64_t located = -1, token0 = 0;
+  int tokens = 0;
+  auto locate = [&](int64_t j) {
+    if (j == located) return;
+    located = j;
     int64_t lo = 0, hi = G - 1;
     while (lo < hi) {
       const int64_t mid = (lo + hi + 1) / 2;
@@ -370,173 +390,185 @@ __global__ void __launch_bounds__(kThreads) fp8_glu_backward_quantize_kernel(con
       else hi = mid - 1;
     }
     const int64_t into = j * kFp8Block - p.column_offsets[lo];
-    const int64_t token0 = p.offsets[lo] + into;
+    token0 = p.offsets[lo] + into;
     const int64_t left = p.offsets[lo + 1] - p.offsets[lo] - into;
-    const int32_t tokens = int32_t(left < kFp8Block ? left : kFp8Block);
-    const int32_t f0 = fb * kFeatures, f = f0 + 4 * int32_t(lane);
-    const bool live = f < p.ffn;
-    // Runs of the warp's features: the gate columns of feature f0 (and the linear ones s later).
-    const int32_t gate0 = kPairs ? 2 * f0 : (f0 / p.block) * 2 * p.block + f0 % p.block;
-    int32_t col = 0;  // the lane's first column: pairs g, l, g, l..; blocks its first gate column
-    if (live) col = kPairs ? 2 * f : (f / p.block) * 2 * p.block + f % p.block;
-    // Where the lane's values sit in the tile's dL/dh: h's columns from 2 f0 (half-warp blocks), or
-    // the gate run at 0 and the linear run at 128.
-    const int32_t gate_at = kHBlocks == HBlocks::kRuns ? col - gate0 : col - 2 * f0;
-    const int32_t linear_at = kHBlocks == HBlocks::kRuns ? kFeatures + gate_at : gate_at + p.block;
-
-    // ---- rows: one warp per token, kBatch tokens' loads in flight at once ----
-    constexpr int kBatch = 4;
-    auto zero_row = [&](int32_t rr) {  // past the expert's last token: zeros for the column quantizers
-      if (!live) return;
+    tokens = int(left < kFp8Block ? left : kFp8Block);
+  };
+  auto load = [&](int64_t item, BackwardInputs& in) {
+    const int64_t j = item / h_blocks;
+    const int kb = int(item - j * h_blocks);
+    locate(j);
+    const int col = kb * kFp8Block + 8 * m;
+    const bool col_in = col < 2 * p.ffn;  // 2F % 32 == 0: a lane's 8 columns are all in or all out
+    const int64_t f = int64_t(kb) * kActColumns + feature_in_block;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int64_t r = token0 + first_row + s;
+      const bool in_tile = first_row + s < tokens;
+      in.h[s] = make_uint2(0, 0), in.d[s] = make_uint2(0, 0);
+      in.h_scale[s] = 0.f, in.prob[s] = 1.f;
+      if (in_tile && p.probs != nullptr) in.prob[s] = __ldg(p.probs + r);
+      if (in_tile && col_in) {
+        in.h[s] = __ldcs(reinterpret_cast<const uint2*>(p.h_data + r * p.h_data_ld + col));
+        in.h_scale[s] = p.h_scales[kb * p.h_scales_ld + r];
+        in.d[s] = __ldcs(reinterpret_cast<const uint2*>(static_cast<const T*>(p.d_act) + r * p.d_act_ld + f));
+      }
+    }
+  };
+  BackwardInputs in;
+  load(begin, in);
+#pragma unroll 1
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t j = item / h_blocks;
+    const int kb = int(item - j * h_blocks);
+    const int tile_tokens = tokens;
+    const int64_t row0 = token0;
+    const bool col_in = kb * kFp8Block + 8 * m < 2 * p.ffn;
+    // ---- the GLU backward of the thread's 4 tokens x 4 features ----
+    uint32_t dh[4][4], act[4][2];
+    float dp[4];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      float gate[4], linear[4];
+      if constexpr (kLanes == GluLanes::kFour) {
+        float a[4], b[4];
+        dequantize4<T>(in.h[s].x, in.h_scale[s], a);
+        dequantize4<T>(in.h[s].y, in.h_scale[s], b);
+        if constexpr (kPairs) {
+          gate[0] = a[0], linear[0] = a[1], gate[1] = a[2], linear[1] = a[3];
+          gate[2] = b[0], linear[2] = b[1], gate[3] = b[2], linear[3] = b[3];
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) gate[i] = a[i], linear[i] = b[i];
+        }
+      } else {
+        // The gate lane has the gate values of all 8 features and takes the linear values of the
+        // first 4 from its partner; the linear lane the other way round for the last 4.
+        const uint32_t other = __shfl_xor_sync(~0u, is_gate ? in.h[s].y : in.h[s].x, p.block / 8);
+        dequantize4<T>(is_gate ? in.h[s].x : other, in.h_scale[s], gate);
+        dequantize4<T>(is_gate ? other : in.h[s].y, in.h_scale[s], linear);
+      }
+      const float d[4] = {__uint_as_float(in.d[s].x << 16), __uint_as_float(in.d[s].x & 0xffff0000u),
+                          __uint_as_float(in.d[s].y << 16), __uint_as_float(in.d[s].y & 0xffff0000u)};
+      const float prob = in.prob[s];
+      float dgate[4], dlinear[4], a[4];
+      dp[s] = 0.f;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        tile.act[rr][4 * lane + i] = from<T>(0.f);
-        if constexpr (kPairs) {
-          tile.dh[rr][gate_at + 2 * i] = from<T>(0.f);
-          tile.dh[rr][gate_at + 2 * i + 1] = from<T>(0.f);
-        } else {
-          tile.dh[rr][gate_at + i] = from<T>(0.f);
-          tile.dh[rr][linear_at + i] = from<T>(0.f);
-        }
+        float ai, dg, dl;
+        p.math.backward(gate[i], linear[i], d[i] * prob, ai, dg, dl);
+        dgate[i] = dg, dlinear[i] = dl, a[i] = ai * prob;  // rounded to T as they are packed
+        dp[s] += ai * d[i];
       }
-    };
-    for (int32_t first = int32_t(warp); first < kFp8Block; first += kBatch * kWarps) {
-      // The batch's tokens first + 8 q: the kept h's words and scales and d_act, all loads issued.
-      uint32_t h_word[kBatch][2] = {};
-      float h_scale[kBatch][2] = {}, d_in[kBatch][4] = {}, prob_in[kBatch];
-#pragma unroll
-      for (int q = 0; q < kBatch; ++q) {
-        const int32_t rr = first + kWarps * q;
-        const int64_t r = token0 + rr;
-        prob_in[q] = 1.f;
-        if (rr >= tokens) continue;
-        if (p.probs != nullptr) prob_in[q] = __ldg(p.probs + r);
-        if (!live) continue;
-        const uint8_t* hr = p.h_data + r * p.h_data_ld;
+      auto pack = [](float lo, float hi) {
+        return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
+               uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16;
+      };
+      act[s][0] = pack(a[0], a[1]), act[s][1] = pack(a[2], a[3]);
+      if constexpr (kLanes == GluLanes::kFour) {
         if constexpr (kPairs) {
-          const uint2 w = *reinterpret_cast<const uint2*>(hr + col);
-          h_word[q][0] = w.x, h_word[q][1] = w.y;
-          h_scale[q][0] = h_scale[q][1] = p.h_scales[(col / kFp8Block) * p.h_scales_ld + r];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) dh[s][i] = pack(dgate[i], dlinear[i]);
         } else {
-          h_word[q][0] = *reinterpret_cast<const uint32_t*>(hr + col);
-          h_word[q][1] = *reinterpret_cast<const uint32_t*>(hr + col + p.block);
-          h_scale[q][0] = p.h_scales[(col / kFp8Block) * p.h_scales_ld + r];
-          h_scale[q][1] = p.h_scales[((col + p.block) / kFp8Block) * p.h_scales_ld + r];
+          dh[s][0] = pack(dgate[0], dgate[1]), dh[s][1] = pack(dgate[2], dgate[3]);
+          dh[s][2] = pack(dlinear[0], dlinear[1]), dh[s][3] = pack(dlinear[2], dlinear[3]);
         }
-        load4(static_cast<const T*>(p.d_act) + r * p.d_act_ld + f, d_in[q]);
-      }
-#pragma unroll
-      for (int q = 0; q < kBatch; ++q) {
-        const int32_t rr = first + kWarps * q;
-        if (rr >= tokens) {
-          zero_row(rr);
-          continue;
-        }
-        const int64_t r = token0 + rr;
-        const float prob = prob_in[q];
-        float gate[4] = {}, linear[4] = {};
-        const float(&d)[4] = d_in[q];
-        if (live) {
-          if constexpr (kPairs) {
-            float a[4], b[4];
-            dequantize4<T>(h_word[q][0], h_scale[q][0], a);
-            dequantize4<T>(h_word[q][1], h_scale[q][1], b);
-            gate[0] = a[0], linear[0] = a[1], gate[1] = a[2], linear[1] = a[3];
-            gate[2] = b[0], linear[2] = b[1], gate[3] = b[2], linear[3] = b[3];
-          } else {
-            dequantize4<T>(h_word[q][0], h_scale[q][0], gate);
-            dequantize4<T>(h_word[q][1], h_scale[q][1], linear);
-          }
-        }
-        float dgate[4], dlinear[4], act[4], dp = 0.f;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float a, dg, dl;
-          p.math.backward(gate[i], linear[i], d[i] * prob, a, dg, dl);
-          dgate[i] = live ? stored<T>(dg) : 0.f;
-          dlinear[i] = live ? stored<T>(dl) : 0.f;
-          act[i] = live ? stored<T>(a * prob) : 0.f;
-          dp += live ? a * d[i] : 0.f;
-        }
-        if (p.dprobs_partial != nullptr) {  // uniform
-          dp = lanes_sum(dp);
-          if (lane == 0) p.dprobs_partial[r * p.partial_ld + fb] = dp;
-        }
-        if (p.dh_rows != nullptr) {  // uniform
-          uint32_t gate_amax = amax_bits4(dgate), linear_amax = amax_bits4(dlinear);
-          int64_t gate_block, linear_block;
-          if constexpr (kHBlocks == HBlocks::kHalfWarps) {
-            gate_amax = linear_amax = lanes_max<16>(max(gate_amax, linear_amax));
-            gate_block = linear_block = 2 * int64_t(fb) + lane / 16;
-          } else {
-            gate_amax = lanes_max<32>(gate_amax);
-            linear_amax = lanes_max<32>(linear_amax);
-            gate_block = gate0 / kFp8Block;
-            linear_block = (gate0 + p.block) / kFp8Block;
-          }
-          const detail::Fp8TileScale gs = detail::fp8_tile_scale(gate_amax, p.pow2, p.epsilon);
-          const detail::Fp8TileScale ls = detail::fp8_tile_scale(linear_amax, p.pow2, p.epsilon);
-          uint8_t* out = p.dh_rows + r * p.dh_rows_ld;
-          if (live) {
-            if constexpr (kPairs) {
-              const float a[4] = {dgate[0], dlinear[0], dgate[1], dlinear[1]};
-              const float b[4] = {dgate[2], dlinear[2], dgate[3], dlinear[3]};
-              *reinterpret_cast<uint2*>(out + col) =
-                  make_uint2(quantize4(a, gs.multiplier), quantize4(b, gs.multiplier));
-            } else {
-              *reinterpret_cast<uint32_t*>(out + col) = quantize4(dgate, gs.multiplier);
-              *reinterpret_cast<uint32_t*>(out + col + p.block) = quantize4(dlinear, ls.multiplier);
-            }
-          }
-          if constexpr (kHBlocks == HBlocks::kHalfWarps) {
-            if (lane % 16 == 0 && live) p.dh_row_scales[gate_block * p.dh_row_scales_ld + r] = gs.scale;
-          } else if (lane == 0) {
-            p.dh_row_scales[gate_block * p.dh_row_scales_ld + r] = gs.scale;
-            p.dh_row_scales[linear_block * p.dh_row_scales_ld + r] = ls.scale;
-          }
-        }
-        if (live) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            tile.act[rr][4 * lane + i] = from<T>(act[i]);
-            if constexpr (kPairs) {
-              tile.dh[rr][gate_at + 2 * i] = from<T>(dgate[i]);
-              tile.dh[rr][gate_at + 2 * i + 1] = from<T>(dlinear[i]);
-            } else {
-              tile.dh[rr][gate_at + i] = from<T>(dgate[i]);
-              tile.dh[rr][linear_at + i] = from<T>(dlinear[i]);
-            }
-          }
-        }
+      } else {
+        // The gate lane's columns are the 8 features' dL/dgate (its 4, then the partner's), the
+        // linear lane's their dL/dlinear (the partner's 4, then its own).
+        const uint32_t mine0 = pack(dgate[0], dgate[1]), mine1 = pack(dgate[2], dgate[3]);
+        const uint32_t lin0 = pack(dlinear[0], dlinear[1]), lin1 = pack(dlinear[2], dlinear[3]);
+        const uint32_t got0 = __shfl_xor_sync(~0u, is_gate ? lin0 : mine0, p.block / 8);
+        const uint32_t got1 = __shfl_xor_sync(~0u, is_gate ? lin1 : mine1, p.block / 8);
+        dh[s][0] = is_gate ? mine0 : got0, dh[s][1] = is_gate ? mine1 : got1;
+        dh[s][2] = is_gate ? got0 : lin0, dh[s][3] = is_gate ? got1 : lin1;
       }
     }
-    __syncthreads();
-    // ---- columns: one thread per column of dL/dh, then per column of act ----
+    // The next tile's inputs go out now, in flight through the quantization and the barriers.
+    if (item + 1 < end) load(item + 1, in);
+    // ---- dprobs' share: the half-warp's 64 features of each token, in a fixed butterfly ----
+    if (p.dprobs_partial != nullptr) {  // uniform
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        float v = dp[s];
+#pragma unroll
+        for (int d = 8; d > 0; d /= 2) v += __shfl_xor_sync(~0u, v, d);
+        if (m == 0 && first_row + s < tile_tokens) p.dprobs_partial[(row0 + first_row + s) * p.partial_ld + kb] = v;
+      }
+    }
+    // ---- dL/dh by rows ----
+    if (p.dh_rows != nullptr)  // uniform
+      fp8_tiles::quantize_row_slots<T>(recipe, dh, p.dh_rows + (row0 + first_row) * p.dh_rows_ld + kb * kFp8Block + 8 * m,
+                                       p.dh_rows_ld, p.dh_row_scales + kb * p.dh_row_scales_ld + row0 + first_row, 1,
+                                       [&](int s) { return first_row + s < tile_tokens; }, col_in, lane);
+    // ---- column amaxes: the thread's 4 tokens, the warp's 8, then every warp's ----
     {
-      const int32_t c = int32_t(threadIdx.x);  // 0 .. 255
-      // h's column of tile column c.
-      const int64_t h_col = kHBlocks == HBlocks::kRuns ? (c < kFeatures ? gate0 + c : gate0 + p.block + c - kFeatures)
-                                                       : 2 * int64_t(f0) + c;
-      const bool valid = kHBlocks == HBlocks::kRuns ? f0 + (c % kFeatures) < p.ffn : h_col < 2 * int64_t(p.ffn);
-      if (valid) {
-        uint8_t* out = p.dh_columns + h_col * p.dh_columns_ld + j * kFp8Block;
-        const float scale = quantize_column<T, 2 * kFeatures>(tile.dh, c, out, p.pow2, p.epsilon);
-        p.dh_column_scales[j * 2 * int64_t(p.ffn) + h_col] = scale;
+      uint32_t c[4], ca[2];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        c[w] = V::max(V::max(V::magnitude(dh[0][w]), V::magnitude(dh[1][w])),
+                      V::max(V::magnitude(dh[2][w]), V::magnitude(dh[3][w])));
+        c[w] = V::max(c[w], __shfl_xor_sync(~0u, c[w], 16));
       }
-      // act: two threads per column, each over half of the tokens.
-      const int32_t ac = c % kFeatures, half = c / kFeatures;
-      const int64_t feature = f0 + ac;
-      if (feature < p.ffn) tile.act_amax[half][ac] = column_amax<kFp8Block / 2>(tile.act, ac, 64 * half);
-      __syncthreads();
-      if (feature < p.ffn) {
-        const detail::Fp8TileScale s =
-            detail::fp8_tile_scale(max(tile.act_amax[0][ac], tile.act_amax[1][ac]), p.pow2, p.epsilon);
-        quantize_column_rows<kFp8Block / 2>(tile.act, ac, 64 * half, s,
-                                            p.act_columns + feature * p.act_columns_ld + j * kFp8Block + 64 * half);
-        if (half == 0) p.act_column_scales[j * int64_t(p.ffn) + feature] = s.scale;
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        ca[w] = V::max(V::max(V::magnitude(act[0][w]), V::magnitude(act[1][w])),
+                       V::max(V::magnitude(act[2][w]), V::magnitude(act[3][w])));
+        ca[w] = V::max(ca[w], __shfl_xor_sync(~0u, ca[w], 16));
+      }
+      if (hh == 0) {
+        reinterpret_cast<uint4*>(shared.dh_partial[warp])[m] = make_uint4(c[0], c[1], c[2], c[3]);
+        reinterpret_cast<uint2*>(shared.act_partial[warp])[feature_in_block / 4] = make_uint2(ca[0], ca[1]);
       }
     }
-    __syncthreads();  // the tile's shared memory is reused by the next item
+    __syncthreads();  // partials complete (and the previous tile's transposed bytes stored)
+    if (tid < kFp8Block + kActColumns) {
+      const bool is_dh = tid < kFp8Block;
+      const int c = is_dh ? tid : tid - kFp8Block;
+      uint32_t amax = 0;
+#pragma unroll
+      for (int w = 0; w < kBackwardWarps; ++w)
+        amax = V::max(amax, is_dh ? shared.dh_partial[w][c / 2] : shared.act_partial[w][c / 2]);
+      const detail::Fp8TileScale cs = recipe.scale(V::value_bits(amax, c % 2));
+      if (is_dh) {
+        shared.dh_multiplier[c] = cs.multiplier;
+        if (kb * kFp8Block + c < 2 * p.ffn) p.dh_column_scales[j * 2 * int64_t(p.ffn) + kb * kFp8Block + c] = cs.scale;
+      } else {
+        shared.act_multiplier[c] = cs.multiplier;
+        if (kb * kActColumns + c < p.ffn) p.act_column_scales[j * int64_t(p.ffn) + kb * kActColumns + c] = cs.scale;
+      }
+    }
+    __syncthreads();  // multipliers complete; every partial read
+    // ---- the columns' bytes, transposed: a word of 4 tokens per column ----
+    {
+      // Tokens past the expert's end are zero bytes, whatever the multiplier (a NaN one would
+      // make them 0x7f).
+      const int valid = tile_tokens - first_row;
+      const uint32_t keep = valid >= 4 ? ~0u : valid <= 0 ? 0u : (~0u >> (32 - 8 * valid));
+      const int word = first_row / 4;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const float mj = shared.dh_multiplier[8 * m + jj];
+        const uint32_t q = fp8_tiles::e4m3x4(V::value(dh[0], jj) * mj, V::value(dh[1], jj) * mj,
+                                             V::value(dh[2], jj) * mj, V::value(dh[3], jj) * mj);
+        shared.dh_transposed[swizzled_word(8 * m + jj, m, word)] = q & keep;
+      }
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const int c = feature_in_block + jj;
+        const float mj = shared.act_multiplier[c];
+        const uint32_t q = fp8_tiles::e4m3x4(V::value(act[0], jj) * mj, V::value(act[1], jj) * mj,
+                                             V::value(act[2], jj) * mj, V::value(act[3], jj) * mj);
+        shared.act_transposed[swizzled_word(c, c / 4, word)] = q & keep;
+      }
+    }
+    __syncthreads();  // the transposed tiles complete
+    store_transposed<kFp8Block, 8>(shared.dh_transposed, 2 * p.ffn - kb * kFp8Block,
+                                   p.dh_columns + int64_t(kb) * kFp8Block * p.dh_columns_ld + j * kFp8Block,
+                                   p.dh_columns_ld);
+    store_transposed<kActColumns, 4>(shared.act_transposed, p.ffn - kb * kActColumns,
+                                     p.act_columns + int64_t(kb) * kActColumns * p.act_columns_ld + j * kFp8Block,
+                                     p.act_columns_ld);
   }
 }
 
@@ -657,24 +689,13 @@ bool rows_aligned(const TensorView& t, size_t bytes) {
   return is_aligned(t.data(), bytes) && (t.stride(0) * int64_t(dtype_size(t.dtype()))) % int64_t(bytes) == 0;
 }
 
-template <class T, bool kPairs, HBlocks kHBlocks>
+template <GluLanes kLanes, bool kPairs>
 void launch_backward(const GluBackwardQuantizeParams& p, int64_t items, int device, Stream stream) {
-  constexpr auto kernel = fp8_glu_backward_quantize_kernel<T, kPairs, kHBlocks>;
-  constexpr size_t shared = sizeof(TileShared<T>);
-  const int resident = resident_blocks<kernel>(device, kThreads, shared, "fp8_glu_backward_quantize_kernel");
+  constexpr auto kernel = fp8_glu_backward_quantize_kernel<kLanes, kPairs>;
+  const int resident = resident_blocks<kernel>(device, kBackwardThreads, 0, "fp8_glu_backward_quantize_kernel");
   const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>(items, resident)));
-  kernel<<<blocks, kThreads, shared, stream>>>(p);
+  kernel<<<blocks, kBackwardThreads, 0, stream>>>(p);
   MOE_CUDA_CHECK_LAUNCH("fp8_glu_backward_quantize_kernel");
-}
-
-// The layouts both passes take: pairs, blocks of s | 64 (h's blocks are half-warps), blocks of a
-// multiple of 128 (runs); 0: none.
-enum class LayoutCase { kNone, kPairs, kHalfWarps, kRuns };
-LayoutCase layout_case(int64_t s) {
-  if (s == 1) return LayoutCase::kPairs;
-  if (s >= 4 && 64 % s == 0) return LayoutCase::kHalfWarps;
-  if (s % kFp8Block == 0) return LayoutCase::kRuns;
-  return LayoutCase::kNone;
 }
 
 }  // namespace
@@ -687,13 +708,15 @@ bool fp8_glu_quantize(const TensorView& h, const TensorView& probs, const GroupL
   if (F % 16 != 0 || F >= (int64_t(1) << 30)) return false;
   const int64_t s = F > 0 ? spec.layout.block_size(F) : 1;
   const bool keep_h = h_rows.data.defined();
-  // Without h kept any layout of 4-column runs will do (the runs case computes act alone).
-  LayoutCase layout = layout_case(s);
-  if (layout == LayoutCase::kNone && !keep_h && s % 4 == 0) layout = LayoutCase::kRuns;
-  if (layout == LayoutCase::kNone) return false;
-  // Vector loads and stores: h's 4-value runs (16 bytes for fp32) and the FP8 rows' 4-byte words.
-  const size_t esize = dtype_size(h.dtype());
-  if (!rows_aligned(h, 4 * esize) || !rows_aligned(act_rows.data, 4)) return false;
+  // Which lanes hold a feature's gate and linear values; without h kept (act alone) any layout of
+  // 8-column runs will do.
+  GluLanes lanes;
+  if (s == 1 || s == 4) lanes = GluLanes::kFour;
+  else if (s % 8 == 0 && 64 % s == 0) lanes = GluLanes::kPartner;
+  else if (s % 8 == 0 && (s % kFp8Block == 0 || !keep_h)) lanes = GluLanes::kRuns;
+  else return false;
+  // 16-byte loads of 8 values of h; 8-byte stores of 8 FP8 bytes.
+  if (!rows_aligned(h, 16) || !rows_aligned(act_rows.data, 8)) return false;
   if (keep_h && !rows_aligned(h_rows.data, 8)) return false;
   if (T == 0 || F == 0) return true;
 
@@ -718,16 +741,18 @@ bool fp8_glu_quantize(const TensorView& h, const TensorView& probs, const GroupL
   p.act_scales_ld = act_rows.scales.stride(0);
   p.pow2 = recipe.pow2_scales;
   p.epsilon = recipe.amax_epsilon;
-  const int64_t items = T * ((F + kFeatures - 1) / kFeatures);
+  const int64_t items = (T + 7) / 8 * ((F + kFeatures - 1) / kFeatures);
   const int device = h.device().index;
   auto go = [&](auto type) {
     using T_ = decltype(type);
     constexpr const char* kName = "fp8_glu_quantize_kernel";
-    if (layout == LayoutCase::kPairs)
-      return launch_warp_items<fp8_glu_quantize_kernel<T_, true, HBlocks::kHalfWarps>>(p, items, device, stream, kName);
-    if (layout == LayoutCase::kHalfWarps)
-      return launch_warp_items<fp8_glu_quantize_kernel<T_, false, HBlocks::kHalfWarps>>(p, items, device, stream, kName);
-    launch_warp_items<fp8_glu_quantize_kernel<T_, false, HBlocks::kRuns>>(p, items, device, stream, kName);
+    if (lanes == GluLanes::kFour && s == 1)
+      return launch_warp_items<fp8_glu_quantize_kernel<T_, GluLanes::kFour, true>>(p, items, device, stream, kName);
+    if (lanes == GluLanes::kFour)
+      return launch_warp_items<fp8_glu_quantize_kernel<T_, GluLanes::kFour, false>>(p, items, device, stream, kName);
+    if (lanes == GluLanes::kPartner)
+      return launch_warp_items<fp8_glu_quantize_kernel<T_, GluLanes::kPartner, false>>(p, items, device, stream, kName);
+    launch_warp_items<fp8_glu_quantize_kernel<T_, GluLanes::kRuns, false>>(p, items, device, stream, kName);
   };
   if (h.dtype() == DType::kFloat32) go(float{});
   else go(__nv_bfloat16{});
@@ -744,14 +769,18 @@ bool fp8_glu_backward_quantize(const Fp8Rows& h, const TensorView& d_act, const 
                                const TensorView& scratch, const GluSpec& spec, const Fp8Recipe& recipe, Stream stream) {
   const int64_t F = d_act.size(1), T = groups.capacity(), G = groups.num_groups();
   if (!spec.gated()) return false;  // GLUs only: a non-gated activation takes the separate steps
-  if (d_act.dtype() != DType::kBFloat16 && d_act.dtype() != DType::kFloat32) return false;
+  if (d_act.dtype() != DType::kBFloat16) return false;
   if (F % 16 != 0 || F >= (int64_t(1) << 30) || F == 0) return false;
-  const LayoutCase layout = layout_case(spec.layout.block_size(F));
-  if (layout == LayoutCase::kNone) return false;
-  const int64_t feature_blocks = (F + kFeatures - 1) / kFeatures;
-  if (dprobs.defined() && scratch.nbytes() < size_t(T * feature_blocks) * sizeof(float)) return false;
-  const size_t esize = dtype_size(d_act.dtype());
-  if (!rows_aligned(d_act, 4 * esize) || !rows_aligned(h.data, 8)) return false;
+  const int64_t s = spec.layout.block_size(F);
+  // A tile's 128 columns of h hold both halves of their features: pairs, blocks of 4 (in the
+  // lane), blocks of 8..64 dividing 64 (in the lane and its partner).
+  GluLanes lanes;
+  if (s == 1 || s == 4) lanes = GluLanes::kFour;
+  else if (s % 8 == 0 && 64 % s == 0) lanes = GluLanes::kPartner;
+  else return false;
+  const int64_t h_blocks = (2 * F + kFp8Block - 1) / kFp8Block;
+  if (dprobs.defined() && scratch.nbytes() < size_t(T * h_blocks) * sizeof(float)) return false;
+  if (!rows_aligned(d_act, 8) || !rows_aligned(h.data, 8)) return false;
   if (dh_rows.data.defined() && !rows_aligned(dh_rows.data, 8)) return false;
   for (const Fp8Columns* c : {&dh_columns, &act_columns})
     if (!rows_aligned(c->data, 16)) return false;
@@ -788,22 +817,16 @@ bool fp8_glu_backward_quantize(const Fp8Rows& h, const TensorView& d_act, const 
   p.act_column_offsets = act_columns.offsets.data_as<int64_t>();
   if (dprobs.defined()) {
     p.dprobs_partial = scratch.data_as<float>();
-    p.partial_ld = feature_blocks;
+    p.partial_ld = h_blocks;
   }
   p.pow2 = recipe.pow2_scales;
   p.epsilon = recipe.amax_epsilon;
-  const int64_t items = p.column_blocks * feature_blocks;
+  const int64_t items = p.column_blocks * h_blocks;  // at most: the kernel reads the blocks in use
   const int device = d_act.device().index;
-  auto go = [&](auto type) {
-    using T_ = decltype(type);
-    if (layout == LayoutCase::kPairs) return launch_backward<T_, true, HBlocks::kHalfWarps>(p, items, device, stream);
-    if (layout == LayoutCase::kHalfWarps)
-      return launch_backward<T_, false, HBlocks::kHalfWarps>(p, items, device, stream);
-    launch_backward<T_, false, HBlocks::kRuns>(p, items, device, stream);
-  };
-  if (d_act.dtype() == DType::kFloat32) go(float{});
-  else go(__nv_bfloat16{});
-  if (dprobs.defined()) glu_dprobs_reduce(p.dprobs_partial, feature_blocks, feature_blocks, groups, dprobs, stream);
+  if (lanes == GluLanes::kPartner) launch_backward<GluLanes::kPartner, false>(p, items, device, stream);
+  else if (s == 1) launch_backward<GluLanes::kFour, true>(p, items, device, stream);
+  else launch_backward<GluLanes::kFour, false>(p, items, device, stream);
+  if (dprobs.defined()) glu_dprobs_reduce(p.dprobs_partial, h_blocks, h_blocks, groups, dprobs, stream);
   return true;
 }
 

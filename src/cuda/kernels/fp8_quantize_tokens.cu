@@ -249,44 +249,6 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_tokens_kernel(const Toke
   run_stages(begin, end, p.stages, issue, process);
 }
 
-// The row part of the register-resident quantizers: a half-warp's 4 rows of one 128-feature block,
-// 8 values a lane in words[s] (zeros past K). Slot s's bytes go to out + s * out_step (the lane's 8
-// features), its scale to scales + s * scales_step, where in_range(s). The row amaxes are reduced and
-// scattered at once over the half-warp (xor 8 and 4 halve the slots a lane carries, xor 2 and 1 finish):
-// 5 shuffles instead of 16, and lane m ends with slot m / 4's amax, whose scale it computes (the
-// divisions of one row per lane); the multipliers go back by shuffles.
-template <class T, class InRange>
-__device__ __forceinline__ void quantize_row_slots(const TokenParams& p, const uint32_t (&words)[4][4], uint8_t* out,
-                                                   int64_t out_step, float* scales, int scales_step,
-                                                   InRange&& in_range, bool feature_in, int lane) {
-  using V = Words<T>;
-  const int half = lane / 16, m = lane % 16;
-  const bool upper8 = m & 8, upper4 = m & 4;
-  uint32_t a[4];
-#pragma unroll
-  for (int s = 0; s < 4; ++s) a[s] = V::fold(words[s]);
-  // xor 8: the upper lanes keep slots 2 and 3, the lower ones 0 and 1.
-  uint32_t keep0 = upper8 ? a[2] : a[0], keep1 = upper8 ? a[3] : a[1];
-  const uint32_t send0 = upper8 ? a[0] : a[2], send1 = upper8 ? a[1] : a[3];
-  keep0 = V::max(keep0, __shfl_xor_sync(~0u, send0, 8));
-  keep1 = V::max(keep1, __shfl_xor_sync(~0u, send1, 8));
-  // xor 4: bit 2 picks the odd slot.
-  uint32_t mine = upper4 ? keep1 : keep0;
-  mine = V::max(mine, __shfl_xor_sync(~0u, upper4 ? keep0 : keep1, 4));
-  mine = V::max(mine, __shfl_xor_sync(~0u, mine, 2));
-  mine = V::max(mine, __shfl_xor_sync(~0u, mine, 1));
-  const int own = m / 4;  // the slot whose amax this lane holds
-  const detail::Fp8TileScale scale = p.recipe.scale(V::amax_bits(mine));
-  if (m % 4 == 0 && in_range(own)) scales[own * scales_step] = scale.scale;
-#pragma unroll
-  for (int s = 0; s < 4; ++s, out += out_step) {
-    const float multiplier = __shfl_sync(~0u, scale.multiplier, 16 * half + 4 * s);
-    uint32_t q[2];
-    quantize_run<T, 8>(words[s], multiplier, q);
-    if (feature_in && in_range(s)) *reinterpret_cast<uint2*>(out) = make_uint2(q[0], q[1]);
-  }
-}
-
 // Rows alone, 16-bit x with 16-byte aligned rows: straight from registers, no shared memory and no
 // barrier. A half-warp holds one row's 128 features of a block (8 a lane, one 16-byte load), a
 // warp 8 rows of one block (4 loads in flight a lane); its lanes compute the 8 rows' scales in
@@ -318,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_rows_direct_kernel(const
       words[s][0] = v.x, words[s][1] = v.y, words[s][2] = v.z, words[s][3] = v.w;
     }
     quantize_row_slots<T>(
-        p, words, p.rows_data + row0 * p.rows_ld + k, 2 * p.rows_ld, p.rows_scales + kb * p.rows_scales_ld + row0, 2,
+        p.recipe, words, p.rows_data + row0 * p.rows_ld + k, 2 * p.rows_ld, p.rows_scales + kb * p.rows_scales_ld + row0, 2,
         [&](int s) { return row0 + 2 * s < rows_total; }, feature_in, lane);
   }
 }
@@ -520,7 +482,7 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
     const bool live = 8 * warp < rows;
     if (kRows && live)
       quantize_row_slots<T>(
-          p, words, p.rows_data + (row0 + first_row) * p.rows_ld + k, p.rows_ld,
+          p.recipe, words, p.rows_data + (row0 + first_row) * p.rows_ld + k, p.rows_ld,
           p.rows_scales + kb * p.rows_scales_ld + row0 + first_row, 1, [&](int s) { return first_row + s < rows; },
           feature_in, lane);
     // Column amaxes: this thread's 4 rows, the warp's 8, then every warp's.

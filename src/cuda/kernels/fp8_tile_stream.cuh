@@ -1,4 +1,5 @@
-// The machinery both FP8 quantizers (fp8_quantize_tokens.cu, fp8_quantize_weight.cu) are built on:
+// The machinery the FP8 quantizers (fp8_quantize_tokens.cu, fp8_quantize_weight.cu) are built on,
+// its register-level pieces shared with the FP8 MLP's GLU passes (fp8_glu_quantize.cu):
 // a stream of 128 x 128 tiles through a ring of shared-memory stages, and the grid and ring depth
 // of a launch. The math is common/fp8_math.hpp's, so the bytes and scale bits are the CPU backend's.
 // The kernels are bound by memory, so they keep it busy: a grid of as many blocks as fit on the
@@ -275,6 +276,46 @@ struct Recipe {
     return detail::fp8_tile_scale(amax_bits, pow2, epsilon);
   }
 };
+
+// The row part of the register-resident quantizers: a half-warp's 4 rows of one 128-feature block,
+// 8 values a lane in words[s] (W words: 4 of 16-bit pairs, 8 floats; zeros past K). Slot s's bytes
+// go to out + s * out_step (the lane's 8 features), its scale to scales + s * scales_step, where
+// in_range(s). The row amaxes are reduced and scattered at once over the half-warp (xor 8 and 4
+// halve the slots a lane carries, xor 2 and 1 finish): 5 shuffles instead of 16, and lane m ends
+// with slot m / 4's amax, whose scale it computes (the divisions of one row per lane); the
+// multipliers go back by shuffles.
+template <class T, int W, class InRange>
+__device__ __forceinline__ void quantize_row_slots(const Recipe& recipe, const uint32_t (&words)[4][W], uint8_t* out,
+                                                   int64_t out_step, float* scales, int scales_step,
+                                                   InRange&& in_range, bool feature_in, int lane) {
+  using V = Words<T>;
+  static_assert(W * V::kPerWord == 8, "8 values a lane and slot");
+  const int half = lane / 16, m = lane % 16;
+  const bool upper8 = m & 8, upper4 = m & 4;
+  uint32_t a[4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) a[s] = V::fold(words[s]);
+  // xor 8: the upper lanes keep slots 2 and 3, the lower ones 0 and 1.
+  uint32_t keep0 = upper8 ? a[2] : a[0], keep1 = upper8 ? a[3] : a[1];
+  const uint32_t send0 = upper8 ? a[0] : a[2], send1 = upper8 ? a[1] : a[3];
+  keep0 = V::max(keep0, __shfl_xor_sync(~0u, send0, 8));
+  keep1 = V::max(keep1, __shfl_xor_sync(~0u, send1, 8));
+  // xor 4: bit 2 picks the odd slot.
+  uint32_t mine = upper4 ? keep1 : keep0;
+  mine = V::max(mine, __shfl_xor_sync(~0u, upper4 ? keep0 : keep1, 4));
+  mine = V::max(mine, __shfl_xor_sync(~0u, mine, 2));
+  mine = V::max(mine, __shfl_xor_sync(~0u, mine, 1));
+  const int own = m / 4;  // the slot whose amax this lane holds
+  const detail::Fp8TileScale scale = recipe.scale(V::amax_bits(mine));
+  if (m % 4 == 0 && in_range(own)) scales[own * scales_step] = scale.scale;
+#pragma unroll
+  for (int s = 0; s < 4; ++s, out += out_step) {
+    const float multiplier = __shfl_sync(~0u, scale.multiplier, 16 * half + 4 * s);
+    uint32_t q[2];
+    quantize_run<T, 8>(words[s], multiplier, q);
+    if (feature_in && in_range(s)) *reinterpret_cast<uint2*>(out) = make_uint2(q[0], q[1]);
+  }
+}
 
 // The row layout's row amaxes over a half-warp by halving exchanges: after the steps over lane bits
 // 3, 2, 1 the thread holds the partial amax of one row, 4 b3 + 2 b2 + b1 = m / 2, and the step over
