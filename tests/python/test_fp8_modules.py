@@ -881,8 +881,11 @@ def test_fake_shapes_follow_the_cpp_functions():
     assert plain > 0
     assert _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", swiglu, "forward", False) == plain
     assert _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", swiglu, "forward", x_rows=True) > plain
-    # dL/dh's FP8 copies reuse dy's and act's buffers, except with the fused backward pass (fusion all)
-    assert _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", swiglu, "all") > plain
+    # fusion forward and all run the same passes; the one-pass backward's dL/dh copies sit beside
+    # dy's and act's buffers in the 16-bit dL/dh's place, which fusion none keeps to itself (its
+    # dprobs shares are per 128 features, not per 128 columns of h: fewer bytes)
+    assert _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", swiglu, "all") == plain
+    assert _C.expert_mlp_fp8_backward_workspace_size(300, 4, 128, 192, "float32", swiglu, "none") < plain
 
 
 # ---- errors ----
@@ -1078,8 +1081,9 @@ def test_offload_of_fp8_layers_is_bit_identical(cuda, x_form, monkeypatch):
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_and_unfused_steps_give_the_same_bytes(device, bias, x_form, monkeypatch):
     """fusion="none" runs every step of the FP8 MLP as its own op; the default fuses the steps
-    around the GLU on CUDA (the backward's when both weight gradients and no FC1 bias gradient are
-    asked for): the same results bit for bit, immediate and delayed, either form of x kept."""
+    around the GLU on CUDA (the backward's in one pass when both weight gradients and no FC1 bias
+    gradient are asked for): the same results bit for bit, immediate and delayed, either form of x
+    kept, but dprobs, whose per-token sums over the features the fused passes add in another order."""
     needs_fp8_gemm(device)
     force_x_form(monkeypatch, x_form)
     splits_list, T, H, F = CASES["off_tiles"]
@@ -1098,4 +1102,7 @@ def test_fused_and_unfused_steps_give_the_same_bytes(device, bias, x_form, monke
             results.append([y.detach(), xi.grad, pi.grad] + [q.grad for q in m.parameters()])
     for other in results[1:]:
         for i, (a, b) in enumerate(zip(results[0], other)):
-            assert torch.equal(a, b), f"result {i}"
+            if i == 2:  # dprobs
+                assert similarity_diff(a, b) < 1e-9, f"result {i}"
+            else:
+                assert torch.equal(a, b), f"result {i}"
