@@ -67,11 +67,13 @@ MOE_API size_t expert_mlp_fp8_forward_workspace_size(int64_t capacity, int64_t h
 
 // x [T, H], y [T, H] (bfloat16 or float32, alike); probs [T] float32 or undefined (p = 1).
 // saved.fc1_out is written when defined (leave it undefined for a forward without backward), and
-// saved.x or saved.x_rows when its data is defined. spec.fusion: kNone runs every step as its own op; kForward (on
-// CUDA) h's and act's quantization and the GLU as one pass between the GEMMs; kForwardBackward also
-// h's dequantization, the GLU backward and the quantization of dL/dh and act as one pass in the
-// backward (when both weight gradients and no FC1 bias gradient are asked for). The same bytes.
-// Those passes take GLUs only: a non-gated activation (srelu, gelu_tanh) runs its steps unfused.
+// saved.x or saved.x_rows when its data is defined. spec.fusion: kNone runs every step as its own op;
+// kForward and kForwardBackward alike (on CUDA) h's and act's quantization and the GLU as one pass
+// between the GEMMs, and in backward h's dequantization, the GLU backward and the quantization of
+// dL/dh and act as one pass (bfloat16, both weight gradients and no FC1 bias gradient asked for,
+// not where expert_mlp_fp8_keeps_x_rows(T, G)), else h's dequantization with the GLU backward. The
+// same bytes, but dprobs (summed in another order). Those passes take GLUs only: a non-gated
+// activation (srelu, gelu_tanh) runs its steps unfused.
 MOE_API void expert_mlp_forward(const TensorView& x, const TensorView& probs, const ExpertMlpFp8Weights& weights,
                                 const GroupLayout& groups, const TensorView& y, const ExpertMlpFp8Saved& saved,
                                 const ExpertMlpSpec& spec, const Fp8Recipe& recipe = {},
