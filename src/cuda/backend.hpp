@@ -97,24 +97,25 @@ bool expert_mlp_fc2_dgrad_glu(const TensorView& dy, const GroupedParam& fc2_weig
 void quantize_fp8(const TensorView& x, const GroupLayout& groups, const Fp8Rows& rows, const Fp8Columns& columns,
                   const Fp8Recipe& recipe, Stream stream);
 void quantize_fp8_weight(const GroupedParam& weight, const Fp8Weight& out, const Fp8Recipe& recipe, Stream stream);
-// The FP8 expert MLP's step between FC1 and FC2 in one pass (kernels/fp8_glu_quantize.cu): from h
+// The FP8 expert MLP's step between FC1 and FC2 in one pass (kernels/fp8_glu_forward.cu): from h
 // [T, 2F], h_rows (optional) = h quantized by rows and act_rows = GLU(h) * p quantized by rows, the
 // bytes and scales of quantize_fp8(h), glu_forward and quantize_fp8(act). False, doing nothing,
 // for a non-gated activation and where the layout, dtype or alignment is not one it takes.
 bool fp8_glu_quantize(const TensorView& h, const TensorView& probs, const GroupLayout& groups, const Fp8Rows& h_rows,
                       const Fp8Rows& act_rows, const GluSpec& spec, const Fp8Recipe& recipe, Stream stream);
 // The FP8 expert MLP's backward step between FC2's dgrad and the FC1 / FC2 weight gradients in one
-// pass (kernels/fp8_glu_quantize.cu): from the kept h (rows) and d_act = d(act * p), dL/dh by rows
+// pass (kernels/fp8_glu_backward.cu): from the kept h (rows) and d_act = d(act * p), dL/dh by rows
 // (dh_rows, optional: for dx) and columns, act * p recomputed by columns, dprobs (optional, reduced
-// from `scratch`, >= T * ceil(F / 128) floats) without fc2 bias's share; the bytes and scales of
+// from `scratch`, >= T * ceil(2F / 128) floats) without fc2 bias's share; the bytes and scales of
 // dequantize_fp8, glu_backward and the quantizers. The columnwise copies take their expert offsets
 // from `column_offsets` (an earlier quantizer's, same routing). False, doing nothing, for a
-// non-gated activation and where the layout, dtype or alignment is not one it takes.
+// non-gated activation and where the layout (pairs, blocks of 4, blocks of 8..64 dividing 64), dtype
+// (bfloat16) or alignment is not one it takes.
 bool fp8_glu_backward_quantize(const Fp8Rows& h, const TensorView& d_act, const TensorView& probs,
                                const GroupLayout& groups, const TensorView& column_offsets, const Fp8Rows& dh_rows,
                                const Fp8Columns& dh_columns, const Fp8Columns& act_columns, const TensorView& dprobs,
                                const TensorView& scratch, const GluSpec& spec, const Fp8Recipe& recipe, Stream stream);
-// The FP8 expert MLP's GLU backward from the kept h in one pass (kernels/fp8_glu_quantize.cu):
+// The FP8 expert MLP's GLU backward from the kept h in one pass (kernels/fp8_glu_backward.cu):
 // dequantize_fp8(h) and glu_backward with the same bytes, dL/dh into `dh` [T, 2F] and, where `act` is
 // defined (it must be d_act itself), act * p over d_act = d(act * p); dprobs' per-128-feature shares
 // in `scratch` ([T, ceil(F/128)] floats), added in order. False, doing nothing, for a non-gated

@@ -1,5 +1,6 @@
 // The machinery the FP8 quantizers (fp8_quantize_tokens.cu, fp8_quantize_weight.cu) are built on,
-// its register-level pieces shared with the FP8 MLP's GLU passes (fp8_glu_quantize.cu):
+// its register-level pieces shared with the FP8 MLP's GLU passes (fp8_glu_forward.cu,
+// fp8_glu_backward.cu):
 // a stream of 128 x 128 tiles through a ring of shared-memory stages, and the grid and ring depth
 // of a launch. The math is common/fp8_math.hpp's, so the bytes and scale bits are the CPU backend's.
 // The kernels are bound by memory, so they keep it busy: a grid of as many blocks as fit on the
