@@ -507,7 +507,7 @@ bool fp8_glu_backward_quantize(const Fp8Rows& h, const TensorView& d_act, const 
                                const GroupLayout& groups, const TensorView& column_offsets, const Fp8Rows& dh_rows,
                                const Fp8Columns& dh_columns, const Fp8Columns& act_columns, const TensorView& dprobs,
                                const TensorView& scratch, const GluSpec& spec, const Fp8Recipe& recipe, Stream stream) {
-  const int64_t F = d_act.size(1), T = groups.capacity(), G = groups.num_groups();
+  const int64_t F = d_act.size(1), T = groups.capacity();
   if (!spec.gated()) return false;  // GLUs only: a non-gated activation takes the separate steps
   if (d_act.dtype() != DType::kBFloat16) return false;
   if (F % 16 != 0 || F >= (int64_t(1) << 30) || F == 0) return false;
@@ -525,20 +525,13 @@ bool fp8_glu_backward_quantize(const Fp8Rows& h, const TensorView& d_act, const 
   if (T == 0) return true;
 
   GluBackwardQuantizeParams p{};
-  p.h_data = static_cast<const uint8_t*>(h.data.data());
-  p.h_data_ld = h.data.stride(0);
-  p.h_scales = h.scales.data_as<float>();
-  p.h_scales_ld = h.scales.stride(0);
+  set_h_rows(p, h);
   p.d_act = d_act.data();
   p.d_act_ld = d_act.stride(0);
   p.probs = probs.defined() ? probs.data_as<float>() : nullptr;
-  p.offsets = groups.offsets().data_as<int64_t>();
+  set_glu_fields(p, groups, F, s, spec);
   p.column_offsets = column_offsets.data_as<int64_t>();
-  p.num_groups = G;
   p.column_blocks = dh_columns.data.size(1) / kFp8Block;
-  p.ffn = int32_t(F);
-  p.block = int32_t(spec.layout.block_size(F));
-  p.math = detail::GluMath<float>::from(spec);
   if (dh_rows.data.defined()) {
     p.dh_rows = static_cast<uint8_t*>(dh_rows.data.data());
     p.dh_rows_ld = dh_rows.data.stride(0);
@@ -586,19 +579,12 @@ bool fp8_glu_backward_rows(const Fp8Rows& h, const TensorView& d_act, const Tens
   if (T == 0) return true;
 
   GluBackwardRowsParams p{};
-  p.h_data = static_cast<const uint8_t*>(h.data.data());
-  p.h_data_ld = h.data.stride(0);
-  p.h_scales = h.scales.data_as<float>();
-  p.h_scales_ld = h.scales.stride(0);
+  set_h_rows(p, h);
   p.d_act = d_act.data();
   p.d_act_ld = d_act.stride(0);
   p.write_act = act.defined();
   p.probs = probs.defined() ? probs.data_as<float>() : nullptr;
-  p.offsets = groups.offsets().data_as<int64_t>();
-  p.num_groups = groups.num_groups();
-  p.ffn = int32_t(F);
-  p.block = int32_t(s);
-  p.math = detail::GluMath<float>::from(spec);
+  set_glu_fields(p, groups, F, s, spec);
   p.dh = dh.data();
   p.dh_ld = dh.stride(0);
   if (dprobs.defined()) {

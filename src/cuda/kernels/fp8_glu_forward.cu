@@ -212,17 +212,8 @@ bool fp8_glu_quantize(const TensorView& h, const TensorView& probs, const GroupL
   p.h = h.data();
   p.h_ld = h.stride(0);
   p.probs = probs.defined() ? probs.data_as<float>() : nullptr;
-  p.offsets = groups.offsets().data_as<int64_t>();
-  p.num_groups = groups.num_groups();
-  p.ffn = int32_t(F);
-  p.block = int32_t(s);
-  p.math = detail::GluMath<float>::from(spec);
-  if (keep_h) {
-    p.h_data = static_cast<uint8_t*>(h_rows.data.data());
-    p.h_data_ld = h_rows.data.stride(0);
-    p.h_scales = h_rows.scales.data_as<float>();
-    p.h_scales_ld = h_rows.scales.stride(0);
-  }
+  set_glu_fields(p, groups, F, s, spec);
+  if (keep_h) set_h_rows(p, h_rows);
   p.act_data = static_cast<uint8_t*>(act_rows.data.data());
   p.act_data_ld = act_rows.data.stride(0);
   p.act_scales = act_rows.scales.data_as<float>();

@@ -1,11 +1,12 @@
 // What the FP8 MLP's GLU passes (fp8_glu_forward.cu, fp8_glu_backward.cu) share: their warp-per-item
-// launch, the alignment rule of their vector accesses, and where a lane finds a feature's gate and
-// linear values among the 8 columns of h it holds.
+// launch, the alignment rule of their vector accesses, where a lane finds a feature's gate and
+// linear values among the 8 columns of h it holds, and their parameters' common fields.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
+#include "common/glu_math.hpp"
 #include "cuda/backend.hpp"
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/resident_blocks.cuh"
@@ -47,6 +48,26 @@ inline void launch_warp_items(const Params& p, int64_t items, int device, Stream
 // Vector access to rows of t: its data `bytes`-aligned and its row pitch a multiple of `bytes`.
 inline bool rows_aligned(const TensorView& t, size_t bytes) {
   return is_aligned(t.data(), bytes) && (t.stride(0) * int64_t(dtype_size(t.dtype()))) % int64_t(bytes) == 0;
+}
+
+// The fields every pass's parameters carry: the routing, F, the layout's run length s (1: pairs),
+// the GLU.
+template <class Params>
+void set_glu_fields(Params& p, const GroupLayout& groups, int64_t F, int64_t s, const GluSpec& spec) {
+  p.offsets = groups.offsets().data_as<int64_t>();
+  p.num_groups = groups.num_groups();
+  p.ffn = int32_t(F);
+  p.block = int32_t(s);
+  p.math = detail::GluMath<float>::from(spec);
+}
+
+// The kept h's FP8 rows and their scales, as the passes read or write them.
+template <class Params>
+void set_h_rows(Params& p, const Fp8Rows& h) {
+  p.h_data = static_cast<decltype(p.h_data)>(h.data.data());
+  p.h_data_ld = h.data.stride(0);
+  p.h_scales = h.scales.data_as<float>();
+  p.h_scales_ld = h.scales.stride(0);
 }
 
 }  // namespace moe::cuda::glu_pass
