@@ -25,6 +25,15 @@ int64_t blocks_of(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
 // expert padded to whole 128-token blocks): many experts of few tokens. From the static shapes.
 bool fp8_columns_mostly_padding(int64_t T, int64_t G) { return fp8_columns_capacity(T, G) > 2 * T; }
 
+// Whether backward may take the one-pass step after FC2's dgrad (CUDA; the pass itself may still
+// decline a layout, dtype or alignment): any fusion but kNone, and column blocks that are mostly
+// tokens (its tiles are column blocks; with many small experts they are mostly padding, and the
+// separate steps measured faster: docs/performance-log.md). From static shapes: the workspace
+// reserves its buffers only where it may run.
+bool one_pass_backward_may_run(const ExpertMlpSpec& spec, int64_t T, int64_t G) {
+  return spec.fusion != MlpFusion::kNone && !fp8_columns_mostly_padding(T, G);
+}
+
 // Scratch rows / columns of a [T, K] tensor.
 Fp8Rows take_rows(ops::WorkspaceCarver& c, int64_t T, int64_t K) {
   return {c.take({T, K}, DType::kFloat8E4M3), c.take({blocks_of(K), fp8_scales_pitch(T)}, DType::kFloat32)};
@@ -55,7 +64,7 @@ ForwardBuffers forward_buffers(ops::WorkspaceCarver& c, int64_t T, int64_t H, in
 // The activation's backward runs in place: d_fc1 over the dequantized h, the recomputed act over d_act.
 // Two ways through backward share one workspace, chosen at run time (the one-pass backward may
 // decline): FC2's phase (dy's copies, d_act, act's columns) first, then
-// - one pass (fusion != kNone): dL/dh's FP8 copies right after FC2's phase, which it reads while
+// - one pass (one_pass_backward_may_run): dL/dh's FP8 copies right after FC2's phase, which it reads while
 //   writing them (one_pass_d_fc1_*);
 // - the separate steps: dL/dh in the activation dtype (h) after FC2's phase, and its FP8 copies,
 //   made after FC2's weight gradient when FC2's phase is dead, over that memory (d_fc1_*).
@@ -80,7 +89,7 @@ struct BackwardBuffers {
 BackwardBuffers backward_buffers(ops::WorkspaceCarver& c, int64_t T, int64_t G, int64_t H, int64_t F, DType dtype,
                                  const ExpertMlpSpec& spec, bool x_rows) {
   const int64_t W = fc1_width(spec.glu, F);
-  const bool one_pass = spec.fusion != MlpFusion::kNone;
+  const bool one_pass = one_pass_backward_may_run(spec, T, G);
   BackwardBuffers b;
   b.dprobs_shares = c.take({T, blocks_of(one_pass ? W : F)}, DType::kFloat32);
   const size_t fc2_phase = c.mark();
@@ -312,14 +321,11 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
   const BackwardBuffers b = backward_buffers(carver, T, G, H, F, dy.dtype(), spec, make_x_columns);
   quantize_fp8(dy, groups, b.dy_rows, fc2_wgrad ? b.dy_columns : Fp8Columns{}, recipe, ctx);
   grouped_linear_dgrad(b.dy_rows, weights.fc2, groups, b.d_act, ctx);
-  // The step between FC2's dgrad and the weight gradients in one pass (CUDA, any fusion but kNone):
+  // The step between FC2's dgrad and the weight gradients in one pass (one_pass_backward_may_run):
   // both weight gradients asked for (it writes both columnwise copies, on dy's column offsets), no
-  // FC1 bias gradient (that reads dL/dh unquantized), and column blocks that are mostly tokens (its
-  // tiles are column blocks; with many small experts they are mostly padding, and the separate
-  // steps measured faster: docs/performance-log.md).
+  // FC1 bias gradient (that reads dL/dh unquantized).
   bool fused = false;
-  if (spec.fusion != MlpFusion::kNone && fc1_wgrad && fc2_wgrad && !grads.fc1_bias.grad.defined() &&
-      !fp8_columns_mostly_padding(T, G))
+  if (one_pass_backward_may_run(spec, T, G) && fc1_wgrad && fc2_wgrad && !grads.fc1_bias.grad.defined())
     ops::dispatch(
         v, [] {},
         [&] {
