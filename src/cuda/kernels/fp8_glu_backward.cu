@@ -134,26 +134,8 @@ struct BackwardShared {
   float act_multiplier[kActColumns];
 };
 
-// Token word `word` (4 tokens) of transposed row `row`, whose unit of 8 rows or 4 features is
-// `unit`: the word index XOR 2 unit, so that a warp's stores (16 units x 2 half-warps) hit 32
-// distinct banks.
-__device__ __forceinline__ int swizzled_word(int row, int unit, int word) {
-  return row * (kFp8Block / 4) + (word ^ (2 * unit));
-}
-
-// Stores `rows` transposed rows of 128 tokens (32 swizzled words, unit = row / rows_per_unit) to
-// out + row * ld, 16 bytes a thread and step, where row < valid_rows.
-template <int kRows, int kRowsPerUnit>
-__device__ __forceinline__ void store_transposed(const uint32_t* transposed, int valid_rows, uint8_t* out, int64_t ld) {
-#pragma unroll
-  for (int it = 0; it < kRows * 8 / kBackwardThreads; ++it) {
-    const int index = it * kBackwardThreads + int(threadIdx.x), row = index / 8, chunk = index % 8;
-    const int swizzle = 2 * (row / kRowsPerUnit);
-    uint4 v = reinterpret_cast<const uint4*>(transposed + row * (kFp8Block / 4))[chunk ^ (swizzle >> 2)];
-    if (swizzle & 2) v = make_uint4(v.z, v.w, v.x, v.y);
-    if (row < valid_rows) *reinterpret_cast<uint4*>(out + row * ld + 16 * chunk) = v;
-  }
-}
+using DhColumns = fp8_tiles::TransposedTokens<8>;   // h's columns 8 m .. 8 m + 7: lane m's unit
+using ActColumns = fp8_tiles::TransposedTokens<4>;  // the lane's 4 features
 
 // A thread's inputs for one tile: per token, h's 8 bytes and scale, d(act * p) of its 4 features, p.
 struct BackwardInputs {
@@ -358,17 +340,14 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) fp8_glu_backward_quantize
     __syncthreads();  // multipliers complete; every partial read
     // ---- the columns' bytes, transposed: a word of 4 tokens per column ----
     {
-      // Tokens past the expert's end are zero bytes, whatever the multiplier (a NaN one would
-      // make them 0x7f).
-      const int valid = tile_tokens - first_row;
-      const uint32_t keep = valid >= 4 ? ~0u : valid <= 0 ? 0u : (~0u >> (32 - 8 * valid));
+      const uint32_t keep = fp8_tiles::tokens_kept(tile_tokens - first_row);
       const int word = first_row / 4;
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const float mj = shared.dh_multiplier[8 * m + jj];
         const uint32_t q = fp8_tiles::e4m3x4(V::value(dh[0], jj) * mj, V::value(dh[1], jj) * mj,
                                              V::value(dh[2], jj) * mj, V::value(dh[3], jj) * mj);
-        shared.dh_transposed[swizzled_word(8 * m + jj, m, word)] = q & keep;
+        shared.dh_transposed[DhColumns::index(8 * m + jj, m, word)] = q & keep;
       }
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
@@ -376,16 +355,16 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) fp8_glu_backward_quantize
         const float mj = shared.act_multiplier[c];
         const uint32_t q = fp8_tiles::e4m3x4(V::value(act[0], jj) * mj, V::value(act[1], jj) * mj,
                                              V::value(act[2], jj) * mj, V::value(act[3], jj) * mj);
-        shared.act_transposed[swizzled_word(c, c / 4, word)] = q & keep;
+        shared.act_transposed[ActColumns::index(c, c / 4, word)] = q & keep;
       }
     }
     __syncthreads();  // the transposed tiles complete
-    store_transposed<kFp8Block, 8>(shared.dh_transposed, 2 * p.ffn - kb * kFp8Block,
-                                   p.dh_columns + int64_t(kb) * kFp8Block * p.dh_columns_ld + j * kFp8Block,
-                                   p.dh_columns_ld);
-    store_transposed<kActColumns, 4>(shared.act_transposed, p.ffn - kb * kActColumns,
-                                     p.act_columns + int64_t(kb) * kActColumns * p.act_columns_ld + j * kFp8Block,
-                                     p.act_columns_ld);
+    DhColumns::store<kFp8Block, kBackwardThreads>(
+        shared.dh_transposed, 2 * p.ffn - kb * kFp8Block,
+        p.dh_columns + int64_t(kb) * kFp8Block * p.dh_columns_ld + j * kFp8Block, p.dh_columns_ld);
+    ActColumns::store<kActColumns, kBackwardThreads>(
+        shared.act_transposed, p.ffn - kb * kActColumns,
+        p.act_columns + int64_t(kb) * kActColumns * p.act_columns_ld + j * kFp8Block, p.act_columns_ld);
   }
 }
 

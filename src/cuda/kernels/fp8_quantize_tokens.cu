@@ -518,9 +518,9 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
       if (tid < features) p.cols_scales[j * p.cols_scales_ld + k0 + tid] = cs.scale;
     }
     __syncthreads();  // multipliers complete; every partial read
-    // Word (first_row / 4) of feature row f sits at word index (first_row / 4) ^ 2 (f / 8): a
-    // warp's stores of one j hit 32 distinct banks.
-    uint32_t* transposed = shared.transposed + 8 * m * (kTile / 4) + ((first_row / 4) ^ (2 * m));
+    // Lane m's features 8 m .. 8 m + 7: unit m of the transposed tile.
+    using Columns = TransposedTokens<8>;
+    uint32_t* transposed = shared.transposed + Columns::index(8 * m, m, first_row / 4);
     if (live) {
       float mult[8];
       {
@@ -529,10 +529,7 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
         mult[0] = lo.x, mult[1] = lo.y, mult[2] = lo.z, mult[3] = lo.w;
         mult[4] = hi.x, mult[5] = hi.y, mult[6] = hi.z, mult[7] = hi.w;
       }
-      // Padding tokens past the expert's end are zero bytes, whatever the multiplier (a NaN one
-      // would make them 0x7f).
-      const int valid = rows - first_row;
-      const uint32_t keep = valid >= 4 ? ~0u : valid <= 0 ? 0u : (~0u >> (32 - 8 * valid));
+      const uint32_t keep = tokens_kept(rows - first_row);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const float mj = mult[jj];
@@ -557,16 +554,8 @@ __global__ void __launch_bounds__(kColumnThreads, MOE_FP8_COLUMN_BLOCKS_PER_SM)
       }
     }
     __syncthreads();  // the transposed tile complete
-    // Feature rows tid / 8 + 64 it, 16 tokens (chunk tid % 8) each.
-    constexpr int kRowsPerPass = kColumnThreads / 8;
-#pragma unroll
-    for (int it = 0; it < kTile / kRowsPerPass; ++it) {
-      const int f = it * kRowsPerPass + tid / 8, chunk = tid % 8;
-      const int swizzle = 2 * (f / 8);
-      uint4 v = reinterpret_cast<const uint4*>(shared.transposed + f * (kTile / 4))[chunk ^ (swizzle >> 2)];
-      if (swizzle & 2) v = make_uint4(v.z, v.w, v.x, v.y);
-      if (f < features) *reinterpret_cast<uint4*>(p.cols_data + (k0 + f) * p.cols_ld + j * kTile + 16 * chunk) = v;
-    }
+    Columns::store<kTile, kColumnThreads>(shared.transposed, features, p.cols_data + k0 * p.cols_ld + j * kTile,
+                                          p.cols_ld);
     now = next;
   }
 }

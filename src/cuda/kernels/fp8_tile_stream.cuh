@@ -318,6 +318,39 @@ __device__ __forceinline__ void quantize_row_slots(const Recipe& recipe, const u
   }
 }
 
+// The column part of the register-resident quantizers: the column bytes of a tile of 128 tokens,
+// transposed through shared memory so that they go out as whole 128-token rows (a row: a feature,
+// or a column of h). A thread quantizes 4 tokens of a row into one word. Word w of row r sits at
+// index 32 r + (w ^ 2 u), u = r / kRowsPerUnit, so that a warp whose 16 lanes each own one unit
+// and whose half-warps hold adjacent token words stores to 32 distinct banks.
+template <int kRowsPerUnit>
+struct TransposedTokens {
+  static __device__ __forceinline__ int index(int row, int unit, int word) {
+    return row * (kTile / 4) + (word ^ (2 * unit));
+  }
+  // Rows 0 .. kRows - 1 of `tile` (those below valid_rows) to out + row * ld: 16 bytes a thread
+  // and pass, 8 threads a row.
+  template <int kRows, int kBlockThreads>
+  static __device__ __forceinline__ void store(const uint32_t* tile, int valid_rows, uint8_t* out, int64_t ld) {
+    static_assert(kRows * 8 % kBlockThreads == 0, "whole passes");
+#pragma unroll
+    for (int it = 0; it < kRows * 8 / kBlockThreads; ++it) {
+      const int index = it * kBlockThreads + int(threadIdx.x), row = index / 8, chunk = index % 8;
+      const int swizzle = 2 * (row / kRowsPerUnit);
+      uint4 v = reinterpret_cast<const uint4*>(tile + row * (kTile / 4))[chunk ^ (swizzle >> 2)];
+      if (swizzle & 2) v = make_uint4(v.z, v.w, v.x, v.y);
+      if (row < valid_rows) *reinterpret_cast<uint4*>(out + row * ld + 16 * chunk) = v;
+    }
+  }
+};
+
+// The bytes of a word of 4 tokens (token i in byte i) that lie before the expert's end, `valid`
+// tokens from the word's first: padding tokens are zero bytes, whatever the multiplier (a NaN one
+// would make them 0x7f).
+__device__ __forceinline__ uint32_t tokens_kept(int valid) {
+  return valid >= 4 ? ~0u : valid <= 0 ? 0u : (~0u >> (32 - 8 * valid));
+}
+
 // The row layout's row amaxes over a half-warp by halving exchanges: after the steps over lane bits
 // 3, 2, 1 the thread holds the partial amax of one row, 4 b3 + 2 b2 + b1 = m / 2, and the step over
 // bit 0 completes it (8 shuffles for 8 rows). Returns the amax bits of row m / 2 of the group.
