@@ -158,6 +158,9 @@ def resolve(over):
 def test_layer_matches_sequential_mlp(on, case):
     """Forward, dx, the router's gradient and every expert's weight gradient (into DDP's main_grad)
     of a whole MoELayer step."""
+    if on.type == "cpu" and torch.cuda.is_available():
+        pytest.skip("the CPU layer needs torch.cuda.current_device() patched to 'cpu', which breaks torch.compile "
+                    "(megatron's router) on a machine with CUDA: there the CUDA case runs, the CPU one in CI")
     ref, ours = layers(on, **resolve(ACTIVATIONS[case]))
     dtype = DTYPE[on.type]
     ddp = DistributedDataParallel(ours.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), ours)
