@@ -36,19 +36,8 @@ GroupedLinear::GroupedLinear(int64_t groups, int64_t in_features, int64_t out_fe
             "GroupedLinear: overwrite_main_grad needs accumulate_into_main_grad = true");
   if (options.fp8) {
     const Fp8ModuleRecipe& fp8 = *options.fp8;
-    MOE_CHECK(fp8.forward || fp8.dgrad || fp8.wgrad, ErrorCode::kInvalidArgument,
-              "GroupedLinear: options.fp8 names no GEMM (forward, dgrad and wgrad are all false); leave fp8 unset "
-              "for a module without FP8");
-    MOE_CHECK(options.dtype == DType::kBFloat16 || options.dtype == DType::kFloat32, ErrorCode::kDType,
-              "GroupedLinear: options.fp8 needs dtype bfloat16 or float32 (the FP8 GEMMs write those), got ",
-              dtype_name(options.dtype));
-    MOE_CHECK(in_features % 16 == 0 && out_features % 16 == 0, ErrorCode::kShape,
-              "GroupedLinear: options.fp8 needs in_features and out_features multiples of 16 (FP8 rows are read "
-              "in 16-byte units), got in_features = ", in_features, ", out_features = ", out_features);
-    MOE_CHECK(fp8.quantizer.amax_epsilon >= 0.f && std::isfinite(fp8.quantizer.amax_epsilon),
-              ErrorCode::kInvalidArgument,
-              "GroupedLinear: options.fp8.quantizer.amax_epsilon: expected a finite value >= 0, got ",
-              fp8.quantizer.amax_epsilon);
+    detail::check_fp8_module_options(fp8, options.dtype, "GroupedLinear", "in_features", in_features, "out_features",
+                                     out_features);
     weight_cache_ = detail::Fp8WeightCache(weight_, fp8.forward, fp8.dgrad);
   }
   const float bound = 1.0f / std::sqrt(float(in_features));

@@ -53,22 +53,10 @@ GroupedMLP::GroupedMLP(int64_t groups, int64_t hidden, int64_t ffn, const Groupe
   check_glu_spec(o.glu, ffn, "GroupedMLP");
   if (o.fp8) {
     const Fp8ModuleRecipe& fp8 = *o.fp8;
-    MOE_CHECK(fp8.forward || fp8.dgrad || fp8.wgrad, ErrorCode::kInvalidArgument,
-              "GroupedMLP: options.fp8 names no GEMM (forward, dgrad and wgrad are all false); leave fp8 unset "
-              "for a module without FP8");
-    MOE_CHECK(o.dtype == DType::kBFloat16 || o.dtype == DType::kFloat32, ErrorCode::kDType,
-              "GroupedMLP: options.fp8 needs dtype bfloat16 or float32 (the FP8 GEMMs write those), got ",
-              dtype_name(o.dtype));
-    MOE_CHECK(hidden % 16 == 0 && ffn % 16 == 0, ErrorCode::kShape,
-              "GroupedMLP: options.fp8 needs hidden and ffn multiples of 16 (FP8 rows are read in 16-byte units), "
-              "got hidden = ", hidden, ", ffn = ", ffn);
+    detail::check_fp8_module_options(fp8, o.dtype, "GroupedMLP", "hidden", hidden, "ffn", ffn);
     MOE_CHECK(!o.recompute_fc1, ErrorCode::kInvalidArgument,
               "GroupedMLP: options.fp8 keeps the pre-activation for backward (in FP8 when all GEMMs run in FP8); "
               "expected recompute_fc1 = false, got true");
-    MOE_CHECK(fp8.quantizer.amax_epsilon >= 0.f && std::isfinite(fp8.quantizer.amax_epsilon),
-              ErrorCode::kInvalidArgument,
-              "GroupedMLP: options.fp8.quantizer.amax_epsilon: expected a finite value >= 0, got ",
-              fp8.quantizer.amax_epsilon);
     fc1_cache_ = detail::Fp8WeightCache(fc1_weight_, fp8.forward, fp8.dgrad);
     fc2_cache_ = detail::Fp8WeightCache(fc2_weight_, fp8.forward, fp8.dgrad);
   }

@@ -1,6 +1,22 @@
 #include "modules/linear_steps.hpp"
 
+#include <cmath>
+
 namespace moe::detail {
+
+void check_fp8_module_options(const Fp8ModuleRecipe& fp8, DType dtype, const char* module, const char* a_name,
+                              int64_t a, const char* b_name, int64_t b) {
+  MOE_CHECK(fp8.forward || fp8.dgrad || fp8.wgrad, ErrorCode::kInvalidArgument, module,
+            ": options.fp8 names no GEMM (forward, dgrad and wgrad are all false); leave fp8 unset for a module "
+            "without FP8");
+  MOE_CHECK(dtype == DType::kBFloat16 || dtype == DType::kFloat32, ErrorCode::kDType, module,
+            ": options.fp8 needs dtype bfloat16 or float32 (the FP8 GEMMs write those), got ", dtype_name(dtype));
+  MOE_CHECK(a % 16 == 0 && b % 16 == 0, ErrorCode::kShape, module, ": options.fp8 needs ", a_name, " and ", b_name,
+            " multiples of 16 (FP8 rows are read in 16-byte units), got ", a_name, " = ", a, ", ", b_name, " = ", b);
+  MOE_CHECK(fp8.quantizer.amax_epsilon >= 0.f && std::isfinite(fp8.quantizer.amax_epsilon),
+            ErrorCode::kInvalidArgument, module, ": options.fp8.quantizer.amax_epsilon: expected a finite value >= 0, got ",
+            fp8.quantizer.amax_epsilon);
+}
 
 void linear_forward(const LinearLayer& layer, const Tensor& x, const GroupLayout& groups, const BiasEpilogue& bias,
                     const Fp8ColumnsBuffers& x_columns, const TensorView& y, const ExecContext& exec) {

@@ -7,6 +7,12 @@
 
 namespace moe::detail {
 
+// A module's FP8 options, checked at construction (`module`: the name its errors start with): a
+// recipe that names a GEMM, a dtype the FP8 GEMMs write, a valid quantizer, and the layer's two
+// widths (named `a_name`, `b_name`) multiples of 16.
+void check_fp8_module_options(const Fp8ModuleRecipe& fp8, DType dtype, const char* module, const char* a_name,
+                              int64_t a, const char* b_name, int64_t b);
+
 // A layer as the steps read it: its weight, the weight's FP8 cache and the module's recipe.
 struct LinearLayer {
   const Parameter& weight;
