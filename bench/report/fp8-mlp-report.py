@@ -10,6 +10,8 @@ import json
 import math
 import sys
 
+import plots
+
 COMPUTE_BOUND = ("mixtral", "deepseek", "qwen3-30b-a3b/", "gpt-oss")
 
 
@@ -88,24 +90,19 @@ def main():
             f"{e['bf16_saved_bytes_per_token']} | {e['saved_bytes_ratio_fp8_vs_bf16']:.3f} |")
     open(prefix + ".md", "w").write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not available: no plot", file=sys.stderr)
+    plt = plots.pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(12, 5))
-    xs = range(len(entries))
-    w = 0.27
-    ax.bar([x - w for x in xs], [e["tflops"] for e in entries], w, label="moe-engine FP8")
-    ax.bar(list(xs), [e["flops"] / (e["bf16_ms"] * 1e9) for e in entries], w, label="moe-engine bf16 fused")
-    ax.bar([x + w for x in xs], [e["flops"] / (e["torch_eager_ms"] * 1e9) for e in entries], w, label="PyTorch eager bf16")
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels([e["case"] for e in entries], rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("TFLOP/s (forward + backward)")
+    cases = [e["case"] for e in entries]
+    series = [
+        ("moe-engine FP8", [e["tflops"] for e in entries]),
+        ("moe-engine bf16 fused", [e["flops"] / (e["bf16_ms"] * 1e9) for e in entries]),
+        ("PyTorch eager bf16", [e["flops"] / (e["torch_eager_ms"] * 1e9) for e in entries]),
+    ]
+    plots.grouped_bars(ax, cases, series, "TFLOP/s (forward + backward)", reference=None)
+    plots.case_ticks(ax, cases)
     ax.set_title(f"Expert MLP forward + backward, FP8 vs bf16, {out['device']}")
-    ax.legend()
     fig.tight_layout()
     fig.savefig(prefix + ".png", dpi=120)
 

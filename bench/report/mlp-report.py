@@ -6,6 +6,8 @@ import json
 import math
 import sys
 
+import plots
+
 
 def main():
     prefix, anchor_path, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
@@ -83,24 +85,19 @@ def main():
             f"{e['saved_bytes_per_token']} | {e['saved_bytes_per_token_beyond_x']} | {e['torch_eager_saved_bytes_per_token']:.0f} |")
     open(prefix + ".md", "w").write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not available: no plot", file=sys.stderr)
+    plt = plots.pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(12, 5))
-    xs = range(len(entries))
-    w = 0.27
-    ax.bar([x - w for x in xs], [e["tflops"] for e in entries], w, label="moe-engine fused")
-    ax.bar(list(xs), [e["flops"] / (e["unfused_ms"] * 1e9) for e in entries], w, label="moe-engine unfused")
-    ax.bar([x + w for x in xs], [e["flops"] / (e["torch_eager_ms"] * 1e9) for e in entries], w, label="PyTorch eager")
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels([e["case"] for e in entries], rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("TFLOP/s (forward + backward)")
+    cases = [e["case"] for e in entries]
+    series = [
+        ("moe-engine fused", [e["tflops"] for e in entries]),
+        ("moe-engine unfused", [e["flops"] / (e["unfused_ms"] * 1e9) for e in entries]),
+        ("PyTorch eager", [e["flops"] / (e["torch_eager_ms"] * 1e9) for e in entries]),
+    ]
+    plots.grouped_bars(ax, cases, series, "TFLOP/s (forward + backward)", reference=None)
+    plots.case_ticks(ax, cases)
     ax.set_title(f"Expert MLP forward + backward, {out['device']}")
-    ax.legend()
     fig.tight_layout()
     fig.savefig(prefix + ".png", dpi=120)
 

@@ -1,4 +1,4 @@
-"""Plotting helpers shared by the benchmark drivers' reports (step-bench.py, layer-bench.py): no
+"""Plotting helpers shared by the benchmark reports (step-bench.py, layer-bench.py, mlp-report.py, fp8-mlp-report.py): no
 module of this folder other than an importable one (a name without a dash) can be imported."""
 import sys
 
