@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench_device.hpp"
 #include "commands.hpp"
 #include "mlp_problem.hpp"
 #include "progress.hpp"
@@ -130,23 +131,7 @@ int run_bench(const BenchOptions& o) {
   const bool checked = o.check && flops <= kOracleFlopLimit;
 
   std::string device_note;
-  Device device = Device::cpu();
-  const GpuInventory inventory = query_gpus();
-  if (o.device == "auto") {
-    if (!inventory.gpus.empty())
-      device = Device::cuda(0);
-    else
-      device_note = "no GPU visible: " + inventory.note + "; the CPU backend runs";
-  } else {
-    device = parse_device(o.device);
-    if (device.is_cuda()) {
-      bool visible = false;
-      for (const GpuInfo& g : inventory.gpus) visible |= g.index == device.index;
-      MOE_CHECK(visible, ErrorCode::kDevice, "bench: --device ", o.device, ": ",
-                inventory.gpus.empty() ? inventory.note
-                                       : "this process sees " + std::to_string(inventory.gpus.size()) + " GPU(s)");
-    }
-  }
+  Device device = bench_device(o.device, "bench", device_note);
 
   std::optional<MlpProblem> problem;
   auto make_problem = [&] {

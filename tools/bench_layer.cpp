@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_device.hpp"
 #include "commands.hpp"
 #include "json_io.hpp"
 #include "moe_engine/moe_engine.hpp"
@@ -280,24 +281,8 @@ int run_bench_layer(const BenchOptions& o) {
   const DType dtype = dtype_from_name(o.dtype);
   MOE_CHECK(dtype == DType::kBFloat16 || dtype == DType::kFloat16 || dtype == DType::kFloat32, ErrorCode::kDType,
             "bench layer: --dtype must be bfloat16, float16 or float32, got ", o.dtype);
-  Device device = Device::cpu();
   std::string device_note;
-  const GpuInventory inventory = query_gpus();
-  if (o.device == "auto") {
-    if (!inventory.gpus.empty())
-      device = Device::cuda(0);
-    else
-      device_note = "no GPU visible: " + inventory.note + "; the CPU backend runs";
-  } else {
-    device = parse_device(o.device);
-    if (device.is_cuda()) {
-      bool visible = false;
-      for (const GpuInfo& g : inventory.gpus) visible |= g.index == device.index;
-      MOE_CHECK(visible, ErrorCode::kDevice, "bench layer: --device ", o.device, ": ",
-                inventory.gpus.empty() ? inventory.note
-                                       : "this process sees " + std::to_string(inventory.gpus.size()) + " GPU(s)");
-    }
-  }
+  const Device device = bench_device(o.device, "bench layer", device_note);
   // The CPU backend runs the tiny layer unless a case is named (the suite's take it minutes each).
   std::string which = o.case_name;
   if (which.empty()) which = device.is_cpu() ? "tiny" : "all";
