@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "moe_engine/enum_names.hpp"
 #include "moe_engine/expert_mlp.hpp"
 #include "moe_engine/export.hpp"
 #include "moe_engine/fp8.hpp"
@@ -65,6 +66,23 @@ MOE_API ExpertMlpFp8SavedShapes expert_mlp_fp8_saved_shapes(int64_t capacity, in
 MOE_API size_t expert_mlp_fp8_forward_workspace_size(int64_t capacity, int64_t hidden, int64_t ffn, DType dtype,
                                                      const ExpertMlpSpec& spec);
 
+// Which way the FP8 backward went between FC2's dgrad and the weight gradients (expert_mlp_backward's
+// `ran`, optional): the conditions of each are in expert_mlp_forward's comment below.
+enum class Fp8GluBackwardPath : int {
+  kSeparate = 0,  // h dequantized, the GLU backward, the quantizers: each its own op
+  kRows = 1,      // h's dequantization and the GLU backward in one pass, the quantizers after it
+  kOnePass = 2,   // h's dequantization, the GLU backward and the quantization of dL/dh and act in one pass
+};
+template <>
+struct EnumNames<Fp8GluBackwardPath> {
+  static constexpr std::string_view kWhat = "FP8 GLU backward path";
+  static constexpr EnumName<Fp8GluBackwardPath> kNames[] = {
+      {Fp8GluBackwardPath::kSeparate, "separate"},
+      {Fp8GluBackwardPath::kRows, "rows"},
+      {Fp8GluBackwardPath::kOnePass, "one-pass"},
+  };
+};
+
 // x [T, H], y [T, H] (bfloat16 or float32, alike); probs [T] float32 or undefined (p = 1).
 // saved.fc1_out is written when defined (leave it undefined for a forward without backward), and
 // saved.x or saved.x_rows when its data is defined. spec.fusion: kNone runs every step as its own op;
@@ -73,11 +91,13 @@ MOE_API size_t expert_mlp_fp8_forward_workspace_size(int64_t capacity, int64_t h
 // dL/dh and act as one pass (bfloat16, both weight gradients and no FC1 bias gradient asked for,
 // not where expert_mlp_fp8_keeps_x_rows(T, G)), else h's dequantization with the GLU backward. The
 // same bytes, but dprobs (summed in another order). Those passes take GLUs only: a non-gated
-// activation (srelu, gelu_tanh) runs its steps unfused.
+// activation (srelu, gelu_tanh) runs its steps unfused. `ran_fused` (optional) receives whether
+// forward's pass ran (false on the CPU backend, with MlpFusion::kNone, or where the pass does not
+// take the layout, dtype or alignment).
 MOE_API void expert_mlp_forward(const TensorView& x, const TensorView& probs, const ExpertMlpFp8Weights& weights,
                                 const GroupLayout& groups, const TensorView& y, const ExpertMlpFp8Saved& saved,
                                 const ExpertMlpSpec& spec, const Fp8Recipe& recipe = {},
-                                const ExecContext& ctx = {});
+                                const ExecContext& ctx = {}, bool* ran_fused = nullptr);
 
 // Scratch of the backward (G: the routing's expert count; the columnwise copies are sized by it).
 // x_rows: forward kept x's rows (backward then also makes x's columns).
@@ -87,9 +107,11 @@ MOE_API size_t expert_mlp_fp8_backward_workspace_size(int64_t capacity, int64_t 
 
 // dy [T, H] in x's dtype; saved: forward's (saved.x or saved.x_rows required when the FC1 weight
 // gradient is asked for; the workspace sized with x_rows accordingly). Gradients as in expert_mlp_backward (ParamGrad modes, dprobs including <b2_g, dy[r]>).
+// `ran` (optional) receives the way backward went around the GLU (Fp8GluBackwardPath).
 MOE_API void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, const TensorView& probs,
                                  const ExpertMlpFp8Weights& weights, const GroupLayout& groups,
                                  const ExpertMlpGrads& grads, const ExpertMlpSpec& spec,
-                                 const Fp8Recipe& recipe = {}, const ExecContext& ctx = {});
+                                 const Fp8Recipe& recipe = {}, const ExecContext& ctx = {},
+                                 Fp8GluBackwardPath* ran = nullptr);
 
 }  // namespace moe

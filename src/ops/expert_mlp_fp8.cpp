@@ -224,7 +224,7 @@ size_t expert_mlp_fp8_backward_workspace_size(int64_t capacity, int64_t num_grou
 
 void expert_mlp_forward(const TensorView& x, const TensorView& probs, const ExpertMlpFp8Weights& weights,
                         const GroupLayout& groups, const TensorView& y, const ExpertMlpFp8Saved& saved,
-                        const ExpertMlpSpec& spec, const Fp8Recipe& recipe, const ExecContext& ctx) {
+                        const ExpertMlpSpec& spec, const Fp8Recipe& recipe, const ExecContext& ctx, bool* ran_fused) {
   const ops::Validator v("expert_mlp_forward (fp8)", groups);
   const auto [H, F] = check_weights(v, weights, spec, /*backward=*/false);
   const int64_t T = v.capacity();
@@ -261,6 +261,7 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs, const Expe
           MOE_CUDA_ONLY(fused = cuda::fp8_glu_quantize(b.h, probs, groups, saved.fc1_out, b.act_rows, spec.glu, recipe,
                                                        ctx.stream));
       });
+  if (ran_fused) *ran_fused = fused;
   if (!fused) {
     if (saved.fc1_out.data.defined()) quantize_fp8(b.h, groups, saved.fc1_out, {}, recipe, ctx);
     glu_forward(b.h, probs, groups, b.act, spec.glu, ctx);
@@ -272,7 +273,8 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs, const Expe
 
 void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, const TensorView& probs,
                          const ExpertMlpFp8Weights& weights, const GroupLayout& groups, const ExpertMlpGrads& grads,
-                         const ExpertMlpSpec& spec, const Fp8Recipe& recipe, const ExecContext& ctx) {
+                         const ExpertMlpSpec& spec, const Fp8Recipe& recipe, const ExecContext& ctx,
+                         Fp8GluBackwardPath* ran) {
   const ops::Validator v("expert_mlp_backward (fp8)", groups);
   const auto [H, F] = check_weights(v, weights, spec, /*backward=*/true);
   const int64_t T = v.capacity(), G = v.num_groups();
@@ -334,6 +336,7 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
                             grads.dx.defined() ? b.one_pass_d_fc1_rows : Fp8Rows{}, b.one_pass_d_fc1_columns,
                             b.act_columns, grads.dprobs, b.dprobs_shares, spec.glu, recipe, ctx.stream));
         });
+  if (ran && fused) *ran = Fp8GluBackwardPath::kOnePass;
   const Fp8Rows& d_fc1_rows = fused ? b.one_pass_d_fc1_rows : b.d_fc1_rows;
   const Fp8Columns& d_fc1_columns = fused ? b.one_pass_d_fc1_columns : b.d_fc1_columns;
   if (!fused) {
@@ -353,6 +356,7 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
       dequantize_fp8(saved.fc1_out, groups, b.h, ctx);
       glu_backward(b.h, probs, b.d_act, groups, {b.h, grads.dprobs, act}, spec.glu, ctx);
     }
+    if (ran) *ran = rows_fused ? Fp8GluBackwardPath::kRows : Fp8GluBackwardPath::kSeparate;
     if (fc2_wgrad) quantize_fp8(act, groups, {}, b.act_columns, recipe, ctx);
   }
   const TensorView& d_fc1 = b.h;

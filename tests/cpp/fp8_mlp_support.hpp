@@ -103,14 +103,15 @@ struct Fp8MlpBuffers {
   // Forward then backward on `stream`.
   void step(const Fp8MlpCase& c, const Fp8MlpWeights& w, const GroupLayout& groups, Stream stream = nullptr,
             GradMode mode = GradMode::kWrite, MlpFusion fusion = MlpFusion::kForward,
-            const Fp8Recipe& recipe = {}) const {
+            const Fp8Recipe& recipe = {}, bool* forward_fused = nullptr,
+            Fp8GluBackwardPath* backward_path = nullptr) const {
     const Device device = fws.device();
     const ExpertMlpFp8Saved saved = this->saved();
     const ExpertMlpSpec spec{c.glu, fusion};
     expert_mlp_forward(x, p, w.view(), groups, out.y, saved, spec, recipe,
-                       {stream, {fws.data(), fws.nbytes(), device}});
+                       {stream, {fws.data(), fws.nbytes(), device}}, forward_fused);
     expert_mlp_backward(dy, saved, p, w.view(), groups, grads(mode), spec, recipe,
-                        {stream, {bws.data(), bws.nbytes(), device}});
+                        {stream, {bws.data(), bws.nbytes(), device}}, backward_path);
   }
 };
 

@@ -35,7 +35,13 @@ TEST_P(Fp8MlpCpu, ForwardAndBackwardMatchTheFloat64MlpWithinFp8Error) {
                          spec_of(act, is_gated(act) ? GluLayout::pairs() : GluLayout::halves()), bias, bias);
       const Fp8MlpWeights w(c, Device::cpu());
       const Fp8MlpBuffers b(c, Device::cpu());
-      b.step(c, w, r.layout);
+      // The CPU backend runs every step as its own op, whatever the fusion asks, and says so.
+      bool forward_fused = true;
+      Fp8GluBackwardPath backward_path = Fp8GluBackwardPath::kOnePass;
+      b.step(c, w, r.layout, nullptr, GradMode::kWrite, MlpFusion::kForwardBackward, {}, &forward_fused,
+             &backward_path);
+      EXPECT_FALSE(forward_fused);
+      EXPECT_STREQ(enum_name(backward_path), "separate");
       if (r.rows() == 0) {
         EXPECT_TRUE(tail_untouched(b.out.y, 0));
         EXPECT_TRUE(tail_untouched(b.out.dx, 0));

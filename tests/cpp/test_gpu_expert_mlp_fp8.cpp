@@ -101,20 +101,29 @@ TEST_F(GpuFp8Mlp, RunsAreBitIdentical) {
 // quantizers after it) against the unfused ops: the same bytes everywhere but dprobs (summed in
 // another order), over the layouts they take (pairs and blocks of 4 in a lane, blocks of 8..64 over
 // two lanes, runs of 128), ones they leave to the unfused steps, both activation dtypes and
-// power-of-two scales.
+// power-of-two scales. Each case names the passes that must have run, as the ops report them.
 TEST_F(GpuFp8Mlp, FusedStepsEqualTheUnfusedOps) {
   Rng rng;
+  using Path = Fp8GluBackwardPath;
   struct Case {
     const char* layout;
     int64_t F;
     DType dt;
     bool pow2;
+    bool forward_pass;  // the GLU + quantize pass (keeping h's rows)
+    Path backward;
   };
-  const Case cases[] = {{"pairs", 208, DType::kBFloat16, false},     {"blocks:32", 192, DType::kBFloat16, true},
-                        {"blocks:64", 320, DType::kFloat32, false},   {"blocks:128", 256, DType::kBFloat16, false},
-                        {"halves", 384, DType::kBFloat16, false},     {"halves", 144, DType::kFloat32, false},
-                        {"blocks:8", 112, DType::kBFloat16, true},    {"blocks:2", 96, DType::kBFloat16, false},
-                        {"blocks:4", 176, DType::kBFloat16, false},   {"blocks:16", 80, DType::kBFloat16, false}};
+  const Case cases[] = {
+      {"pairs", 208, DType::kBFloat16, false, true, Path::kOnePass},
+      {"blocks:32", 192, DType::kBFloat16, true, true, Path::kOnePass},
+      {"blocks:64", 320, DType::kFloat32, false, true, Path::kRows},      // the one pass: bfloat16 only
+      {"blocks:128", 256, DType::kBFloat16, false, true, Path::kRows},    // runs of 128: gate and linear in two tiles
+      {"halves", 384, DType::kBFloat16, false, true, Path::kRows},        // runs of 384
+      {"halves", 144, DType::kFloat32, false, false, Path::kRows},        // runs of 144: h's blocks not runs
+      {"blocks:8", 112, DType::kBFloat16, true, true, Path::kOnePass},
+      {"blocks:2", 96, DType::kBFloat16, false, false, Path::kSeparate},  // runs of 2: no pass takes them
+      {"blocks:4", 176, DType::kBFloat16, false, true, Path::kOnePass},
+      {"blocks:16", 80, DType::kBFloat16, false, true, Path::kOnePass}};
   for (const Case& k : cases) {
     SCOPED_TRACE(std::string(k.layout) + " F=" + std::to_string(k.F) + " " + dtype_name(k.dt) +
                  (k.pow2 ? " pow2" : ""));
@@ -124,10 +133,20 @@ TEST_F(GpuFp8Mlp, FusedStepsEqualTheUnfusedOps) {
     const Fp8MlpWeights w(c, Device::cuda(0));
     const Fp8MlpBuffers fused(c, Device::cuda(0)), standard(c, Device::cuda(0)), unfused(c, Device::cuda(0));
     const Fp8Recipe recipe{k.pow2, 0.f};
-    fused.step(c, w, r.gpu, nullptr, GradMode::kWrite, MlpFusion::kForwardBackward, recipe);
-    standard.step(c, w, r.gpu, nullptr, GradMode::kWrite, MlpFusion::kForward, recipe);
-    unfused.step(c, w, r.gpu, nullptr, GradMode::kWrite, MlpFusion::kNone, recipe);
+    bool forward_ran[3] = {};
+    Path backward_ran[3] = {};
+    fused.step(c, w, r.gpu, nullptr, GradMode::kWrite, MlpFusion::kForwardBackward, recipe, &forward_ran[0],
+               &backward_ran[0]);
+    standard.step(c, w, r.gpu, nullptr, GradMode::kWrite, MlpFusion::kForward, recipe, &forward_ran[1],
+                  &backward_ran[1]);
+    unfused.step(c, w, r.gpu, nullptr, GradMode::kWrite, MlpFusion::kNone, recipe, &forward_ran[2], &backward_ran[2]);
     synchronize(nullptr);
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(forward_ran[i], k.forward_pass) << (i == 0 ? "fusion all" : "fusion forward");
+      EXPECT_STREQ(enum_name(backward_ran[i]), enum_name(k.backward)) << (i == 0 ? "fusion all" : "fusion forward");
+    }
+    EXPECT_FALSE(forward_ran[2]) << "fusion none";
+    EXPECT_STREQ(enum_name(backward_ran[2]), enum_name(Path::kSeparate)) << "fusion none";
     const int64_t rows = r.cpu.rows();
     for (const Fp8MlpBuffers* run : {&fused, &standard}) {
       SCOPED_TRACE(run == &fused ? "fusion all" : "fusion forward");
