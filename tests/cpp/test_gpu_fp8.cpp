@@ -276,35 +276,26 @@ TEST_F(GpuFp8, QuantizeLargeWeightBitIdenticalToCpu) {
   expect_same_bytes(gpu.scales_t, cpu.scales_t, "scales_t");
 }
 
-// The quantizers' bandwidth on the suite's shapes (bytes read + written per second: x once, each
-// FP8 copy once with the columns' zero padding, scales not counted), next to a device-to-device
-// copy of the same number of bytes timed in the same run (cudaMemcpyAsync of half of them: read +
-// written). Medians of 5 rounds alternating copy and quantizer, 10 launches each. Printed for the
+// A kernel's bandwidth next to a device-to-device copy of the same bytes timed in the same run
+// (cudaMemcpyAsync of half of them: read + written), both on `stream`: medians of 5 rounds
+// alternating copy and kernel, 10 launches each, after one untimed launch of each. Printed for the
 // performance log; no bound is asserted (timings vary with the machine and its load).
-TEST_F(GpuFp8, QuantizerBandwidthIsReported) {
-  cudaStream_t stream;
-  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const ExecContext ctx{stream, {}};
-  StreamTimer timer(kGpu, stream);
-  const auto time_ms = [&](const std::function<void()>& run) {
-    timer.start();
-    for (int i = 0; i < 10; ++i) run();
-    timer.stop();
-    return timer.elapsed_ms() / 10;
-  };
-  const auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
-  // The weight moves 3.8 GB: two copy buffers of half that.
-  const int64_t copy_capacity = int64_t(1) << 31;
-  const Tensor copy_src = Tensor::empty({copy_capacity}, DType::kUInt8, kGpu),
-               copy_dst = Tensor::empty({copy_capacity}, DType::kUInt8, kGpu);
-  const auto report = [&](const std::string& what, double bytes, const std::function<void()>& run) {
+class CopyReferencedBandwidth {
+ public:
+  // Kernels of up to 2 copy_capacity bytes read + written.
+  CopyReferencedBandwidth(cudaStream_t stream, int64_t copy_capacity)
+      : stream_(stream),
+        timer_(kGpu, stream),
+        capacity_(copy_capacity),
+        src_(Tensor::empty({copy_capacity}, DType::kUInt8, kGpu)),
+        dst_(Tensor::empty({copy_capacity}, DType::kUInt8, kGpu)) {}
+
+  // "[ measure  ] <what>: ms, GB/s (read + written); the copy's; the fraction of the copy's rate".
+  void report(const std::string& what, double bytes, const std::function<void()>& run) {
+    ASSERT_LE(bytes / 2, double(capacity_));
     const auto copy = [&] {
-      CUDA_OK(cudaMemcpyAsync(copy_dst.data(), copy_src.data(), size_t(bytes / 2), cudaMemcpyDeviceToDevice, stream));
+      CUDA_OK(cudaMemcpyAsync(dst_.data(), src_.data(), size_t(bytes / 2), cudaMemcpyDeviceToDevice, stream_));
     };
-    ASSERT_LE(bytes / 2, double(copy_capacity));
     run();
     copy();
     std::vector<double> kernel, reference;
@@ -313,11 +304,41 @@ TEST_F(GpuFp8, QuantizerBandwidthIsReported) {
       kernel.push_back(time_ms(run));
     }
     const double ms = median(kernel), copy_ms = median(reference);
-    std::printf("[ measure  ] quantize %s: %.3f ms, %.0f GB/s (read + written); copy of the same bytes %.3f ms, "
+    std::printf("[ measure  ] %s: %.3f ms, %.0f GB/s (read + written); copy of the same bytes %.3f ms, "
                 "%.0f GB/s: %.2f of the copy\n",
                 what.c_str(), ms, bytes / ms * 1e-6, copy_ms, bytes / copy_ms * 1e-6, copy_ms / ms);
-  };
+  }
 
+ private:
+  double time_ms(const std::function<void()>& run) {
+    timer_.start();
+    for (int i = 0; i < 10; ++i) run();
+    timer_.stop();
+    return timer_.elapsed_ms() / 10;
+  }
+  static double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  }
+
+  cudaStream_t stream_;
+  StreamTimer timer_;
+  int64_t capacity_;
+  Tensor src_, dst_;
+};
+
+// The quantizers' bandwidth on the suite's shapes (bytes read + written per second: x once, each
+// FP8 copy once with the columns' zero padding, scales not counted) against a same-run copy
+// (CopyReferencedBandwidth).
+TEST_F(GpuFp8, QuantizerBandwidthIsReported) {
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const ExecContext ctx{stream, {}};
+  // The weight moves 3.8 GB: copies of up to half that.
+  CopyReferencedBandwidth bandwidth(stream, int64_t(1) << 31);
+  const auto report = [&](const std::string& what, double bytes, const std::function<void()>& run) {
+    bandwidth.report("quantize " + what, bytes, run);
+  };
   struct TokenShape {
     const char* name;
     int64_t K;
@@ -496,31 +517,17 @@ TEST_F(GpuFp8, DequantizeBadSplitsWriteNothingPastTheCapacity) {
   }
 }
 
-// The dequantizer's bandwidth (E4M3 read + output written, scales not counted) next to a
-// device-to-device copy of the same number of bytes in the same run, as the quantizers' report.
-// Printed for the performance log; no bound is asserted.
+// The dequantizer's bandwidth (E4M3 read + output written, scales not counted) against a same-run
+// copy (CopyReferencedBandwidth).
 TEST_F(GpuFp8, DequantizeBandwidthIsReported) {
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const ExecContext ctx{stream, {}};
-  StreamTimer timer(kGpu, stream);
-  const auto time_ms = [&](const std::function<void()>& run) {
-    timer.start();
-    for (int i = 0; i < 10; ++i) run();
-    timer.stop();
-    return timer.elapsed_ms() / 10;
-  };
-  const auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
+  CopyReferencedBandwidth bandwidth(stream, int64_t(1) << 30);
   const std::vector<int64_t> mixtral{1790, 1767, 1423, 1398,
                                      1881, 1748, 2553, 3824};  // 16384 tokens
   const int64_t T = std::accumulate(mixtral.begin(), mixtral.end(), int64_t(0));
   DualRouting r(mixtral, T);
-  const int64_t copy_capacity = int64_t(1) << 30;
-  const Tensor copy_src = Tensor::empty({copy_capacity}, DType::kUInt8, kGpu),
-               copy_dst = Tensor::empty({copy_capacity}, DType::kUInt8, kGpu);
   const std::pair<int64_t, DType> shapes[] = {
       {4096, DType::kBFloat16}, {28672, DType::kBFloat16}, {4096, DType::kFloat32}};
   for (const auto& [K, dt] : shapes) {
@@ -529,27 +536,10 @@ TEST_F(GpuFp8, DequantizeBandwidthIsReported) {
     OwnedRows rows(T, K, kGpu);
     quantize_fp8(x, r.gpu, rows.view(), {});
     Tensor out = Tensor::empty({T, K}, dt, kGpu);
-    const double bytes = double(T * K) * (1.0 + double(dtype_size(dt)));
-    ASSERT_LE(bytes / 2, double(copy_capacity));
-    const auto run = [&] { dequantize_fp8(rows.view(), r.gpu, out, ctx); };
-    const auto copy = [&] {
-      CUDA_OK(cudaMemcpyAsync(copy_dst.data(), copy_src.data(), size_t(bytes / 2),
-                              cudaMemcpyDeviceToDevice, stream));
-    };
-    run();
-    copy();
-    std::vector<double> kernel, reference;
-    for (int round = 0; round < 5; ++round) {
-      reference.push_back(time_ms(copy));
-      kernel.push_back(time_ms(run));
-    }
-    const double ms = median(kernel), copy_ms = median(reference);
-    std::printf(
-        "[ measure  ] dequantize [%lld, %lld] to %s: %.3f ms, %.0f GB/s (read + written); copy of "
-        "the same "
-        "bytes %.3f ms, %.0f GB/s: %.2f of the copy\n",
-        (long long)T, (long long)K, dtype_name(dt), ms, bytes / ms * 1e-6, copy_ms,
-        bytes / copy_ms * 1e-6, copy_ms / ms);
+    char what[96];
+    std::snprintf(what, sizeof(what), "dequantize [%lld, %lld] to %s", (long long)T, (long long)K, dtype_name(dt));
+    bandwidth.report(what, double(T * K) * (1.0 + double(dtype_size(dt))),
+                     [&] { dequantize_fp8(rows.view(), r.gpu, out, ctx); });
   }
   EXPECT_NO_THROW(r.flag.check());
   CUDA_OK(cudaStreamSynchronize(stream));
