@@ -137,9 +137,10 @@ def run_case(rank, world, device, dtype, case):
     check(f"{name}: router weight grad", ep.router.weight.grad, dwr_ref, tol)
     L = ep.experts.num_groups
     lo = rank * L
+    expert_tol = case.get("expert_grad_tol", tol)
     for mine, ref_mod in ((ep.experts.fc1, full.experts.fc1), (ep.experts.fc2, full.experts.fc2)):
         for pm, pr in zip(mine.parameters(), ref_mod.parameters()):
-            check(f"{name}: expert grad {tuple(pm.shape)}", pm.grad, pr.grad[lo:lo + L], tol)
+            check(f"{name}: expert grad {tuple(pm.shape)}", pm.grad, pr.grad[lo:lo + L], expert_tol)
     # What was dropped in the exchange, counted on the device (only this rank's sends).
     if epf is not None:
         before = kept_assignments(full.router(data[rank][0]).indices, full.num_experts, full.capacity_factor, world,
