@@ -1,6 +1,7 @@
 """The whole MoE layer (moe_engine.torch.MoELayer): router, dispatch, experts, combine, against a
 float64 reference written here in plain PyTorch (choices, probs, capacity drops, losses, every
-gradient); expert bias; main_grad; determinism; CUDA graphs and no host sync on the GPU."""
+gradient), with FP8 experts too (within FP8's error); expert bias; main_grad; determinism; CUDA
+graphs and no host sync on the GPU (16-bit and FP8 experts)."""
 
 import contextlib
 import math
@@ -124,6 +125,51 @@ def test_layer_matches_float64_reference(device, dtype, name, opts, T):
         assert abs(layer.aux_loss.item() - ref_aux.item()) <= tol * max(abs(ref_aux.item()), 1e-6)
     else:
         assert y.shape == (0, H) and x.grad.shape == (0, H)
+
+
+def similarity_diff(a, b):
+    """DeepGEMM's 1 - 2 sum(a b) / sum(a^2 + b^2), the FP8 tests' measure."""
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    den = (a.square() + b.square()).sum()
+    return (1 - 2 * (a * b).sum() / den).item() if den > 0 else 0.0
+
+
+def needs_fp8_gemm(device):
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
+        pytest.skip("the FP8 GEMMs run on the Hopper kernel only (compute capability 9.0)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name,opts,T", CASES, ids=[c[0] for c in CASES])
+def test_fp8_layer_matches_float64_reference_within_fp8_error(device, dtype, name, opts, T):
+    """MoELayer(fp8_recipe=...): the router's choice and probs as without it (the router is not
+    quantized); y and every gradient within the FP8 tests' similarity bound of the float64 layer
+    (test_fp8_modules.py's MLP_BOUND, 5e-3: a wrong scale, block or expert gives 1e-1 and more)."""
+    needs_fp8_gemm(device)
+    layer = make_layer(opts, device, dtype, fp8_recipe=me.Fp8Recipe())
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=gen).to(device, dtype).requires_grad_()
+    g = torch.randn(T, H, generator=gen).to(device, dtype)
+    r = layer.route(x.detach())
+    assert torch.equal(r.indices.cpu(), chosen_reference(layer, x.detach().cpu().float())), "choice"
+    y = layer(x)
+    ((y.float() * g.float()).sum() + layer.aux_loss).backward()
+    ref_y, ref_p, ref_aux, ref = reference(layer, x.detach().cpu(), g.cpu(), r.indices.cpu())
+    assert_close(r.probs, ref_p, torch.float32, "probs")
+    if not T:
+        assert y.shape == (0, H) and x.grad.shape == (0, H)
+        return
+    got = {"y": y, "dx": x.grad, "router": layer.router.weight.grad, "fc1": layer.experts.fc1.weight.grad,
+           "fc2": layer.experts.fc2.weight.grad}
+    want = {"y": ref_y, "dx": ref["x"], "router": ref["router"], "fc1": ref["fc1"], "fc2": ref["fc2"]}
+    # dx and the router's gradient also carry dprobs (sums over H of FP8-rounded terms, then the
+    # scores' backward): twice the bound (measured up to 4.7e-3 there, 3.2e-3 elsewhere).
+    bound = {"y": 5e-3, "dx": 1e-2, "router": 1e-2, "fc1": 5e-3, "fc2": 5e-3}
+    for what in got:
+        assert not got[what].isnan().any(), f"{what}: NaN"
+        diff = similarity_diff(got[what], want[what])
+        assert diff <= bound[what], f"{what}: similarity difference {diff:.3g} > {bound[what]:.3g}"
+    assert abs(layer.aux_loss.item() - ref_aux.item()) <= TOL[dtype] * max(abs(ref_aux.item()), 1e-6)
 
 
 def test_dispatch_drops_past_capacity_and_keeps_token_order(device):
@@ -357,10 +403,14 @@ def test_bad_arguments_name_the_layer(device):
         layer.update_expert_bias(0.1)
 
 
-def test_graph_replay_with_new_routings_is_bit_identical(cuda):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_graph_replay_with_new_routings_is_bit_identical(cuda, fp8):
+    if fp8:
+        needs_fp8_gemm(cuda)
     T = 96
     layer = make_layer(dict(num_experts=8, topk=2, aux_loss_coeff=1e-2, capacity_factor=1.25, expert_bias=True),
-                       cuda, torch.bfloat16, accumulate_into_main_grad=True)
+                       cuda, torch.bfloat16, accumulate_into_main_grad=True,
+                       fp8_recipe=me.Fp8Recipe() if fp8 else None)
     for p in layer.parameters():
         p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=cuda)
     static_x = torch.zeros(T, H, dtype=torch.bfloat16, device=cuda, requires_grad=True)
@@ -406,9 +456,12 @@ def test_graph_replay_with_new_routings_is_bit_identical(cuda):
     me.check_errors()
 
 
-def test_no_host_sync_in_a_step(cuda):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_no_host_sync_in_a_step(cuda, fp8):
+    if fp8:
+        needs_fp8_gemm(cuda)
     layer = make_layer(dict(num_experts=8, topk=2, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, capacity_factor=1.0),
-                       cuda, torch.bfloat16)
+                       cuda, torch.bfloat16, fp8_recipe=me.Fp8Recipe() if fp8 else None)
     x = torch.randn(64, H, device=cuda, dtype=torch.bfloat16, requires_grad=True)
     layer(x).float().sum().backward()  # warm-up: first-use setup may sync
     torch.cuda.synchronize()
