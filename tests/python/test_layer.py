@@ -163,8 +163,10 @@ def test_fp8_layer_matches_float64_reference_within_fp8_error(device, dtype, nam
            "fc2": layer.experts.fc2.weight.grad}
     want = {"y": ref_y, "dx": ref["x"], "router": ref["router"], "fc1": ref["fc1"], "fc2": ref["fc2"]}
     # dx and the router's gradient also carry dprobs (sums over H of FP8-rounded terms, then the
-    # scores' backward): twice the bound (measured up to 4.7e-3 there, 3.2e-3 elsewhere).
-    bound = {"y": 5e-3, "dx": 1e-2, "router": 1e-2, "fc1": 5e-3, "fc2": 5e-3}
+    # scores' backward, whose differences cancel). Measured over these cases on two machines: the
+    # router's gradient up to 1.1e-2 (softmax_k2, bf16, on the GPU machine's CPU), everything else up
+    # to 3.2e-3. An error in the experts' FP8 path moves dprobs by O(1).
+    bound = {"y": 5e-3, "dx": 1e-2, "router": 3e-2, "fc1": 5e-3, "fc2": 5e-3}
     for what in got:
         assert not got[what].isnan().any(), f"{what}: NaN"
         diff = similarity_diff(got[what], want[what])
