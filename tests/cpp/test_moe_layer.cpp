@@ -1,9 +1,9 @@
 // The MoE layer (CPU backend): forward, dx, the router weight's and the experts' gradients and the
 // losses' gradients against a float64 reference built from the oracle's router, permute and MLP,
 // on odd shapes (k = 1 and k > 1, E = 1, sigmoid with an expert bias and groups, capacity drops, an
-// expert with no tokens) in float32 and bfloat16; finite differences of a float64 layer; the
-// router weight's gradient contract; the expert-bias update; state dicts; run-to-run bits; and the
-// validation errors.
+// expert with no tokens) in float32 and bfloat16, with FP8 experts within FP8's error; finite
+// differences of a float64 layer; the router weight's gradient contract; the expert-bias update;
+// state dicts; run-to-run bits; and the validation errors.
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -67,6 +67,52 @@ TEST_P(MoELayerVsOracle, ForwardAndEveryGradient) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoELayerVsOracle,
+                         ::testing::Combine(::testing::ValuesIn(layer_cases()),
+                                            ::testing::Values(DType::kFloat32, DType::kBFloat16)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param).name + "_" + dtype_name(std::get<1>(info.param));
+                         });
+
+// FP8 experts (options.experts.fp8: all six GEMMs in FP8): the routing exactly as without them (the
+// router is not quantized), y and every gradient against the float64 layer within FP8's error, by
+// DeepGEMM's similarity difference (the FP8 MLP tests' bound, 5e-3: a wrong scale, block or expert
+// gives 1e-1 and more; the router weight's gradient, which carries dprobs through the scores'
+// backward, 3e-2; measured: y at most 9e-4, dx 2.4e-3, the weights 2e-3, the router 4.1e-3). The
+// cases' shapes with H and F made multiples of 16, as FP8 needs.
+class MoELayerFp8VsOracle : public ::testing::TestWithParam<std::tuple<LayerCase, DType>> {};
+
+TEST_P(MoELayerFp8VsOracle, ForwardAndEveryGradientWithinFp8Error) {
+  auto [c, dtype] = GetParam();
+  c.H = (c.H + 15) / 16 * 16;
+  c.F = (c.F + 15) / 16 * 16;
+  Rng rng;
+  MoELayerOptions options = layer_options(c, dtype);
+  options.experts.fp8 = Fp8ModuleRecipe{};
+  MoELayer layer(c.E, c.H, c.F, options);
+  const LayerInputs in = layer_inputs(c, layer, dtype, rng);
+  const LayerReference ref =
+      layer_reference(c, layer_params(layer), oracle::to_matrix(in.x), oracle::to_matrix(in.dy), in.d_loss);
+  ASSERT_GE(ref.min_margin, 1e-4) << "inputs near a routing tie";
+  MoELayerForwardResult f = layer.forward(in.x);
+  EXPECT_EQ(int64s(f.counts), ref.counts);
+  EXPECT_EQ(int64s(f.splits), ref.splits);
+  if (c.capacity_factor) EXPECT_EQ(int64s(f.dropped), ref.dropped);
+  EXPECT_NEAR(scalar_value(f.loss), ref.loss, 1e-5 * std::abs(ref.loss) + 1e-12);
+  constexpr double kBound = 5e-3, kRouterBound = 3e-2;
+  EXPECT_LE(oracle::similarity_diff(oracle::to_matrix(f.y), ref.y), kBound) << "y";
+  MoELayerBackwardResult b = layer.backward(f.ctx, in.dy, in.d_loss);
+  EXPECT_LE(oracle::similarity_diff(oracle::to_matrix(b.dx), ref.dx), kBound) << "dx";
+  EXPECT_LE(oracle::similarity_diff(grad_matrices(b.router_weight)[0], ref.d_router_weight), kRouterBound)
+      << "router weight";
+  EXPECT_LE(oracle::similarity_diff(grad_matrices(b.fc1_weight), ref.dw1), kBound) << "fc1 weight";
+  EXPECT_LE(oracle::similarity_diff(grad_matrices(b.fc2_weight), ref.dw2), kBound) << "fc2 weight";
+  if (c.mlp_bias) {
+    EXPECT_LE(oracle::similarity_diff(bias_rows(host_copy(b.fc1_bias.grad).view()), ref.db1), kBound) << "fc1 bias";
+    EXPECT_LE(oracle::similarity_diff(bias_rows(host_copy(b.fc2_bias.grad).view()), ref.db2), kBound) << "fc2 bias";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, MoELayerFp8VsOracle,
                          ::testing::Combine(::testing::ValuesIn(layer_cases()),
                                             ::testing::Values(DType::kFloat32, DType::kBFloat16)),
                          [](const auto& info) {
