@@ -399,6 +399,51 @@ def test_bad_tokens_per_expert(mp):
         m(x, torch.tensor([3, 3]), torch.rand(6))
 
 
+def similarity_diff(a, b):
+    """DeepGEMM's 1 - 2 sum(a b) / sum(a^2 + b^2), the FP8 tests' measure."""
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    den = (a.square() + b.square()).sum()
+    return (1 - 2 * (a * b).sum() / den).item() if den > 0 else 0.0
+
+
+@needs_mcore
+def test_fp8_recipe_through_the_spec_params(mp, device):
+    """GroupedMLPExperts(..., fp8_recipe=Fp8Recipe()), as ``ModuleSpec(params={"fp8_recipe": ...})``
+    passes it: the experts run moe-engine's FP8 MLP; y within FP8's similarity bound (the FP8 tests'
+    5e-3) of the float64 reference, and dx, dprobs and the weights' gradients within it of the same
+    experts without the recipe (same weights)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
+        pytest.skip("the FP8 GEMMs run on the Hopper kernel only (compute capability 9.0)")
+    import moe_engine.torch as me
+
+    cfg = make_config(device, add_bias_linear=True)
+    torch.manual_seed(1)
+    fp8 = GroupedMLPExperts(E, cfg, fp8_recipe=me.Fp8Recipe()).to(device)
+    torch.manual_seed(1)
+    plain = GroupedMLPExperts(E, cfg).to(device)
+    assert fp8.mlp.fp8_recipe is not None and plain.mlp.fp8_recipe is None
+    for (k, a), b in zip(fp8.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), k
+    counts = [7, 3, 0, 150]
+    dtype = DTYPE[device.type]
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(sum(counts), H, generator=gen).to(device, dtype)
+    probs = torch.rand(sum(counts), generator=gen).to(device)
+    dy = torch.randn(sum(counts), H, generator=gen).to(device, dtype)
+    runs = []
+    for m in (fp8, plain):
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        y, _ = m(xi, counts, pi)
+        y.backward(dy)
+        runs.append([y, xi.grad, pi.grad] + [p.grad for p in m.parameters()])
+    diff = similarity_diff(runs[0][0], reference(fp8, x, counts, probs, cfg))
+    assert diff <= 5e-3, f"y vs float64: similarity difference {diff:.3g}"
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert not a.isnan().any(), f"result {i}: NaN"
+        diff = similarity_diff(a, b)
+        assert diff <= 5e-3, f"result {i} vs the experts without FP8: similarity difference {diff:.3g}"
+
+
 # ---- configurations it cannot serve ----
 
 
