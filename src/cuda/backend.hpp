@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "common/router_scratch.hpp"
 #include "moe_engine/bias_epilogue.hpp"
@@ -129,7 +130,10 @@ bool fp8_glu_backward_rows(const Fp8Rows& h, const TensorView& d_act, const Tens
 void dequantize_fp8(const Fp8Rows& rows, const GroupLayout& groups, const TensorView& out,
                     Stream stream);
 // The FP8 grouped GEMMs (Hopper kernel, sm90/; dispatch/fp8_linear.cpp): kNotImplemented, saying
-// why, where the kernel cannot run the problem (there is no other CUDA FP8 path).
+// why, where the kernel cannot run the problem (there is no other CUDA FP8 path). A float32
+// forward's bias of another dtype than bfloat16 is added after the GEMM. fp8_gemms_supported:
+// whether `device` runs them at all, for ops that check before their first step.
+bool fp8_gemms_supported(int device, std::string* why);
 void grouped_linear_forward(const Fp8Rows& x, const Fp8Weight& weight, const GroupLayout& groups,
                             const TensorView& y, const BiasEpilogue& bias, Stream stream);
 void grouped_linear_dgrad(const Fp8Rows& dy, const Fp8Weight& weight, const GroupLayout& groups,

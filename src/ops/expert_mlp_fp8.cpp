@@ -34,6 +34,19 @@ bool one_pass_backward_may_run(const ExpertMlpSpec& spec, int64_t T, int64_t G) 
   return spec.fusion != MlpFusion::kNone && !fp8_columns_mostly_padding(T, G);
 }
 
+// CUDA: the device runs the FP8 GEMMs, checked with the arguments, before a step writes anything
+// (the quantizers run on any GPU; the GEMMs need compute capability 9.0).
+#if MOE_ENGINE_WITH_CUDA
+void require_fp8_gemms_on_cuda(const ops::Validator& v) {
+  std::string why;
+  if (!cuda::fp8_gemms_supported(v.device().index, &why))
+    v.fail(ErrorCode::kNotImplemented, "the FP8 GEMMs cannot run on this device: ", why);
+}
+#endif
+void require_fp8_gemms(const ops::Validator& v) {
+  ops::dispatch(v, [] {}, [&] { MOE_CUDA_ONLY(require_fp8_gemms_on_cuda(v)); });
+}
+
 // Scratch rows / columns of a [T, K] tensor.
 Fp8Rows take_rows(ops::WorkspaceCarver& c, int64_t T, int64_t K) {
   return {c.take({T, K}, DType::kFloat8E4M3), c.take({blocks_of(K), fp8_scales_pitch(T)}, DType::kFloat32)};
@@ -244,6 +257,7 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs, const Expe
   }
   v.workspace(ctx.workspace, expert_mlp_fp8_forward_workspace_size(T, H, F, x.dtype(), spec),
               "expert_mlp_fp8_forward_workspace_size");
+  require_fp8_gemms(v);
 
   ops::WorkspaceCarver carver(ctx.workspace, v.device());
   const ForwardBuffers b = forward_buffers(carver, T, H, F, x.dtype(), spec);
@@ -318,6 +332,7 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
   v.workspace(ctx.workspace, expert_mlp_fp8_backward_workspace_size(T, G, H, F, dy.dtype(), spec, make_x_columns),
               make_x_columns ? "expert_mlp_fp8_backward_workspace_size(x_rows = true)"
                              : "expert_mlp_fp8_backward_workspace_size");
+  require_fp8_gemms(v);
 
   ops::WorkspaceCarver carver(ctx.workspace, v.device());
   const BackwardBuffers b = backward_buffers(carver, T, G, H, F, dy.dtype(), spec, make_x_columns);

@@ -748,6 +748,18 @@ TEST_F(GpuFp8, ForwardVsOracleAndBf16EveryBiasModeAndOutputDtype) {
         const Tensor got = to_host(y);
         EXPECT_TRUE(tail_untouched(got, p.rows())) << "rows past sum(splits) were written";
         expect_gemm_close(head(oracle::to_matrix(got), p.rows()), ref, bf16_ref, c.k, out, what);
+        if (mode > 0 && out == DType::kFloat32) {
+          // A float32 bias (a float32 module's) is added after the GEMM: the same values give the
+          // epilogue's bits.
+          BiasEpilogue epi32 = epi;
+          Tensor b32 = Tensor::empty({G, c.n}, DType::kFloat32);
+          for (int64_t i = 0; i < b.numel(); ++i) b32.data_as<float>()[i] = float(b.data_as<BFloat16>()[i]);
+          b32 = to_gpu(b32);
+          epi32.bias = GroupedParam::packed(b32);
+          Tensor y32 = poisoned_gpu({T, c.n}, out);
+          grouped_linear_forward(p.x_rows.view(), p.weight.view(), p.routing.gpu, y32, epi32);
+          EXPECT_TRUE(bitwise_equal(to_host(y32), got)) << "float32 bias vs the bfloat16 epilogue";
+        }
       }
     }
     EXPECT_NO_THROW(p.routing.flag.check());

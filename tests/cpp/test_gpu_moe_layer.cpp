@@ -1,7 +1,7 @@
 // The MoE layer on CUDA: the CPU layer's routing decisions exactly (choices, counts, kept and
 // dropped assignments) and its values within rounding on every case of the CPU suite (capacity
-// drops included); a whole forward + backward captured in a CUDA graph and replayed with new
-// inputs gives the bits of eager runs.
+// drops included), and with FP8 experts within FP8's error of the float64 layer; a whole forward +
+// backward captured in a CUDA graph and replayed with new inputs gives the bits of eager runs.
 #include <cuda_runtime_api.h>
 
 #include <map>
@@ -73,6 +73,40 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuMoELayer,
                          [](const auto& info) {
                            return std::get<0>(info.param).name + "_" + dtype_name(std::get<1>(info.param));
                          });
+
+// FP8 experts (options.experts.fp8) on CUDA: the CPU layer's routing exactly, y and every gradient
+// against the float64 layer within FP8's error as on the CPU (test_moe_layer.cpp: similarity 5e-3,
+// the router weight 3e-2), with H and F made multiples of 16.
+TEST_P(GpuMoELayer, Fp8ExpertsSameRoutingAndWithinFp8ErrorOfFloat64) {
+  auto [c, dtype] = GetParam();
+  c.H = (c.H + 15) / 16 * 16;
+  c.F = (c.F + 15) / 16 * 16;
+  Rng rng;
+  MoELayerOptions options = layer_options(c, dtype);
+  options.experts.fp8 = Fp8ModuleRecipe{};
+  MoELayer cpu(c.E, c.H, c.F, options);
+  const LayerInputs in = layer_inputs(c, cpu, dtype, rng);
+  const LayerReference ref =
+      layer_reference(c, layer_params(cpu), oracle::to_matrix(in.x), oracle::to_matrix(in.dy), in.d_loss);
+  ASSERT_GE(ref.min_margin, 1e-4) << "inputs near a routing tie";
+  options.experts.device = Device::cuda(0);
+  MoELayer gpu(c.E, c.H, c.F, options);
+  gpu.load_state_dict(host_state(cpu));
+  MoELayerForwardResult f = gpu.forward(to_gpu(in.x));
+  const MoELayerBackwardResult b = gpu.backward(f.ctx, to_gpu(in.dy), in.d_loss);
+  synchronize(nullptr);
+  gpu.check_errors();
+  EXPECT_EQ(int64s(f.counts), ref.counts);
+  EXPECT_EQ(int64s(f.splits), ref.splits);
+  if (c.capacity_factor) EXPECT_EQ(int64s(f.dropped), ref.dropped);
+  constexpr double kBound = 5e-3, kRouterBound = 3e-2;
+  EXPECT_LE(oracle::similarity_diff(oracle::to_matrix(to_host(f.y)), ref.y), kBound) << "y";
+  EXPECT_LE(oracle::similarity_diff(oracle::to_matrix(to_host(b.dx)), ref.dx), kBound) << "dx";
+  EXPECT_LE(oracle::similarity_diff(grad_matrices(b.router_weight)[0], ref.d_router_weight), kRouterBound)
+      << "router weight";
+  EXPECT_LE(oracle::similarity_diff(grad_matrices(b.fc1_weight), ref.dw1), kBound) << "fc1 weight";
+  EXPECT_LE(oracle::similarity_diff(grad_matrices(b.fc2_weight), ref.dw2), kBound) << "fc2 weight";
+}
 
 struct OwnedStream {
   cudaStream_t s = nullptr;

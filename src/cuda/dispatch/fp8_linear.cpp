@@ -1,9 +1,11 @@
-// CUDA FP8 grouped linear: the Hopper FP8 grouped GEMM (sm90/grouped_gemm_fp8.cu). There is no
-// portable FP8 kernel: where the Hopper kernel cannot run a problem the op says why.
+// CUDA FP8 grouped linear: the Hopper FP8 grouped GEMM (sm90/grouped_gemm_fp8.cu), a float32
+// forward's non-bfloat16 bias added after it. There is no portable FP8 kernel: where the Hopper
+// kernel cannot run a problem the op says why.
 #include <string>
 
 #include "cuda/backend.hpp"
 #include "cuda/gemm/grouped_gemm_problem.hpp"
+#include "cuda/kernels/bias_grad.hpp"
 #include "cuda/sm90/grouped_gemm.hpp"
 #include "moe_engine/error.hpp"
 
@@ -38,14 +40,23 @@ GroupedGemmProblem row_problem(const Fp8Rows& a, const TensorView& w, const Tens
 
 }  // namespace
 
+bool fp8_gemms_supported(int device, std::string* why) { return sm90::fp8_device_supported(device, why); }
+
 void grouped_linear_forward(const Fp8Rows& x, const Fp8Weight& weight, const GroupLayout& groups,
                             const TensorView& y, const BiasEpilogue& bias, Stream stream) {
   const char* op = "grouped_linear_forward";
   GroupedGemmProblem p = row_problem(x, weight.data, weight.scales, groups, y);
-  p.bias = expert_address(op, "bias", bias.bias);
-  if (bias.bias.defined()) p.bias_dtype = bias.bias.dtype();
-  if (bias.row_scale.defined()) p.row_scale = bias.row_scale.data_as<float>();
+  // The FP8 kernel's bias epilogue reads bfloat16 biases; another bias dtype on a float32 y (a
+  // float32 module's) is added after the GEMM, in float32 as the epilogue would.
+  const bool bias_after = bias.bias.defined() && bias.bias.dtype() != DType::kBFloat16 && y.dtype() == DType::kFloat32;
+  if (!bias_after) {
+    p.bias = expert_address(op, "bias", bias.bias);
+    if (bias.bias.defined()) p.bias_dtype = bias.bias.dtype();
+    if (bias.row_scale.defined()) p.row_scale = bias.row_scale.data_as<float>();
+  }
   run_fp8(op, p, stream);
+  if (bias_after)
+    launch_add_bias(y, expert_address(op, "bias", bias.bias), bias.bias.dtype(), groups, bias.row_scale, stream);
 }
 
 void grouped_linear_dgrad(const Fp8Rows& dy, const Fp8Weight& weight, const GroupLayout& groups,

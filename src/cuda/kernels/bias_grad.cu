@@ -1,6 +1,9 @@
-// Deterministic bias-gradient kernels: each output element is reduced by one thread (dbias) or one
-// warp with a fixed shuffle tree (dscales), in a fixed order.
+// Bias kernels. The gradients are deterministic: each output element is reduced by one thread
+// (dbias) or one warp with a fixed shuffle tree (dscales), in a fixed order.
 #include "cuda/kernels/bias_grad.hpp"
+
+#include <algorithm>
+
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/dtype_dispatch.cuh"
 
@@ -55,7 +58,49 @@ __global__ void dscales_kernel(const In* __restrict__ dy, int64_t ld, ExpertAddr
   }
 }
 
+// One warp per row r < offsets[G], its expert by binary search over the offsets: y[r] += s[r] b_g.
+template <class B>
+__global__ void add_bias_kernel(float* __restrict__ y, int64_t ld, ExpertAddress bias,
+                                const int64_t* __restrict__ offsets, int64_t num_groups, int64_t n,
+                                const float* __restrict__ scale) {
+  const int64_t rows = offsets[num_groups];
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  const unsigned lane = threadIdx.x % 32;
+  for (int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
+    int64_t lo = 0, hi = num_groups - 1;  // last g with offsets[g] <= r
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (offsets[mid] <= r)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    const float s = scale ? scale[r] : 1.f;
+    const ExpertAddress address = bias;
+    const B* b = address.at<const B>(lo);
+    float* row = y + r * ld;
+    for (int64_t c = lane; c < n; c += 32) row[c] = __fmaf_rn(s, to_float(b[c]), row[c]);
+  }
+}
+
 }  // namespace
+
+void launch_add_bias(const TensorView& y, const ExpertAddress& bias, DType bias_dtype, const GroupLayout& groups,
+                     const TensorView& row_scale, Stream stream) {
+  MOE_CHECK(y.dtype() == DType::kFloat32, ErrorCode::kInternal, "add_bias: y must be float32, got ",
+            dtype_name(y.dtype()));
+  if (y.size(0) == 0 || y.size(1) == 0) return;
+  const float* scale = row_scale.defined() ? row_scale.data_as<float>() : nullptr;
+  // Grid from the capacity (static), never the routing: 8 rows a block, at most 1056 blocks.
+  const unsigned blocks = unsigned(std::min<int64_t>((y.size(0) + 7) / 8, 1056));
+  with_cuda_type(bias_dtype, "add_bias", [&](auto b) {
+    using B = decltype(b);
+    add_bias_kernel<B><<<blocks, 256, 0, stream>>>(y.data_as<float>(), y.stride(0), bias,
+                                                   groups.offsets().data_as<int64_t>(), groups.num_groups(),
+                                                   y.size(1), scale);
+    MOE_CUDA_CHECK_LAUNCH("add_bias_kernel");
+  });
+}
 
 void launch_dbias(const TensorView& dy, const GroupLayout& groups, const ExpertAddress& db,
                   DType db_dtype, bool accumulate, const TensorView& row_scale, Stream stream) {

@@ -1,4 +1,5 @@
-// Bias gradients on CUDA: db_g = sum_r s[r] dy[r] and dscales[r] = <dy[r], b_g>.
+// Bias kernels on CUDA: the gradients db_g = sum_r s[r] dy[r] and dscales[r] = <dy[r], b_g>, and
+// the bias added after a GEMM, y[r] += s[r] b_g.
 #pragma once
 
 #include "cuda/gemm/expert_address.hpp"
@@ -15,5 +16,10 @@ void launch_dbias(const TensorView& dy, const GroupLayout& groups, const ExpertA
 void launch_dscales(const TensorView& dy, const ExpertAddress& bias, DType bias_dtype,
                     const GroupLayout& groups, const TensorView& dscales, bool accumulate,
                     Stream stream);
+// y[r] += s[r] * b_g in float32 (s = row_scale[r], 1 without it; one fused multiply-add a value)
+// for rows r < offsets[G] of a float32 y, bias_g [N] per expert: a GEMM's bias epilogue run after
+// the GEMM.
+void launch_add_bias(const TensorView& y, const ExpertAddress& bias, DType bias_dtype, const GroupLayout& groups,
+                     const TensorView& row_scale, Stream stream);
 
 }  // namespace moe::cuda

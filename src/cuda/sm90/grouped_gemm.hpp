@@ -13,14 +13,16 @@ namespace moe::cuda::sm90 {
 bool can_run(const GroupedGemmProblem& problem, std::string* why);
 void run(const GroupedGemmProblem& problem, Stream stream);
 
-// The fused expert MLP's GEMMs with a GLU epilogue (epilogue_glu.cuh): FC1's forward (the problem's
-// output d is h [T, 2F], stored only if glu.store_h) or FC2's dgrad (d = d(act * p) [T, F], never
-// stored). can_run_glu adds the epilogue's own needs to can_run's.
 // FP8 block-scaled GEMMs (grouped_gemm_fp8.cu; the problem's FP8 fields): forward (dgrad as the
-// forward over the transposed weight) and wgrad over the columns copies.
+// forward over the transposed weight) and wgrad over the columns copies. fp8_device_supported:
+// whether `device` runs them at all (compute capability 9.0), the first of can_run_fp8's checks.
+bool fp8_device_supported(int device, std::string* why);
 bool can_run_fp8(const GroupedGemmProblem& problem, std::string* why);
 void run_fp8(const GroupedGemmProblem& problem, Stream stream);
 
+// The fused expert MLP's GEMMs with a GLU epilogue (epilogue_glu.cuh): FC1's forward (the problem's
+// output d is h [T, 2F], stored only if glu.store_h) or FC2's dgrad (d = d(act * p) [T, F], never
+// stored). can_run_glu adds the epilogue's own needs to can_run's.
 bool can_run_glu(const GroupedGemmProblem& problem, const GluEpilogueParams& glu, std::string* why);
 void run_glu(const GroupedGemmProblem& problem, const GluEpilogueParams& glu, Stream stream);
 

@@ -92,14 +92,20 @@ void run_with(const GroupedGemmProblem& pr, Stream stream) {
 
 }  // namespace
 
+bool fp8_device_supported(int device, std::string* why) {
+  const DeviceTraits& t = device_traits(device);
+  if (t.major == 9 && t.minor == 0) return true;
+  if (why) *why = "the Hopper FP8 kernels need compute capability 9.0";
+  return false;
+}
+
 bool can_run_fp8(const GroupedGemmProblem& p, std::string* why) {
   using Cfg = Fp8Ring::Cfg;
   auto no = [&](const std::string& reason) {
     if (why) *why = reason;
     return false;
   };
-  const DeviceTraits& t = device_traits(p.device);
-  if (t.major != 9 || t.minor != 0) return no("the Hopper FP8 kernels need compute capability 9.0");
+  if (!fp8_device_supported(p.device, why)) return false;
   if (p.in_dtype != DType::kFloat8E4M3) return no("inputs must be float8_e4m3");
   if (p.form == Form::kDgrad) return no("internal: FP8 dgrad runs as the forward form over the transposed weight");
   if (p.out_dtype != DType::kBFloat16 && p.out_dtype != DType::kFloat32) return no("outputs must be bfloat16 or float32");
