@@ -1,7 +1,7 @@
 // The expert-parallel MoE layer on the CPU backend (docs/design.md section 16): P ranks as threads
 // over an in-process communicator, uneven token counts (ranks without tokens), against the layer
 // without expert parallelism on each rank's tokens, dropless and with a fixed capacity (drops
-// accounted for); and the validation of the options.
+// accounted for), with 16-bit and FP8 experts; and the validation of the options.
 #include <memory>
 #include <string>
 #include <tuple>
@@ -21,6 +21,11 @@ TEST_P(MoELayerExpertParallel, EachRankMatchesTheFullLayerOnItsTokens) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoELayerExpertParallel,
                          ::testing::Combine(::testing::ValuesIn(ep_cases()),
+                                            ::testing::Values(DType::kFloat32, DType::kBFloat16)),
+                         ep_param_name);
+
+INSTANTIATE_TEST_SUITE_P(Fp8, MoELayerExpertParallel,
+                         ::testing::Combine(::testing::ValuesIn(ep_fp8_cases()),
                                             ::testing::Values(DType::kFloat32, DType::kBFloat16)),
                          ep_param_name);
 
