@@ -63,11 +63,10 @@ inline std::vector<EpCase> ep_cases() {
 // FP8 experts under expert parallelism (the layer cases with H and F multiples of 16).
 inline std::vector<EpCase> ep_fp8_cases() {
   const std::vector<LayerCase> c = layer_cases();
-  auto fp8_shape = [](LayerCase l) {
-    l.H = (l.H + 15) / 16 * 16;
-    l.F = (l.F + 15) / 16 * 16;
-    l.name += "_fp8";
-    return l;
+  auto fp8_shape = [](const LayerCase& l) {
+    LayerCase f = fp8_shapes(l);
+    f.name += "_fp8";
+    return f;
   };
   return {
       {fp8_shape(c[0]), 2, {30, 7}, std::nullopt, false, true},
@@ -101,10 +100,6 @@ inline std::map<std::string, Tensor> rank_state(const std::map<std::string, Tens
   return out;
 }
 
-inline std::vector<oracle::Matrix> grad_mats(const ParamGradResult& r) {
-  return oracle::to_matrices(host_copy(r.grad).view());
-}
-
 inline void add_into(std::vector<oracle::Matrix>& sum, const std::vector<oracle::Matrix>& m) {
   if (sum.empty()) {
     sum = m;
@@ -129,11 +124,7 @@ inline void check_expert_parallel(const EpCase& e, DType dtype, Device device, c
   const LayerCase& c = e.layer;
   const int P = e.ranks;
   const int64_t L = c.E / P;
-  const auto options = [&](Device d) {
-    MoELayerOptions o = layer_options(c, dtype, d);
-    if (e.fp8) o.experts.fp8 = Fp8ModuleRecipe{};
-    return o;
-  };
+  const auto options = [&](Device d) { return e.fp8 ? fp8_layer_options(c, dtype, d) : layer_options(c, dtype, d); };
   // FP8: measured up to 3.6% apart in norm (the column blocks differ, few tokens an expert); a
   // wrong expert, block or scale is O(1).
   const double weight_tol = e.fp8 ? std::max(tol, 1e-1) : tol;
@@ -160,12 +151,12 @@ inline void check_expert_parallel(const EpCase& e, DType dtype, Device device, c
     out.y = oracle::to_matrix(host_copy(f.y));
     out.dx = oracle::to_matrix(host_copy(b.dx));
     out.loss = scalar_value(host_copy(f.loss));
-    out.d_router = grad_mats(b.router_weight)[0];
-    add_into(dw1, grad_mats(b.fc1_weight));
-    add_into(dw2, grad_mats(b.fc2_weight));
+    out.d_router = grad_matrices(b.router_weight)[0];
+    add_into(dw1, grad_matrices(b.fc1_weight));
+    add_into(dw2, grad_matrices(b.fc2_weight));
     if (c.mlp_bias) {
-      add_into(db1, grad_mats(b.fc1_bias));
-      add_into(db2, grad_mats(b.fc2_bias));
+      add_into(db1, grad_matrices(b.fc1_bias));
+      add_into(db2, grad_matrices(b.fc2_bias));
     }
     const Tensor s = host_copy(f.splits);
     for (int64_t x = 0; x < c.E; ++x) splits_sum[size_t(x)] += s.data_as<int64_t>()[x];
@@ -194,12 +185,12 @@ inline void check_expert_parallel(const EpCase& e, DType dtype, Device device, c
         out.y = oracle::to_matrix(host_copy(f.y));
         out.dx = oracle::to_matrix(host_copy(b.dx));
         out.loss = scalar_value(host_copy(f.loss));
-        out.d_router = grad_mats(b.router_weight)[0];
-        out.dw1 = grad_mats(b.fc1_weight);
-        out.dw2 = grad_mats(b.fc2_weight);
+        out.d_router = grad_matrices(b.router_weight)[0];
+        out.dw1 = grad_matrices(b.fc1_weight);
+        out.dw2 = grad_matrices(b.fc2_weight);
         if (c.mlp_bias) {
-          out.db1 = grad_mats(b.fc1_bias);
-          out.db2 = grad_mats(b.fc2_bias);
+          out.db1 = grad_matrices(b.fc1_bias);
+          out.db2 = grad_matrices(b.fc2_bias);
         }
         const Tensor s = host_copy(f.local_splits);
         out.local_splits.assign(s.data_as<int64_t>(), s.data_as<int64_t>() + s.numel());

@@ -70,6 +70,19 @@ inline MoELayerOptions layer_options(const LayerCase& c, DType dtype, Device dev
   return o;
 }
 
+// FP8 experts (options.experts.fp8, all six GEMMs in FP8) need H and F multiples of 16: the case's
+// shapes rounded up to them, and its options with the recipe.
+inline LayerCase fp8_shapes(LayerCase c) {
+  c.H = (c.H + 15) / 16 * 16;
+  c.F = (c.F + 15) / 16 * 16;
+  return c;
+}
+inline MoELayerOptions fp8_layer_options(const LayerCase& c, DType dtype, Device device = Device::cpu()) {
+  MoELayerOptions o = layer_options(c, dtype, device);
+  o.experts.fp8 = Fp8ModuleRecipe{};
+  return o;
+}
+
 // The layer's parameters, read back on the host for the oracle.
 struct LayerParams {
   oracle::Matrix router_weight;
@@ -98,6 +111,11 @@ inline GroupedTensor host_copy(const GroupedTensor& g) {
   for (int64_t e = 0; e < v.num_groups(); ++e) copy_tensor(h.view().expert(e), v.expert(e));
   synchronize(nullptr);
   return h;
+}
+
+// A parameter gradient's experts (or the router's one matrix) on the host, for the oracle.
+inline std::vector<oracle::Matrix> grad_matrices(const ParamGradResult& r) {
+  return oracle::to_matrices(host_copy(r.grad).view());
 }
 
 inline LayerParams layer_params(MoELayer& layer) {
@@ -177,6 +195,26 @@ struct LayerInputs {
   Tensor x, dy;  // host, the layer's dtype
   double d_loss = 0;
 };
+
+// FP8 experts (options.experts.fp8): y and every gradient against the float64 layer within FP8's
+// error, by DeepGEMM's similarity difference: the FP8 MLP tests' bound, 5e-3 (a wrong scale, block or
+// expert gives 1e-1 and more); the router weight's gradient, which carries dprobs through the scores'
+// backward, 3e-2. Measured on the layer cases: y at most 9e-4, dx 2.4e-3, the weights 2e-3, the
+// router 4.1e-3. Results on any device.
+inline void expect_fp8_layer_close(const MoELayerForwardResult& f, const MoELayerBackwardResult& b,
+                                   const LayerReference& ref, bool mlp_bias) {
+  constexpr double kBound = 5e-3, kRouterBound = 3e-2;
+  EXPECT_LE(oracle::similarity_diff(oracle::to_matrix(host_copy(f.y)), ref.y), kBound) << "y";
+  EXPECT_LE(oracle::similarity_diff(oracle::to_matrix(host_copy(b.dx)), ref.dx), kBound) << "dx";
+  EXPECT_LE(oracle::similarity_diff(grad_matrices(b.router_weight)[0], ref.d_router_weight), kRouterBound)
+      << "router weight";
+  EXPECT_LE(oracle::similarity_diff(grad_matrices(b.fc1_weight), ref.dw1), kBound) << "fc1 weight";
+  EXPECT_LE(oracle::similarity_diff(grad_matrices(b.fc2_weight), ref.dw2), kBound) << "fc2 weight";
+  if (mlp_bias) {
+    EXPECT_LE(oracle::similarity_diff(bias_rows(host_copy(b.fc1_bias.grad).view()), ref.db1), kBound) << "fc1 bias";
+    EXPECT_LE(oracle::similarity_diff(bias_rows(host_copy(b.fc2_bias.grad).view()), ref.db2), kBound) << "fc2 bias";
+  }
+}
 
 inline LayerInputs layer_inputs(const LayerCase& c, MoELayer& layer, DType dtype, Rng& rng, double margin = 1e-4) {
   // The router weight and the expert bias, written through the state dict (it shares the storage).

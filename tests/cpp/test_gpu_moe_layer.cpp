@@ -20,10 +20,6 @@ std::vector<int64_t> int64s(const TensorView& t) {
   return std::vector<int64_t>(h.data_as<int64_t>(), h.data_as<int64_t>() + h.numel());
 }
 
-std::vector<oracle::Matrix> grad_matrices(const ParamGradResult& r) {
-  return oracle::to_matrices(host_copy(r.grad).view());
-}
-
 // A host state dict (for loading into a layer on another device).
 std::map<std::string, Tensor> host_state(const MoELayer& layer) {
   std::map<std::string, Tensor> out;
@@ -75,22 +71,17 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuMoELayer,
                          });
 
 // FP8 experts (options.experts.fp8) on CUDA: the CPU layer's routing exactly, y and every gradient
-// against the float64 layer within FP8's error as on the CPU (test_moe_layer.cpp: similarity 5e-3,
-// the router weight 3e-2), with H and F made multiples of 16.
+// within FP8's error of the float64 layer (expect_fp8_layer_close), on the cases' fp8_shapes.
 TEST_P(GpuMoELayer, Fp8ExpertsSameRoutingAndWithinFp8ErrorOfFloat64) {
-  auto [c, dtype] = GetParam();
-  c.H = (c.H + 15) / 16 * 16;
-  c.F = (c.F + 15) / 16 * 16;
+  const LayerCase c = fp8_shapes(std::get<0>(GetParam()));
+  const DType dtype = std::get<1>(GetParam());
   Rng rng;
-  MoELayerOptions options = layer_options(c, dtype);
-  options.experts.fp8 = Fp8ModuleRecipe{};
-  MoELayer cpu(c.E, c.H, c.F, options);
+  MoELayer cpu(c.E, c.H, c.F, fp8_layer_options(c, dtype));
   const LayerInputs in = layer_inputs(c, cpu, dtype, rng);
   const LayerReference ref =
       layer_reference(c, layer_params(cpu), oracle::to_matrix(in.x), oracle::to_matrix(in.dy), in.d_loss);
   ASSERT_GE(ref.min_margin, 1e-4) << "inputs near a routing tie";
-  options.experts.device = Device::cuda(0);
-  MoELayer gpu(c.E, c.H, c.F, options);
+  MoELayer gpu(c.E, c.H, c.F, fp8_layer_options(c, dtype, Device::cuda(0)));
   gpu.load_state_dict(host_state(cpu));
   MoELayerForwardResult f = gpu.forward(to_gpu(in.x));
   const MoELayerBackwardResult b = gpu.backward(f.ctx, to_gpu(in.dy), in.d_loss);
@@ -99,13 +90,7 @@ TEST_P(GpuMoELayer, Fp8ExpertsSameRoutingAndWithinFp8ErrorOfFloat64) {
   EXPECT_EQ(int64s(f.counts), ref.counts);
   EXPECT_EQ(int64s(f.splits), ref.splits);
   if (c.capacity_factor) EXPECT_EQ(int64s(f.dropped), ref.dropped);
-  constexpr double kBound = 5e-3, kRouterBound = 3e-2;
-  EXPECT_LE(oracle::similarity_diff(oracle::to_matrix(to_host(f.y)), ref.y), kBound) << "y";
-  EXPECT_LE(oracle::similarity_diff(oracle::to_matrix(to_host(b.dx)), ref.dx), kBound) << "dx";
-  EXPECT_LE(oracle::similarity_diff(grad_matrices(b.router_weight)[0], ref.d_router_weight), kRouterBound)
-      << "router weight";
-  EXPECT_LE(oracle::similarity_diff(grad_matrices(b.fc1_weight), ref.dw1), kBound) << "fc1 weight";
-  EXPECT_LE(oracle::similarity_diff(grad_matrices(b.fc2_weight), ref.dw2), kBound) << "fc2 weight";
+  expect_fp8_layer_close(f, b, ref, c.mlp_bias);
 }
 
 struct OwnedStream {

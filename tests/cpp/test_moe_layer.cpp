@@ -20,10 +20,6 @@ std::vector<int64_t> int64s(const Tensor& t) {
   return std::vector<int64_t>(h.data_as<int64_t>(), h.data_as<int64_t>() + h.numel());
 }
 
-std::vector<oracle::Matrix> grad_matrices(const ParamGradResult& r) {
-  return oracle::to_matrices(host_copy(r.grad).view());
-}
-
 class MoELayerVsOracle : public ::testing::TestWithParam<std::tuple<LayerCase, DType>> {};
 
 TEST_P(MoELayerVsOracle, ForwardAndEveryGradient) {
@@ -74,21 +70,15 @@ INSTANTIATE_TEST_SUITE_P(Cases, MoELayerVsOracle,
                          });
 
 // FP8 experts (options.experts.fp8: all six GEMMs in FP8): the routing exactly as without them (the
-// router is not quantized), y and every gradient against the float64 layer within FP8's error, by
-// DeepGEMM's similarity difference (the FP8 MLP tests' bound, 5e-3: a wrong scale, block or expert
-// gives 1e-1 and more; the router weight's gradient, which carries dprobs through the scores'
-// backward, 3e-2; measured: y at most 9e-4, dx 2.4e-3, the weights 2e-3, the router 4.1e-3). The
-// cases' shapes with H and F made multiples of 16, as FP8 needs.
+// router is not quantized), y and every gradient within FP8's error of the float64 layer
+// (expect_fp8_layer_close), on the cases' fp8_shapes.
 class MoELayerFp8VsOracle : public ::testing::TestWithParam<std::tuple<LayerCase, DType>> {};
 
 TEST_P(MoELayerFp8VsOracle, ForwardAndEveryGradientWithinFp8Error) {
-  auto [c, dtype] = GetParam();
-  c.H = (c.H + 15) / 16 * 16;
-  c.F = (c.F + 15) / 16 * 16;
+  const LayerCase c = fp8_shapes(std::get<0>(GetParam()));
+  const DType dtype = std::get<1>(GetParam());
   Rng rng;
-  MoELayerOptions options = layer_options(c, dtype);
-  options.experts.fp8 = Fp8ModuleRecipe{};
-  MoELayer layer(c.E, c.H, c.F, options);
+  MoELayer layer(c.E, c.H, c.F, fp8_layer_options(c, dtype));
   const LayerInputs in = layer_inputs(c, layer, dtype, rng);
   const LayerReference ref =
       layer_reference(c, layer_params(layer), oracle::to_matrix(in.x), oracle::to_matrix(in.dy), in.d_loss);
@@ -98,18 +88,8 @@ TEST_P(MoELayerFp8VsOracle, ForwardAndEveryGradientWithinFp8Error) {
   EXPECT_EQ(int64s(f.splits), ref.splits);
   if (c.capacity_factor) EXPECT_EQ(int64s(f.dropped), ref.dropped);
   EXPECT_NEAR(scalar_value(f.loss), ref.loss, 1e-5 * std::abs(ref.loss) + 1e-12);
-  constexpr double kBound = 5e-3, kRouterBound = 3e-2;
-  EXPECT_LE(oracle::similarity_diff(oracle::to_matrix(f.y), ref.y), kBound) << "y";
-  MoELayerBackwardResult b = layer.backward(f.ctx, in.dy, in.d_loss);
-  EXPECT_LE(oracle::similarity_diff(oracle::to_matrix(b.dx), ref.dx), kBound) << "dx";
-  EXPECT_LE(oracle::similarity_diff(grad_matrices(b.router_weight)[0], ref.d_router_weight), kRouterBound)
-      << "router weight";
-  EXPECT_LE(oracle::similarity_diff(grad_matrices(b.fc1_weight), ref.dw1), kBound) << "fc1 weight";
-  EXPECT_LE(oracle::similarity_diff(grad_matrices(b.fc2_weight), ref.dw2), kBound) << "fc2 weight";
-  if (c.mlp_bias) {
-    EXPECT_LE(oracle::similarity_diff(bias_rows(host_copy(b.fc1_bias.grad).view()), ref.db1), kBound) << "fc1 bias";
-    EXPECT_LE(oracle::similarity_diff(bias_rows(host_copy(b.fc2_bias.grad).view()), ref.db2), kBound) << "fc2 bias";
-  }
+  const MoELayerBackwardResult b = layer.backward(f.ctx, in.dy, in.d_loss);
+  expect_fp8_layer_close(f, b, ref, c.mlp_bias);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoELayerFp8VsOracle,
