@@ -52,7 +52,7 @@ class ScopedDevice {
   ScopedDevice& operator=(const ScopedDevice&) = delete;
 
  private:
-  int previous_ = -1;
+  [[maybe_unused]] int previous_ = -1;  // read only where CUDA is built in
 };
 
 }  // namespace moe::cuda_api
