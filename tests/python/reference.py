@@ -15,6 +15,28 @@ def assert_close(out, ref, dtype, what=""):
     assert err <= TOL[dtype], f"{what}: rel. error {err:.3g} > {TOL[dtype]:.3g}"
 
 
+def similarity_diff(a, b):
+    """DeepGEMM's 1 - 2 sum(a b) / sum(a^2 + b^2), the FP8 tests' measure of a result against that of
+    the unquantized inputs."""
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    den = (a.square() + b.square()).sum()
+    return (1 - 2 * (a * b).sum() / den).item() if den > 0 else 0.0
+
+
+def assert_similar(got, want, bound, what):
+    assert not got.detach().isnan().any(), f"{what}: NaN"
+    diff = similarity_diff(got, want)
+    assert diff <= bound, f"{what}: similarity difference {diff:.3g} > {bound:.3g}"
+
+
+def needs_fp8_gemm(device):
+    """Skips on a GPU without the FP8 GEMMs (they run on the Hopper kernel only)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
+        import pytest
+
+        pytest.skip("the FP8 GEMMs run on the Hopper kernel only (compute capability 9.0)")
+
+
 # Routings with the odd cases: empty experts, 1-row experts, sizes off every tile, one expert
 # holding all tokens, G = 1 and G = 256; capacity above the sum (a tail no expert owns).
 ROUTINGS = {

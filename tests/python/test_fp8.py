@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
 
 import moe_engine.torch as me
 from moe_engine import _C
-from reference import bounds, make_splits
+from reference import bounds, make_splits, needs_fp8_gemm, similarity_diff
 
 E4M3 = torch.float8_e4m3fn
 ops = torch.ops.moe_engine
@@ -41,11 +41,6 @@ INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 def round_up(n, m):
     return (n + m - 1) // m * m
-
-
-def needs_fp8_gemm(device):
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
-        pytest.skip("the FP8 GEMMs run on the Hopper kernel only (compute capability 9.0)")
 
 
 # ---- the rule, in plain PyTorch ----
@@ -311,13 +306,6 @@ def check_gemm(got, want, out_dtype, device, what):
     norm_bound = 1e-3 if out_dtype == torch.float32 else 4e-3
     assert norm <= norm_bound, f"{what}: error norm / norm {norm:.3g} > {norm_bound:.3g}"
     assert worst <= 3e-2, f"{what}: max error / rms {worst:.3g} > 0.03"
-
-
-def similarity_diff(a, b):
-    """DeepGEMM's 1 - 2 sum(a b) / sum(a^2 + b^2): FP8 results vs those of the unquantized inputs."""
-    a, b = a.detach().cpu().double(), b.detach().cpu().double()
-    den = (a.square() + b.square()).sum()
-    return (1 - 2 * (a * b).sum() / den).item() if den > 0 else 0.0
 
 
 def problem(case, device, seed=0):

@@ -28,7 +28,8 @@ import moe_engine.torch as me
 from moe_engine import _C
 from moe_engine.torch import fp8 as fp8_impl
 from moe_engine.torch import offload as offload_impl
-from reference import assert_close, expert_mlp_ref, grouped_linear_ref, make_splits
+from reference import (assert_close, assert_similar, expert_mlp_ref, grouped_linear_ref, make_splits, needs_fp8_gemm,
+                       similarity_diff)
 
 E4M3 = torch.float8_e4m3fn
 ops = torch.ops.moe_engine
@@ -63,30 +64,12 @@ DTYPES = [torch.bfloat16, torch.float32]
 CONTRACT_DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
 
 
-def needs_fp8_gemm(device):
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
-        pytest.skip("the FP8 GEMMs run on the Hopper kernel only (compute capability 9.0)")
-
-
 def force_x_form(monkeypatch, form):
     """What the FP8 MLP keeps of x for FC1's weight gradient: ``rule`` as
     ``expert_mlp_fp8_keeps_x_rows(T, G)`` says (rows for every case above: their experts are small
     next to the 128-token column tiles), or ``columns`` / ``rows`` forced."""
     if form != "rule":
         monkeypatch.setattr(fp8_impl, "expert_mlp_fp8_keeps_x_rows", lambda T, G: form == "rows")
-
-
-def similarity_diff(a, b):
-    """DeepGEMM's 1 - 2 sum(a b) / sum(a^2 + b^2)."""
-    a, b = a.detach().cpu().double(), b.detach().cpu().double()
-    den = (a.square() + b.square()).sum()
-    return (1 - 2 * (a * b).sum() / den).item() if den > 0 else 0.0
-
-
-def assert_similar(got, want, bound, what):
-    assert not got.detach().isnan().any(), f"{what}: NaN"
-    diff = similarity_diff(got, want)
-    assert diff <= bound, f"{what}: similarity difference {diff:.3g} > {bound:.3g}"
 
 
 def stacked(params):

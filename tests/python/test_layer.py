@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
 
 import moe_engine.torch as me
-from reference import TOL, assert_close, expert_mlp_ref
+from reference import TOL, assert_close, assert_similar, expert_mlp_ref, needs_fp8_gemm
 
 # (name, layer options, T): odd token counts, k = 1 and k > 1, groups, bias, drops, losses.
 CASES = [
@@ -127,18 +127,6 @@ def test_layer_matches_float64_reference(device, dtype, name, opts, T):
         assert y.shape == (0, H) and x.grad.shape == (0, H)
 
 
-def similarity_diff(a, b):
-    """DeepGEMM's 1 - 2 sum(a b) / sum(a^2 + b^2), the FP8 tests' measure."""
-    a, b = a.detach().cpu().double(), b.detach().cpu().double()
-    den = (a.square() + b.square()).sum()
-    return (1 - 2 * (a * b).sum() / den).item() if den > 0 else 0.0
-
-
-def needs_fp8_gemm(device):
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
-        pytest.skip("the FP8 GEMMs run on the Hopper kernel only (compute capability 9.0)")
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name,opts,T", CASES, ids=[c[0] for c in CASES])
 def test_fp8_layer_matches_float64_reference_within_fp8_error(device, dtype, name, opts, T):
@@ -168,9 +156,7 @@ def test_fp8_layer_matches_float64_reference_within_fp8_error(device, dtype, nam
     # to 3.2e-3. An error in the experts' FP8 path moves dprobs by O(1).
     bound = {"y": 5e-3, "dx": 1e-2, "router": 3e-2, "fc1": 5e-3, "fc2": 5e-3}
     for what in got:
-        assert not got[what].isnan().any(), f"{what}: NaN"
-        diff = similarity_diff(got[what], want[what])
-        assert diff <= bound[what], f"{what}: similarity difference {diff:.3g} > {bound[what]:.3g}"
+        assert_similar(got[what], want[what], bound[what], what)
     assert abs(layer.aux_loss.item() - ref_aux.item()) <= TOL[dtype] * max(abs(ref_aux.item()), 1e-6)
 
 

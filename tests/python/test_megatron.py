@@ -52,7 +52,7 @@ if MCORE is not None:
     import moe_engine.megatron as mm
     from moe_engine.megatron import GroupedMLPExperts, use_moe_engine_experts
 
-from reference import assert_close  # noqa: E402
+from reference import assert_close, assert_similar, needs_fp8_gemm  # noqa: E402
 
 DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
 H, FFN, E = 32, 16, 4
@@ -399,21 +399,13 @@ def test_bad_tokens_per_expert(mp):
         m(x, torch.tensor([3, 3]), torch.rand(6))
 
 
-def similarity_diff(a, b):
-    """DeepGEMM's 1 - 2 sum(a b) / sum(a^2 + b^2), the FP8 tests' measure."""
-    a, b = a.detach().cpu().double(), b.detach().cpu().double()
-    den = (a.square() + b.square()).sum()
-    return (1 - 2 * (a * b).sum() / den).item() if den > 0 else 0.0
-
-
 @needs_mcore
 def test_fp8_recipe_through_the_spec_params(mp, device):
     """GroupedMLPExperts(..., fp8_recipe=Fp8Recipe()), as ``ModuleSpec(params={"fp8_recipe": ...})``
     passes it: the experts run moe-engine's FP8 MLP; y within FP8's similarity bound (the FP8 tests'
     5e-3) of the float64 reference, and dx, dprobs and the weights' gradients within it of the same
     experts without the recipe (same weights)."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
-        pytest.skip("the FP8 GEMMs run on the Hopper kernel only (compute capability 9.0)")
+    needs_fp8_gemm(device)
     import moe_engine.torch as me
 
     cfg = make_config(device, add_bias_linear=True)
@@ -436,12 +428,9 @@ def test_fp8_recipe_through_the_spec_params(mp, device):
         y, _ = m(xi, counts, pi)
         y.backward(dy)
         runs.append([y, xi.grad, pi.grad] + [p.grad for p in m.parameters()])
-    diff = similarity_diff(runs[0][0], reference(fp8, x, counts, probs, cfg))
-    assert diff <= 5e-3, f"y vs float64: similarity difference {diff:.3g}"
+    assert_similar(runs[0][0], reference(fp8, x, counts, probs, cfg), 5e-3, "y vs float64")
     for i, (a, b) in enumerate(zip(*runs)):
-        assert not a.isnan().any(), f"result {i}: NaN"
-        diff = similarity_diff(a, b)
-        assert diff <= 5e-3, f"result {i} vs the experts without FP8: similarity difference {diff:.3g}"
+        assert_similar(a, b, 5e-3, f"result {i} vs the experts without FP8")
 
 
 # ---- configurations it cannot serve ----
