@@ -94,6 +94,22 @@ inline std::string no_gpu_reason() {
   return inv.gpus.empty() ? "no CUDA GPU visible: " + inv.note : std::string();
 }
 
+// Empty when device 0 runs the sm_90a kernels (the FP8 GEMMs, the fused bf16 MLP); otherwise why
+// not. The quantizers run on any GPU; a test of an FP8 GEMM, module, MLP or layer skips with this.
+inline std::string no_hopper_reason() {
+  if (std::string why = no_gpu_reason(); !why.empty()) return why;
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return "cudaGetDeviceProperties failed";
+  if (prop.major != 9 || prop.minor != 0)
+    return "the FP8 GEMMs and the fused MLP need an sm_90 GPU; device 0 is sm_" + std::to_string(prop.major) +
+           std::to_string(prop.minor);
+  return {};
+}
+
+#define MOE_SKIP_WITHOUT_HOPPER()                                                               \
+  if (const std::string moe_no_hopper = ::moe::test::no_hopper_reason(); !moe_no_hopper.empty()) \
+  GTEST_SKIP() << moe_no_hopper
+
 // A test's size (layers, steps) under compute-sanitizer, which the GPU runner announces with
 // MOE_TEST_UNDER_SANITIZER. racecheck holds shadow state of every block's shared memory for each
 // launch it has not analyzed yet, so a step that enqueues many large-shared-memory kernels

@@ -255,12 +255,6 @@ void expect_mlp_close(const MlpOutputs& gpu, const MlpOutputs& cpu, int64_t rows
 
 class GpuExpertMlp : public GpuGlu {};
 
-bool on_hopper() {
-  int major = 0;
-  EXPECT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
-  return major == 9;
-}
-
 // Every CUDA path against the CPU backend: fused forward + backward (the activation in FC1's
 // epilogue, its backward + dprobs in FC2 dgrad's; GLU layouts pairs and blocks of 8..128, and the
 // non-gated activations), fused forward only, and unfused (grouped GEMMs + activation kernels; every
@@ -289,7 +283,7 @@ TEST_P(GpuExpertMlp, MatchesTheCpuForEveryActivationLayoutBiasAndProbs) {
   for (Activation act : kElementwiseActivations)
     for (const auto& [F, fusable] : {std::pair{200, true}, {384, true}, {64, true}, {196, false}})
       cases.push_back({spec_of(act), F, fusable});
-  const bool hopper = on_hopper();
+  const bool hopper = no_hopper_reason().empty();
   bool save = false;
   for (const Case& c : cases)
     for (bool bias_and_probs : {false, true}) {
@@ -351,7 +345,7 @@ TEST_P(GpuExpertMlp, ManyExpertsOneExpertTakingAllAndOneExpert) {
       const MlpCase c(rng, r.cpu.num_groups(), T, 128, 64, dt, glu, true, true);
       const MlpOutputs gpu = run_mlp(c, r.gpu, Device::cuda(0), true);
       expect_mlp_close(gpu, run_mlp(c, r.cpu.layout, Device::cpu(), true), r.cpu.rows(), dt);
-      EXPECT_EQ(gpu.forward_fused, on_hopper());
+      EXPECT_EQ(gpu.forward_fused, no_hopper_reason().empty());
       EXPECT_NO_THROW(r.flag.check());
     }
 }

@@ -11,9 +11,7 @@ namespace {
 
 class GpuFp8Mlp : public ::testing::Test {
  protected:
-  void SetUp() override {
-    if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
-  }
+  void SetUp() override { MOE_SKIP_WITHOUT_HOPPER(); }
 };
 
 Fp8MlpRun to_host(const Fp8MlpRun& r) {

@@ -718,6 +718,7 @@ void expect_gemm_close(const oracle::Matrix& got, const oracle::Matrix& oracle_r
 }
 
 TEST_F(GpuFp8, ForwardVsOracleAndBf16EveryBiasModeAndOutputDtype) {
+  MOE_SKIP_WITHOUT_HOPPER();
   Rng rng;
   for (const Fp8Case& c : gpu_fp8_cases()) {
     SCOPED_TRACE(c.name);
@@ -767,6 +768,7 @@ TEST_F(GpuFp8, ForwardVsOracleAndBf16EveryBiasModeAndOutputDtype) {
 }
 
 TEST_F(GpuFp8, DgradVsOracleAndBf16) {
+  MOE_SKIP_WITHOUT_HOPPER();
   Rng rng;
   for (const Fp8Case& c : gpu_fp8_cases()) {
     SCOPED_TRACE(c.name);
@@ -790,6 +792,7 @@ TEST_F(GpuFp8, DgradVsOracleAndBf16) {
 }
 
 TEST_F(GpuFp8, WgradWriteAccumulateOverwriteVsOracleAndBf16) {
+  MOE_SKIP_WITHOUT_HOPPER();
   Rng rng;
   for (const Fp8Case& c : gpu_fp8_cases()) {
     SCOPED_TRACE(c.name);
@@ -839,6 +842,7 @@ TEST_F(GpuFp8, WgradWriteAccumulateOverwriteVsOracleAndBf16) {
 // Quantize (rows + columns) + forward + dgrad + wgrad (accumulate) captured once and replayed with
 // new routings: every replay equals an eager run bit for bit.
 TEST_F(GpuFp8Graph, QuantizeAndGemmsCapturedOnceReplayedEqualEager) {
+  MOE_SKIP_WITHOUT_HOPPER();
   Rng rng;
   const int64_t G = 16, T = 2048, N = 272, K = 400;
   cudaStream_t stream;
@@ -895,6 +899,7 @@ TEST_F(GpuFp8Graph, QuantizeAndGemmsCapturedOnceReplayedEqualEager) {
 
 // Bad splits through the GEMMs: nothing written past the clamped end, the error reported.
 TEST_F(GpuFp8Graph, GemmsWithBadSplitsWriteNothingOutOfBounds) {
+  MOE_SKIP_WITHOUT_HOPPER();
   Rng rng;
   const int64_t G = 6, T = 700, N = 128, K = 64;
   const Tensor x = to_gpu(random_tensor({T, K}, DType::kBFloat16, rng));

@@ -46,14 +46,6 @@ Tensor random_scales(Rng& rng, Shape shape) {
 
 int64_t blocks(int64_t n) { return (n + 127) / 128; }
 
-bool on_hopper(std::string* why) {
-  if (std::string w = no_gpu_reason(); !w.empty()) return *why = w, false;
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess || prop.major != 9 || prop.minor != 0)
-    return *why = "the FP8 kernels need an sm_90 GPU", false;
-  return true;
-}
-
 struct Fp8Case {
   const char* name;
   std::vector<int64_t> splits;
@@ -112,9 +104,7 @@ std::vector<double> as_doubles(const Tensor& host, int64_t count) {
 
 class GpuFp8Gemm : public ::testing::TestWithParam<DType> {
  protected:
-  void SetUp() override {
-    if (std::string why; !on_hopper(&why)) GTEST_SKIP() << why;
-  }
+  void SetUp() override { MOE_SKIP_WITHOUT_HOPPER(); }
 };
 
 // Forward (and dgrad, the same kernel over the transposed copy): y[r, n] = sum_b (sum_k a b) sa sw.

@@ -382,7 +382,7 @@ class GpuFp8Modules : public ::testing::TestWithParam<ExpertLayout> {};
 // order), delayed = immediate bit for bit, the contract's dummy, hook and flag, and the weights
 // quantized once over two steps (forward and backward of both share the copies).
 TEST_P(GpuFp8Modules, MatchTheCpuModulesAndDelayedEqualsImmediate) {
-  if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
+  MOE_SKIP_WITHOUT_HOPPER();
   Rng rng;
   const Tensor scales = uniform_tensor({kT}, DType::kFloat32, rng, 0.05, 1.0);
   {
@@ -422,7 +422,7 @@ TEST_P(GpuFp8Modules, MatchTheCpuModulesAndDelayedEqualsImmediate) {
 // GroupedMLP with a recipe leaving some GEMMs unquantized (FC1 and FC2 as GroupedLinear's layers
 // around the activation op): close to the CPU module, delayed = immediate bit for bit.
 TEST_P(GpuFp8Modules, MlpWithOverriddenGemmsMatchesTheCpuModule) {
-  if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
+  MOE_SKIP_WITHOUT_HOPPER();
   Rng rng;
   const Tensor probs = uniform_tensor({kT}, DType::kFloat32, rng, 0.05, 1.0);
   const Tensor x = random_tensor({kT, kFp8H}, DType::kBFloat16, rng);
@@ -452,7 +452,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, GpuFp8Modules, ::testing::Values(ExpertLayout:
 // packed GEMMs; the weight gradients of the plain row go to fresh per-expert tensors (the FP8
 // wgrad with per-expert outputs). Both layouts give the same bits.
 TEST(GpuFp8ModuleLayouts, PackedAndPerExpertAreBitIdentical) {
-  if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
+  MOE_SKIP_WITHOUT_HOPPER();
   Rng rng;
   const Tensor x = to_gpu(random_tensor({kT, kFp8H}, DType::kBFloat16, rng));
   const Tensor dy = to_gpu(random_tensor({kT, kFp8H}, DType::kBFloat16, rng));
@@ -488,7 +488,7 @@ TEST(GpuFp8ModuleLayouts, PackedAndPerExpertAreBitIdentical) {
 
 // The cached FP8 weights serve until invalidated, also on the GPU.
 TEST(GpuFp8ModuleCache, InvalidateRequantizesTheWeight) {
-  if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
+  MOE_SKIP_WITHOUT_HOPPER();
   Rng rng;
   const Tensor x = to_gpu(random_tensor({kT, kIn}, DType::kBFloat16, rng));
   Tensor splits, offsets;
@@ -528,7 +528,7 @@ struct OwnedStream {
 // A captured FP8 forward quantizes the weights in every replay: a replay after the master weights
 // changed gives what an eager forward gives after invalidate_fp8_weights().
 TEST(GpuFp8ModuleGraph, ReplayQuantizesTheWeightsAsTheyAreThen) {
-  if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
+  MOE_SKIP_WITHOUT_HOPPER();
   OwnedStream stream;
   Rng rng;
   const Tensor x = to_gpu(random_tensor({kT, kIn}, DType::kBFloat16, rng));
@@ -564,7 +564,7 @@ TEST(GpuFp8ModuleGraph, ReplayQuantizesTheWeightsAsTheyAreThen) {
 // Three FP8 MLP layers on a non-blocking stream with ActivationOffload: the FP8 tensors (E4M3 data,
 // float32 scales, int64 offsets) go to pinned memory and back; the results equal no offload bit for bit.
 TEST(GpuFp8ModuleOffload, BitIdenticalToNoOffload) {
-  if (const std::string why = no_gpu_reason(); !why.empty()) GTEST_SKIP() << why;
+  MOE_SKIP_WITHOUT_HOPPER();
   constexpr int kLayers = 3;
   OwnedStream stream;
   Rng rng;

@@ -73,6 +73,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuMoELayer,
 // FP8 experts (options.experts.fp8) on CUDA: the CPU layer's routing exactly, y and every gradient
 // within FP8's error of the float64 layer (expect_fp8_layer_close), on the cases' fp8_shapes.
 TEST_P(GpuMoELayer, Fp8ExpertsSameRoutingAndWithinFp8ErrorOfFloat64) {
+  MOE_SKIP_WITHOUT_HOPPER();
   const LayerCase c = fp8_shapes(std::get<0>(GetParam()));
   const DType dtype = std::get<1>(GetParam());
   Rng rng;
@@ -180,7 +181,7 @@ TEST(GpuMoELayerGraph, ReplayWithNewInputsMatchesEagerSteps) {
 
 // Expert parallelism on one GPU: P ranks as threads, each on its own stream, over the in-process
 // communicator (device-to-device copies); every rank against the layer without expert parallelism
-// on its tokens, as the CPU suite checks.
+// on its tokens, as the CPU suite checks, with 16-bit and FP8 experts.
 class GpuMoELayerExpertParallel : public ::testing::TestWithParam<std::tuple<EpCase, DType>> {
  protected:
   void SetUp() override {
@@ -190,6 +191,9 @@ class GpuMoELayerExpertParallel : public ::testing::TestWithParam<std::tuple<EpC
 
 TEST_P(GpuMoELayerExpertParallel, EachRankMatchesTheFullLayerOnItsTokens) {
   const auto& [e, dtype] = GetParam();
+  if (e.fp8) {
+    MOE_SKIP_WITHOUT_HOPPER();
+  }
   std::vector<Stream> streams;
   for (int r = 0; r < e.ranks; ++r) {
     cudaStream_t s = nullptr;
@@ -202,6 +206,11 @@ TEST_P(GpuMoELayerExpertParallel, EachRankMatchesTheFullLayerOnItsTokens) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, GpuMoELayerExpertParallel,
                          ::testing::Combine(::testing::ValuesIn(ep_cases()),
+                                            ::testing::Values(DType::kFloat32, DType::kBFloat16)),
+                         ep_param_name);
+
+INSTANTIATE_TEST_SUITE_P(Fp8, GpuMoELayerExpertParallel,
+                         ::testing::Combine(::testing::ValuesIn(ep_fp8_cases()),
                                             ::testing::Values(DType::kFloat32, DType::kBFloat16)),
                          ep_param_name);
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "cuda/kernels/group_search.cuh"
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/dtype_dispatch.cuh"
 
@@ -11,20 +12,6 @@ namespace moe::cuda {
 namespace {
 
 constexpr int kDbiasThreads = 128;
-
-// The group of row r < offsets[G]: the last g with offsets[g] <= r (binary search; empty groups
-// before it are skipped).
-__device__ __forceinline__ int64_t group_of_row(const int64_t* offsets, int64_t num_groups, int64_t r) {
-  int64_t lo = 0, hi = num_groups - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (offsets[mid] <= r)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
 
 // grid (ceil(N / 128), G): one thread per (group, column), summing the group's rows in order.
 template <class In, class Out>
@@ -45,7 +32,7 @@ __global__ void dbias_kernel(const In* __restrict__ dy, int64_t ld,
   from_float(accumulate ? to_float(*out) + sum : sum, out);
 }
 
-// One warp per row r < offsets[G] (its expert: group_of_row).
+// One warp per row r < offsets[G] (its expert: group_at).
 template <class In, class B>
 __global__ void dscales_kernel(const In* __restrict__ dy, int64_t ld, ExpertAddress bias,
                                const int64_t* __restrict__ offsets, int64_t num_groups, int64_t n,
@@ -57,14 +44,14 @@ __global__ void dscales_kernel(const In* __restrict__ dy, int64_t ld, ExpertAddr
        r += warps) {
     float sum = 0.f;
     const ExpertAddress address = bias;
-    const B* b = address.at<const B>(group_of_row(offsets, num_groups, r));
+    const B* b = address.at<const B>(group_at(offsets, num_groups, r));
     for (int64_t c = lane; c < n; c += 32) sum += to_float(dy[r * ld + c]) * to_float(b[c]);
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (lane == 0) out[r] = accumulate ? out[r] + sum : sum;
   }
 }
 
-// One warp per row r < offsets[G] (its expert: group_of_row): y[r] += s[r] b_g.
+// One warp per row r < offsets[G] (its expert: group_at): y[r] += s[r] b_g.
 template <class B>
 __global__ void add_bias_kernel(float* __restrict__ y, int64_t ld, ExpertAddress bias,
                                 const int64_t* __restrict__ offsets, int64_t num_groups, int64_t n,
@@ -73,7 +60,7 @@ __global__ void add_bias_kernel(float* __restrict__ y, int64_t ld, ExpertAddress
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   const unsigned lane = threadIdx.x % 32;
   for (int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
-    const int64_t g = group_of_row(offsets, num_groups, r);
+    const int64_t g = group_at(offsets, num_groups, r);
     const float s = scale ? scale[r] : 1.f;
     const ExpertAddress address = bias;
     const B* b = address.at<const B>(g);

@@ -18,6 +18,7 @@
 #include "common/glu_math.hpp"
 #include "cuda/backend.hpp"
 #include "cuda/kernels/fp8_glu_pass.cuh"
+#include "cuda/kernels/group_search.cuh"
 #include "cuda/kernels/fp8_tile_stream.cuh"
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/resident_blocks.cuh"
@@ -182,12 +183,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) fp8_glu_backward_quantize
   auto locate = [&](int64_t j) {
     if (j == located) return;
     located = j;
-    int64_t lo = 0, hi = G - 1;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (p.column_offsets[mid] <= j * kFp8Block) lo = mid;
-      else hi = mid - 1;
-    }
+    const int64_t lo = group_at(p.column_offsets, G, j * kFp8Block);
     const int64_t into = j * kFp8Block - p.column_offsets[lo];
     token0 = p.offsets[lo] + into;
     const int64_t left = p.offsets[lo + 1] - p.offsets[lo] - into;
