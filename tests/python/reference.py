@@ -134,3 +134,32 @@ def expert_mlp_ref(x, w1, w2, splits, probs=None, b1=None, b2=None, layout="halv
     T = x.shape[0]
     tail = torch.zeros(T - off[-1], x.shape[1], dtype=x.dtype, device=x.device)
     return torch.cat(rows + [tail])
+
+
+def attach_ddp(m, with_flag, zero_out=False):
+    """What Megatron's DDP does: a float32 main_grad per parameter, grad_added_to_main_grad reset to
+    False, and a post-accumulation hook that adds .grad into main_grad unless the flag says the
+    kernel already did (or zero_out_wgrad), then clears .grad. Parameters marked
+    skip_backward_post_hook (delayed wgrad) get that hook through the module's
+    register_wgrad_accumulation_and_reduce_hooks instead, as Megatron's DDP does. Returns the log."""
+    log = []
+    delayed = []
+    for p in m.parameters():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if with_flag:
+            p.grad_added_to_main_grad = False
+        if zero_out:
+            p.zero_out_wgrad = True
+
+        def hook(*_, p=p):
+            if p.grad is not None and (not getattr(p, "grad_added_to_main_grad", False) or zero_out):
+                p.main_grad.add_(p.grad.float())
+            p.grad = None
+            log.append(p)
+
+        if getattr(p, "skip_backward_post_hook", False):
+            delayed.append(hook)
+        else:
+            p.register_post_accumulate_grad_hook(hook)
+    m.register_wgrad_accumulation_and_reduce_hooks(lambda: [h() for h in delayed])
+    return log

@@ -28,8 +28,8 @@ import moe_engine.torch as me
 from moe_engine import _C
 from moe_engine.torch import fp8 as fp8_impl
 from moe_engine.torch import offload as offload_impl
-from reference import (assert_close, assert_similar, expert_mlp_ref, grouped_linear_ref, make_splits, needs_fp8_gemm,
-                       similarity_diff)
+from reference import (assert_close, assert_similar, attach_ddp, expert_mlp_ref, grouped_linear_ref, make_splits,
+                       needs_fp8_gemm, similarity_diff)
 
 E4M3 = torch.float8_e4m3fn
 ops = torch.ops.moe_engine
@@ -351,30 +351,6 @@ def contract_run(m, device, seed=5):
 
 def weight_params(m):
     return m.fc1.weights() + m.fc2.weights() if isinstance(m, me.GroupedMLP) else m.weights()
-
-
-def attach_ddp(m, with_flag, zero_out=False):
-    """Megatron-DDP-style main_grad buffers and hooks (as tests/python/test_modules.py)."""
-    log, delayed = [], []
-    for p in m.parameters():
-        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        if with_flag:
-            p.grad_added_to_main_grad = False
-        if zero_out:
-            p.zero_out_wgrad = True
-
-        def hook(*_, p=p):
-            if p.grad is not None and (not getattr(p, "grad_added_to_main_grad", False) or zero_out):
-                p.main_grad.add_(p.grad.float())
-            p.grad = None
-            log.append(p)
-
-        if getattr(p, "skip_backward_post_hook", False):
-            delayed.append(hook)
-        else:
-            p.register_post_accumulate_grad_hook(hook)
-    m.register_wgrad_accumulation_and_reduce_hooks(lambda: [h() for h in delayed])
-    return log
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp", "mlp-overrides"])
