@@ -24,6 +24,7 @@ enum class ErrorCode {
   kDeviceReported,   // a kernel reported bad input through the device error flag
   kIo,               // file or format error
   kInternal,         // a bug in moe-engine
+  kOutOfMemory,      // a host or device allocation failed
 };
 
 MOE_API const char* error_code_name(ErrorCode code);

@@ -41,7 +41,22 @@ namespace moe {
 
 namespace detail {
 class WeightGradContract;
-}
+
+// Which module a forward context belongs to: a fresh number for every module made or copied (a copy
+// is another module), kept by a move. Backward refuses a context another module's forward made.
+MOE_API uint64_t next_module_id();
+struct ModuleId {
+  uint64_t value = next_module_id();
+  ModuleId() = default;
+  ModuleId(const ModuleId&) : value(next_module_id()) {}
+  ModuleId& operator=(const ModuleId&) {
+    value = next_module_id();
+    return *this;
+  }
+  ModuleId(ModuleId&&) = default;
+  ModuleId& operator=(ModuleId&&) = default;
+};
+}  // namespace detail
 
 // One grouped parameter (a weight G x [N, K] or a bias G x [N]) and the attributes a training
 // framework hangs on it. The module owns the values; main_grad is caller-owned memory.
@@ -284,6 +299,7 @@ class MOE_API LinearContext {
   GroupLayout groups_;
   bool input_requires_grad_ = false;
   bool live_ = false;   // backward may run once
+  uint64_t owner_ = 0;  // the module whose forward made it (detail::ModuleId)
   bool offloadable_ = true;
   detail::OffloadTicket offload_;
 };
@@ -343,6 +359,7 @@ class MOE_API GroupedLinear {
  private:
   int64_t groups_, in_, out_;
   GroupedLinearOptions options_;
+  detail::ModuleId id_;
   Parameter weight_;
   std::optional<Parameter> bias_;
   detail::WeightGradContract weight_grad_;
@@ -424,6 +441,7 @@ class MOE_API MlpContext {
   GroupLayout groups_;
   bool input_requires_grad_ = false;
   bool live_ = false;  // backward may run once
+  uint64_t owner_ = 0;  // the module whose forward made it (detail::ModuleId)
   bool offloadable_ = true;
   detail::OffloadTicket offload_;
 };
@@ -524,6 +542,7 @@ class MOE_API GroupedMLP {
 
   int64_t groups_, hidden_, ffn_;
   GroupedMLPOptions options_;
+  detail::ModuleId id_;
   Parameter fc1_weight_, fc2_weight_;
   std::optional<Parameter> fc1_bias_, fc2_bias_;
   detail::WeightGradContract fc1_grad_, fc2_grad_;

@@ -74,6 +74,7 @@ class MOE_API MoELayerContext {
   bool input_requires_grad_ = false;
   bool router_backward_ = false;  // the router weight or x wants a gradient
   bool live_ = false;
+  uint64_t owner_ = 0;  // the layer whose forward made it (detail::ModuleId)
 };
 
 struct MoELayerForwardResult {
@@ -168,6 +169,7 @@ class MOE_API MoELayer {
   MlpBackwardResult exchange_backward(MoELayerContext& c, const Tensor& dy_sorted, const ExecContext& exec);
 
   MoELayerOptions options_;
+  detail::ModuleId id_;
   int64_t num_experts_ = 0;
   int ep_rank_ = 0, ep_size_ = 1;
   GroupedMLP experts_;

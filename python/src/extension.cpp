@@ -972,7 +972,8 @@ void init_device_py(int device) {
 }
 
 // moe::Error -> ValueError for bad arguments, NotImplementedError, DeviceError (a RuntimeError)
-// for what kernels reported, RuntimeError otherwise; the message is the C++ one.
+// for what kernels reported, MemoryError for failed allocations, RuntimeError otherwise; the
+// message is the C++ one.
 void register_errors(nb::module_& m) {
   static nb::object device_error = nb::steal(PyErr_NewException("moe_engine._C.DeviceError", PyExc_RuntimeError, nullptr));
   m.attr("DeviceError") = device_error;
@@ -996,6 +997,9 @@ void register_errors(nb::module_& m) {
           break;
         case ErrorCode::kDeviceReported:
           type = device_error.ptr();
+          break;
+        case ErrorCode::kOutOfMemory:
+          type = PyExc_MemoryError;
           break;
         default:
           break;

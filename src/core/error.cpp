@@ -28,6 +28,8 @@ const char* error_code_name(ErrorCode code) {
       return "io";
     case ErrorCode::kInternal:
       return "internal";
+    case ErrorCode::kOutOfMemory:
+      return "out of memory";
   }
   return "unknown";
 }

@@ -1,5 +1,6 @@
 #include "moe_engine/tensor.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -73,6 +74,24 @@ TensorView::TensorView(void* data, Shape shape, Shape strides, DType dtype, Devi
     MOE_CHECK(strides[i] >= 0, ErrorCode::kShape, "tensor view: negative stride in ",
               strides.to_string());
   }
+  // Every element's byte offset must fit in 64 bits (a shape like [2^62, 4] would wrap numel() to
+  // 0 and pass every shape check of the ops after it).
+  bool empty = false;
+  for (int i = 0; i < shape.size(); ++i) empty = empty || shape[i] == 0;
+  if (!empty) {
+    int64_t n = 1, last = 0;  // numel and the offset of the last element, in elements
+    bool overflow = false;
+    for (int i = 0; i < shape.size(); ++i) {
+      int64_t reach = 0;
+      overflow = overflow || __builtin_mul_overflow(n, shape[i], &n) ||
+                 __builtin_mul_overflow(shape[i] - 1, strides[i], &reach) || __builtin_add_overflow(last, reach, &last);
+    }
+    int64_t bytes = 0;
+    overflow = overflow || __builtin_add_overflow(last, int64_t(1), &last) ||
+               __builtin_mul_overflow(std::max(n, last), int64_t(dtype_size(dtype)), &bytes);
+    MOE_CHECK(!overflow, ErrorCode::kShape, "tensor view: shape ", shape.to_string(), " with strides ",
+              strides.to_string(), " of ", dtype_name(dtype), " spans more than 2^63 bytes");
+  }
   MOE_CHECK(data != nullptr || shape.numel() == 0, ErrorCode::kInvalidArgument,
             "tensor view: null data pointer for a non-empty tensor of shape ", shape.to_string());
 }
@@ -132,7 +151,16 @@ std::string TensorView::describe() const {
 namespace {
 size_t checked_bytes(const Shape& shape, DType dtype, const char* who) {
   for (int64_t d : shape) MOE_CHECK(d >= 0, ErrorCode::kShape, who, ": negative extent in ", shape.to_string());
-  return size_t(shape.numel()) * dtype_size(dtype);
+  int64_t bytes = int64_t(dtype_size(dtype));
+  bool overflow = false, empty = false;
+  for (int64_t d : shape) {
+    empty = empty || d == 0;
+    overflow = overflow || __builtin_mul_overflow(bytes, d, &bytes);
+  }
+  if (empty) return 0;
+  MOE_CHECK(!overflow, ErrorCode::kShape, who, ": ", shape.to_string(), " of ", dtype_name(dtype),
+            " is more than 2^63 bytes");
+  return size_t(bytes);
 }
 }  // namespace
 
@@ -143,8 +171,8 @@ Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
     const size_t padded =
         ((bytes + 63) / 64) * 64;  // aligned_alloc needs a multiple of the alignment
     void* p = std::aligned_alloc(64, padded ? padded : 64);
-    MOE_CHECK(p != nullptr, ErrorCode::kInvalidArgument, "Tensor::empty: out of host memory (",
-              bytes, " bytes)");
+    MOE_CHECK(p != nullptr, ErrorCode::kOutOfMemory, "Tensor::empty: out of host memory (", bytes, " bytes for ",
+              dtype_name(dtype), shape.to_string(), ")");
     t.storage_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
   } else {
     void* p = cuda_api::malloc(bytes ? bytes : 256, device.index);

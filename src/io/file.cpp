@@ -1,10 +1,15 @@
 #include "io/file.hpp"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <string>
 #include <system_error>
 
 #include "moe_engine/error.hpp"
@@ -30,32 +35,73 @@ std::vector<uint8_t> read_file(const std::string& path, std::string_view what) {
   return bytes;
 }
 
-void check_output_path(const std::string& path, std::string_view what) {
+namespace {
+
+// Where a write to `path` lands: the path itself, or the file a symbolic link at it points to (the
+// link stays a link). Anything else that exists there and is not a regular file (a directory, a
+// device such as /dev/null, a FIFO, a socket) is an error: renaming a file over it would replace it.
+fs::path write_target(const std::string& path, std::string_view what) {
   MOE_CHECK(!path.empty(), ErrorCode::kIo, "the path of ", what, " is empty");
   std::error_code ec;
-  MOE_CHECK(!fs::is_directory(path, ec), ErrorCode::kIo, "cannot write '", path, "': it is a directory; expected the path of ",
-            what);
-  const fs::path parent = fs::path(path).parent_path();
-  MOE_CHECK(parent.empty() || fs::is_directory(parent, ec), ErrorCode::kIo, "cannot write '", path, "': the directory '",
-            parent.string(), "' does not exist");
+  fs::path target = path;
+  if (fs::is_symlink(fs::symlink_status(target, ec))) {
+    const fs::path resolved = fs::canonical(target, ec);
+    MOE_CHECK(!ec, ErrorCode::kIo, "cannot write '", path, "': it is a symbolic link that leads nowhere (",
+              ec.message(), "); expected the path of ", what);
+    target = resolved;
+  }
+  const fs::file_status status = fs::status(target, ec);
+  MOE_CHECK(!fs::is_directory(status), ErrorCode::kIo, "cannot write '", path,
+            "': it is a directory; expected the path of ", what);
+  MOE_CHECK(!fs::exists(status) || fs::is_regular_file(status), ErrorCode::kIo, "cannot write '", path,
+            "': it exists and is not a regular file (a device, FIFO or socket); expected the path of ", what);
+  const fs::path parent = target.parent_path();
+  MOE_CHECK(parent.empty() || fs::is_directory(parent, ec), ErrorCode::kIo, "cannot write '", path,
+            "': the directory '", parent.string(), "' does not exist");
+  return target;
 }
 
-void write_file(const std::string& path, std::span<const uint8_t> bytes, std::string_view what) {
-  check_output_path(path, what);
-  std::error_code ec;
-  const std::string partial = path + ".partial";
-  {
-    std::ofstream out(partial, std::ios::binary | std::ios::trunc);
-    MOE_CHECK(out.is_open(), ErrorCode::kIo, "cannot write '", path, "': ", std::strerror(errno));
-    out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
-    out.close();
-    if (!out.good()) {
-      const std::string reason = std::strerror(errno);
-      fs::remove(partial, ec);
-      throw_error(ErrorCode::kIo, "writing '", path, "' failed: ", reason);
-    }
+// A new file beside `target` with a name no other writer holds (O_EXCL), mode 0666 less the umask.
+int create_temporary(const fs::path& target, std::string* name) {
+  static std::atomic<uint64_t> counter{0};
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    *name = target.string() + ".partial-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+    const int fd = ::open(name->c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd >= 0 || errno != EEXIST) return fd;
   }
-  fs::rename(partial, path, ec);
+  errno = EEXIST;
+  return -1;
+}
+
+}  // namespace
+
+void check_output_path(const std::string& path, std::string_view what) { (void)write_target(path, what); }
+
+void write_file(const std::string& path, std::span<const uint8_t> bytes, std::string_view what) {
+  const fs::path target = write_target(path, what);
+  std::string partial;
+  const int fd = create_temporary(target, &partial);
+  MOE_CHECK(fd >= 0, ErrorCode::kIo, "cannot write '", path, "': ", std::strerror(errno));
+  std::error_code ec;
+  const auto fail = [&](const std::string& reason) {
+    ::close(fd);
+    fs::remove(partial, ec);
+    throw_error(ErrorCode::kIo, "writing '", path, "' failed: ", reason);
+  };
+  for (size_t done = 0; done < bytes.size();) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail(n < 0 ? std::strerror(errno) : "no progress");
+    done += size_t(n);
+  }
+  // On disk before it replaces the old file, so a crash leaves the old or the new one whole.
+  if (::fsync(fd) != 0) fail(std::strerror(errno));
+  if (::close(fd) != 0) {
+    const std::string reason = std::strerror(errno);
+    fs::remove(partial, ec);
+    throw_error(ErrorCode::kIo, "writing '", path, "' failed: ", reason);
+  }
+  fs::rename(partial, target, ec);
   if (ec) {
     const std::string reason = ec.message();
     fs::remove(partial, ec);

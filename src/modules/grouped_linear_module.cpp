@@ -93,6 +93,7 @@ LinearForwardResult GroupedLinear::forward(const Tensor& x, const GroupLayout& g
   c.groups_ = groups;
   c.input_requires_grad_ = input_requires_grad;
   c.live_ = true;
+  c.owner_ = id_.value;
   c.offloadable_ = options_.offload_activations;
   return r;
 }
@@ -100,6 +101,8 @@ LinearForwardResult GroupedLinear::forward(const Tensor& x, const GroupLayout& g
 LinearBackwardResult GroupedLinear::backward(LinearContext& ctx, const Tensor& dy, const ExecContext& exec) {
   MOE_CHECK(ctx.live_, ErrorCode::kInvalidArgument,
             "GroupedLinear.backward: the context was already used (or comes from no forward)");
+  MOE_CHECK(ctx.owner_ == id_.value, ErrorCode::kInvalidArgument,
+            "GroupedLinear.backward: the context comes from another module's forward");
   MOE_CHECK(!ctx.offloaded(), ErrorCode::kInvalidArgument,
             "GroupedLinear.backward: the context's tensors are in host memory; ActivationOffload::restore it first");
   MOE_CHECK(dy.defined() && dy.dim() == 2 && dy.size(1) == out_ &&

@@ -143,6 +143,7 @@ MlpForwardResult GroupedMLP::forward(const Tensor& x, const GroupLayout& groups,
   c.groups_ = groups;
   c.input_requires_grad_ = input_requires_grad;
   c.live_ = true;
+  c.owner_ = id_.value;
   c.offloadable_ = options_.offload_activations;
   return r;
 }
@@ -262,6 +263,8 @@ void GroupedMLP::run_backward(const Tensor& dy, const Saved& saved, const GroupL
 MlpBackwardResult GroupedMLP::backward(MlpContext& ctx, const Tensor& dy, const ExecContext& exec) {
   MOE_CHECK(ctx.live_, ErrorCode::kInvalidArgument,
             "GroupedMLP.backward: the context was already used (or comes from no forward)");
+  MOE_CHECK(ctx.owner_ == id_.value, ErrorCode::kInvalidArgument,
+            "GroupedMLP.backward: the context comes from another module's forward");
   MOE_CHECK(!ctx.offloaded(), ErrorCode::kInvalidArgument,
             "GroupedMLP.backward: the context's tensors are in host memory; ActivationOffload::restore it first");
   MOE_CHECK(dy.defined() && dy.dim() == 2 && dy.size(1) == hidden_ && dy.size(0) == ctx.groups_.capacity(),

@@ -214,6 +214,7 @@ MoELayerForwardResult MoELayer::forward(const Tensor& x, bool input_requires_gra
     c.logits_ = c.indices_ = c.aux_counts_ = Tensor();
   }
   c.live_ = true;
+  c.owner_ = id_.value;
   return r;
 }
 
@@ -347,6 +348,8 @@ MoELayerBackwardResult MoELayer::backward(MoELayerContext& ctx, const Tensor& dy
                                           const ExecContext& exec) {
   MOE_CHECK(ctx.live_, ErrorCode::kInvalidArgument, kBackward,
             ": the context was already used (or comes from no forward)");
+  MOE_CHECK(ctx.owner_ == id_.value, ErrorCode::kInvalidArgument, kBackward,
+            ": the context comes from another layer's forward");
   const int64_t H = hidden(), E = num_experts(), k = options_.router.topk;
   const int64_t T = ctx.row_of_.size(0), R = ctx.groups_.capacity();
   const Device device = options_.experts.device;

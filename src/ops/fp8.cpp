@@ -242,6 +242,7 @@ void grouped_linear_forward(const Fp8Rows& x, const Fp8Weight& weight, const Gro
     v.row_scale("row_scale", bias.row_scale);
   }
   if (bias.bias.defined()) v.no_overlap("y", y, "bias", bias.bias);
+  if (bias.row_scale.defined()) v.no_overlap("y", y, "row_scale", bias.row_scale);
   ops::dispatch(
       v, [&] { cpu::grouped_linear_forward(x, weight, groups, y, bias); },
       [&] { MOE_CUDA_ONLY(cuda::grouped_linear_forward(x, weight, groups, y, bias, ctx.stream)); });

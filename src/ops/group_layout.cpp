@@ -55,6 +55,12 @@ GroupLayout GroupLayout::compute(const TensorView& splits, int64_t capacity,
   MOE_CHECK(offsets.device() == splits.device(), ErrorCode::kDevice, "GroupLayout: offsets are on ",
             to_string(offsets.device()), " but splits on ", to_string(splits.device()),
             "; expected the same device");
+  {
+    const auto* s0 = static_cast<const uint8_t*>(splits.data());
+    const auto* o0 = static_cast<const uint8_t*>(offsets.data());
+    MOE_CHECK(o0 >= s0 + splits.nbytes() || s0 >= o0 + offsets.nbytes(), ErrorCode::kInvalidArgument,
+              "GroupLayout: offsets overlap splits in memory; expected separate buffers");
+  }
   MOE_CHECK(errors == nullptr || errors->device() == splits.device(), ErrorCode::kDevice,
             "GroupLayout: the error flag is on ", to_string(errors ? errors->device() : Device{}),
             " but splits on ", to_string(splits.device()), "; expected the same device");

@@ -30,6 +30,8 @@ void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
   }
   v.no_overlap("y", y, "x", x);
   v.no_overlap("y", y, "weight", weight);
+  if (bias.bias.defined()) v.no_overlap("y", y, "bias", bias.bias);
+  if (bias.row_scale.defined()) v.no_overlap("y", y, "row_scale", bias.row_scale);
   ops::dispatch(
       v, [&] { cpu::grouped_linear_forward(x, weight, groups, y, bias); },
       [&] { MOE_CUDA_ONLY(cuda::grouped_linear_forward(x, weight, groups, y, bias, ctx.stream)); });
@@ -75,7 +77,10 @@ void grouped_linear_dbias(const TensorView& dy, const GroupLayout& groups,
   v.param("dbias", dbias, {dy.size(1)}, "[N]");
   v.grad_target("dbias", dbias, mode);
   v.no_overlap("dbias", dbias, "dy", dy);
-  if (row_scale.defined()) v.row_scale("row_scale", row_scale);
+  if (row_scale.defined()) {
+    v.row_scale("row_scale", row_scale);
+    v.no_overlap("dbias", dbias, "row_scale", row_scale);
+  }
   ops::dispatch(
       v, [&] { cpu::grouped_linear_dbias(dy, groups, dbias, mode, row_scale); },
       [&] { MOE_CUDA_ONLY(cuda::grouped_linear_dbias(dy, groups, dbias, mode, row_scale, ctx.stream)); });
@@ -90,6 +95,7 @@ void grouped_linear_dscales(const TensorView& dy, const GroupedParam& bias,
   v.param("bias", bias, {N}, "[N]");
   v.row_scale("dscales", dscales);
   v.no_overlap("dscales", dscales, "dy", dy);
+  v.no_overlap("dscales", dscales, "bias", bias);
   ops::dispatch(
       v, [&] { cpu::grouped_linear_dscales(dy, bias, groups, dscales, accumulate); },
       [&] { MOE_CUDA_ONLY(cuda::grouped_linear_dscales(dy, bias, groups, dscales, accumulate, ctx.stream)); });

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 namespace moe::ops {
 
@@ -15,6 +16,17 @@ Validator::Validator(const char* op, const GroupLayout& groups) : op_(op) {
   device_ = groups.device();
   num_groups_ = groups.num_groups();
   capacity_ = groups.capacity();
+  // The CPU backend indexes rows by the offsets as they are now: a buffer that changed since
+  // GroupLayout::compute (reused, overwritten) must fail here, not read out of bounds. On CUDA
+  // the kernels clamp what they read.
+  if (device_.is_cpu()) {
+    const int64_t* off = groups.offsets().data_as<int64_t>();
+    for (int64_t g = 0; g < num_groups_; ++g)
+      if (off[g] < 0 || off[g + 1] < off[g] || off[g + 1] > capacity_ || (g == 0 && off[0] != 0))
+        throw_error(ErrorCode::kInvalidArgument, op, ": the group layout's offsets[", g, "..", g + 1, "] = ", off[g],
+                    ", ", off[g + 1], " are not the prefix sums GroupLayout::compute wrote (non-decreasing from 0, "
+                    "at most T = ", capacity_, "); was the offsets buffer changed after it?");
+  }
 }
 
 Validator::Validator(const char* op, Device device, int64_t num_groups, const char* device_owner)
@@ -62,6 +74,9 @@ void Validator::matrix(const char* name, const TensorView& t, int64_t rows, int6
   on_device(name, t);
   if (t.size(1) > 1 && t.stride(1) != 1)
     fail(ErrorCode::kShape, name, ": expected unit column stride (rows may be strided), got ",
+         t.describe());
+  if (t.size(0) > 1 && t.size(1) > 0 && t.stride(0) < t.size(1))
+    fail(ErrorCode::kShape, name, ": expected rows that do not overlap (row stride >= ", t.size(1), "), got ",
          t.describe());
   aligned(name, t);
 }
@@ -117,6 +132,18 @@ void Validator::distinct_outputs(const char* a_name, const TensorView& a, const 
   if (overlap(a, b))
     fail(ErrorCode::kInvalidArgument, "outputs ", a_name, " and ", b_name,
          " overlap in memory; expected separate buffers");
+}
+
+void Validator::distinct_experts(const char* name, const GroupedParam& out) const {
+  // Sorted by first byte, each expert must end before the next begins: O(G log G).
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+  for (int64_t g = 0; g < out.num_groups(); ++g)
+    if (const auto span = byte_range(out.expert(g)); span.first < span.second) spans.push_back(span);
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i)
+    if (spans[i].first < spans[i - 1].second)
+      fail(ErrorCode::kInvalidArgument, "output ", name,
+           ": two experts' tensors overlap in memory; expected a separate tensor per expert");
 }
 
 void Validator::no_overlap(const char* out_name, const TensorView& out, const char* in_name,
@@ -233,9 +260,11 @@ void Validator::same_dtype(const char* name_b, DType b, const char* name_a, DTyp
 }
 
 void Validator::grad_target(const char* name, const GroupedParam& p, GradMode mode) const {
+  grad_mode(mode);
   if (mode != GradMode::kWrite && p.dtype() != DType::kFloat32)
     fail(ErrorCode::kDType, name, ": ", grad_mode_name(mode),
          " mode writes a float32 main_grad, got ", dtype_name(p.dtype()));
+  distinct_experts(name, p);
 }
 
 void Validator::workspace(const Workspace& ws, size_t bytes, const char* size_function) const {
@@ -269,7 +298,14 @@ void Validator::index_matrix(const char* name, const TensorView& t, int64_t rows
   aligned(name, t);
 }
 
+void Validator::grad_mode(GradMode mode) const {
+  if (mode != GradMode::kWrite && mode != GradMode::kAccumulate && mode != GradMode::kOverwrite)
+    fail(ErrorCode::kInvalidArgument, "mode: expected GradMode kWrite, kAccumulate or kOverwrite, got the value ",
+         static_cast<int>(mode));
+}
+
 void Validator::grad_target(const char* name, const TensorView& t, GradMode mode) const {
+  grad_mode(mode);
   if (mode != GradMode::kWrite && t.dtype() != DType::kFloat32)
     fail(ErrorCode::kDType, name, ": ", grad_mode_name(mode), " mode writes a float32 main_grad, got ",
          dtype_name(t.dtype()));

@@ -44,7 +44,8 @@ class Validator {
     throw_error(code, op_, ": ", std::forward<Parts>(parts)...);
   }
 
-  // A 2-D [rows, cols] tensor of a compute float dtype, unit column stride, on the device.
+  // A 2-D [rows, cols] tensor of a compute float dtype, unit column stride, rows that do not
+  // overlap, on the device.
   // rows/cols < 0: any extent. `dims` names the expected shape, e.g. "[T, K]".
   void matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols,
               const char* dims) const;
@@ -81,6 +82,9 @@ class Validator {
                   const GroupedParam& in) const;
   void no_overlap(const char* out_name, const GroupedParam& out, const char* in_name,
                   const TensorView& in) const;
+  // A per-expert output's experts must not share memory with each other (a packed tensor's never
+  // do unless its strides alias them; a per-expert table may list one tensor twice).
+  void distinct_experts(const char* name, const GroupedParam& out) const;
   // Two outputs must not share memory either.
   void distinct_outputs(const char* a_name, const TensorView& a, const char* b_name, const TensorView& b) const;
   // For element-wise ops whose every element is read before it is written by the same thread:
@@ -125,6 +129,7 @@ class Validator {
   void defined(const char* name, const TensorView& t, const char* dims) const;
   void aligned_16(const char* name, const TensorView& t) const;
   void row_stride(const char* name, const TensorView& t, int64_t multiple_of) const;
+  void grad_mode(GradMode mode) const;
 
   const char* op_;
   const char* device_owner_ = "the group layout's device";

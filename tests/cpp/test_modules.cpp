@@ -302,6 +302,27 @@ TEST(GroupedLinearModule, BadMainGradAndMissingMainGradAreClearErrors) {
                    }()),
                    ErrorCode::kInvalidArgument, "scale_bias needs bias");
   EXPECT_MOE_ERROR(m.forward(b.dy, b.routing.layout), ErrorCode::kShape, "expected x");
+  // main_grad is added into: the weight's own memory cannot be it.
+  GroupedLinearOptions f32 = options();
+  f32.dtype = DType::kFloat32;
+  GroupedLinear m32(kG, kIn, kOut, f32);
+  EXPECT_MOE_ERROR(m32.weight().set_main_grad(m32.weight().value()), ErrorCode::kInvalidArgument,
+                   "set_main_grad: main_grad's expert 0 overlaps the parameter's values");
+}
+
+// A context belongs to the module whose forward made it: another module's backward refuses it
+// (it would compute that module's gradient from the other's input); a moved module keeps its own.
+TEST(GroupedLinearModule, BackwardRefusesAnotherModulesContext) {
+  Rng rng;
+  Batch b(rng);
+  GroupedLinear first(kG, kIn, kOut, options()), second(kG, kIn, kOut, options());
+  LinearForwardResult f = first.forward(b.x, b.routing.layout);
+  EXPECT_MOE_ERROR(second.backward(f.ctx, b.dy), ErrorCode::kInvalidArgument,
+                   "GroupedLinear.backward: the context comes from another module's forward");
+  GroupedLinear copy = first;
+  EXPECT_MOE_ERROR(copy.backward(f.ctx, b.dy), ErrorCode::kInvalidArgument, "another module's forward");
+  GroupedLinear moved = std::move(first);
+  EXPECT_NO_THROW(moved.backward(f.ctx, b.dy));
 }
 
 TEST(GroupedLinearModule, StateDictRoundTripsAcrossLayouts) {

@@ -1,7 +1,12 @@
 // safetensors: round trips, files from an independent (hand-written) encoder, every malformation
 // the reader must reject with a clear error, and seeded random mutations that must never crash.
+#include <sys/stat.h>
+
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
 
 #include "test_support.hpp"
 
@@ -134,7 +139,8 @@ TEST(Safetensors, RejectsMalformedFiles) {
 }
 
 // Paths that are not readable regular files are io errors naming the path and the problem (a
-// directory once aborted the process through a huge allocation); writes never leave a partial file.
+// directory once aborted the process through a huge allocation); writes never leave a partial file,
+// never touch a file of another name, and never replace what is not a regular file.
 TEST(Safetensors, LoadAndSaveCheckTheirPaths) {
   namespace fs = std::filesystem;
   const fs::path dir = fs::temp_directory_path() / ("moe_engine_paths_" + std::to_string(test_seed()));
@@ -149,9 +155,28 @@ TEST(Safetensors, LoadAndSaveCheckTheirPaths) {
   EXPECT_MOE_ERROR(save_safetensors((dir / "no" / "x.safetensors").string(), records), ErrorCode::kIo,
                    "the directory '" + (dir / "no").string() + "' does not exist");
   const std::string path = (dir / "x.safetensors").string();
+  // A file of the name the temporary once had is someone else's: left alone.
+  { std::ofstream(path + ".partial") << "keep"; }
   save_safetensors(path, records);
   EXPECT_EQ(SafetensorsFile::load(path).at("t").shape, (std::vector<int64_t>{4}));
-  EXPECT_FALSE(fs::exists(path + ".partial"));
+  std::ifstream kept(path + ".partial");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(kept), {}), "keep");
+  for (const auto& entry : fs::directory_iterator(dir))
+    EXPECT_EQ(entry.path().filename().string().find(".partial-"), std::string::npos) << entry.path();
+  // Something that is not a regular file is never replaced (a FIFO here; /dev/null, a device, was
+  // once renamed over): an error, the FIFO still there.
+  const std::string fifo = (dir / "fifo").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_MOE_ERROR(save_safetensors(fifo, records), ErrorCode::kIo, "it exists and is not a regular file");
+  EXPECT_TRUE(fs::is_fifo(fs::symlink_status(fifo)));
+  // A symbolic link: the file it points to is written, the link stays.
+  const fs::path link = dir / "link.safetensors", target = dir / "target.safetensors";
+  fs::create_symlink(target, link);
+  EXPECT_MOE_ERROR(save_safetensors(link.string(), records), ErrorCode::kIo, "symbolic link that leads nowhere");
+  { std::ofstream(target) << "old"; }
+  save_safetensors(link.string(), records);
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(link)));
+  EXPECT_EQ(SafetensorsFile::load(target.string()).at("t").shape, (std::vector<int64_t>{4}));
   fs::remove_all(dir);
 }
 

@@ -309,6 +309,86 @@ TEST_F(Validation, OutputsMustNotAliasInputs) {
                    "(in place)");
 }
 
+// Overlaps the first checks missed: every output against every input it reads while writing, the
+// experts of a per-expert gradient against each other, rows of an output that overlap.
+TEST_F(Validation, MoreOutputsMustNotAliasInputs) {
+  const auto W = GroupedParam::packed(w);
+  Tensor f = Tensor::zeros({10 * 6 + 16}, DType::kFloat32);
+  const TensorView y32(f.data(), {10, 6}, DType::kFloat32, Device::cpu());
+  const TensorView scale_in_y(f.data_as<float>() + 1, {10}, DType::kFloat32, Device::cpu());
+  const Tensor x32 = random_tensor({10, 8}, DType::kFloat32, rng), w32 = random_tensor({3, 6, 8}, DType::kFloat32, rng);
+  const Tensor b32 = random_tensor({3, 6}, DType::kFloat32, rng), p32 = uniform_tensor({10}, DType::kFloat32, rng, 0, 1);
+  EXPECT_MOE_ERROR(grouped_linear_forward(x32, GroupedParam::packed(w32), r.layout, y32,
+                                          {GroupedParam::packed(b32), scale_in_y}),
+                   ErrorCode::kInvalidArgument, "grouped_linear_forward: output y overlaps input row_scale");
+  const TensorView bias_in_y(f.data(), {3, 6}, DType::kFloat32, Device::cpu());
+  EXPECT_MOE_ERROR(grouped_linear_forward(x32, GroupedParam::packed(w32), r.layout, y32,
+                                          {GroupedParam::packed(bias_in_y), {}}),
+                   ErrorCode::kInvalidArgument, "grouped_linear_forward: output y overlaps input bias");
+  const TensorView db(f.data(), {3, 6}, DType::kFloat32, Device::cpu());
+  const TensorView scale_in_db(f.data_as<float>() + 4, {10}, DType::kFloat32, Device::cpu());
+  const Tensor dy32 = random_tensor({10, 6}, DType::kFloat32, rng);
+  EXPECT_MOE_ERROR(grouped_linear_dbias(dy32, r.layout, GroupedParam::packed(db), GradMode::kWrite, scale_in_db),
+                   ErrorCode::kInvalidArgument, "grouped_linear_dbias: output dbias overlaps input row_scale");
+  const TensorView ds(f.data(), {10}, DType::kFloat32, Device::cpu());
+  EXPECT_MOE_ERROR(grouped_linear_dscales(dy32, GroupedParam::packed(db), r.layout, ds, false),
+                   ErrorCode::kInvalidArgument, "grouped_linear_dscales: output dscales overlaps input bias");
+  // One tensor listed for two experts: each expert's sum would be added into the same memory.
+  Tensor shared = Tensor::zeros({6, 8}, DType::kFloat32);
+  const std::vector<TensorView> twice = {shared, Tensor::zeros({6, 8}, DType::kFloat32), shared};
+  const Tensor table = make_pointer_table(twice);
+  EXPECT_MOE_ERROR(grouped_linear_wgrad(dy32, x32, r.layout, GroupedParam::per_expert(twice, table), GradMode::kAccumulate),
+                   ErrorCode::kInvalidArgument, "output dweight: two experts' tensors overlap in memory");
+  // Rows of an output on top of each other (row stride 0, or below the row's width).
+  for (const int64_t stride : {0, 4}) {
+    const TensorView rows(f.data(), {10, 6}, {stride, 1}, DType::kFloat32, Device::cpu());
+    EXPECT_MOE_ERROR(grouped_linear_forward(x32, GroupedParam::packed(w32), r.layout, rows), ErrorCode::kShape,
+                     "grouped_linear_forward: y: expected rows that do not overlap (row stride >= 6)");
+  }
+  (void)W;
+  (void)p32;
+}
+
+// What the routing's buffers must stay: offsets written by GroupLayout::compute (the CPU backend
+// indexes rows by them), separate from the splits; a GradMode outside the enum.
+TEST_F(Validation, RoutingBuffersAndModes) {
+  Routing changed({2, 2}, 4);
+  changed.offsets_tensor.data_as<int64_t>()[1] = int64_t(1) << 19;
+  changed.offsets_tensor.data_as<int64_t>()[2] = int64_t(1) << 20;
+  const Tensor x4 = random_tensor({4, 8}, DType::kFloat32, rng), w4 = random_tensor({2, 6, 8}, DType::kFloat32, rng);
+  Tensor y4 = Tensor::empty({4, 6}, DType::kFloat32);
+  EXPECT_MOE_ERROR(grouped_linear_forward(x4, GroupedParam::packed(w4), changed.layout, y4), ErrorCode::kInvalidArgument,
+                   "grouped_linear_forward: the group layout's offsets[0..1] = 0, 524288 are not the prefix sums "
+                   "GroupLayout::compute wrote");
+  Tensor buf = Tensor::zeros({5}, DType::kInt64);
+  buf.data_as<int64_t>()[0] = 3, buf.data_as<int64_t>()[1] = 2, buf.data_as<int64_t>()[2] = 1;
+  const TensorView splits(buf.data(), {3}, DType::kInt64, Device::cpu());
+  const TensorView offsets(buf.data_as<int64_t>() + 1, {4}, DType::kInt64, Device::cpu());
+  EXPECT_MOE_ERROR(GroupLayout::compute(splits, 6, offsets), ErrorCode::kInvalidArgument,
+                   "GroupLayout: offsets overlap splits in memory");
+  const Tensor dy = random_tensor({10, 6}, DType::kFloat32, rng), x32 = random_tensor({10, 8}, DType::kFloat32, rng);
+  Tensor dw = Tensor::zeros({3, 6, 8}, DType::kFloat32);
+  EXPECT_MOE_ERROR(grouped_linear_wgrad(dy, x32, r.layout, GroupedParam::packed(dw), static_cast<GradMode>(7)),
+                   ErrorCode::kInvalidArgument, "mode: expected GradMode kWrite, kAccumulate or kOverwrite, got the value 7");
+}
+
+// Shapes whose bytes do not fit in 64 bits are refused where a tensor or a view is made (numel()
+// would wrap to a small number and pass every shape check after it); a failed allocation is
+// kOutOfMemory.
+TEST(TensorLimits, OverflowingShapesAndFailedAllocations) {
+  const int64_t huge = int64_t(1) << 62;
+  EXPECT_MOE_ERROR(Tensor::empty({huge, 4}, DType::kFloat32), ErrorCode::kShape,
+                   "Tensor::empty: [4611686018427387904, 4] of float32 is more than 2^63 bytes");
+  float cell = 0;
+  EXPECT_MOE_ERROR(TensorView(&cell, {huge, 4}, DType::kFloat32, Device::cpu()), ErrorCode::kShape,
+                   "spans more than 2^63 bytes");
+  EXPECT_MOE_ERROR(TensorView(&cell, {3, huge}, {huge, 1}, DType::kFloat32, Device::cpu()), ErrorCode::kShape,
+                   "spans more than 2^63 bytes");
+  EXPECT_NO_THROW(TensorView(&cell, {huge, 0}, DType::kFloat32, Device::cpu()));  // no elements
+  EXPECT_MOE_ERROR(Tensor::empty({int64_t(1) << 45}, DType::kFloat32), ErrorCode::kOutOfMemory,
+                   "Tensor::empty: out of host memory");
+}
+
 TEST(Names, UnknownNamesAreClearErrors) {
   EXPECT_MOE_ERROR(dtype_from_name("bfloat"), ErrorCode::kInvalidArgument,
                    "unknown dtype 'bfloat'");

@@ -3,6 +3,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <string>
+
 #include "cuda/runtime/check.hpp"
 
 namespace moe::cuda {
@@ -77,10 +79,21 @@ ScopedDevice::~ScopedDevice() {
   if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
 }
 
+namespace {
+// A failed allocation: kOutOfMemory when the device had no room (the error is cleared, so that the
+// next launch check does not report it again), kCuda otherwise.
+[[noreturn]] void allocation_failed(cudaError_t status, const char* call, size_t bytes, const std::string& where) {
+  const ErrorCode code = status == cudaErrorMemoryAllocation ? ErrorCode::kOutOfMemory : ErrorCode::kCuda;
+  if (code == ErrorCode::kOutOfMemory) (void)cudaGetLastError();
+  throw_error(code, call, "(", bytes, " bytes)", where, ": ", cuda::describe_cuda_error(status));
+}
+}  // namespace
+
 void* malloc(size_t bytes, int device) {
   ScopedDevice guard(device);
   void* p = nullptr;
-  MOE_CUDA_CHECK(cudaMalloc(&p, bytes), "cudaMalloc(", bytes, " bytes) on cuda:", device);
+  if (const cudaError_t status = cudaMalloc(&p, bytes); status != cudaSuccess)
+    allocation_failed(status, "cudaMalloc", bytes, " on cuda:" + std::to_string(device));
   return p;
 }
 
@@ -95,7 +108,8 @@ void free(void* ptr, int device) noexcept {
 void* malloc_async(size_t bytes, int device, Stream stream) {
   ScopedDevice guard(device);
   void* p = nullptr;
-  MOE_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream), "cudaMallocAsync(", bytes, " bytes) on cuda:", device);
+  if (const cudaError_t status = cudaMallocAsync(&p, bytes, stream); status != cudaSuccess)
+    allocation_failed(status, "cudaMallocAsync", bytes, " on cuda:" + std::to_string(device));
   return p;
 }
 
@@ -109,7 +123,8 @@ void free_async(void* ptr, int device, Stream stream) noexcept {
 
 void* host_alloc(size_t bytes) {
   void* p = nullptr;
-  MOE_CUDA_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocDefault), "cudaHostAlloc(", bytes, " bytes)");
+  if (const cudaError_t status = cudaHostAlloc(&p, bytes, cudaHostAllocDefault); status != cudaSuccess)
+    allocation_failed(status, "cudaHostAlloc", bytes, "");
   return p;
 }
 
