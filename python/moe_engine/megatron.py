@@ -63,6 +63,7 @@ This module imports megatron-core; nothing else in moe_engine does.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import List, Optional, Sequence, Union
 
 try:
@@ -173,6 +174,18 @@ def _reject_unsupported(config: TransformerConfig, tp_size: int) -> None:
             f"{config.moe_router_topk}), as in megatron-core's experts")
 
 
+def _count(c) -> int:
+    """One entry of a tokens_per_expert list: an integer (Python, NumPy, or an integer 0-dim tensor),
+    not a bool, float or string, which int() would truncate or parse."""
+    if isinstance(c, bool) or (isinstance(c, Tensor) and (c.dtype == torch.bool or c.dtype.is_floating_point)):
+        raise TypeError(f"moe_engine.megatron: tokens_per_expert must hold integer token counts, got {c!r}")
+    try:
+        return operator.index(c)
+    except TypeError:
+        raise TypeError(f"moe_engine.megatron: tokens_per_expert must hold integer token counts, got "
+                        f"{type(c).__name__} {c!r}") from None
+
+
 class GroupedMLPExperts(MegatronModule):
     """The local experts of a megatron-core ``MoELayer`` on ``moe_engine.torch.GroupedMLP``
     (module docstring: what the config maps to, what is rejected, the checkpoint formats).
@@ -258,6 +271,10 @@ class GroupedMLPExperts(MegatronModule):
             if tokens_per_expert.dim() != 1 or tokens_per_expert.shape[0] != self.num_local_experts:
                 raise ValueError(f"moe_engine.megatron: tokens_per_expert must be [{self.num_local_experts}] "
                                  f"(one count per local expert), got {list(tokens_per_expert.shape)}")
+            dtype = tokens_per_expert.dtype
+            if dtype == torch.bool or dtype.is_floating_point or dtype.is_complex:
+                raise TypeError(f"moe_engine.megatron: tokens_per_expert must be an integer tensor (token counts), got "
+                                f"{dtype}; a conversion would truncate or reinterpret the counts")
             if tokens_per_expert.device == device:
                 return tokens_per_expert if tokens_per_expert.dtype in (torch.int64, torch.int32) else \
                     tokens_per_expert.to(torch.int64)
@@ -265,7 +282,10 @@ class GroupedMLPExperts(MegatronModule):
                 raise ValueError(f"moe_engine.megatron: tokens_per_expert is on {tokens_per_expert.device}, "
                                  f"the tokens on {device}")
             return tokens_per_expert.to(device=device, dtype=torch.int64, non_blocking=True)
-        counts = [int(c) for c in tokens_per_expert]
+        if isinstance(tokens_per_expert, (str, bytes)):
+            raise TypeError(f"moe_engine.megatron: tokens_per_expert must be an integer tensor or a list of ints, got "
+                            f"{type(tokens_per_expert).__name__}")
+        counts = [_count(c) for c in tokens_per_expert]
         if len(counts) != self.num_local_experts:
             raise ValueError(f"moe_engine.megatron: tokens_per_expert has {len(counts)} counts, expected "
                              f"{self.num_local_experts} (one per local expert)")

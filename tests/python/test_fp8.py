@@ -458,6 +458,55 @@ def test_the_gemms_reuse_the_quantizers_routing(device):
         assert torch.equal(a, b)
 
 
+def test_operands_of_overwritten_or_other_splits_are_refused(device):
+    """An FP8 operand is laid out by the splits it was quantized with (its columns by their offsets,
+    its rows only up to their sum). One quantized before new values were written into its splits
+    tensor in place, or a wgrad pair quantized with different splits, would be read by another
+    routing than its own: a clear error instead of a wrong result or unwritten memory."""
+    needs_fp8_gemm(device)
+    bf16 = torch.bfloat16
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(8, 32, generator=g).to(device, bf16)
+    dy = torch.randn(8, 32, generator=g).to(device, bf16)
+    w8 = me.quantize_fp8_weight(torch.randn(2, 32, 32, generator=g).to(device, bf16))
+    s = make_splits([3, 5], device)
+    x8, dy8 = me.quantize_fp8(x, s, columnwise=True), me.quantize_fp8(dy, s, columnwise=True)
+    want = me.grouped_linear_fp8_wgrad(dy8, x8, s, out_dtype=torch.float32)  # one splits tensor: fine
+    other = make_splits([8, 0], device)
+    for a, b in ((dy8, me.quantize_fp8(x, other, columnwise=True)), (me.quantize_fp8(dy, other, columnwise=True), x8)):
+        with pytest.raises(ValueError, match=r"grouped_linear_fp8_wgrad: dy and x were quantized with different splits"):
+            me.grouped_linear_fp8_wgrad(a, b, s, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"grouped_linear_fp8_wgrad: dy was quantized for G = 2 experts .*, but "
+                                         r"splits has G = 3"):
+        me.grouped_linear_fp8_wgrad(dy8, x8, make_splits([2, 2, 4], device))
+    assert torch.equal(me.grouped_linear_fp8_wgrad(dy8, x8, s, out_dtype=torch.float32), want)
+
+    with torch.no_grad():
+        s.copy_(other)  # the same buffer, new values
+    stale = "was quantized with splits whose values have been overwritten in place since"
+    with pytest.raises(ValueError, match=f"grouped_linear_fp8: x {stale}"):
+        me.grouped_linear_fp8(x8, w8, s)
+    with pytest.raises(ValueError, match=f"grouped_linear_fp8_dgrad: dy {stale}"):
+        me.grouped_linear_fp8_dgrad(dy8, w8, s)
+    with pytest.raises(ValueError, match=f"grouped_linear_fp8_wgrad: dy {stale}"):
+        me.grouped_linear_fp8_wgrad(dy8, x8, s)
+    # The ops themselves refuse the routing of such an operand (torch.ops, torch.compile).
+    with pytest.raises(ValueError, match=f"grouped_linear_fp8: x {stale}"):
+        torch.ops.moe_engine.grouped_linear_fp8(x8.rows.data, x8.rows.scales, w8.data, w8.scales, s, [], None, bf16,
+                                                x8.routing)
+    with pytest.raises(ValueError, match=f"grouped_linear_fp8_wgrad: an operand \\(dy or x\\) {stale}"):
+        c = dy8.columns
+        torch.ops.moe_engine.grouped_linear_fp8_wgrad_(c.data, c.scales, c.offsets, x8.columns.data, x8.columns.scales,
+                                                       x8.columns.offsets, s, 8, [torch.zeros(2, 32, 32, device=device)],
+                                                       "write", dy8.routing)
+    # Quantized again with the splits as they are: the results of a fresh splits tensor.
+    x8, dy8 = me.quantize_fp8(x, s, columnwise=True), me.quantize_fp8(dy, s, columnwise=True)
+    y8, yd8 = me.quantize_fp8(x, other, columnwise=True), me.quantize_fp8(dy, other, columnwise=True)
+    assert torch.equal(me.grouped_linear_fp8(x8, w8, s), me.grouped_linear_fp8(y8, w8, other))
+    assert torch.equal(me.grouped_linear_fp8_dgrad(dy8, w8, s), me.grouped_linear_fp8_dgrad(yd8, w8, other))
+    assert torch.equal(me.grouped_linear_fp8_wgrad(dy8, x8, s), me.grouped_linear_fp8_wgrad(yd8, y8, other))
+
+
 # ---- errors ----
 
 

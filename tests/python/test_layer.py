@@ -391,6 +391,44 @@ def test_bad_arguments_name_the_layer(device):
         layer.update_expert_bias(0.1)
 
 
+def test_bad_layer_and_routing_arguments_are_refused(device):
+    """What int() / float() used to convert silently, and the sizes and layouts that other entry
+    points already refused."""
+    with pytest.raises(TypeError, match=r"MoELayer: topk must be an integer, got float 1.7"):
+        me.MoELayer(H, F, 4, 1.7, device=device)
+    with pytest.raises(TypeError, match=r"MoELayer: num_experts must be an integer, got bool"):
+        me.MoELayer(H, F, True, 1, device=device)
+    with pytest.raises(TypeError, match=r"MoELayer: capacity_factor must be a number, got str '1.0'"):
+        me.MoELayer(H, F, 4, 2, capacity_factor="1.0", device=device)
+    with pytest.raises(TypeError, match=r"dispatch: capacity_factor must be a number"):
+        me.permuted_rows(8, 2, 4, "1.0")
+    with pytest.raises(ValueError, match=r"Router: hidden = 0; expected >= 1"):
+        me.Router(0, 4, 2, device=device)
+    with pytest.raises(ValueError, match=r"dtype must be a floating-point dtype"):
+        me.MoELayer(H, F, 4, 2, device=device, dtype=torch.int32)
+    # A GLU layout given for a non-gated activation is GroupedMLP's error, not silently replaced;
+    # none given: blocks:32 for a GLU, halves (none) for srelu.
+    with pytest.raises(ValueError, match=r"GLU layout pairs given for srelu, which is not gated"):
+        me.MoELayer(H, F, 4, 2, activation="srelu", glu_layout="pairs", device=device)
+    assert me.MoELayer(H, F, 4, 2, activation="srelu", device=device).experts.glu_layout == "halves"
+    assert me.MoELayer(H, F, 4, 2, device=device).experts.glu_layout == "blocks:32"
+    # dispatch / combine and the permute ops name what is wrong (not torch's "negative dimension").
+    x = torch.randn(8, H, device=device)
+    idx = torch.randint(0, 4, (8, 2), device=device)
+    with pytest.raises(ValueError, match=r"permute_plan: num_experts = -3; expected >= 1"):
+        me.dispatch(x, None, idx, -3)
+    with pytest.raises(ValueError, match=r"permute_plan: indices: expected \[T, k\] .*, got shape \[8\]"):
+        me.dispatch(x, None, idx[:, 0], 4)
+    d = me.dispatch(x, None, idx, 4)
+    for out in (d.x[:-1], torch.cat([d.x, d.x])):
+        with pytest.raises(ValueError, match=rf"combine: out has {out.shape[0]} rows, expected the 16 rows"):
+            me.combine(out, d)
+    with pytest.raises(ValueError, match=r"permute: rows = -1; expected >= 0"):
+        torch.ops.moe_engine.permute(x, None, d.row_of, d.splits, d.routing, -1)
+    with pytest.raises(ValueError, match=r"unpermute_backward: rows = -4; expected >= 0"):
+        torch.ops.moe_engine.unpermute_backward(x, None, None, d.row_of, d.splits, d.routing, -4, False)
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_graph_replay_with_new_routings_is_bit_identical(cuda, fp8):
     if fp8:

@@ -397,6 +397,16 @@ def test_bad_tokens_per_expert(mp):
         m(x, [3, 3], torch.rand(6))
     with pytest.raises(ValueError, match=r"must be \[4\]"):
         m(x, torch.tensor([3, 3]), torch.rand(6))
+    # Counts that int() / .to(int64) would truncate or parse are refused, naming tokens_per_expert.
+    for bad in ([2.7, 3.3, 0, 0], torch.tensor([2.7, 3.3, 0.0, 0.0]), torch.tensor([True, True, False, False]),
+                ["3", "3", "0", "0"], [True, 5, 0, 0], "3300"):
+        with pytest.raises(TypeError, match=r"tokens_per_expert must (be an integer tensor|hold integer token counts)"):
+            m(x, bad, torch.rand(6))
+    # Integers of any kind are counts.
+    want, _ = m(x, [3, 3, 0, 0], torch.ones(6))
+    for good in (torch.tensor([3, 3, 0, 0], dtype=torch.int32), torch.tensor([3, 3, 0, 0], dtype=torch.int16),
+                 [torch.tensor(3), 3, 0, 0]):
+        assert torch.equal(m(x, good, torch.ones(6))[0], want)
 
 
 @needs_mcore

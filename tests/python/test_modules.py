@@ -250,6 +250,28 @@ def test_input_of_another_dtype_or_device_names_the_module_setting(device):
             mlp(torch.zeros(4, 16, dtype=torch.bfloat16), s.cpu())
 
 
+def test_bad_module_arguments_and_checkpoints_are_named(device):
+    with pytest.raises(ValueError, match=r"dtype must be a floating-point dtype .*, got torch.int64"):
+        me.GroupedLinear(2, 16, 16, device=device, dtype=torch.int64)
+    with pytest.raises(TypeError, match=r"G \(num_groups\) must be an integer, got float 2.0"):
+        me.GroupedLinear(2.0, 16, 16, device=device)
+    with pytest.raises(ValueError, match=r"GroupedMLP: limit must be > 0"):
+        me.GroupedMLP(2, 16, 32, limit=-5.0, device=device)
+    with pytest.raises(ValueError, match=r"GroupedMLP: alpha and offset must be finite"):
+        me.GroupedMLP(2, 16, 32, alpha=float("nan"), device=device)
+    with pytest.raises(TypeError, match=r"mark_not_offload: expected tensors, got int"):
+        me.mark_not_offload(3)
+    # A checkpoint value that is no tensor: torch's own message, naming the key.
+    with pytest.raises(RuntimeError, match=r'While copying the parameter named "weight", expected torch.Tensor'):
+        me.GroupedLinear(2, 16, 16, device=device).load_state_dict({"weight": [[0.0]]})
+    # glu_from with an FC1 of the wrong rows: the key and what was expected.
+    m = me.GroupedMLP(2, 16, 32, glu_layout="pairs", device=device, dtype=torch.float32)
+    bad = {**m.state_dict(), "fc1.weight": torch.zeros(2, 60, 16, device=device)}
+    with pytest.raises(ValueError, match=r"GroupedMLP.load_state_dict: fc1.weight: \[2, 60, 16\] does not hold FC1 rows "
+                                         r"of 2F = 64 .*expected the module's \[2, 64, 16\]"):
+        m.load_state_dict(bad, glu_from="halves")
+
+
 def test_mlp_checkpoint_glu_layout_conversion(device):
     """A Megatron checkpoint (FC1 rows in halves) loads into a pairs module and computes the same."""
     halves = me.GroupedMLP(2, 32, 16, bias=True, glu_layout="halves", device=device, dtype=DTYPE[device.type])

@@ -338,6 +338,80 @@ def test_messages_name_the_argument_that_is_wrong(device):
         me.grouped_linear(torch.zeros(9, 8, dtype=dtype, device=device), w, s.reshape(1, 3))
 
 
+def test_more_messages_name_the_argument_that_is_wrong(device):
+    dtype = DTYPES[device.type][0]
+    x = torch.zeros(9, 8, dtype=dtype, device=device)
+    w = torch.zeros(3, 6, 8, dtype=dtype, device=device)
+    s = make_splits([4, 0, 5], device)
+    # A 0-dim x is named as the 2-D token tensor it should be (not an IndexError).
+    with pytest.raises(ValueError, match=r"grouped_linear_forward: x: expected a 2-D \[T, \.\.\.\] token tensor"):
+        me.grouped_linear(torch.tensor(1.0, dtype=dtype, device=device), w, s)
+    with pytest.raises(ValueError, match=r"glu_forward: h: expected a 2-D \[T, \.\.\.\] token tensor"):
+        me.glu(torch.tensor(1.0, dtype=dtype, device=device), s)
+    # An empty weight list.
+    with pytest.raises(ValueError, match=r"grouped_linear_forward: weight: expected a packed \[G, \.\.\.\] tensor or G "
+                                         r"per-expert tensors, got an empty list"):
+        me.grouped_linear(x, [], s)
+    w2 = torch.zeros(3, 8, 4, dtype=dtype, device=device)
+    with pytest.raises(ValueError, match=r"expert_mlp_forward: fc1_weight: .* got an empty list"):
+        me.expert_mlp(x, [], w2, s)
+    # FC2's weight sets H in the C++ op: an FC2 of another H is named, not FC1.
+    with pytest.raises(ValueError, match=r"expert_mlp_forward: fc2_weight: expected G x \[H, F\] with H = 8"):
+        me.expert_mlp(x, torch.zeros(3, 8, 8, dtype=dtype, device=device), torch.zeros(3, 9, 4, dtype=dtype, device=device),
+                      s)
+    # The activation's input h, not its output, is the integer tensor; d_out, not h, has the wrong F.
+    with pytest.raises(ValueError, match=r"glu_forward: h: expected a floating-point tensor, got int32"):
+        me.glu(torch.ones(9, 16, dtype=torch.int32, device=device), s)
+    with pytest.raises(ValueError, match=r"glu_backward: d_out: expected \[T, F\] = \[9, 8\] for h \[9, 16\]"):
+        me.glu_backward(torch.zeros(9, 16, dtype=dtype, device=device), torch.zeros(9, 9, dtype=dtype, device=device), s)
+    # The activation's parameters: numbers, limit > 0 (inf: no clamp), alpha and offset finite.
+    with pytest.raises(TypeError, match=r"glu_text: limit must be a number, got str 'seven'"):
+        me.glu_text("clamped_qgeglu", "halves", "seven")
+    with pytest.raises(TypeError, match=r"glu_text: activation and layout must be strings"):
+        me.glu_text(None)
+    for kwargs in (dict(limit=float("nan")), dict(limit=-5.0), dict(alpha=float("nan")), dict(offset=float("inf"))):
+        with pytest.raises(ValueError, match=r"glu_text: (limit must be > 0|alpha and offset must be finite)"):
+            me.glu(torch.zeros(9, 16, dtype=dtype, device=device), s, activation="clamped_qgeglu", **kwargs)
+        with pytest.raises(ValueError, match=r"limit must be > 0|alpha and offset must be finite"):
+            me.GroupedMLP(3, 8, 8, device=device, dtype=dtype, **kwargs)  # swiglu ignores them: still a mistake
+    me.glu_text("clamped_qgeglu", limit=float("inf"))  # no clamp
+
+
+def test_meta_tensors_among_real_ones_are_an_error(device):
+    """The dispatcher runs an op's fake implementation when any argument is a meta tensor: with
+    real tensors beside it the result would be a real tensor of uninitialized memory. Every path
+    (autograd, no grad, the modules) raises instead; all-meta arguments still give meta shapes."""
+    dtype = DTYPES[device.type][0]
+    x, w, s = torch.randn(9, 8, dtype=dtype, device=device), torch.randn(3, 6, 8, dtype=dtype, device=device), \
+        make_splits([4, 0, 5], device)
+    p, h = torch.rand(9, device=device), torch.randn(9, 16, dtype=dtype, device=device)
+    w1, w2 = torch.randn(3, 16, 8, dtype=dtype, device=device), torch.randn(3, 8, 8, dtype=dtype, device=device)
+    meta = torch.device("meta")
+    cases = {
+        "grouped_linear splits": lambda: me.grouped_linear(x, w, s.to(meta)),
+        "grouped_linear weight": lambda: me.grouped_linear(x, w.to(meta), s),
+        "grouped_linear x": lambda: me.grouped_linear(x.to(meta), w, s),
+        "glu probs": lambda: me.glu(h, s, p.to(meta)),
+        "glu_backward d_out": lambda: me.glu_backward(h, torch.zeros(9, 8, dtype=dtype, device=meta), s),
+        "expert_mlp splits": lambda: me.expert_mlp(x, w1, w2, s.to(meta), p),
+        "grouped_linear_dgrad splits": lambda: me.grouped_linear_dgrad(torch.randn(9, 6, dtype=dtype, device=device), w,
+                                                                       s.to(meta)),
+        "quantize_fp8 splits": lambda: me.quantize_fp8(torch.randn(9, 32, device=device), s.to(meta)),
+        "GroupedLinear splits": lambda: me.GroupedLinear(3, 8, 6, device=device, dtype=dtype)(x, s.to(meta)),
+        "GroupedMLP splits": lambda: me.GroupedMLP(3, 8, 8, device=device, dtype=dtype)(x, s.to(meta), p),
+        "dispatch x": lambda: me.dispatch(x.to(meta), None, torch.zeros(9, 2, dtype=torch.int64, device=device), 3),
+    }
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            for name, fn in cases.items():
+                with pytest.raises(ValueError, match=r"is on (meta|cpu|cuda:0) but .* is on (meta|cpu|cuda:0); expected "
+                                                     r"every tensor on one device"):
+                    fn()
+                    pytest.fail(f"{name}, grad {grad}: no error")
+            y = me.grouped_linear(x.to(meta), w.to(meta), s.to(meta))
+            assert y.device == meta and y.shape == (9, 6)
+
+
 def test_bad_splits_on_the_gpu_are_reported_and_never_write_out_of_bounds(cuda):
     x = torch.randn(10, 8, dtype=torch.bfloat16, device=cuda)
     w = torch.randn(3, 6, 8, dtype=torch.bfloat16, device=cuda)

@@ -3,6 +3,10 @@ same splits; tensors across the extension (dtypes, strides, devices, 0-size) and
 name the op and the argument."""
 
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -10,7 +14,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
 
 import moe_engine.torch as me
 from moe_engine import _C
-from reference import make_splits
+from reference import make_splits, needs_fp8_gemm
 
 DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
 ops = torch.ops.moe_engine
@@ -147,6 +151,140 @@ def test_a_routing_tensor_is_trusted_only_when_it_is_the_live_routing_of_these_s
     assert _C.find_routing(routing, other, 12) is None
     assert _C.find_routing(routing, s, 10) is None
     assert _C.find_routing(offsets_out_of_bounds, s, 12) is None
+
+
+def test_a_routing_of_splits_written_in_place_is_not_reused(device):
+    """find_routing matches a routing by its splits buffer; new values copied into that buffer keep
+    the address, but move its version counter: a backward op given the old routing computes the
+    offsets again from the values it is given, as without a routing."""
+    dt = DTYPE[device.type]
+    torch.manual_seed(8)
+    T, G = 12, 3
+    x, w = torch.randn(T, 8, dtype=dt, device=device), torch.randn(G, 6, 8, dtype=dt, device=device)
+    b = torch.randn(G, 6, dtype=dt, device=device)
+    dy = torch.randn(T, 6, dtype=dt, device=device)
+    h, d_out = torch.randn(T, 32, dtype=dt, device=device), torch.randn(T, 16, dtype=dt, device=device)
+    p = torch.rand(T, device=device)
+    glu = me.glu_text()
+    for new in ([12, 0, 0], [4, 0, 5]):  # other values, then the same ones written again
+        s = make_splits([4, 0, 5], device)
+        _, routing = ops.grouped_linear_routed(x, [w], s, [], None)
+        _, glu_routing = ops.glu_routed(h, p, s, glu)
+        with torch.no_grad():
+            s.copy_(make_splits(new, device))
+        fresh = make_splits(new, device)
+        out = torch.zeros(G, 6, 8, dtype=dt, device=device)
+        want_out = torch.zeros(G, 6, 8, dtype=dt, device=device)
+        with Computations() as c:
+            got = [ops.grouped_linear_dgrad(dy, [w], s, routing), ops.grouped_linear_dbias(dy, s, p, routing),
+                   ops.grouped_linear_dscales(dy, [b], s, routing), *ops.glu_backward(h, p, d_out, s, glu, glu_routing)]
+            ops.grouped_linear_wgrad_(dy, x, s, [out], "write", routing)
+        assert c.count == 5, f"splits {new}: {c.count} computations for 5 ops given the routing of the old values"
+        want = [ops.grouped_linear_dgrad(dy, [w], fresh), ops.grouped_linear_dbias(dy, fresh, p),
+                ops.grouped_linear_dscales(dy, [b], fresh), *ops.glu_backward(h, p, d_out, fresh, glu)]
+        ops.grouped_linear_wgrad_(dy, x, fresh, [want_out], "write")
+        for i, (a, e) in enumerate(zip(got + [out], want + [want_out])):
+            assert torch.equal(a, e), f"splits {new}: result {i}"
+    # The routing is still reused while the buffer is not written.
+    s = make_splits([4, 0, 5], device)
+    _, routing = ops.grouped_linear_routed(x, [w], s, [], None)
+    with Computations() as c:
+        ops.grouped_linear_dgrad(dy, [w], s, routing)
+    assert c.count == 0
+
+
+@pytest.mark.parametrize("kind, fp8", [("linear", False), ("mlp", False), ("linear", True), ("mlp", True)],
+                         ids=["linear", "mlp", "linear-fp8", "mlp-fp8"])
+def test_delayed_wgrads_keep_their_forwards_routing_when_the_splits_buffer_is_reused(device, kind, fp8):
+    """Megatron reuses one splits buffer across micro-batches: the weight gradients queued for
+    backward_dw belong to the forward that made them (its operands are laid out by its offsets), so
+    they keep its routing, and a step computes one routing per micro-batch."""
+    dt = DTYPE[device.type]
+    counts = ([9, 0, 1, 23], [40, 0, 0, 0])
+
+    def run(modules, reuse):
+        g = torch.Generator().manual_seed(11)
+        s = make_splits(counts[0], device)
+        for i, c in enumerate(counts):
+            x = torch.randn(40, 32, generator=g).to(device, dt).requires_grad_()
+            probs = torch.rand(40, generator=g).to(device).requires_grad_()
+            if reuse:
+                with torch.no_grad():
+                    s.copy_(make_splits(c, device))
+            splits = s if reuse else make_splits(c, device)
+            modules[0](x, splits, probs).backward(torch.randn(40, 32, generator=g).to(device, dt))
+        modules[0].backward_dw()
+        return [p.grad for p in modules[0].parameters()]
+
+    if fp8:
+        needs_fp8_gemm(device)
+    options = dict(delay_wgrad_compute=True, fp8_recipe=me.Fp8Recipe() if fp8 else None)
+    separate = run(stack(kind, device, 1, **options), False)
+    with Computations() as c:
+        reused = run(stack(kind, device, 1, **options), True)
+    assert c.count == len(counts)
+    for a, b in zip(reused, separate):
+        assert torch.equal(a, b)
+
+
+def test_writing_into_a_routing_tensor_is_an_error_not_a_crash():
+    """A routing tensor is read-only by contract; offsets written into it anyway (out of bounds, or
+    negative) are refused by the op with an exception on the CPU, not followed into a segfault,
+    heap corruption or a hang. In a subprocess, so that a crash fails this test only."""
+    script = textwrap.dedent("""
+        import torch, moe_engine.torch as me
+        ops, glu = torch.ops.moe_engine, me.glu_text()
+        T, G, H, F = 8, 2, 32, 32
+        x, s, p = torch.randn(T, H), torch.tensor([3, 5]), torch.rand(T)
+        w = torch.randn(G, H, H)
+        w1, w2 = torch.randn(G, 2 * F, H), torch.randn(G, H, F)
+
+        def linear(bad):
+            _, r = ops.grouped_linear_routed(x, [w], s, [], None)
+            r.copy_(torch.tensor(bad))
+            ops.grouped_linear_dgrad(torch.randn(T, H), [w], s, r)
+
+        def wgrad(bad):
+            _, r = ops.grouped_linear_routed(x, [w], s, [], None)
+            r.copy_(torch.tensor(bad))
+            ops.grouped_linear_wgrad_(torch.randn(T, H), x, s, [torch.zeros(G, H, H)], "write", r)
+
+        def glu_backward(bad):
+            h = torch.randn(T, 2 * F)
+            _, r = ops.glu_routed(h, None, s, glu)
+            r.copy_(torch.tensor(bad))
+            ops.glu_backward(h, None, torch.randn(T, F), s, glu, r)
+
+        def mlp(bad):
+            _, fc1, r = ops.expert_mlp_routed(x, p, [w1], [], [w2], [], s, glu, "forward", True)
+            r.copy_(torch.tensor(bad))
+            ops.expert_mlp_backward_(torch.randn(T, H), x, p, [w1], [], [w2], [], s, fc1, glu, "forward", True, True,
+                                     False, False, [torch.zeros_like(w1)], "write", [torch.zeros_like(w2)], "write", r)
+
+        def fp8_mlp(bad):
+            a, b = me.quantize_fp8_weight(w1), me.quantize_fp8_weight(w2)
+            out = ops.expert_mlp_fp8(x, None, a.data, a.scales, b.data, b.scales, [], [], s, glu, "forward", "columns",
+                                     True, False, 0.0)
+            r = out[-1]
+            r.copy_(torch.tensor(bad))
+            ops.expert_mlp_fp8_backward_(torch.randn(T, H), out[1], out[2], out[3], None, None, out[6], out[7], None,
+                                         a.data, a.scales, a.data_t, a.scales_t, b.data, b.scales, b.data_t,
+                                         b.scales_t, [], [], s, glu, "forward", False, 0.0, True, False, False,
+                                         [torch.zeros_like(w1)], "write", [torch.zeros_like(w2)], "write", r)
+
+        for fn in (linear, wgrad, glu_backward, mlp, fp8_mlp):
+            for bad in ([0, 100, 200], [0, 4000, 8000], [0, -4, 8]):
+                try:
+                    fn(bad)
+                    print(fn.__name__, bad, "no error")
+                except Exception as e:
+                    print(fn.__name__, bad, type(e).__name__)
+        """)
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # one thread: where the audit saw a hang
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, f"exit status {done.returncode}: {done.stderr[-2000:]}"
+    lines = done.stdout.splitlines()
+    assert len(lines) == 15 and all(line.endswith("ValueError") for line in lines), done.stdout
 
 
 def test_a_routing_lives_as_long_as_its_tensor(device):

@@ -26,6 +26,7 @@ them. The GEMMs' outputs are ordinary fresh outputs: their rows past ``sum(split
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -33,8 +34,8 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from ._bridge import (dtype_name, grouped, is_packed, routing_for_capacity, routing_like, routing_of, routing_tensor,
-                      stream_of)
+from ._bridge import (check_devices, dtype_name, grouped, is_packed, routing_for_capacity, routing_is_stale,
+                      routing_like, routing_of, routing_source, routing_tensor, stream_of)
 from .offload import mark_as_weight
 from .ops import Experts, _as_list, _glu_spec, _rows_cols, _workspace, glu_text, new_expert_grads, split_like
 
@@ -270,6 +271,7 @@ def _quantize_fp8(x: Tensor, splits: Tensor, rowwise: bool, columnwise: bool, po
 
 @_quantize_fp8.register_fake
 def _(x, splits, rowwise, columnwise, pow2_scales, amax_epsilon, routing=None):
+    check_devices("quantize_fp8", x=x, splits=splits, routing=routing)
     return _quantize_outputs(x, splits, rowwise, columnwise) + (routing_like(splits),)
 
 
@@ -286,6 +288,7 @@ def _quantize_fp8_weight(weight: List[Tensor], rowwise: bool, columnwise: bool, 
 
 @_quantize_fp8_weight.register_fake
 def _(weight, rowwise, columnwise, pow2_scales, amax_epsilon):
+    check_devices("quantize_fp8_weight", weight=weight)
     return _weight_outputs(weight, rowwise, columnwise)
 
 
@@ -302,6 +305,7 @@ def _quantize_fp8_weight_(weight: List[Tensor], data: Optional[Tensor], scales: 
 
 @_quantize_fp8_weight_.register_fake
 def _(weight, data, scales, data_t, scales_t, pow2_scales, amax_epsilon):
+    check_devices("quantize_fp8_weight_", weight=weight, data=data, scales=scales, data_t=data_t, scales_t=scales_t)
     return None
 
 
@@ -311,7 +315,7 @@ def _grouped_linear_fp8(x_data: Tensor, x_scales: Tensor, weight_data: Tensor, w
                         routing: Optional[Tensor] = None) -> Tensor:
     y = torch.empty(_extent(x_data, 0), _extent(weight_data, 1), dtype=out_dtype, device=x_data.device)
     stream = stream_of(x_data)
-    r = routing_of("grouped_linear_forward", "x.data", x_data, splits, stream, routing)
+    r = routing_of("grouped_linear_forward", "x.data", x_data, splits, stream, routing, stale="grouped_linear_fp8: x")
     _C.grouped_linear_fp8_forward(x_data, x_scales, weight_data, weight_scales, r, y, grouped(bias, 1), row_scale,
                                   stream)
     return y
@@ -319,6 +323,8 @@ def _grouped_linear_fp8(x_data: Tensor, x_scales: Tensor, weight_data: Tensor, w
 
 @_grouped_linear_fp8.register_fake
 def _(x_data, x_scales, weight_data, weight_scales, splits, bias, row_scale, out_dtype, routing=None):
+    check_devices("grouped_linear_fp8", x_data=x_data, x_scales=x_scales, weight_data=weight_data,
+                  weight_scales=weight_scales, splits=splits, bias=bias, row_scale=row_scale, routing=routing)
     return x_data.new_empty(_extent(x_data, 0), _extent(weight_data, 1), dtype=out_dtype)
 
 
@@ -327,13 +333,16 @@ def _grouped_linear_fp8_dgrad(dy_data: Tensor, dy_scales: Tensor, weight_data_t:
                               splits: Tensor, out_dtype: torch.dtype, routing: Optional[Tensor] = None) -> Tensor:
     dx = torch.empty(_extent(dy_data, 0), _extent(weight_data_t, 1), dtype=out_dtype, device=dy_data.device)
     stream = stream_of(dy_data)
-    r = routing_of("grouped_linear_dgrad", "dy.data", dy_data, splits, stream, routing)
+    r = routing_of("grouped_linear_dgrad", "dy.data", dy_data, splits, stream, routing,
+                   stale="grouped_linear_fp8_dgrad: dy")
     _C.grouped_linear_fp8_dgrad(dy_data, dy_scales, weight_data_t, weight_scales_t, r, dx, stream)
     return dx
 
 
 @_grouped_linear_fp8_dgrad.register_fake
 def _(dy_data, dy_scales, weight_data_t, weight_scales_t, splits, out_dtype, routing=None):
+    check_devices("grouped_linear_fp8_dgrad", dy_data=dy_data, dy_scales=dy_scales, weight_data_t=weight_data_t,
+                  weight_scales_t=weight_scales_t, splits=splits, routing=routing)
     return dy_data.new_empty(_extent(dy_data, 0), _extent(weight_data_t, 1), dtype=out_dtype)
 
 
@@ -344,13 +353,16 @@ def _grouped_linear_fp8_wgrad_(dy_data: Tensor, dy_scales: Tensor, dy_offsets: T
                                x_scales: Tensor, x_offsets: Tensor, splits: Tensor, num_tokens: int,
                                out: List[Tensor], out_mode: str, routing: Optional[Tensor] = None) -> None:
     stream = stream_of(dy_data)
-    r = routing_for_capacity("grouped_linear_wgrad", num_tokens, splits, stream, routing)
+    r = routing_for_capacity("grouped_linear_wgrad", num_tokens, splits, stream, routing,
+                             stale="grouped_linear_fp8_wgrad: an operand (dy or x)")
     _C.grouped_linear_fp8_wgrad(dy_data, dy_scales, dy_offsets, x_data, x_scales, x_offsets, r, grouped(out, 2),
                                 out_mode, stream)
 
 
 @_grouped_linear_fp8_wgrad_.register_fake
 def _(dy_data, dy_scales, dy_offsets, x_data, x_scales, x_offsets, splits, num_tokens, out, out_mode, routing=None):
+    check_devices("grouped_linear_fp8_wgrad_", dy_data=dy_data, dy_scales=dy_scales, dy_offsets=dy_offsets,
+                  x_data=x_data, x_scales=x_scales, x_offsets=x_offsets, splits=splits, out=out, routing=routing)
     return None
 
 
@@ -366,6 +378,21 @@ def _expect(op: str, name: str, value, kind: type, what: str) -> None:
         raise TypeError(f"{op}: {name}: expected {what}, got {type(value).__name__}")
 
 
+def _expect_number(op: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{op}: {name}: expected a number, got {type(value).__name__} {value!r}")
+
+
+def _check_current(op: str, name: str, t8: Fp8Tensor, splits) -> None:
+    """An operand quantized with this splits tensor before new values were written into it (in
+    place) is laid out by the old values (columns by their offsets, rows past the old sum not
+    written): a routing computed again from the new values would read it wrongly. (The GEMM ops
+    refuse the routing they are given too; wgrad checks both its operands here.)"""
+    if t8.routing is not None and routing_is_stale(t8.routing, splits, t8.num_tokens):
+        raise ValueError(f"{op}: {name} was quantized with splits whose values have been overwritten in place since "
+                         f"(splits._version moved); quantize it again with the splits as they are now")
+
+
 def quantize_fp8(x: Tensor, splits: Tensor, rowwise: bool = True, columnwise: bool = False,
                  pow2_scales: bool = False, amax_epsilon: float = 0.0) -> Fp8Tensor:
     """x ``[T, K]`` (bfloat16, float16 or float32; K a multiple of 16) in FP8, in one pass over x:
@@ -379,6 +406,7 @@ def quantize_fp8(x: Tensor, splits: Tensor, rowwise: bool = True, columnwise: bo
     # Quantization has no gradient here: detached, a parameter or an activation that requires grad
     # gives operands that do not (no autograd node that could only fail in backward).
     _expect("quantize_fp8", "x", x, Tensor, "a [T, K] tensor")
+    _expect_number("quantize_fp8", "amax_epsilon", amax_epsilon)
     rd, rs, cd, cs, co, routing = _quantize_fp8(x.detach(), splits, bool(rowwise), bool(columnwise),
                                                 bool(pow2_scales), float(amax_epsilon))
     return Fp8Tensor(Fp8Rows(rd, rs) if rowwise else None, Fp8Columns(cd, cs, co) if columnwise else None,
@@ -393,6 +421,7 @@ def quantize_fp8_weight(weight: Experts, rowwise: bool = True, columnwise: bool 
     ``out``: an Fp8Weight of this weight's shapes to write the requested pairs into (its tensors
     keep their addresses; returned), instead of new tensors."""
     op = "quantize_fp8_weight"
+    _expect_number(op, "amax_epsilon", amax_epsilon)
     experts = _as_list(weight)
     for t in experts:
         _expect(op, "weight", t, Tensor, "a [G, N, K] tensor or G tensors [N, K]")
@@ -424,6 +453,7 @@ def grouped_linear_fp8(x: Fp8Tensor, weight: Fp8Weight, splits: Tensor, bias: Op
     if x.rows is None:
         raise ValueError(f"{op}: x: the forward reads the rowwise form, but x has none "
                          "(quantize_fp8 with rowwise=True)")
+    _expect(op, "x.rows", x.rows, Fp8Rows, "an Fp8Rows")
     if weight.data is None:
         raise ValueError(f"{op}: weight: the forward reads weight.data, but it is None "
                          "(quantize_fp8_weight with rowwise=True)")
@@ -440,6 +470,7 @@ def grouped_linear_fp8_dgrad(dy: Fp8Tensor, weight: Fp8Weight, splits: Tensor,
     _expect(op, "weight", weight, Fp8Weight, _FROM_QUANTIZE_WEIGHT)
     if dy.rows is None:
         raise ValueError(f"{op}: dy: dgrad reads the rowwise form, but dy has none (quantize_fp8 with rowwise=True)")
+    _expect(op, "dy.rows", dy.rows, Fp8Rows, "an Fp8Rows")
     if weight.data_t is None:
         raise ValueError(f"{op}: weight: dgrad reads the transposed copy weight.data_t, but it is None "
                          "(quantize_fp8_weight with columnwise=True)")
@@ -460,9 +491,27 @@ def grouped_linear_fp8_wgrad(dy: Fp8Tensor, x: Fp8Tensor, splits: Tensor, out: O
         if t.columns is None:
             raise ValueError(f"{op}: {name}: wgrad reads the columnwise form, but {name} has none "
                              "(quantize_fp8 with columnwise=True)")
+        _expect(op, f"{name}.columns", t.columns, Fp8Columns, "an Fp8Columns")
     if dy.num_tokens != x.num_tokens:
         raise ValueError(f"{op}: dy and x were quantized from token buffers of T = {dy.num_tokens} and "
                          f"T = {x.num_tokens} rows; expected the same T")
+    G = _extent(splits, 0) if isinstance(splits, Tensor) else None
+    for name, t in (("dy", dy), ("x", x)):
+        if G is not None and splits.dim() == 1 and t.columns.offsets.dim() == 1 and t.columns.offsets.shape[0] != G + 1:
+            raise ValueError(f"{op}: {name} was quantized for G = {t.columns.offsets.shape[0] - 1} experts (its columns' "
+                             f"offsets are [G+1]), but splits has G = {G}")
+        _check_current(op, name, t, splits)
+    # The columns of each operand are laid out by the offsets of the splits it was quantized with; the
+    # GEMM reads both by one routing. Operands of different routings are told apart by where their
+    # splits were (buffer and version), never by reading values: no host sync.
+    compiling = torch.compiler.is_compiling()  # a trace has no addresses: the op checks its routing when it runs
+    sources = [routing_source(t.routing) if t.routing is not None and not compiling else None for t in (dy, x)]
+    if sources[0] is not None and sources[1] is not None and (
+            sources[0][0] != sources[1][0]
+            or (sources[0][1] is not None and sources[1][1] is not None and sources[0][1] != sources[1][1])):
+        raise ValueError(f"{op}: dy and x were quantized with different splits (another splits tensor, or new values "
+                         "written into it in between): their columns are laid out by different group offsets; "
+                         "quantize both with the splits of this wgrad")
     if out is None:
         G, N, K = _extent(splits, 0), dy.columns.data.shape[0], x.columns.data.shape[0]
         out = torch.empty(G, N, K, dtype=out_dtype, device=dy.columns.data.device)
@@ -544,6 +593,8 @@ def _expert_mlp_fp8(x: Tensor, probs: Optional[Tensor], w1_data: Tensor, w1_scal
 @_expert_mlp_fp8.register_fake
 def _(x, probs, w1_data, w1_scales, w2_data, w2_scales, b1, b2, splits, glu, fusion, save_x, save_fc1_out,
       pow2_scales, amax_epsilon):
+    check_devices("expert_mlp_fp8", x=x, probs=probs, w1_data=w1_data, w1_scales=w1_scales, w2_data=w2_data,
+                  w2_scales=w2_scales, b1=b1, b2=b2, splits=splits)
     saved = _mlp_saved_outputs(x, splits, _extent(w1_data, 1), save_x, save_fc1_out)
     return (x.new_empty(_rows_cols(x)),) + saved + (routing_like(splits),)
 
@@ -566,7 +617,8 @@ def _expert_mlp_fp8_backward_(
     dx, dprobs, db1, db2 = _mlp_fp8_grad_outputs(dy, w1_data, b1, b2, splits, need_dx, need_dprobs, need_bias_grads)
     T, H = _rows_cols(dy)
     stream = stream_of(dy)
-    r = routing_of("expert_mlp_fp8_backward", "dy", dy, splits, stream, routing)
+    r = routing_of("expert_mlp_fp8_backward", "dy", dy, splits, stream, routing,
+                   stale="expert_mlp_fp8_backward: what forward kept of x and h")
     x_from_rows = len(w1_grad) > 0 and x_data is None and x_rows_data is not None
     ws = _workspace(_C.expert_mlp_fp8_backward_workspace_size(T, _extent(splits, 0), H, _extent(w2_data, 2),
                                                               dtype_name(dy.dtype), _glu_spec(glu), fusion,
@@ -597,6 +649,11 @@ def _mlp_fp8_grad_outputs(dy, w1_data, b1, b2, splits, need_dx, need_dprobs, nee
 def _(dy, x_data, x_scales, x_offsets, x_rows_data, x_rows_scales, h_data, h_scales, probs, w1_data, w1_scales,
       w1_data_t, w1_scales_t, w2_data, w2_scales, w2_data_t, w2_scales_t, b1, b2, splits, glu, fusion, pow2_scales,
       amax_epsilon, need_dx, need_dprobs, need_bias_grads, w1_grad, w1_mode, w2_grad, w2_mode, routing=None):
+    check_devices("expert_mlp_fp8_backward_", dy=dy, x_data=x_data, x_scales=x_scales, x_offsets=x_offsets,
+                  x_rows_data=x_rows_data, x_rows_scales=x_rows_scales, h_data=h_data, h_scales=h_scales, probs=probs,
+                  w1_data=w1_data, w1_scales=w1_scales, w1_data_t=w1_data_t, w1_scales_t=w1_scales_t,
+                  w2_data=w2_data, w2_scales=w2_scales, w2_data_t=w2_data_t, w2_scales_t=w2_scales_t, b1=b1, b2=b2,
+                  splits=splits, w1_grad=w1_grad, w2_grad=w2_grad, routing=routing)
     return _mlp_fp8_grad_outputs(dy, w1_data, b1, b2, splits, need_dx, need_dprobs, need_bias_grads)
 
 

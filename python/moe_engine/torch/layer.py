@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from .. import _C
 from . import routing as _routing
-from ._bridge import _plain_eager
+from ._bridge import _plain_eager, check_int, check_real
 from .expert_parallel import expert_parallel_forward, group_rank_size, pair_capacity
 from ._autograd import (_GroupedMLPFc1Function, _GroupedMLPFc2Function, _GroupedMLPFunction, _Handoff,
                         _fc1_node_params, _mlp_two_nodes)
@@ -196,6 +196,13 @@ def _hooks_on(module: nn.Module) -> bool:
 # ---- the layer ----
 
 
+def _default_glu_layout(activation: str) -> str:
+    """MoELayer's GLU layout when none is given: blocks:32 for a GLU (the Hopper FC1 epilogue fuses
+    it), halves (no layout) for a non-gated activation. One given is passed on as it is, so a layout
+    given for a non-gated activation is GroupedMLP's error."""
+    return "blocks:32" if _C.GluSpec(activation).gated else "halves"
+
+
 # The fused step's two-node form below this many bytes freed: see MoELayer._two_nodes.
 _TWO_NODE_MIN_BYTES = 64 << 20
 
@@ -226,7 +233,7 @@ class MoELayer(nn.Module):
                  expert_bias: bool = False, num_groups: Optional[int] = None, topk_groups: Optional[int] = None,
                  norm_topk_prob: bool = True, scaling_factor: float = 1.0, aux_loss_coeff: float = 0.0,
                  z_loss_coeff: float = 0.0, capacity_factor: Optional[float] = None, activation: str = "swiglu",
-                 glu_layout: str = "blocks:32", bias: bool = False, limit: float = 7.0, alpha: float = 1.702,
+                 glu_layout: Optional[str] = None, bias: bool = False, limit: float = 7.0, alpha: float = 1.702,
                  offset: float = 1.0, fusion: str = "forward", recompute_fc1: bool = False, layout: str = "packed",
                  accumulate_into_main_grad: bool = False, overwrite_main_grad: bool = False,
                  delay_wgrad_compute: bool = False, zero_out_wgrad: bool = False, offload_activations: bool = True,
@@ -234,9 +241,12 @@ class MoELayer(nn.Module):
                  dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         if capacity_factor is not None:
-            _C.expert_capacity(1, 1, 1, float(capacity_factor))  # checks the factor, naming it
-        self.hidden, self.ffn, self.num_experts, self.topk = int(hidden), int(ffn), int(num_experts), int(topk)
-        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+            capacity_factor = check_real("MoELayer", "capacity_factor", capacity_factor)
+            _C.expert_capacity(1, 1, 1, capacity_factor)  # checks the factor, naming it
+        self.hidden, self.ffn, self.num_experts, self.topk = (
+            check_int("MoELayer", name, value)
+            for name, value in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts), ("topk", topk)))
+        self.capacity_factor = capacity_factor
         self.ep_group = ep_group
         self.ep_rank, self.ep_size = group_rank_size(ep_group) if ep_group is not None else (0, 1)
         if self.num_experts % self.ep_size != 0:
@@ -246,8 +256,9 @@ class MoELayer(nn.Module):
             if ep_group is None:
                 raise ValueError("moe_engine: MoELayer: ep_capacity_factor is given without an ep_group; it sizes the "
                                  "buffers of the expert-parallel exchange")
-            pair_capacity(1, 1, 1, float(ep_capacity_factor))  # checks the factor, naming it
-        self.ep_capacity_factor = None if ep_capacity_factor is None else float(ep_capacity_factor)
+            ep_capacity_factor = check_real("MoELayer", "ep_capacity_factor", ep_capacity_factor)
+            pair_capacity(1, 1, 1, ep_capacity_factor)  # checks the factor, naming it
+        self.ep_capacity_factor = ep_capacity_factor
         local_experts = self.num_experts // self.ep_size
         self.router = Router(hidden, num_experts, topk, score=score, expert_bias=expert_bias, num_groups=num_groups,
                              topk_groups=topk_groups, norm_topk_prob=norm_topk_prob, scaling_factor=scaling_factor,
@@ -256,7 +267,8 @@ class MoELayer(nn.Module):
                              overwrite_main_grad=overwrite_main_grad, zero_out_wgrad=zero_out_wgrad, device=device,
                              dtype=dtype)
         self.experts = GroupedMLP(local_experts, hidden, ffn, bias=bias, activation=activation,
-                                  glu_layout=glu_layout if _C.GluSpec(activation).gated else "halves", limit=limit,
+                                  glu_layout=_default_glu_layout(activation) if glu_layout is None else glu_layout,
+                                  limit=limit,
                                   alpha=alpha, offset=offset, fusion=fusion, recompute_fc1=recompute_fc1,
                                   layout=layout, accumulate_into_main_grad=accumulate_into_main_grad,
                                   overwrite_main_grad=overwrite_main_grad, delay_wgrad_compute=delay_wgrad_compute,

@@ -37,8 +37,10 @@ from . import ops
 from ._autograd import (_GroupedLinearFp8Function, _GroupedLinearFunction, _GroupedMLPFp8Function,
                         _GroupedMLPFunction, _mlp_forward_two_nodes, _mlp_two_nodes)
 from ._bridge import dtype_name as _dtype_name
+from ._bridge import check_int, forward_routings
 from ._contract import WeightGradContract
 from .fp8 import Fp8Recipe, Fp8WeightCache, check_recipe
+from .ops import check_glu_params
 from .offload import no_offload
 
 _LAYOUTS = ("packed", "per-expert")
@@ -55,6 +57,8 @@ def normalize_grouped_keys(state: dict, key: str, num_groups: int, packed: bool,
     ``[G, N, ...]``. Other mixes are left alone. Returns the indexed keys a packed module misses when
     the checkpoint has only some experts (torch would report only ``key`` as missing)."""
     indexed = [f"{key}{i}" for i in range(num_groups)]
+    if any(not isinstance(state[k], Tensor) for k in [key, *indexed] if k in state):
+        return []  # nothing to normalize: torch's load names the key that holds no tensor
     entries = {k: (tuple(state[k].shape), _dtype_name(state[k].dtype)) for k in [key, *indexed] if k in state}
     plan = _C.plan_grouped_keys(entries, key, num_groups, "packed" if packed else "per-expert", list(expert_shape))
     if plan.error:
@@ -79,6 +83,11 @@ class _ExpertParams(nn.Module):
         super().__init__()
         if layout not in _LAYOUTS:
             raise ValueError(f"moe_engine: unknown parameter layout '{layout}'; expected packed or per-expert")
+        num_groups, out_features, in_features = (check_int("grouped parameters", name, v) for name, v in (
+            ("G (num_groups)", num_groups), ("N (out_features)", out_features), ("K (in_features)", in_features)))
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"moe_engine: dtype must be a floating-point dtype (bfloat16, float16, float32, float64), "
+                             f"got {dtype}")
         if num_groups < 1 or out_features < 1 or in_features < 1:
             raise ValueError(f"moe_engine: expected G, N, K >= 1, got {num_groups}, {out_features}, {in_features}")
         self.num_groups, self.packed = num_groups, layout == "packed"
@@ -160,8 +169,11 @@ class _DelayedWgrad:
     def run(self) -> None:
         if not self.queue:
             return
-        while self.queue:
-            self.queue.pop(0)()
+        # The jobs hold their forward's routing and operands, laid out by the offsets of the splits
+        # values of that forward; a caller may have written the next micro-batch's into the buffer.
+        with forward_routings():
+            while self.queue:
+                self.queue.pop(0)()
         for hook in self.hooks:
             hook()
 
@@ -334,9 +346,10 @@ class GroupedMLP(nn.Module):
                  fp8_recipe: Optional[Fp8Recipe] = None, device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.recompute_fc1 = recompute_fc1
+        limit, alpha, offset = check_glu_params("GroupedMLP", limit, alpha, offset)
         self._fp8_recipe = self._checked_recipe(fp8_recipe, dtype, hidden, ffn)
         self._fp8_weights = (Fp8WeightCache(), Fp8WeightCache())
-        self._glu = _C.GluSpec(activation, glu_layout, float(limit), float(alpha), float(offset))
+        self._glu = _C.GluSpec(activation, glu_layout, limit, alpha, offset)
         self._glu_text = self._glu.text  # what the custom ops take
         self._glu.check(ffn, "GroupedMLP")  # F must suit the layout; a non-gated activation takes none
         self.num_groups, self.hidden, self.ffn = num_groups, hidden, ffn
@@ -444,8 +457,13 @@ class GroupedMLP(nn.Module):
             perm = torch.tensor(_C.glu_row_permutation(glu_from, self.glu_layout, self.ffn))
             state_dict = dict(state_dict)
             for k, t in state_dict.items():
-                if not k.startswith("fc1."):
+                if not k.startswith("fc1.") or not isinstance(t, Tensor):
                     continue
+                width = 2 * self.ffn * (t.shape[-1] if k.startswith("fc1.weight") and t.dim() > 0 else 1)
+                if t.dim() == 0 or t.numel() % width != 0 or (k.startswith("fc1.weight") and t.dim() < 2):
+                    raise ValueError(f"GroupedMLP.load_state_dict: {k}: {list(t.shape)} does not hold FC1 rows of "
+                                     f"2F = {2 * self.ffn} (glu_from={glu_from!r}); expected the module's "
+                                     f"{list(self.state_dict()[k].shape) if k in self.state_dict() else 'shape'}")
                 rows = t.reshape(-1, 2 * self.ffn, *t.shape[-1:]) if k.startswith("fc1.weight") else t.reshape(-1, 2 * self.ffn)
                 state_dict[k] = rows[:, perm.to(t.device)].reshape(t.shape)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)

@@ -74,6 +74,8 @@ def no_offload():
 def mark_not_offload(*tensors: Tensor) -> None:
     """These tensors are never offloaded when saved for backward."""
     for t in tensors:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"moe_engine: mark_not_offload: expected tensors, got {type(t).__name__}")
         t._moe_no_offload = True
 
 

@@ -10,8 +10,8 @@ Routing: the group offsets are computed from ``splits`` once per forward (``Grou
 one small kernel). The differentiable ops (``grouped_linear_routed``, ``glu_routed``,
 ``expert_mlp_routed``) return them as a routing tensor with their result, and their backward passes
 it to the backward ops' ``routing`` argument, which reuse that computation (see ``_bridge``).
-Called without a routing tensor (or with one that is not the live routing of the same splits), a
-backward op computes the offsets itself.
+Called without a routing tensor (or with one that is not the live routing of the same splits, or
+whose splits were written in place since), a backward op computes the offsets itself.
 
 Weights and biases are passed as lists: ``[w]`` with ``w`` packed ``[G, N, K]`` (``[G, N]`` for a
 bias), or G per-expert tensors ``[N, K]`` (``[N]``). The activation (a GLU, or a non-gated one:
@@ -23,14 +23,16 @@ bias), or G per-expert tensors ``[N, K]`` (``[N]``). The activation (a GLU, or a
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from .. import _C
-from ._bridge import (FastOp, dtype_name, ensure_device, grouped, is_packed, routing_like, routing_of, routing_tensor,
-                      stream_of)
+from ._bridge import (FastOp, check_devices, dtype_name, ensure_device, grouped, is_packed, routing_like, routing_of,
+                      routing_tensor, stream_of)
 
 Experts = Union[Tensor, Sequence[Tensor]]
 
@@ -47,7 +49,12 @@ def _num_groups(ts: Sequence[Tensor], expert_rank: int) -> int:
     return ts[0].shape[0] if is_packed(ts, expert_rank) else len(ts)
 
 
-def _expert_shape(ts: Sequence[Tensor], expert_rank: int) -> Tuple[int, ...]:
+def _expert_shape(ts: Sequence[Tensor], expert_rank: int, op: str = "moe_engine", name: str = "weight"
+                  ) -> Tuple[int, ...]:
+    """One expert's shape (the last ``expert_rank`` extents) of a grouped parameter, which must have
+    a tensor (``name`` in ``op``'s message)."""
+    if len(ts) == 0:
+        raise ValueError(f"{op}: {name}: expected a packed [G, ...] tensor or G per-expert tensors, got an empty list")
     return tuple(ts[0].shape[-expert_rank:])
 
 
@@ -60,15 +67,36 @@ def _rows_cols(t: Tensor) -> Tuple[int, int]:
 _GLU_TEXTS: dict = {}
 
 
+def check_glu_params(who: str, limit, alpha, offset) -> Tuple[float, float, float]:
+    """clamped_qgeglu's parameters as floats, checked for every activation (the others ignore them,
+    but a NaN or a limit <= 0 is a mistake either way): numbers, limit > 0 (inf: no clamp), alpha and
+    offset finite."""
+    values = []
+    for name, v in (("limit", limit), ("alpha", alpha), ("offset", offset)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"moe_engine: {who}: {name} must be a number, got {type(v).__name__} {v!r}")
+        values.append(float(v))
+    limit, alpha, offset = values
+    if not limit > 0:  # NaN too
+        raise ValueError(f"moe_engine: {who}: limit must be > 0 (inf: no clamp), got {limit}")
+    if not (math.isfinite(alpha) and math.isfinite(offset)):
+        raise ValueError(f"moe_engine: {who}: alpha and offset must be finite, got alpha = {alpha}, offset = {offset}")
+    return limit, alpha, offset
+
+
 @torch.compiler.assume_constant_result  # a pure function of its arguments: torch.compile runs it, traces nothing
 def glu_text(activation: str = "swiglu", layout: str = "halves", limit: float = 7.0, alpha: float = 1.702,
              offset: float = 1.0) -> str:
     """The one-string form of an activation that the custom ops take (``_C.GluSpec.text``);
     checks the names and the layout."""
-    key = (activation, layout, float(limit), float(alpha), float(offset))
+    key = (activation, layout, limit, alpha, offset)
     text = _GLU_TEXTS.get(key)
     if text is None:
-        text = _GLU_TEXTS[key] = _C.GluSpec(*key).text
+        if not isinstance(activation, str) or not isinstance(layout, str):
+            raise TypeError(f"moe_engine: glu_text: activation and layout must be strings, got "
+                            f"{type(activation).__name__} and {type(layout).__name__}")
+        text = _C.GluSpec(activation, layout, *check_glu_params("glu_text", limit, alpha, offset)).text
+        _GLU_TEXTS[key] = text
     return text
 
 
@@ -96,7 +124,8 @@ def _grouped_linear(
     x: Tensor, weight: List[Tensor], splits: Tensor, bias: List[Tensor], row_scale: Optional[Tensor]
 ) -> Tuple[Tensor, Tensor]:
     """grouped_linear, and the routing tensor of the offsets it computed."""
-    y = torch.empty(x.shape[0], _expert_shape(weight, 2)[0], dtype=x.dtype, device=x.device)
+    y = torch.empty(_rows_cols(x)[0], _expert_shape(weight, 2, "grouped_linear_forward")[0], dtype=x.dtype,
+                    device=x.device)
     stream = stream_of(x)
     r = routing_of("grouped_linear_forward", "x", x, splits, stream)
     _C.grouped_linear_forward(x, grouped(weight, 2), r, y, grouped(bias, 1), row_scale, stream)
@@ -105,7 +134,8 @@ def _grouped_linear(
 
 @_grouped_linear.register_fake
 def _(x, weight, splits, bias, row_scale):
-    return x.new_empty(x.shape[0], _expert_shape(weight, 2)[0]), routing_like(splits)
+    check_devices("grouped_linear", x=x, weight=weight, splits=splits, bias=bias, row_scale=row_scale)
+    return x.new_empty(_rows_cols(x)[0], _expert_shape(weight, 2, "grouped_linear_forward")[0]), routing_like(splits)
 
 
 _composite("grouped_linear(Tensor x, Tensor[] weight, Tensor splits, Tensor[] bias, Tensor? row_scale) -> Tensor",
@@ -115,7 +145,8 @@ _composite("grouped_linear(Tensor x, Tensor[] weight, Tensor splits, Tensor[] bi
 @torch.library.custom_op("moe_engine::grouped_linear_dgrad", mutates_args=())
 def _grouped_linear_dgrad(dy: Tensor, weight: List[Tensor], splits: Tensor,
                           routing: Optional[Tensor] = None) -> Tensor:
-    dx = torch.empty(dy.shape[0], _expert_shape(weight, 2)[1], dtype=dy.dtype, device=dy.device)
+    dx = torch.empty(_rows_cols(dy)[0], _expert_shape(weight, 2, "grouped_linear_dgrad")[1], dtype=dy.dtype,
+                     device=dy.device)
     stream = stream_of(dy)
     r = routing_of("grouped_linear_dgrad", "dy", dy, splits, stream, routing)
     _C.grouped_linear_dgrad(dy, grouped(weight, 2), r, dx, stream)
@@ -124,7 +155,8 @@ def _grouped_linear_dgrad(dy: Tensor, weight: List[Tensor], splits: Tensor,
 
 @_grouped_linear_dgrad.register_fake
 def _(dy, weight, splits, routing=None):
-    return dy.new_empty(dy.shape[0], _expert_shape(weight, 2)[1])
+    check_devices("grouped_linear_dgrad", dy=dy, weight=weight, splits=splits, routing=routing)
+    return dy.new_empty(_rows_cols(dy)[0], _expert_shape(weight, 2, "grouped_linear_dgrad")[1])
 
 
 @torch.library.custom_op("moe_engine::grouped_linear_wgrad_", mutates_args=("out",))
@@ -137,13 +169,14 @@ def _grouped_linear_wgrad_(dy: Tensor, x: Tensor, splits: Tensor, out: List[Tens
 
 @_grouped_linear_wgrad_.register_fake
 def _(dy, x, splits, out, mode, routing=None):
+    check_devices("grouped_linear_wgrad_", dy=dy, x=x, splits=splits, out=out, routing=routing)
     return None
 
 
 @torch.library.custom_op("moe_engine::grouped_linear_dbias", mutates_args=())
 def _grouped_linear_dbias(dy: Tensor, splits: Tensor, row_scale: Optional[Tensor],
                           routing: Optional[Tensor] = None) -> Tensor:
-    db = torch.empty(splits.shape[0], dy.shape[1], dtype=dy.dtype, device=dy.device)
+    db = torch.empty(_rows_cols(splits)[0], _rows_cols(dy)[1], dtype=dy.dtype, device=dy.device)
     stream = stream_of(dy)
     r = routing_of("grouped_linear_dbias", "dy", dy, splits, stream, routing)
     _C.grouped_linear_dbias(dy, r, grouped([db], 1), "write", row_scale, stream)
@@ -152,13 +185,14 @@ def _grouped_linear_dbias(dy: Tensor, splits: Tensor, row_scale: Optional[Tensor
 
 @_grouped_linear_dbias.register_fake
 def _(dy, splits, row_scale, routing=None):
-    return dy.new_empty(splits.shape[0], dy.shape[1])
+    check_devices("grouped_linear_dbias", dy=dy, splits=splits, row_scale=row_scale, routing=routing)
+    return dy.new_empty(_rows_cols(splits)[0], _rows_cols(dy)[1])
 
 
 @torch.library.custom_op("moe_engine::grouped_linear_dscales", mutates_args=())
 def _grouped_linear_dscales(dy: Tensor, bias: List[Tensor], splits: Tensor,
                             routing: Optional[Tensor] = None) -> Tensor:
-    ds = torch.empty(dy.shape[0], dtype=torch.float32, device=dy.device)
+    ds = torch.empty(_rows_cols(dy)[0], dtype=torch.float32, device=dy.device)
     stream = stream_of(dy)
     r = routing_of("grouped_linear_dscales", "dy", dy, splits, stream, routing)
     _C.grouped_linear_dscales(dy, grouped(bias, 1), r, ds, stream)
@@ -167,7 +201,8 @@ def _grouped_linear_dscales(dy: Tensor, bias: List[Tensor], splits: Tensor,
 
 @_grouped_linear_dscales.register_fake
 def _(dy, bias, splits, routing=None):
-    return dy.new_empty(dy.shape[0], dtype=torch.float32)
+    check_devices("grouped_linear_dscales", dy=dy, bias=bias, splits=splits, routing=routing)
+    return dy.new_empty(_rows_cols(dy)[0], dtype=torch.float32)
 
 
 # The modules' backward pieces run directly in plain eager mode (FastOp: no dispatcher).
@@ -187,10 +222,18 @@ def _act_features(h: Tensor, glu: str) -> int:
     return cols // 2 if _glu_spec(glu).gated else cols
 
 
+def _check_float(op: str, name: str, t: Tensor) -> None:
+    """The activation's input must be floating point (its output, allocated in its dtype, would be
+    the tensor the C++ op names otherwise)."""
+    if not t.is_floating_point():
+        raise ValueError(f"{op}: {name}: expected a floating-point tensor, got {dtype_name(t.dtype)}")
+
+
 @torch.library.custom_op("moe_engine::glu_routed", mutates_args=())
 def _glu(h: Tensor, probs: Optional[Tensor], splits: Tensor, glu: str) -> Tuple[Tensor, Tensor]:
     """glu, and the routing tensor of the offsets it computed."""
-    out = torch.empty(h.shape[0], _act_features(h, glu), dtype=h.dtype, device=h.device)
+    _check_float("glu_forward", "h", h)
+    out = torch.empty(_rows_cols(h)[0], _act_features(h, glu), dtype=h.dtype, device=h.device)
     stream = stream_of(h)
     r = routing_of("glu_forward", "h", h, splits, stream)
     _C.glu_forward(h, probs, r, out, _glu_spec(glu), stream)
@@ -199,7 +242,8 @@ def _glu(h: Tensor, probs: Optional[Tensor], splits: Tensor, glu: str) -> Tuple[
 
 @_glu.register_fake
 def _(h, probs, splits, glu):
-    return h.new_empty(h.shape[0], _act_features(h, glu)), routing_like(splits)
+    check_devices("glu", h=h, probs=probs, splits=splits)
+    return h.new_empty(_rows_cols(h)[0], _act_features(h, glu)), routing_like(splits)
 
 
 _composite("glu(Tensor h, Tensor? probs, Tensor splits, str glu) -> Tensor",
@@ -210,8 +254,13 @@ _composite("glu(Tensor h, Tensor? probs, Tensor splits, str glu) -> Tensor",
 def _glu_backward(h: Tensor, probs: Optional[Tensor], d_out: Tensor, splits: Tensor, glu: str,
                   routing: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """dh (h's shape: [T, 2F] for a GLU, [T, F] otherwise) and dprobs [T] float32 (empty without probs)."""
+    _check_float("glu_backward", "h", h)
+    if h.dim() == 2 and d_out.dim() == 2 and d_out.shape[1] != _act_features(h, glu):
+        F = _act_features(h, glu)
+        raise ValueError(f"glu_backward: d_out: expected [T, F] = [{h.shape[0]}, {F}] for h {list(h.shape)} "
+                         f"({'[T, 2F]' if _glu_spec(glu).gated else '[T, F]'}), got {list(d_out.shape)}")
     dh = torch.empty_like(h)
-    dprobs = torch.empty(h.shape[0] if probs is not None else 0, dtype=torch.float32, device=h.device)
+    dprobs = torch.empty(_rows_cols(h)[0] if probs is not None else 0, dtype=torch.float32, device=h.device)
     stream = stream_of(h)
     r = routing_of("glu_backward", "h", h, splits, stream, routing)
     _C.glu_backward(h, probs, d_out, r, dh, dprobs if probs is not None else None, _glu_spec(glu), stream)
@@ -220,7 +269,8 @@ def _glu_backward(h: Tensor, probs: Optional[Tensor], d_out: Tensor, splits: Ten
 
 @_glu_backward.register_fake
 def _(h, probs, d_out, splits, glu, routing=None):
-    return h.new_empty(h.shape), h.new_empty(h.shape[0] if probs is not None else 0, dtype=torch.float32)
+    check_devices("glu_backward", h=h, probs=probs, d_out=d_out, splits=splits, routing=routing)
+    return h.new_empty(h.shape), h.new_empty(_rows_cols(h)[0] if probs is not None else 0, dtype=torch.float32)
 
 
 # ---- expert MLP ----
@@ -230,6 +280,16 @@ def _workspace(nbytes: int, device: torch.device) -> Optional[Tensor]:
     return torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes > 0 else None
 
 
+def _check_fc2(x: Tensor, w2: Sequence[Tensor], op: str) -> Tuple[int, ...]:
+    """FC2's expert shape [H, F]: its H must be x's features (the C++ op takes H from FC2's weight,
+    and would name FC1's weight for an FC2 of the wrong H)."""
+    shape = _expert_shape(w2, 2, op, "fc2_weight")
+    if x.dim() == 2 and len(shape) == 2 and shape[0] != x.shape[1]:
+        raise ValueError(f"{op}: fc2_weight: expected G x [H, F] with H = {x.shape[1]} (x's features), got "
+                         f"{'[G, H, F] ' + str(list(w2[0].shape)) if is_packed(w2, 2) else 'experts ' + str(list(shape))}")
+    return shape
+
+
 @torch.library.custom_op("moe_engine::expert_mlp_routed", mutates_args=())
 def _expert_mlp(x: Tensor, probs: Optional[Tensor], w1: List[Tensor], b1: List[Tensor], w2: List[Tensor],
                 b2: List[Tensor], splits: Tensor, glu: str, fusion: str,
@@ -237,7 +297,7 @@ def _expert_mlp(x: Tensor, probs: Optional[Tensor], w1: List[Tensor], b1: List[T
     """y [T, H], the pre-activation fc1_out [T, W] ([0, W] when not saved; W = FC1's rows: 2F for a
     GLU, F otherwise) and the routing tensor."""
     T, H = _rows_cols(x)
-    W, F = _expert_shape(w1, 2)[0], _expert_shape(w2, 2)[1]
+    W, F = _expert_shape(w1, 2, "expert_mlp_forward", "fc1_weight")[0], _check_fc2(x, w2, "expert_mlp_forward")[1]
     y = torch.empty(T, H, dtype=x.dtype, device=x.device)
     fc1_out = torch.empty(T if save_fc1_out else 0, W, dtype=x.dtype, device=x.device)
     stream = stream_of(x)
@@ -251,8 +311,10 @@ def _expert_mlp(x: Tensor, probs: Optional[Tensor], w1: List[Tensor], b1: List[T
 
 @_expert_mlp.register_fake
 def _(x, probs, w1, b1, w2, b2, splits, glu, fusion, save_fc1_out):
-    F2 = _expert_shape(w1, 2)[0]
-    return x.new_empty(x.shape), x.new_empty(x.shape[0] if save_fc1_out else 0, F2), routing_like(splits)
+    check_devices("expert_mlp", x=x, probs=probs, w1=w1, b1=b1, w2=w2, b2=b2, splits=splits)
+    F2 = _expert_shape(w1, 2, "expert_mlp_forward", "fc1_weight")[0]
+    _expert_shape(w2, 2, "expert_mlp_forward", "fc2_weight")
+    return x.new_empty(x.shape), x.new_empty(_rows_cols(x)[0] if save_fc1_out else 0, F2), routing_like(splits)
 
 
 _composite("expert_mlp(Tensor x, Tensor? probs, Tensor[] w1, Tensor[] b1, Tensor[] w2, Tensor[] b2, Tensor splits, "
@@ -275,7 +337,8 @@ def _expert_mlp_backward_(
     dL/d(fc1_out) and FC2's input as backward makes them, for a caller that runs FC1's gradients or
     FC2's weight gradient itself (the two-node backward, a delayed wgrad)."""
     T, H = _rows_cols(dy)
-    W, F = _expert_shape(w1, 2)[0], _expert_shape(w2, 2)[1]
+    W, F = (_expert_shape(w1, 2, "expert_mlp_backward", "fc1_weight")[0],
+            _expert_shape(w2, 2, "expert_mlp_backward", "fc2_weight")[1])
     G = _num_groups(w1, 2)
     dev, dt = dy.device, dy.dtype
     dx = torch.empty(T if need_dx else 0, H, dtype=dt, device=dev)
@@ -302,8 +365,11 @@ def _expert_mlp_backward_(
 @_expert_mlp_backward_.register_fake
 def _(dy, x, probs, w1, b1, w2, b2, splits, fc1_out, glu, fusion, need_dx, need_dprobs, need_db1, need_db2,
       w1_grad, w1_mode, w2_grad, w2_mode, routing=None, need_d_fc1=False, need_act=False):
+    check_devices("expert_mlp_backward_", dy=dy, x=x, probs=probs, w1=w1, b1=b1, w2=w2, b2=b2, splits=splits,
+                  fc1_out=fc1_out, w1_grad=w1_grad, w2_grad=w2_grad, routing=routing)
     T, H = _rows_cols(dy)
-    W, F = _expert_shape(w1, 2)[0], _expert_shape(w2, 2)[1]
+    W, F = (_expert_shape(w1, 2, "expert_mlp_backward", "fc1_weight")[0],
+            _expert_shape(w2, 2, "expert_mlp_backward", "fc2_weight")[1])
     G = _num_groups(w1, 2)
     bias1, bias2 = need_db1 and len(b1) > 0, need_db2 and len(b2) > 0
     return (dy.new_empty(T if need_dx else 0, H), dy.new_empty(T if need_dprobs else 0, dtype=torch.float32),
@@ -479,7 +545,7 @@ def grouped_linear_wgrad(dy: Tensor, x: Tensor, splits: Tensor, out: Optional[Ex
     tensor in dy's dtype). ``mode``: ``write``; ``accumulate`` / ``overwrite`` for float32
     main_grad buffers (an empty expert leaves an accumulated buffer untouched). Returns ``out``."""
     if out is None:
-        out = torch.empty(splits.shape[0], dy.shape[1], x.shape[1], dtype=dy.dtype, device=dy.device)
+        out = torch.empty(_rows_cols(splits)[0], _rows_cols(dy)[1], _rows_cols(x)[1], dtype=dy.dtype, device=dy.device)
     _grouped_linear_wgrad_(dy.contiguous(), x, splits, _as_list(out), mode)
     return out
 

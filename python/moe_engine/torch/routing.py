@@ -17,7 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import _C
-from ._bridge import FastOp, dtype_name, routing_like, routing_of, routing_tensor, stream_of
+from ._bridge import (FastOp, check_devices, check_int, check_real, dtype_name, record_routing, routing_like,
+                      routing_of, routing_tensor, stream_of)
 from ._contract import WeightGradContract
 from .modules import _init_device
 from .ops import _workspace
@@ -29,6 +30,13 @@ def _acc_dtype(x: Tensor) -> torch.dtype:
 
 def _rows(t: Tensor) -> int:
     return t.shape[0] if t.dim() > 0 else 0
+
+
+def _check_float_dtype(who: str, dtype) -> None:
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"moe_engine: {who}: dtype must be a floating-point dtype (the parameters' own: bfloat16, "
+                         f"float16, float32, float64), got {dtype}")
+
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,6 +75,7 @@ def _router_forward(x: Tensor, weight: Tensor, expert_bias: Optional[Tensor], sc
 @_router_forward.register_fake
 def _(x, weight, expert_bias, score, topk, num_groups, topk_groups, norm_topk_prob, scaling_factor, aux_loss_coeff,
       z_loss_coeff):
+    check_devices("router_forward", x=x, weight=weight, expert_bias=expert_bias)
     T, E, acc = x.shape[0], weight.shape[0], _acc_dtype(x)
     return (x.new_empty(T, E, dtype=acc), x.new_empty(T, topk, dtype=torch.int64), x.new_empty(T, topk, dtype=acc),
             x.new_empty(E, dtype=torch.int64), x.new_empty((), dtype=acc), x.new_empty(E, dtype=torch.int64),
@@ -98,6 +107,8 @@ def _router_backward_(d_probs: Optional[Tensor], d_aux_loss: Optional[Tensor], d
 @_router_backward_.register_fake
 def _(d_probs, d_aux_loss, d_z_loss, x, weight, logits, indices, aux_loss_counts, need_dx, dweight, dweight_mode,
       score, topk, num_groups, topk_groups, norm_topk_prob, scaling_factor, aux_loss_coeff, z_loss_coeff):
+    check_devices("router_backward_", d_probs=d_probs, d_aux_loss=d_aux_loss, d_z_loss=d_z_loss, x=x, weight=weight,
+                  logits=logits, indices=indices, aux_loss_counts=aux_loss_counts, dweight=dweight)
     return torch.empty_like(x) if need_dx else x.new_empty(0, x.shape[-1])
 
 
@@ -159,7 +170,11 @@ class Router(nn.Module):
         if (num_groups is None) != (topk_groups is None):
             raise ValueError(f"moe_engine: Router: num_groups = {num_groups} and topk_groups = {topk_groups}: give "
                              "both (group-limited routing) or neither")
-        groups = (int(num_groups), int(topk_groups)) if num_groups is not None else (1, 1)
+        hidden = check_int("Router", "hidden", hidden, 1)
+        _check_float_dtype("Router", dtype)
+        num_experts, topk = check_int("Router", "num_experts", num_experts), check_int("Router", "topk", topk)
+        groups = ((check_int("Router", "num_groups", num_groups), check_int("Router", "topk_groups", topk_groups))
+                  if num_groups is not None else (1, 1))
         spec = _router_spec(str(score), int(topk), *groups, bool(norm_topk_prob), float(scaling_factor),
                             float(aux_loss_coeff), float(z_loss_coeff))
         spec.check(int(num_experts), "Router")
@@ -221,7 +236,7 @@ class Router(nn.Module):
 
 
 def _capacity_args(capacity_factor: Optional[float]):
-    return None if capacity_factor is None else float(capacity_factor)
+    return None if capacity_factor is None else check_real("dispatch", "capacity_factor", capacity_factor)
 
 
 @torch.library.custom_op("moe_engine::permute_plan", mutates_args=())
@@ -229,6 +244,7 @@ def _permute_plan(indices: Tensor, num_experts: int,
                   capacity_factor: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(row_of [T, k] int32, splits [E] int64, the routing tensor [E + 1] (the experts' offsets over the
     sorted buffer), dropped [E] int64)."""
+    _check_plan_args(indices, num_experts)
     T, k = (indices.shape[0], indices.shape[1]) if indices.dim() == 2 else (0, 0)
     dev = indices.device
     row_of = torch.empty(T, k, dtype=torch.int32, device=dev)
@@ -237,11 +253,26 @@ def _permute_plan(indices: Tensor, num_experts: int,
     dropped = torch.empty(num_experts, dtype=torch.int64, device=dev)
     ws = _workspace(_C.permute_plan_workspace_size(T, k, num_experts), dev)
     r = _C.permute_plan(indices, row_of, splits, offsets, dropped, capacity_factor, ws, stream_of(indices))
+    record_routing(offsets, splits)
     return row_of, splits, routing_tensor(r), dropped
+
+
+def _check_plan_args(indices: Tensor, num_experts: int) -> None:
+    if num_experts < 1:
+        raise ValueError(f"moe_engine: permute_plan: num_experts = {num_experts}; expected >= 1")
+    if indices.dim() != 2:
+        raise ValueError(f"moe_engine: permute_plan: indices: expected [T, k] (each token's k experts), got shape "
+                         f"{list(indices.shape)}")
+
+
+def _check_rows(op: str, rows: int) -> None:
+    if rows < 0:
+        raise ValueError(f"moe_engine: {op}: rows = {rows}; expected >= 0 (the rows of the expert-sorted buffer)")
 
 
 @_permute_plan.register_fake
 def _(indices, num_experts, capacity_factor):
+    _check_plan_args(indices, num_experts)
     splits = indices.new_empty(num_experts, dtype=torch.int64)
     return (indices.new_empty(indices.shape, dtype=torch.int32), splits, routing_like(splits),
             indices.new_empty(num_experts, dtype=torch.int64))
@@ -254,6 +285,7 @@ _permute_plan = FastOp(_permute_plan)
 def _permute(x: Tensor, probs: Optional[Tensor], row_of: Tensor, splits: Tensor, routing: Tensor,
              rows: int) -> Tuple[Tensor, Tensor]:
     """(x_sorted [R, H], probs_sorted [R] float32 ([0] without probs)); rows past the routed ones are zeros."""
+    _check_rows("permute", rows)
     dev = x.device
     x_sorted = torch.empty(rows, x.shape[-1], dtype=x.dtype, device=dev)
     probs_sorted = torch.empty(rows if probs is not None else 0, dtype=_acc_dtype(x), device=dev)
@@ -265,6 +297,8 @@ def _permute(x: Tensor, probs: Optional[Tensor], row_of: Tensor, splits: Tensor,
 
 @_permute.register_fake
 def _(x, probs, row_of, splits, routing, rows):
+    check_devices("permute", x=x, probs=probs, row_of=row_of, splits=splits, routing=routing)
+    _check_rows("permute", rows)
     return x.new_empty(rows, x.shape[-1]), x.new_empty(rows if probs is not None else 0, dtype=_acc_dtype(x))
 
 
@@ -285,6 +319,8 @@ def _permute_backward(d_sorted: Tensor, d_probs_sorted: Optional[Tensor], row_of
 
 @_permute_backward.register_fake
 def _(d_sorted, d_probs_sorted, row_of, splits, routing):
+    check_devices("permute_backward", d_sorted=d_sorted, d_probs_sorted=d_probs_sorted, row_of=row_of, splits=splits,
+                  routing=routing)
     T, k = row_of.shape
     return (d_sorted.new_empty(T, d_sorted.shape[-1]),
             d_sorted.new_empty(T if d_probs_sorted is not None else 0, k, dtype=_acc_dtype(d_sorted)))
@@ -327,6 +363,7 @@ def _unpermute(out: Tensor, probs: Optional[Tensor], row_of: Tensor, splits: Ten
 
 @_unpermute.register_fake
 def _(out, probs, row_of, splits, routing):
+    check_devices("unpermute", out=out, probs=probs, row_of=row_of, splits=splits, routing=routing)
     return out.new_empty(row_of.shape[0], out.shape[-1])
 
 
@@ -334,6 +371,7 @@ def _(out, probs, row_of, splits, routing):
 def _unpermute_backward(dy: Tensor, out: Optional[Tensor], probs: Optional[Tensor], row_of: Tensor, splits: Tensor,
                         routing: Tensor, rows: int, need_dprobs: bool) -> Tuple[Tensor, Tensor]:
     """(d_out [R, H] (zeros past the routed rows), d_probs [T, k] ([0, k] without need_dprobs))."""
+    _check_rows("unpermute_backward", rows)
     T, k = row_of.shape
     dev = dy.device
     d_out = torch.empty(rows, dy.shape[-1], dtype=dy.dtype, device=dev)
@@ -346,6 +384,8 @@ def _unpermute_backward(dy: Tensor, out: Optional[Tensor], probs: Optional[Tenso
 
 @_unpermute_backward.register_fake
 def _(dy, out, probs, row_of, splits, routing, rows, need_dprobs):
+    check_devices("unpermute_backward", dy=dy, out=out, probs=probs, row_of=row_of, splits=splits, routing=routing)
+    _check_rows("unpermute_backward", rows)
     T, k = row_of.shape
     return dy.new_empty(rows, dy.shape[-1]), dy.new_empty(T if need_dprobs else 0, k, dtype=_acc_dtype(dy))
 
@@ -408,4 +448,7 @@ def dispatch(x: Tensor, probs: Optional[Tensor], indices: Tensor, num_experts: i
 def combine(out: Tensor, d: Dispatched, probs: Optional[Tensor] = None) -> Tensor:
     """y [T, H]: each token's k rows of out [R, H] summed in float32, j in order (times probs [T, k]
     when given); a dropped assignment adds nothing. Differentiable in out and probs."""
+    if isinstance(out, Tensor) and out.dim() > 0 and d.x.dim() > 0 and out.shape[0] != d.x.shape[0]:
+        raise ValueError(f"moe_engine: combine: out has {out.shape[0]} rows, expected the {d.x.shape[0]} rows of "
+                         "the dispatched buffer (d.x)")
     return _unpermute(out, probs, d.row_of, d.splits, d.routing)
