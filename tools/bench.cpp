@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "bench_device.hpp"
 #include "commands.hpp"
 #include "mlp_problem.hpp"
@@ -21,8 +22,6 @@ namespace {
 
 // The naive oracle runs at roughly 1 GFLOP/s: keep its check under a few seconds.
 constexpr double kOracleFlopLimit = 5e9;
-// A CPU run estimated longer than this needs --force.
-constexpr double kAskBeforeSeconds = 180;
 
 struct Stats {
   double median = 0, min = 0;
@@ -47,9 +46,7 @@ std::string device_name(Device d) {
 }
 
 // What a CPU run will cost, known before it starts: the CPU backend's rate measured on the tiny
-// case (the same code path), the run count and the memory the problem holds. The suite's shapes
-// ran at 0.75-1.0x the tiny case's rate on the CPU backend, so the time is rounded up by a third:
-// the estimate errs long rather than short.
+// case (the same code path), the run count and the memory the problem holds (bench_common.hpp).
 struct CpuEstimate {
   double gflops = 0;     // measured rate of forward + backward on the tiny case
   double seconds = 0;    // the whole benchmark: warm-up, timed runs, oracle check
@@ -57,42 +54,13 @@ struct CpuEstimate {
 };
 
 CpuEstimate estimate_cpu_run(const Workload& w, DType dtype, int runs, bool checked) {
-  constexpr double kLargeShapeMargin = 4.0 / 3.0;
   constexpr double kOracleFlopsPerSecond = 1e9;
-  const Workload tiny = tiny_workload();
-  MlpProblem calibration(tiny, GluLayout::halves(), dtype, Device::cpu(), 1);
-  calibration.forward();
-  calibration.backward();
-  std::vector<double> seconds;
-  for (int i = 0; i < 3; ++i) {
-    StreamTimer timer(Device::cpu(), nullptr);
-    timer.start();
-    calibration.forward();
-    calibration.backward();
-    timer.stop();
-    seconds.push_back(timer.elapsed_ms() * 1e-3);
-  }
   CpuEstimate e;
-  e.gflops = tiny.mlp_flops() / stats_of(seconds).median * 1e-9;
+  e.gflops = measure_cpu_gflops(dtype);
   e.seconds = kLargeShapeMargin * runs * w.mlp_flops() / (e.gflops * 1e9) +
               (checked ? 2.0 * w.mlp_flops() / kOracleFlopsPerSecond : 0.0);
   e.bytes = double(MlpProblem::bytes_needed(w, dtype));
   return e;
-}
-
-std::string memory_size(double bytes) {
-  char text[32];
-  if (bytes >= double(1 << 30))
-    std::snprintf(text, sizeof text, "%.1f GiB", bytes / double(1 << 30));
-  else
-    std::snprintf(text, sizeof text, "%.0f MiB", std::ceil(bytes / double(1 << 20)));
-  return text;
-}
-
-std::string flop_count(double flops) {
-  char text[32];
-  std::snprintf(text, sizeof text, flops >= 1e11 ? "%.1f TFLOP" : "%.2f GFLOP", flops >= 1e11 ? flops * 1e-12 : flops * 1e-9);
-  return text;
 }
 
 }  // namespace
@@ -112,14 +80,15 @@ int run_bench(const BenchOptions& o) {
   Workload w = find_workload(o.case_name, o.workloads);
   if (!o.activation.empty()) w.activation = activation_name(parse_activation(o.activation));
   // fp8: the FP8 expert MLP, whose activations (x, y and the gradients) are bf16.
-  const bool fp8 = o.dtype == "fp8";
-  const DType dtype = fp8 ? DType::kBFloat16 : dtype_from_name(o.dtype);
-  MOE_CHECK(dtype == DType::kBFloat16 || dtype == DType::kFloat16 || dtype == DType::kFloat32,
-            ErrorCode::kDType, "bench: --dtype must be bfloat16, float16, float32 or fp8, got ",
-            o.dtype);
+  const BenchDType parsed_dtype = parse_bench_dtype(o.dtype, "bench", true);
+  const bool fp8 = parsed_dtype.fp8;
+  const DType dtype = parsed_dtype.dtype;
   MOE_CHECK(!o.vs_bf16 || fp8, ErrorCode::kInvalidArgument, "bench: --vs-bf16 compares --dtype fp8 with bf16");
   MOE_CHECK(!(o.vs_bf16 && o.vs_unfused), ErrorCode::kInvalidArgument,
             "bench: --vs-bf16 and --vs-unfused each time one other path; pick one");
+  MOE_CHECK(!(o.vs_unfused && o.fusion == "none"), ErrorCode::kInvalidArgument,
+            "bench: --vs-unfused times the unfused path beside the fused one, but --fusion none fuses nothing: "
+            "both would run the same path; pick --fusion forward or all");
   MOE_CHECK(!(fp8 && o.recompute), ErrorCode::kInvalidArgument,
             "bench: --recompute: the FP8 MLP keeps its pre-activation in FP8 and has no recompute mode");
   // The path timed against the measured one, run by run alternating (--vs-unfused, --vs-bf16).
@@ -151,6 +120,17 @@ int run_bench(const BenchOptions& o) {
       problem.reset();
     }
   }
+  if (device.is_cpu()) {
+    // What the CPU backend would ignore is an error, as an option of the other kind is.
+    const std::string where = "this run is on the CPU (" + (o.device == "cpu" ? "--device cpu" : device_note) + ")";
+    MOE_CHECK(!o.vs_unfused, ErrorCode::kInvalidArgument,
+              "bench: --vs-unfused times the unfused path beside the fused one, but ", where,
+              " and the CPU backend fuses nothing: both paths would be the same; use a GPU (--device cuda) or "
+              "leave out --vs-unfused");
+    MOE_CHECK(!o.l2_flush_given || o.l2_flush_mb == 0, ErrorCode::kInvalidArgument,
+              "bench: --l2-flush-mb flushes the GPU's L2 cache before each timed run, but ", where,
+              ", where it would be ignored; use a GPU (--device cuda) or leave out --l2-flush-mb");
+  }
   const int iters = o.iters > 0 ? o.iters : (device.is_cpu() ? 5 : 50);
   const int runs = (o.warmup + iters) * (vs_other ? 2 : 1);
   std::optional<CpuEstimate> estimate;
@@ -160,9 +140,9 @@ int run_bench(const BenchOptions& o) {
     MOE_CHECK(o.force || estimate->seconds <= kAskBeforeSeconds, ErrorCode::kInvalidArgument, "bench: ",
               w.name, " on the CPU backend would take about ", format_duration(estimate->seconds), " (",
               runs, " runs of ", flop_count(flops), " at the ", std::lround(estimate->gflops),
-              " GFLOP/s measured here) and hold about ", memory_size(estimate->bytes),
-              " of memory. Pass --force to run it anyway, or use a GPU (--device cuda), a smaller "
-              "case (--case tiny) or fewer runs (--warmup 0 --iters 1)");
+              " GFLOP/s measured here) and hold about ", memory_size(estimate->bytes), " of memory. ",
+              force_hint({"a GPU (--device cuda)", w.name == "tiny" ? "" : "a smaller case (--case tiny)",
+                          o.vs_bf16 ? "the FP8 path alone (no --vs-bf16)" : "", fewer_runs_hint(o.warmup, iters)}));
     make_problem();
   }
 
@@ -368,9 +348,12 @@ int run_bench(const BenchOptions& o) {
     std::printf("%-10s %12.3f %12.3f %12.4f\n", "total", t.median, t.min, tflops);
     if (vs_other) {
       const Stats uf = stats_of(ufwd), ub = stats_of(ubwd), ut = stats_of(utotal);
-      std::printf("%-10s %12.3f %12.3f %12.4f   %s: fwd %.3f bwd %.3f; %s is %.3fx faster\n", other_name,
-                  ut.median, ut.min, flops / (ut.median * 1e9), other_name, uf.median, ub.median,
-                  o.vs_bf16 ? "fp8" : "fused", ut.median / t.median);
+      // Where the fused kernels did not take the problem (a GPU), both paths were the unfused one.
+      const bool same = o.vs_unfused && fused_steps == "none";
+      std::printf("%-10s %12.3f %12.3f %12.4f   %s: fwd %.3f bwd %.3f; %s %.3fx%s\n", other_name, ut.median, ut.min,
+                  flops / (ut.median * 1e9), other_name, uf.median, ub.median,
+                  same ? "nothing ran fused, so both paths were the same: their ratio" : o.vs_bf16 ? "fp8 is" : "fused is",
+                  ut.median / t.median, same ? " is run-to-run noise" : " faster");
     }
     std::printf("saved for backward: %lld bytes per token\n", (long long)problem->saved_bytes_per_token());
     std::printf("(median of %d runs after %d warm-up%s)\n", iters, o.warmup,

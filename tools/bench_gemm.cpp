@@ -19,6 +19,7 @@
 
 #include "commands.hpp"
 #include "moe_engine/moe_engine.hpp"
+#include "bench_common.hpp"
 #include "json_io.hpp"
 #include "progress.hpp"
 #include "routing.hpp"
@@ -225,7 +226,9 @@ int run_bench_gemm(const BenchOptions& o) {
     MOE_CHECK(known, ErrorCode::kInvalidArgument, "bench gemm: --gemm ", o.gemm_filter,
               ": expected fc1 or fc2, a slash, and fwd, dgrad, wgrad or wgrad_acc (e.g. fc2/wgrad)");
   }
-  const bool fp8 = o.dtype == "fp8" || o.dtype == "float8_e4m3";
+  // Checked before any GPU work, as the files are.
+  const BenchDType parsed_dtype = parse_bench_dtype(o.dtype, "bench gemm", true);
+  const bool fp8 = parsed_dtype.fp8;
   // Files first: a bad path fails now, not after the run.
   nlohmann::json anchor;
   if (!o.anchor.empty()) {
@@ -245,7 +248,7 @@ int run_bench_gemm(const BenchOptions& o) {
   MOE_CHECK(size_t(device.index) < inventory.gpus.size(), ErrorCode::kDevice, "bench gemm: --device ", o.device,
             ": this process sees ", inventory.gpus.size(), " GPU(s)");
   // FP8: the bf16 tensors are quantized; the bf16 GEMMs run beside the FP8 ones.
-  const DType dt = fp8 ? DType::kBFloat16 : dtype_from_name(o.dtype);
+  const DType dt = parsed_dtype.dtype;
 
   // The ceilings: the anchor's dense GEMMs of the same run where it has them (the FP8 anchor may
   // hold {"error": ...} instead of a number).

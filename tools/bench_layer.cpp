@@ -18,10 +18,11 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "bench_device.hpp"
 #include "commands.hpp"
-#include "json_io.hpp"
 #include "moe_engine/moe_engine.hpp"
+#include "progress.hpp"
 #include "workloads.hpp"
 
 namespace moe::tools {
@@ -48,31 +49,46 @@ struct LayerShape {
 LayerShape tiny_layer() { return {"tiny", 6, 64, 48, 2, 51, "swiglu", false, false}; }
 
 // One shape per model of bench/workloads.json (its balanced case): the experts' tokens are T k, and
-// k is the note's "top-N".
+// k is the note's "top-N". The file is checked as bench mlp checks it (load_workloads).
 std::vector<LayerShape> suite_layers(const std::string& workloads) {
   const std::string path = find_workloads_file(workloads);
-  const nlohmann::json doc = read_json_file(path, "the workloads file");
   std::vector<LayerShape> out;
   const std::regex topk_pattern("top-([0-9]+)");
-  for (const auto& c : doc.at("cases")) {
-    if (c.value("routing", "") != "balanced") continue;
-    const std::string note = c.value("note", "");
+  for (const Workload& w : load_workloads(path)) {
+    if (w.routing != "balanced") continue;
+    const std::string where = "bench layer: case '" + w.name + "' of the workloads file '" + path + "'";
     std::smatch m;
-    MOE_CHECK(std::regex_search(note, m, topk_pattern), ErrorCode::kIo, "bench layer: case '",
-              c.value("name", "?"), "' of ", path, ": its note '", note, "' names no top-k ('top-N')");
+    MOE_CHECK(std::regex_search(w.note, m, topk_pattern), ErrorCode::kIo, where, ": its note '", w.note,
+              "' names no top-k ('top-N')");
+    MOE_CHECK(!w.model.empty(), ErrorCode::kIo, where, ": it names no model (\"model\")");
     LayerShape s;
-    s.name = c.at("model").get<std::string>();
-    s.experts = c.at("experts").get<int64_t>();
-    s.hidden = c.at("hidden").get<int64_t>();
-    s.ffn = c.at("ffn").get<int64_t>();
-    s.topk = std::stoll(m[1].str());
-    s.tokens = c.at("tokens").get<int64_t>() / s.topk;
-    s.activation = c.at("activation").get<std::string>();
-    s.bias = c.value("bias", false);
+    s.name = w.model;
+    s.experts = w.experts;
+    s.hidden = w.hidden;
+    s.ffn = w.ffn;
+    s.topk = m[1].length() > 9 ? -1 : std::stoll(m[1].str());
+    MOE_CHECK(s.topk >= 1 && s.topk <= s.experts && w.capacity / s.topk >= 1, ErrorCode::kIo, where,
+              ": its note's top-", m[1].str(), " needs 1 <= k <= experts = ", s.experts, " and k <= tokens = ",
+              w.capacity);
+    s.tokens = w.capacity / s.topk;
+    s.activation = w.activation;
+    s.bias = w.bias;
     s.sigmoid = s.name.find("deepseek") != std::string::npos;
     out.push_back(s);
   }
   return out;
+}
+
+// The host memory a CPU run of one shape holds at most, rounded up: the parameters, their float32
+// main_grads, and the activations of the layer's two live forward contexts (the timed one and the
+// check's), the experts stage's, backward's gradients and the stages' own buffers.
+double layer_bytes(const LayerShape& s, DType dtype) {
+  const double e = double(dtype_size(dtype)), E = double(s.experts), H = double(s.hidden), F = double(s.ffn),
+               W = double(fc1_width(GluSpec{parse_activation(s.activation)}, s.ffn)), T = double(s.tokens),
+               R = double(permuted_rows(s.tokens, s.topk, s.experts));
+  const double params = E * H + E * (W * H + H * F) + (s.bias ? E * (W + H) : 0.0);
+  const double per_row = 3 * (2 * H + W + F) + (2 * H + W + F) + 3 * H;  // contexts, backward, stages
+  return params * (e + 4) + e * (R * per_row + 6 * T * H) + 4 * 8 * T * double(s.topk + s.experts);
 }
 
 struct Stats {
@@ -278,9 +294,10 @@ ShapeResult run_shape(const LayerShape& s, DType dtype, Device device, const Ben
 }  // namespace
 
 int run_bench_layer(const BenchOptions& o) {
-  const DType dtype = dtype_from_name(o.dtype);
-  MOE_CHECK(dtype == DType::kBFloat16 || dtype == DType::kFloat16 || dtype == DType::kFloat32, ErrorCode::kDType,
-            "bench layer: --dtype must be bfloat16, float16 or float32, got ", o.dtype);
+  const DType dtype =
+      parse_bench_dtype(o.dtype, "bench layer", false,
+                        " (the layer has no FP8 benchmark; bench mlp --dtype fp8 times the FP8 expert MLP)")
+          .dtype;
   std::string device_note;
   const Device device = bench_device(o.device, "bench layer", device_note);
   // The CPU backend runs the tiny layer unless a case is named (the suite's take it minutes each).
@@ -289,6 +306,7 @@ int run_bench_layer(const BenchOptions& o) {
   std::vector<LayerShape> shapes;
   if (which == "tiny") {
     shapes.push_back(tiny_layer());
+    if (!o.workloads.empty()) suite_layers(o.workloads);  // checked, not used: a bad file is an error
   } else {
     for (const LayerShape& s : suite_layers(o.workloads))
       if (which == "all" || s.name.find(which) != std::string::npos) shapes.push_back(s);
@@ -296,10 +314,39 @@ int run_bench_layer(const BenchOptions& o) {
               ": no model of the suite matches (bench --list shows the cases; 'tiny' and 'all' work too)");
   }
   const int iters = o.iters > 0 ? o.iters : (device.is_cpu() ? 3 : 20);
+  // The CPU backend's cost, known before anything runs (as bench mlp's; the tiny layer takes a
+  // moment and is not estimated): each shape runs the layer, then its stages on their own (together
+  // about the layer again), warm-up and timed runs each, and one more forward. The rate is the
+  // expert MLP's on the tiny case (bench mlp's); shapes of 1k-2k hidden ran at 0.6-1x of it on the
+  // CPU backend (the router, permute and main_grad accumulation), so the time is rounded up 2.5x:
+  // it errs long.
+  constexpr double kLayerMargin = 2.5;
+  double estimate_s = 0, flops = 0, bytes = 0, gflops = 0;
+  const int runs = 2 * (o.warmup + iters) + 1;
+  const bool estimated = device.is_cpu() && which != "tiny";
+  if (estimated) {
+    gflops = measure_cpu_gflops(dtype);
+    for (const LayerShape& s : shapes) {
+      flops += runs * s.flops();
+      bytes = std::max(bytes, layer_bytes(s, dtype));
+    }
+    estimate_s = kLayerMargin * flops / (gflops * 1e9);
+    MOE_CHECK(o.force || estimate_s <= kAskBeforeSeconds, ErrorCode::kInvalidArgument, "bench layer: ",
+              shapes.size() == 1 ? shapes.front().name : std::to_string(shapes.size()) + " models",
+              " on the CPU backend would take about ", format_duration(estimate_s), " (", runs,
+              " runs of the layer and its stages", shapes.size() == 1 ? "" : " per model", ", ", flop_count(flops),
+              " in all, at the ", std::lround(gflops), " GFLOP/s measured here) and hold about ", memory_size(bytes),
+              " of memory. ",
+              force_hint({"a GPU (--device cuda)", "the tiny layer (--case tiny)",
+                          shapes.size() > 1 ? "one model (--case MODEL)" : "", fewer_runs_hint(o.warmup, iters)}));
+  }
   if (!o.json) {
     std::printf("moe-engine bench layer: %zu shape(s), %s, %s (%s)%s%s\n", shapes.size(), dtype_name(dtype),
                 to_string(device).c_str(), device.is_cpu() ? "host clock" : "CUDA events",
                 device_note.empty() ? "" : "; ", device_note.c_str());
+    if (estimated)
+      std::printf("estimate: about %s for %d runs per shape at %.0f GFLOP/s; %s of memory\n",
+                  format_duration(estimate_s).c_str(), runs, gflops, memory_size(bytes).c_str());
     std::printf("routing: balanced by construction (token t -> experts (t k + j) mod E)\n");
     std::printf("%-28s %5s %5s %5s %3s %6s | %9s %9s %9s | %8s %8s %8s %8s | %7s\n", "model", "E", "H", "F", "k", "T",
                 "fwd ms", "bwd ms", "total ms", "router", "permute", "experts", "unperm.", "TFLOP/s");

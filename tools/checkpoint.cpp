@@ -8,6 +8,19 @@
 #include "moe_engine/moe_engine.hpp"
 
 namespace moe::tools {
+namespace {
+
+// A name (or metadata text) as the text listing shows it: as it is, or, where printing it raw would
+// hide or garble part of it (empty, a control character such as an embedded NUL, which printf
+// would cut it at, or a leading quote), quoted and escaped as a JSON string: "x\u0000y", as --json
+// shows it.
+std::string shown(const std::string& text) {
+  bool plain = !text.empty() && text.front() != '"';
+  for (const char ch : text) plain &= static_cast<unsigned char>(ch) >= 0x20 && ch != 0x7f;
+  return plain ? text : nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+}  // namespace
 
 int run_checkpoint_info(const CheckpointOptions& o) {
   const SafetensorsFile f = SafetensorsFile::load(o.input);
@@ -22,9 +35,9 @@ int run_checkpoint_info(const CheckpointOptions& o) {
     return 0;
   }
   std::printf("%s: %zu tensors\n", o.input.c_str(), f.entries().size());
-  for (const auto& [k, v] : f.metadata()) std::printf("  metadata %s = %s\n", k.c_str(), v.c_str());
+  for (const auto& [k, v] : f.metadata()) std::printf("  metadata %s = %s\n", shown(k).c_str(), shown(v).c_str());
   for (const SafetensorsEntry& e : f.entries())
-    std::printf("  %-48s %-8s %s\n", e.name.c_str(), e.dtype.c_str(),
+    std::printf("  %-48s %-8s %s\n", shown(e.name).c_str(), shown(e.dtype).c_str(),
                 Shape(e.shape.begin(), e.shape.end()).to_string().c_str());
   return 0;
 }
@@ -92,7 +105,7 @@ int run_checkpoint_convert(const CheckpointOptions& o) {
   auto list = [](const char* what, const std::vector<std::string>& groups) {
     if (groups.empty()) return;
     std::printf("%s:\n", what);
-    for (const std::string& g : groups) std::printf("  %s\n", g.c_str());
+    for (const std::string& g : groups) std::printf("  %s\n", shown(g).c_str());
   };
   list(("converted to " + o.to).c_str(), out.converted);
   list(("already " + o.to + ", copied").c_str(), out.already_in_layout);

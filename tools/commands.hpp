@@ -30,7 +30,7 @@ struct BenchOptions {
   int iters = 0;  // 0: a default that suits the device
   uint64_t seed = 1;
   bool check = true;  // compare with the float64 oracle when small enough
-  bool force = false;  // run a CPU benchmark estimated to take long
+  bool force = false;  // mlp, layer: run a CPU benchmark estimated to take long
   bool json = false;
   bool list = false;         // list the cases and exit
   std::string fusion = "forward";  // mlp: none | forward | all (ExpertMlpSpec::fusion)
@@ -43,6 +43,7 @@ struct BenchOptions {
   double min_time_ms = 100;  // gemm: time each GEMM at least this long (warm up a quarter of it)
   double settle_ms = 2000;   // gemm: run a dense GEMM this long first (steady power state)
   double l2_flush_mb = 256;  // gemm, mlp (CUDA): zero this many MB before each timed run (do_bench's L2 flush)
+  bool l2_flush_given = false;  // --l2-flush-mb was on the command line (an error where nothing is flushed)
   std::string command_line;  // recorded in the JSON
 };
 int run_bench(const BenchOptions& options);

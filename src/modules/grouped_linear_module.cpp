@@ -19,17 +19,29 @@ const char* grad_kind_name(GradKind kind) {
   return "?";
 }
 
+namespace {
+// The sizes and dtype checked before any member is built from them (the parameters' tensors would
+// otherwise fail first, naming an internal function).
+const GroupedLinearOptions& checked_linear_args(int64_t groups, int64_t in_features, int64_t out_features,
+                                                const GroupedLinearOptions& options) {
+  MOE_CHECK(groups >= 1 && in_features >= 1 && out_features >= 1, ErrorCode::kInvalidArgument,
+            "GroupedLinear: expected G, in_features, out_features >= 1, got ", groups, ", ", in_features,
+            ", ", out_features);
+  MOE_CHECK(is_floating(options.dtype), ErrorCode::kDType,
+            "GroupedLinear: GroupedLinearOptions::dtype: expected float32, bfloat16, float16 or float64, got ",
+            dtype_name(options.dtype));
+  return options;
+}
+}  // namespace
+
 GroupedLinear::GroupedLinear(int64_t groups, int64_t in_features, int64_t out_features,
                              const GroupedLinearOptions& options)
     : groups_(groups),
       in_(in_features),
       out_(out_features),
-      options_(options),
+      options_(checked_linear_args(groups, in_features, out_features, options)),
       weight_(groups, {out_features, in_features}, options.dtype, options.device, options.layout),
       weight_grad_(options.accumulate_into_main_grad, options.overwrite_main_grad, options.zero_out_wgrad) {
-  MOE_CHECK(groups >= 1 && in_features >= 1 && out_features >= 1, ErrorCode::kInvalidArgument,
-            "GroupedLinear: expected G, in_features, out_features >= 1, got ", groups, ", ", in_features,
-            ", ", out_features);
   MOE_CHECK(!options.scale_bias || options.bias, ErrorCode::kInvalidArgument,
             "GroupedLinear: scale_bias needs bias = true");
   MOE_CHECK(!options.overwrite_main_grad || options.accumulate_into_main_grad, ErrorCode::kInvalidArgument,

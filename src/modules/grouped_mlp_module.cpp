@@ -37,17 +37,28 @@ struct Scratch {
 
 }  // namespace
 
+namespace {
+// The sizes and dtype checked before any member is built from them (the parameters' tensors would
+// otherwise fail first, naming an internal function).
+const GroupedMLPOptions& checked_mlp_args(int64_t groups, int64_t hidden, int64_t ffn, const GroupedMLPOptions& o) {
+  MOE_CHECK(groups >= 1 && hidden >= 1 && ffn >= 1, ErrorCode::kInvalidArgument,
+            "GroupedMLP: expected G, hidden, ffn >= 1, got ", groups, ", ", hidden, ", ", ffn);
+  MOE_CHECK(is_floating(o.dtype), ErrorCode::kDType,
+            "GroupedMLP: GroupedMLPOptions::dtype: expected float32, bfloat16, float16 or float64, got ",
+            dtype_name(o.dtype));
+  return o;
+}
+}  // namespace
+
 GroupedMLP::GroupedMLP(int64_t groups, int64_t hidden, int64_t ffn, const GroupedMLPOptions& o)
     : groups_(groups),
       hidden_(hidden),
       ffn_(ffn),
-      options_(o),
+      options_(checked_mlp_args(groups, hidden, ffn, o)),
       fc1_weight_(groups, {fc1_width(o.glu, ffn), hidden}, o.dtype, o.device, o.layout),
       fc2_weight_(groups, {hidden, ffn}, o.dtype, o.device, o.layout),
       fc1_grad_(o.accumulate_into_main_grad, o.overwrite_main_grad, o.zero_out_wgrad),
       fc2_grad_(o.accumulate_into_main_grad, o.overwrite_main_grad, o.zero_out_wgrad) {
-  MOE_CHECK(groups >= 1 && hidden >= 1 && ffn >= 1, ErrorCode::kInvalidArgument,
-            "GroupedMLP: expected G, hidden, ffn >= 1, got ", groups, ", ", hidden, ", ", ffn);
   MOE_CHECK(!o.overwrite_main_grad || o.accumulate_into_main_grad, ErrorCode::kInvalidArgument,
             "GroupedMLP: overwrite_main_grad needs accumulate_into_main_grad = true");
   check_glu_spec(o.glu, ffn, "GroupedMLP");

@@ -164,6 +164,19 @@ TEST_F(Validation, ModulesNameTheirDtype) {
   EXPECT_MOE_ERROR(linear.forward(x32, r.layout), ErrorCode::kDType,
                    "GroupedLinear.forward: x is float32 but the module's parameters are bfloat16 "
                    "(GroupedLinearOptions::dtype)");
+  // Sizes and dtypes are the module's errors, before any tensor is made from them.
+  GroupedLinearOptions int_linear;
+  int_linear.dtype = DType::kInt32;
+  EXPECT_MOE_ERROR(GroupedLinear(2, 16, 16, int_linear), ErrorCode::kDType,
+                   "GroupedLinear: GroupedLinearOptions::dtype: expected float32, bfloat16, float16 or float64, got int32");
+  EXPECT_MOE_ERROR(GroupedLinear(0, 16, 16), ErrorCode::kInvalidArgument,
+                   "GroupedLinear: expected G, in_features, out_features >= 1, got 0, 16, 16");
+  EXPECT_MOE_ERROR(GroupedLinear(2, -16, 16), ErrorCode::kInvalidArgument,
+                   "GroupedLinear: expected G, in_features, out_features >= 1, got 2, -16, 16");
+  GroupedMLPOptions int_mlp;
+  int_mlp.dtype = DType::kUInt8;
+  EXPECT_MOE_ERROR(GroupedMLP(2, 16, 16, int_mlp), ErrorCode::kDType, "GroupedMLP: GroupedMLPOptions::dtype");
+  EXPECT_MOE_ERROR(GroupedMLP(0, 16, 16), ErrorCode::kInvalidArgument, "GroupedMLP: expected G, hidden, ffn >= 1, got 0");
 }
 
 TEST_F(Validation, ExpertMlpArguments) {
