@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <string>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -494,9 +495,16 @@ int run_bench_gemm(const BenchOptions& o) {
     if (en.e2e_ratio_vs_bf16 > 0) e2e.add(en.e2e_ratio_vs_bf16);
     if (cb && en.e2e_ratio_vs_bf16 > 0) e2e_cb.add(en.e2e_ratio_vs_bf16);
   }
+  // A figure of the summary, or why there is none (no such GEMM among the cases run).
+  const auto figure = [](int n, double value, const char* format) {
+    if (n == 0) return std::string("none in this run");
+    char text[32];
+    std::snprintf(text, sizeof text, format, value);
+    return std::string(text);
+  };
   if (tflops_cb.n)
-    std::printf("compute-bound cases (mixtral, deepseek, gpt-oss): min FP8 TFLOP/s forward/dgrad %.1f, wgrad %.1f\n",
-                tflops_cb.min, tflops_wgrad_cb.n ? tflops_wgrad_cb.min : 0.0);
+    std::printf("compute-bound cases (mixtral, deepseek, gpt-oss): min FP8 TFLOP/s forward/dgrad %.1f, wgrad %s\n",
+                tflops_cb.min, figure(tflops_wgrad_cb.n, tflops_wgrad_cb.min, "%.1f").c_str());
   if (vs_sgmm.n)
     std::printf("geomean speedup vs torch._scaled_grouped_mm (rowwise) over %d GEMMs: %.3f (min %.3f)\n", vs_sgmm.n,
                 vs_sgmm.mean(), vs_sgmm.min);
@@ -507,11 +515,11 @@ int run_bench_gemm(const BenchOptions& o) {
     std::printf("compute-bound forward/dgrad: min fraction of the same-run dense FP8 GEMM %.3f\n", dense_cb.min);
   if (blockwise_cb.n)
     std::printf("compute-bound: min fraction of the same-run dense block-scaled FP8 GEMM %.3f (forward/dgrad), "
-                "%.3f (wgrad)\n",
-                blockwise_cb.min, blockwise_wgrad_cb.n ? blockwise_wgrad_cb.min : 0.0);
+                "%s (wgrad)\n",
+                blockwise_cb.min, figure(blockwise_wgrad_cb.n, blockwise_wgrad_cb.min, "%.3f").c_str());
   if (e2e.n)
-    std::printf("end to end (quantization + GEMM) / bf16: geomean %.3f, max on compute-bound cases %.3f\n",
-                e2e.mean(), e2e_cb.n ? e2e_cb.max : 0.0);
+    std::printf("end to end (quantization + GEMM) / bf16: geomean %.3f, max on compute-bound cases %s\n",
+                e2e.mean(), figure(e2e_cb.n, e2e_cb.max, "%.3f").c_str());
 
   if (!o.json_out.empty()) {
     nlohmann::json j;
