@@ -122,9 +122,11 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs,
     v.matrix("fc1_out", fc1_out, T, fc1.width, fc1.rows);
     v.same_dtype("fc1_out", fc1_out.dtype(), "x", x.dtype());
   }
-  v.workspace(ctx.workspace,
-              expert_mlp_forward_workspace_size(T, H, F, x.dtype(), fc1_out.defined(), spec),
-              "expert_mlp_forward_workspace_size");
+  const size_t ws_bytes = expert_mlp_forward_workspace_size(T, H, F, x.dtype(), fc1_out.defined(), spec);
+  v.workspace(ctx.workspace, ws_bytes, "expert_mlp_forward_workspace_size");
+  v.workspace_apart(ctx.workspace, ws_bytes, {{"x", x}, {"probs", probs}, {"y", y}, {"fc1_out", fc1_out}},
+                    {{"fc1_weight", &weights.fc1_weight}, {"fc1_bias", &weights.fc1_bias},
+                     {"fc2_weight", &weights.fc2_weight}, {"fc2_bias", &weights.fc2_bias}});
   // fc1_glu(act) runs FC1 + the activation fused into act (and fc1_out) and returns true, or does
   // nothing.
   const auto compose = [&](auto&& fc1_glu) {
@@ -196,8 +198,15 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
   const bool recompute = !fc1_out.defined();
   const DType dtype = weights.fc2_weight.dtype();
   const bool d_fc1_given = grads.d_fc1.defined();
-  v.workspace(ctx.workspace, expert_mlp_backward_workspace_size(T, H, F, dtype, recompute, spec, d_fc1_given),
-              "expert_mlp_backward_workspace_size");
+  const size_t ws_bytes = expert_mlp_backward_workspace_size(T, H, F, dtype, recompute, spec, d_fc1_given);
+  v.workspace(ctx.workspace, ws_bytes, "expert_mlp_backward_workspace_size");
+  v.workspace_apart(ctx.workspace, ws_bytes,
+                    {{"dy", dy}, {"x", x}, {"probs", probs}, {"fc1_out", fc1_out}, {"dx", grads.dx},
+                     {"dprobs", grads.dprobs}, {"d_fc1", grads.d_fc1}, {"act", grads.act}},
+                    {{"fc1_weight", &weights.fc1_weight}, {"fc1_bias", &weights.fc1_bias},
+                     {"fc2_weight", &weights.fc2_weight}, {"fc2_bias", &weights.fc2_bias},
+                     {"the fc1_weight gradient", &grads.fc1_weight.grad}, {"the fc1_bias gradient", &grads.fc1_bias.grad},
+                     {"the fc2_weight gradient", &grads.fc2_weight.grad}, {"the fc2_bias gradient", &grads.fc2_bias.grad}});
   // dgrad_glu(h, b, act) runs FC2's dgrad + the activation's backward fused (act: the recomputed
   // act * p, when FC2's weight gradient needs it or the caller asks for it) and returns true, or
   // does nothing.

@@ -255,8 +255,16 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs, const Expe
     check_saved_x_rows(v, saved.x_rows, H);
     v.no_overlap("saved.x_rows.data", saved.x_rows.data, "x", x);
   }
-  v.workspace(ctx.workspace, expert_mlp_fp8_forward_workspace_size(T, H, F, x.dtype(), spec),
-              "expert_mlp_fp8_forward_workspace_size");
+  const size_t ws_bytes = expert_mlp_fp8_forward_workspace_size(T, H, F, x.dtype(), spec);
+  v.workspace(ctx.workspace, ws_bytes, "expert_mlp_fp8_forward_workspace_size");
+  v.workspace_apart(ctx.workspace, ws_bytes,
+                    {{"x", x}, {"probs", probs}, {"y", y}, {"saved.x.data", saved.x.data},
+                     {"saved.x.scales", saved.x.scales}, {"saved.x.offsets", saved.x.offsets},
+                     {"saved.fc1_out.data", saved.fc1_out.data}, {"saved.fc1_out.scales", saved.fc1_out.scales},
+                     {"saved.x_rows.data", saved.x_rows.data}, {"saved.x_rows.scales", saved.x_rows.scales},
+                     {"fc1.data", weights.fc1.data}, {"fc1.scales", weights.fc1.scales},
+                     {"fc2.data", weights.fc2.data}, {"fc2.scales", weights.fc2.scales}},
+                    {{"fc1_bias", &weights.fc1_bias}, {"fc2_bias", &weights.fc2_bias}});
   require_fp8_gemms(v);
 
   ops::WorkspaceCarver carver(ctx.workspace, v.device());
@@ -329,9 +337,19 @@ void expert_mlp_backward(const TensorView& dy, const ExpertMlpFp8Saved& saved, c
   check_param_grad(v, "fc1_bias", grads.fc1_bias, {fc1.width}, fc1.bias, weights.fc1_bias.defined());
   check_param_grad(v, "fc2_bias", grads.fc2_bias, {H}, "[H]", weights.fc2_bias.defined());
   const bool make_x_columns = fc1_wgrad && x_from_rows;
-  v.workspace(ctx.workspace, expert_mlp_fp8_backward_workspace_size(T, G, H, F, dy.dtype(), spec, make_x_columns),
+  const size_t ws_bytes = expert_mlp_fp8_backward_workspace_size(T, G, H, F, dy.dtype(), spec, make_x_columns);
+  v.workspace(ctx.workspace, ws_bytes,
               make_x_columns ? "expert_mlp_fp8_backward_workspace_size(x_rows = true)"
                              : "expert_mlp_fp8_backward_workspace_size");
+  v.workspace_apart(ctx.workspace, ws_bytes,
+                    {{"dy", dy}, {"probs", probs}, {"saved.x.data", saved.x.data}, {"saved.x.scales", saved.x.scales},
+                     {"saved.fc1_out.data", saved.fc1_out.data}, {"saved.fc1_out.scales", saved.fc1_out.scales},
+                     {"saved.x_rows.data", saved.x_rows.data}, {"saved.x_rows.scales", saved.x_rows.scales},
+                     {"fc1.data_t", weights.fc1.data_t}, {"fc2.data_t", weights.fc2.data_t}, {"dx", grads.dx},
+                     {"dprobs", grads.dprobs}, {"d_fc1", grads.d_fc1}, {"act", grads.act}},
+                    {{"the fc1_weight gradient", &grads.fc1_weight.grad}, {"the fc1_bias gradient", &grads.fc1_bias.grad},
+                     {"the fc2_weight gradient", &grads.fc2_weight.grad},
+                     {"the fc2_bias gradient", &grads.fc2_bias.grad}});
   require_fp8_gemms(v);
 
   ops::WorkspaceCarver carver(ctx.workspace, v.device());

@@ -252,8 +252,9 @@ void router_update_expert_bias(const TensorView& expert_bias, const TensorView& 
            expert_bias.device().is_cpu() ? " (or float64)" : "", ", got ",
            dtype_name(expert_bias.dtype()));
   v.int64_vector("counts", counts, E, "[E]");
-  if (!std::isfinite(rate))
-    v.fail(ErrorCode::kInvalidArgument, "rate: expected a finite value, got ", rate);
+  if (!std::isfinite(rate) || rate < 0)
+    v.fail(ErrorCode::kInvalidArgument, "rate: expected a finite value >= 0 (a negative rate moves the bias against "
+           "the balance), got ", rate);
   v.no_overlap("expert_bias", expert_bias, "counts", counts);
   ops::dispatch(
       v, [&] { cpu::router_update_expert_bias(expert_bias, counts, rate); },

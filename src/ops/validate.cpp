@@ -298,6 +298,23 @@ void Validator::index_matrix(const char* name, const TensorView& t, int64_t rows
   aligned(name, t);
 }
 
+void Validator::workspace_apart(const Workspace& ws, size_t bytes,
+                                std::initializer_list<std::pair<const char*, TensorView>> tensors,
+                                std::initializer_list<std::pair<const char*, const GroupedParam*>> params) const {
+  if (bytes == 0 || ws.data == nullptr) return;
+  const auto w0 = reinterpret_cast<uintptr_t>(ws.data), w1 = w0 + bytes;
+  const auto check = [&](const char* name, const TensorView& t) {
+    if (!t.defined()) return;
+    const auto [t0, t1] = byte_range(t);
+    if (t0 < w1 && w0 < t1)
+      fail(ErrorCode::kInvalidArgument, "the workspace overlaps ", name, " in memory; expected a buffer of its own");
+  };
+  for (const auto& [name, t] : tensors) check(name, t);
+  for (const auto& [name, p] : params)
+    if (p != nullptr && p->defined())
+      for (int64_t g = 0; g < p->num_groups(); ++g) check(name, p->expert(g));
+}
+
 void Validator::grad_mode(GradMode mode) const {
   if (mode != GradMode::kWrite && mode != GradMode::kAccumulate && mode != GradMode::kOverwrite)
     fail(ErrorCode::kInvalidArgument, "mode: expected GradMode kWrite, kAccumulate or kOverwrite, got the value ",

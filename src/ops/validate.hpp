@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "core/cuda_api.hpp"
 #include "moe_engine/config.hpp"
@@ -96,6 +97,11 @@ class Validator {
   void glu_spec(const GluSpec& spec, int64_t ffn) const;
   // The workspace can hold `bytes` on the device.
   void workspace(const Workspace& ws, size_t bytes, const char* size_function) const;
+  // The `bytes` of the workspace an op uses share no memory with its arguments (undefined ones
+  // skipped): the op's inner steps would otherwise report an overlap of their own buffers.
+  void workspace_apart(const Workspace& ws, size_t bytes,
+                       std::initializer_list<std::pair<const char*, TensorView>> tensors,
+                       std::initializer_list<std::pair<const char*, const GroupedParam*>> params = {}) const;
   // `t` has `dtype` (after its shape was checked).
   void dtype_is(const char* name, const TensorView& t, DType dtype) const;
   // A scalar: a 0-d tensor of `dtype` on the device.

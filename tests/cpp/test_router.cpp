@@ -611,7 +611,9 @@ TEST_F(RouterValidation, ExpertBiasUpdate) {
   EXPECT_MOE_ERROR(router_update_expert_bias(Tensor::zeros({4}, DType::kBFloat16), counts, 0.1f),
                    ErrorCode::kDType, "expert_bias: expected float32 (or float64), got bfloat16");
   EXPECT_MOE_ERROR(router_update_expert_bias(bias, counts, NAN), ErrorCode::kInvalidArgument,
-                   "rate: expected a finite value, got nan");
+                   "rate: expected a finite value >= 0 (a negative rate moves the bias against the balance), got nan");
+  EXPECT_MOE_ERROR(router_update_expert_bias(bias, counts, -1e-3f), ErrorCode::kInvalidArgument,
+                   "rate: expected a finite value >= 0");
 }
 
 }  // namespace

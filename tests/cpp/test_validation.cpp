@@ -213,6 +213,17 @@ TEST_F(Validation, ExpertMlpArguments) {
   ExpertMlpGrads dx_only;
   dx_only.dx = dx;
   EXPECT_NO_THROW(expert_mlp_backward(out, {}, {}, weights, r.layout, fc1_out, dx_only, {}, ctx));
+  // A workspace over an argument is the op's error, not one of its inner steps'.
+  Tensor big = Tensor::empty({(1 << 16) + 10 * H}, DType::kBFloat16);
+  const TensorView x_in_ws(big.data(), {10, H}, DType::kBFloat16, Device::cpu());
+  copy_tensor(x_in_ws, x);
+  const ExecContext over_x{nullptr, {big.data(), big.nbytes(), Device::cpu()}};
+  EXPECT_MOE_ERROR(expert_mlp_forward(x_in_ws, {}, weights, r.layout, out, {}, {}, over_x),
+                   ErrorCode::kInvalidArgument, "expert_mlp_forward: the workspace overlaps x in memory");
+  ExpertMlpGrads dx_in_ws;
+  dx_in_ws.dx = x_in_ws;
+  EXPECT_MOE_ERROR(expert_mlp_backward(out, {}, {}, weights, r.layout, fc1_out, dx_in_ws, {}, over_x),
+                   ErrorCode::kInvalidArgument, "expert_mlp_backward: the workspace overlaps dx in memory");
   // dL/d(fc1_out) written out: [T, W] in dy's dtype, apart from the inputs and dx.
   // (ExpertMlpGrads holds views: the tensors they see stay named.)
   const Tensor narrow = Tensor::zeros({10, F}, DType::kBFloat16), f32 = Tensor::zeros({10, 2 * F}, DType::kFloat32),
