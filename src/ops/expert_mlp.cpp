@@ -117,6 +117,7 @@ void expert_mlp_forward(const TensorView& x, const TensorView& probs,
   const int64_t H = dims.first, F = dims.second;
   const int64_t T = v.capacity();
   v.matrix("y", y, T, H, "[T, H]");
+  v.same_dtype("y", y.dtype(), "x", x.dtype());
   const ops::Fc1Dims fc1 = ops::fc1_dims(spec.glu, F);
   if (fc1_out.defined()) {
     v.matrix("fc1_out", fc1_out, T, fc1.width, fc1.rows);
@@ -170,8 +171,14 @@ void expert_mlp_backward(const TensorView& dy, const TensorView& x, const Tensor
   v.matrix("dy", dy, T, H, "[T, H]");
   v.same_dtype("dy", dy.dtype(), "fc2_weight", weights.fc2_weight.dtype());
   const ops::Fc1Dims fc1 = ops::fc1_dims(spec.glu, F);
-  if (fc1_out.defined()) v.matrix("fc1_out", fc1_out, T, fc1.width, fc1.rows);
-  if (grads.dx.defined()) v.matrix("dx", grads.dx, T, H, "[T, H]");
+  if (fc1_out.defined()) {
+    v.matrix("fc1_out", fc1_out, T, fc1.width, fc1.rows);
+    v.same_dtype("fc1_out", fc1_out.dtype(), "dy", dy.dtype());
+  }
+  if (grads.dx.defined()) {
+    v.matrix("dx", grads.dx, T, H, "[T, H]");
+    v.same_dtype("dx", grads.dx.dtype(), "dy", dy.dtype());
+  }
   // The activations written out for the caller (d_fc1, act): [T, cols] in dy's dtype, apart from
   // the inputs and the other outputs.
   const auto written_out = [&](const char* name, const TensorView& t, int64_t cols, const char* dims) {

@@ -18,6 +18,7 @@ void glu_forward(const TensorView& h, const TensorView& probs, const GroupLayout
   v.glu_spec(spec, F);
   const ops::Fc1Dims fc1 = ops::fc1_dims(spec, F);
   v.matrix("h", h, v.capacity(), fc1.width, fc1.rows);
+  v.same_dtype("out", out.dtype(), "h", h.dtype());
   if (probs.defined()) v.row_scale("probs", probs);
   v.no_overlap("out", out, "h", h);
   ops::dispatch(
@@ -34,14 +35,19 @@ void glu_backward(const TensorView& h, const TensorView& probs, const TensorView
   v.glu_spec(spec, F);
   const ops::Fc1Dims fc1 = ops::fc1_dims(spec, F);
   v.matrix("h", h, v.capacity(), fc1.width, fc1.rows);
+  v.same_dtype("d_out", d_out.dtype(), "h", h.dtype());
   v.matrix("dh", outputs.dh, v.capacity(), fc1.width, fc1.rows);
+  v.same_dtype("dh", outputs.dh.dtype(), "h", h.dtype());
   if (probs.defined()) v.row_scale("probs", probs);
   if (outputs.dprobs.defined()) {
     if (!probs.defined())
       v.fail(ErrorCode::kInvalidArgument, "dprobs is requested but no probs were given");
     v.row_scale("dprobs", outputs.dprobs);
   }
-  if (outputs.out.defined()) v.matrix("out", outputs.out, v.capacity(), F, "[T, F]");
+  if (outputs.out.defined()) {
+    v.matrix("out", outputs.out, v.capacity(), F, "[T, F]");
+    v.same_dtype("out", outputs.out.dtype(), "h", h.dtype());
+  }
   v.in_place_or_separate("dh", outputs.dh, "h", h);
   v.no_overlap("dh", outputs.dh, "d_out", d_out);
   if (outputs.out.defined()) {

@@ -213,6 +213,15 @@ TEST_F(Validation, ExpertMlpArguments) {
   ExpertMlpGrads dx_only;
   dx_only.dx = dx;
   EXPECT_NO_THROW(expert_mlp_backward(out, {}, {}, weights, r.layout, fc1_out, dx_only, {}, ctx));
+  // The CUDA kernels read every activation in one dtype: mixes are errors on every device.
+  const Tensor fc1_out32 = Tensor::zeros({10, 2 * F}, DType::kFloat32);
+  EXPECT_MOE_ERROR(expert_mlp_backward(out, x, {}, weights, r.layout, fc1_out32, dx_only, {}, ctx), ErrorCode::kDType,
+                   "expert_mlp_backward: fc1_out: expected bfloat16 like dy, got float32");
+  GluSpec glu;
+  const Tensor h = random_tensor({10, 2 * F}, DType::kBFloat16, rng), d_out32 = Tensor::zeros({10, F}, DType::kFloat32);
+  Tensor dh = Tensor::zeros({10, 2 * F}, DType::kBFloat16);
+  EXPECT_MOE_ERROR(glu_backward(h, {}, d_out32, r.layout, {dh, {}, {}}, glu), ErrorCode::kDType,
+                   "glu_backward: d_out: expected bfloat16 like h, got float32");
   // A workspace over an argument is the op's error, not one of its inner steps'.
   Tensor big = Tensor::empty({(1 << 16) + 10 * H}, DType::kBFloat16);
   const TensorView x_in_ws(big.data(), {10, H}, DType::kBFloat16, Device::cpu());
