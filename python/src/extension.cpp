@@ -213,13 +213,19 @@ TensorView view_of(const char* op, const char* name, const TensorArg& t) {
 GroupedParam param_of(const char* op, const char* name, const GroupedArg& arg, int expert_rank) {
   const auto& [items, table] = arg;
   if (items.empty()) return {};
+  // GroupedParam's own message would name neither the op nor the argument.
+  const auto contiguous = [&](const TensorView& v) {
+    MOE_CHECK(v.is_contiguous(), ErrorCode::kShape, op, ": ", name, ": expected contiguous expert tensors (",
+              "call .contiguous() on the weight), got ", v.describe());
+    return v;
+  };
   if (items.size() == 1) {
     const TensorView v = view_of(op, name, items[0]);
-    if (v.dim() == expert_rank + 1) return GroupedParam::packed(v);
+    if (v.dim() == expert_rank + 1) return GroupedParam::packed(contiguous(v));
   }
   std::vector<TensorView> experts;
   experts.reserve(items.size());
-  for (const TensorArg& item : items) experts.push_back(view_of(op, name, item));
+  for (const TensorArg& item : items) experts.push_back(contiguous(view_of(op, name, item)));
   return GroupedParam::per_expert(std::move(experts), table ? view_of(op, name, *table) : TensorView());
 }
 

@@ -13,6 +13,7 @@ namespace moe {
 void glu_forward(const TensorView& h, const TensorView& probs, const GroupLayout& groups,
                  const TensorView& out, const GluSpec& spec, [[maybe_unused]] const ExecContext& ctx) {
   const ops::Validator v("glu_forward", groups);
+  v.matrix("h", h, v.capacity(), -1, "[T, W]");  // first: out is often made like h
   v.matrix("out", out, v.capacity(), -1, "[T, F]");
   const int64_t F = out.size(1);
   v.glu_spec(spec, F);
