@@ -4,13 +4,13 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "core/cuda_api.hpp"
 #include "modules/parameter_io.hpp"
 #include "moe_engine/modules.hpp"
 #include "moe_engine/runtime.hpp"
+#include "ops/validate.hpp"
 
 namespace moe {
 
@@ -29,23 +29,15 @@ void Parameter::set_main_grad(const GroupedParam& main_grad) {
   // Contiguity needs no check here: GroupedParam rejects non-contiguous experts when built. The
   // gradient is added into main_grad, so it must not be the parameter's own memory, and no two of
   // its experts may share memory.
-  const auto span = [](const TensorView& t) {
-    const auto* p = static_cast<const uint8_t*>(t.data());
-    return std::pair{p, p + t.nbytes()};
-  };
-  for (int64_t g = 0; g < num_groups(); ++g) {
-    const auto [m0, m1] = span(main_grad.expert(g));
+  for (int64_t g = 0; g < num_groups(); ++g)
     for (int64_t h = 0; h < num_groups(); ++h) {
-      const auto [v0, v1] = span(value().expert(h));
-      MOE_CHECK(m1 <= v0 || v1 <= m0, ErrorCode::kInvalidArgument, "set_main_grad: main_grad's expert ", g,
-                " overlaps the parameter's values (expert ", h, "); expected a buffer of its own");
-      if (h < g) {
-        const auto [o0, o1] = span(main_grad.expert(h));
-        MOE_CHECK(m1 <= o0 || o1 <= m0, ErrorCode::kInvalidArgument, "set_main_grad: main_grad's experts ", h,
-                  " and ", g, " overlap in memory; expected a separate tensor per expert");
-      }
+      MOE_CHECK(!ops::overlap(main_grad.expert(g), value().expert(h)), ErrorCode::kInvalidArgument,
+                "set_main_grad: main_grad's expert ", g, " overlaps the parameter's values (expert ", h,
+                "); expected a buffer of its own");
+      MOE_CHECK(h >= g || !ops::overlap(main_grad.expert(g), main_grad.expert(h)), ErrorCode::kInvalidArgument,
+                "set_main_grad: main_grad's experts ", h, " and ", g,
+                " overlap in memory; expected a separate tensor per expert");
     }
-  }
   main_grad_ = main_grad;
 }
 

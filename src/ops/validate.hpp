@@ -27,6 +27,11 @@
 
 namespace moe::ops {
 
+// The bytes [begin, end) a view can touch (empty for an undefined or empty view), and whether two
+// views' ranges meet.
+std::pair<uintptr_t, uintptr_t> byte_range(const TensorView& t);
+bool overlap(const TensorView& a, const TensorView& b);
+
 class Validator {
  public:
   // All tensors must live on the group layout's device.
