@@ -24,6 +24,9 @@ void check_plan_shape(const char* op, int64_t tokens, int64_t topk, int64_t num_
   MOE_CHECK(tokens >= 0 && topk >= 1 && num_experts >= 1, ErrorCode::kInvalidArgument, op,
             ": tokens T = ", tokens, ", topk k = ", topk, ", experts E = ", num_experts,
             " (expected T >= 0, k >= 1, E >= 1)");
+  // The plan's limit (row_of holds int32 rows); T k cannot overflow past it.
+  MOE_CHECK(tokens <= INT32_MAX / topk, ErrorCode::kInvalidArgument, op, ": tokens T = ", tokens, ", topk k = ",
+            topk, ": T k is more than 2^31 - 1 assignments (row_of holds int32 rows)");
 }
 
 void check_capacity_factor(const char* op, double factor) {
@@ -87,9 +90,12 @@ int64_t expert_capacity(int64_t tokens, int64_t topk, int64_t num_experts, doubl
 int64_t permuted_rows(int64_t tokens, int64_t topk, int64_t num_experts,
                       std::optional<double> capacity_factor) {
   check_plan_shape("permuted_rows", tokens, topk, num_experts);
-  if (!capacity_factor) return tokens * topk;
-  return std::min(tokens * topk,
-                  num_experts * expert_capacity(tokens, topk, num_experts, *capacity_factor));
+  const int64_t assignments = tokens * topk;
+  if (!capacity_factor) return assignments;
+  const int64_t capacity = expert_capacity(tokens, topk, num_experts, *capacity_factor);
+  // min(T k, E C) without forming E C when it would pass T k (E may be large).
+  return capacity == 0 || num_experts <= assignments / capacity ? std::min(assignments, num_experts * capacity)
+                                                                 : assignments;
 }
 
 size_t permute_plan_workspace_size(int64_t tokens, int64_t topk, int64_t num_experts) {

@@ -93,6 +93,15 @@ TEST(PermutePlan, CapacityKeepsTheFirstAssignmentsInTokenOrder) {
   EXPECT_EQ(permuted_rows(10, 1, 4), 10);
   EXPECT_EQ(permuted_rows(10, 1, 4, 1.0), 10);           // min(T k, E C) = min(10, 12)
   EXPECT_EQ(permuted_rows(4096, 8, 64, 0.5), 64 * 256);  // the buffer shrinks with the factor
+  // Sizes past the plan's int32 rows are refused, not wrapped; a huge E cannot overflow E C.
+  EXPECT_EQ(permuted_rows(4096, 8, int64_t(1) << 62, 1.0), 4096 * 8);
+  EXPECT_EQ(permuted_rows(INT32_MAX, 1, 1, 1.0), INT32_MAX);
+  EXPECT_MOE_ERROR(permuted_rows(int64_t(1) << 40, int64_t(1) << 30, 8), ErrorCode::kInvalidArgument,
+                   "more than 2^31 - 1 assignments");
+  EXPECT_MOE_ERROR(expert_capacity(INT32_MAX, 2, 8, 1.0), ErrorCode::kInvalidArgument,
+                   "more than 2^31 - 1 assignments");
+  EXPECT_MOE_ERROR(permute_plan_workspace_size(int64_t(1) << 32, 1, 8), ErrorCode::kInvalidArgument,
+                   "more than 2^31 - 1 assignments");
   // Every token on expert 0: it keeps tokens 0..2, the rest are dropped.
   const Plan p(std::vector<int64_t>(10, 0), 10, 1, 4, 1.0);
   expect_plan_matches_oracle(p);

@@ -402,6 +402,9 @@ def test_bad_layer_and_routing_arguments_are_refused(device):
         me.MoELayer(H, F, 4, 2, capacity_factor="1.0", device=device)
     with pytest.raises(TypeError, match=r"dispatch: capacity_factor must be a number"):
         me.permuted_rows(8, 2, 4, "1.0")
+    with pytest.raises(ValueError, match=r"permuted_rows: .*more than 2\^31 - 1 assignments"):
+        me.permuted_rows(1 << 40, 1 << 20, 4)
+    assert me.permuted_rows(4096, 8, 1 << 62, 1.0) == 4096 * 8
     with pytest.raises(ValueError, match=r"Router: hidden = 0; expected >= 1"):
         me.Router(0, 4, 2, device=device)
     with pytest.raises(ValueError, match=r"dtype must be a floating-point dtype"):
