@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "moe_engine/device.hpp"
@@ -97,5 +98,9 @@ class MOE_API GroupLayout {
 // (the gradient of an unrouted row is exactly zero). On CUDA one kernel of fixed shape that reads
 // offsets[G] on the device: graph safe; with sum(splits) == T it writes nothing.
 MOE_API void zero_unrouted_rows(const TensorView& t, const GroupLayout& groups, Stream stream = nullptr);
+
+// The same for several tensors of one routing (undefined views are skipped): one kernel on CUDA.
+MOE_API void zero_unrouted_rows(std::span<const TensorView> tensors, const GroupLayout& groups,
+                                Stream stream = nullptr);
 
 }  // namespace moe

@@ -443,8 +443,7 @@ struct Call {
     const std::vector<TensorView> outputs(token_outputs);
     nb::gil_scoped_release release;
     op_fn(groups, ExecContext{stream, {}});
-    for (const TensorView& t : outputs)
-      if (t.defined()) zero_unrouted_rows(t, groups, stream);
+    zero_unrouted_rows(outputs, groups, stream);
   }
 };
 

@@ -25,10 +25,18 @@ void launch_group_offsets(const void* splits, bool splits_are_int32, int64_t num
                           int64_t capacity, int64_t* offsets, DeviceErrorRecord* record,
                           Stream stream);
 
-// Zeroes bytes [offsets[G] * row_bytes, rows * row_bytes) of data (rows past the routed ones).
-// Fixed grid; row_bytes need not be a multiple of anything.
-void launch_zero_unrouted_rows(void* data, int64_t rows, int64_t row_bytes, const int64_t* end_offset,
-                               Stream stream);
+// Up to kMaxTargets buffers of one routing whose rows past the routed ones are zeroed together.
+struct ZeroTailTargets {
+  static constexpr int kMaxTargets = 8;
+  uint8_t* data[kMaxTargets] = {};
+  int64_t rows[kMaxTargets] = {};
+  int64_t row_bytes[kMaxTargets] = {};
+  int count = 0;
+};
+
+// Zeroes bytes [offsets[G] * row_bytes, rows * row_bytes) of every target (rows past the routed
+// ones) in one launch. Fixed grid; row_bytes need not be a multiple of anything.
+void launch_zero_unrouted_rows(const ZeroTailTargets& targets, const int64_t* end_offset, Stream stream);
 
 void grouped_linear_forward(const TensorView& x, const GroupedParam& weight,
                             const GroupLayout& groups, const TensorView& y,

@@ -95,23 +95,47 @@ GroupLayout GroupLayout::compute(const TensorView& splits, int64_t capacity,
 }
 
 void zero_unrouted_rows(const TensorView& t, const GroupLayout& groups, Stream stream) {
+  MOE_CHECK(t.defined(), ErrorCode::kShape, "zero_unrouted_rows: expected a [T = ", groups.capacity(),
+            ", ...] tensor, got an undefined one");
+  zero_unrouted_rows(std::span<const TensorView>(&t, 1), groups, stream);
+}
+
+void zero_unrouted_rows(std::span<const TensorView> tensors, const GroupLayout& groups, Stream stream) {
   MOE_CHECK(groups.defined(), ErrorCode::kInvalidArgument, "zero_unrouted_rows: the group layout is undefined");
-  MOE_CHECK(t.defined() && t.dim() >= 1 && t.size(0) == groups.capacity(), ErrorCode::kShape,
-            "zero_unrouted_rows: expected a [T = ", groups.capacity(), ", ...] tensor, got ", t.describe());
-  MOE_CHECK(t.is_contiguous(), ErrorCode::kShape, "zero_unrouted_rows: expected a contiguous tensor, got ",
-            t.describe());
-  MOE_CHECK(t.device() == groups.device(), ErrorCode::kDevice, "zero_unrouted_rows: the tensor is on ",
-            to_string(t.device()), " but the routing on ", to_string(groups.device()));
-  const int64_t rows = t.size(0), row_bytes = rows == 0 ? 0 : int64_t(t.nbytes()) / rows;
+  for (const TensorView& t : tensors) {  // all checked before any is written
+    if (!t.defined()) continue;
+    MOE_CHECK(t.dim() >= 1 && t.size(0) == groups.capacity(), ErrorCode::kShape,
+              "zero_unrouted_rows: expected a [T = ", groups.capacity(), ", ...] tensor, got ", t.describe());
+    MOE_CHECK(t.is_contiguous(), ErrorCode::kShape, "zero_unrouted_rows: expected a contiguous tensor, got ",
+              t.describe());
+    MOE_CHECK(t.device() == groups.device(), ErrorCode::kDevice, "zero_unrouted_rows: the tensor is on ",
+              to_string(t.device()), " but the routing on ", to_string(groups.device()));
+  }
   const auto* end = groups.offsets().data_as<int64_t>() + groups.num_groups();
-  if (t.device().is_cpu()) {
-    const int64_t first = std::clamp<int64_t>(*end, 0, rows);
-    std::memset(static_cast<uint8_t*>(t.data()) + first * row_bytes, 0, size_t((rows - first) * row_bytes));
+  const auto row_bytes_of = [](const TensorView& t) { return t.size(0) == 0 ? 0 : int64_t(t.nbytes()) / t.size(0); };
+  if (groups.device().is_cpu()) {
+    for (const TensorView& t : tensors) {
+      if (!t.defined()) continue;
+      const int64_t rows = t.size(0), row_bytes = row_bytes_of(t), first = std::clamp<int64_t>(*end, 0, rows);
+      std::memset(static_cast<uint8_t*>(t.data()) + first * row_bytes, 0, size_t((rows - first) * row_bytes));
+    }
     return;
   }
 #if MOE_ENGINE_WITH_CUDA
-  const cuda_api::ScopedDevice scoped(t.device().index);
-  cuda::launch_zero_unrouted_rows(t.data(), rows, row_bytes, end, stream);
+  const cuda_api::ScopedDevice scoped(groups.device().index);
+  cuda::ZeroTailTargets targets;
+  for (const TensorView& t : tensors) {
+    if (!t.defined()) continue;
+    if (targets.count == cuda::ZeroTailTargets::kMaxTargets) {
+      cuda::launch_zero_unrouted_rows(targets, end, stream);
+      targets.count = 0;
+    }
+    targets.data[targets.count] = static_cast<uint8_t*>(t.data());
+    targets.rows[targets.count] = t.size(0);
+    targets.row_bytes[targets.count] = row_bytes_of(t);
+    ++targets.count;
+  }
+  if (targets.count > 0) cuda::launch_zero_unrouted_rows(targets, end, stream);
 #else
   (void)stream;
   throw_error(ErrorCode::kNotImplemented, "zero_unrouted_rows: this build has no CUDA backend");

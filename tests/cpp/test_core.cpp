@@ -176,6 +176,26 @@ TEST(GroupLayout, ZeroUnroutedRowsClearsOnlyTheTail) {
                    "expected a [T = 9, ...] tensor");
 }
 
+// Several tensors of one routing at once: each tail cleared, undefined views skipped, and a bad
+// tensor anywhere in the list refused before any is written.
+TEST(GroupLayout, ZeroUnroutedRowsOfSeveralTensors) {
+  Routing r({3, 0, 2}, 9);
+  Tensor a = poisoned({9, 5}, DType::kBFloat16), b = poisoned({9}, DType::kFloat32),
+         c = poisoned({9, 2, 3}, DType::kUInt8);
+  const TensorView list[] = {a, TensorView(), b, c};
+  zero_unrouted_rows(list, r.layout);
+  for (const Tensor* t : {&a, &b, &c}) {
+    const auto* bytes = static_cast<const uint8_t*>(t->data());
+    const size_t row = t->nbytes() / 9;
+    for (size_t i = 0; i < 9 * row; ++i) ASSERT_EQ(bytes[i], i < 5 * row ? kPoison : 0) << TensorView(*t).describe() << " " << i;
+  }
+  Tensor good = poisoned({9, 5}, DType::kFloat32);
+  const TensorView bad_list[] = {good, poisoned({8, 5}, DType::kFloat32)};
+  EXPECT_MOE_ERROR(zero_unrouted_rows(bad_list, r.layout), ErrorCode::kShape, "expected a [T = 9, ...] tensor");
+  EXPECT_TRUE(tail_untouched(good, 0));
+  EXPECT_MOE_ERROR(zero_unrouted_rows(TensorView(), r.layout), ErrorCode::kShape, "got an undefined one");
+}
+
 TEST(GroupLayout, BadSplitsAndArgumentsAreClearErrors) {
   auto make = [](std::vector<int64_t> s, int64_t cap) { Routing r(std::move(s), cap); };
   EXPECT_MOE_ERROR(make({2, -3, 1}, 10), ErrorCode::kInvalidArgument, "splits[1] = -3 is negative");

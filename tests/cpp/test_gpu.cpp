@@ -125,6 +125,27 @@ TEST_F(Gpu, ZeroUnroutedRowsMatchesTheCpu) {
   }
 }
 
+// Several tensors in one call (more than one launch's worth), odd and aligned rows, a tail larger
+// than one pass of the grid: the same bytes as the CPU.
+TEST_F(Gpu, ZeroUnroutedRowsOfSeveralTensorsMatchesTheCpu) {
+  Rng rng;
+  for (const auto& s : std::vector<std::vector<int64_t>>{{0, 0}, {4, 0, 9}, {3000, 1}, {1}}) {
+    const int64_t T = 3001;
+    DualRouting r(s, T);
+    std::vector<Tensor> host, dev;
+    for (int64_t cols : {1, 3, 8, 129, 1024, 2, 7, 16, 5, 640}) {
+      host.push_back(random_tensor({T, cols}, cols % 2 ? DType::kBFloat16 : DType::kFloat32, rng));
+      dev.push_back(to_gpu(host.back()));
+    }
+    std::vector<TensorView> host_views(host.begin(), host.end()), dev_views(dev.begin(), dev.end());
+    dev_views.insert(dev_views.begin() + 2, TensorView());
+    zero_unrouted_rows(host_views, r.cpu.layout);
+    zero_unrouted_rows(dev_views, r.gpu);
+    for (size_t i = 0; i < host.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(to_host(dev[i]), host[i])) << "tensor " << i << " " << TensorView(host[i]).describe();
+  }
+}
+
 TEST_F(Gpu, OffsetsReplayFromACapturedGraphWithNewSplits) {
   Rng rng;
   const int64_t G = 128, cap = 128 * 64;

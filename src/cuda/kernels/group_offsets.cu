@@ -4,6 +4,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "cuda/runtime/check.hpp"
+#include "cuda/runtime/resident_blocks.cuh"
 #include "cuda/backend.hpp"
 
 namespace moe::cuda {
@@ -82,30 +83,39 @@ void launch_group_offsets(const void* splits, bool splits_are_int32, int64_t num
 
 namespace {
 
-// Grid-stride over the 16-byte words of the tail when the buffer allows it, bytes otherwise.
-__global__ void zero_tail_kernel(uint8_t* __restrict__ data, int64_t rows, int64_t row_bytes,
-                                 const int64_t* __restrict__ end_offset) {
+constexpr int kZeroThreads = 512;
+
+// One block per SM, grid-striding over each target's tail: 16-byte words where the target allows
+// them, bytes otherwise. When sum(splits) == T (the common case) every block reads offsets[G] and
+// leaves, so the launch costs little more than its dispatch.
+__global__ void __launch_bounds__(kZeroThreads)
+    zero_tails_kernel(ZeroTailTargets targets, const int64_t* __restrict__ end_offset) {
   const int64_t end = *end_offset;
-  const int64_t first = (end < 0 ? 0 : end > rows ? rows : end) * row_bytes, last = rows * row_bytes;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  int64_t i = first + int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (((reinterpret_cast<uintptr_t>(data) | uintptr_t(first) | uintptr_t(last)) & 15) == 0) {
-    for (i = first / 16 + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < last / 16; i += stride)
-      reinterpret_cast<uint4*>(data)[i] = make_uint4(0, 0, 0, 0);
-    return;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x, lane = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int k = 0; k < targets.count; ++k) {
+    uint8_t* const data = targets.data[k];
+    const int64_t rows = targets.rows[k], row_bytes = targets.row_bytes[k];
+    const int64_t first = (end < 0 ? 0 : end > rows ? rows : end) * row_bytes, last = rows * row_bytes;
+    if (((reinterpret_cast<uintptr_t>(data) | uintptr_t(first) | uintptr_t(last)) & 15) == 0) {
+      for (int64_t i = first / 16 + lane; i < last / 16; i += stride)
+        reinterpret_cast<uint4*>(data)[i] = make_uint4(0, 0, 0, 0);
+    } else {
+      for (int64_t i = first + lane; i < last; i += stride) data[i] = 0;
+    }
   }
-  for (; i < last; i += stride) data[i] = 0;
 }
 
 }  // namespace
 
-void launch_zero_unrouted_rows(void* data, int64_t rows, int64_t row_bytes, const int64_t* end_offset,
-                               Stream stream) {
-  if (rows == 0 || row_bytes == 0) return;
-  const int64_t words = (rows * row_bytes + 15) / 16;
-  const int blocks = int(std::min<int64_t>((words + 255) / 256, 1024));
-  zero_tail_kernel<<<blocks, 256, 0, stream>>>(static_cast<uint8_t*>(data), rows, row_bytes, end_offset);
-  MOE_CUDA_CHECK_LAUNCH("zero_tail_kernel");
+void launch_zero_unrouted_rows(const ZeroTailTargets& targets, const int64_t* end_offset, Stream stream) {
+  int64_t words = 0;
+  for (int k = 0; k < targets.count; ++k) words += (targets.rows[k] * targets.row_bytes[k] + 15) / 16;
+  if (words == 0) return;
+  int device = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&device), "cudaGetDevice");
+  const int blocks = int(std::min<int64_t>((words + kZeroThreads - 1) / kZeroThreads, multiprocessor_count(device)));
+  zero_tails_kernel<<<blocks, kZeroThreads, 0, stream>>>(targets, end_offset);
+  MOE_CUDA_CHECK_LAUNCH("zero_tails_kernel");
 }
 
 }  // namespace moe::cuda

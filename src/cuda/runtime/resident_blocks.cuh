@@ -13,6 +13,18 @@
 
 namespace moe::cuda {
 
+// The device's SM count, read once per device.
+inline int multiprocessor_count(int device) {
+  constexpr int kMaxDevices = 64;
+  static int count[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device, " out of range");
+  std::call_once(once[device], [&] {
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&count[device], cudaDevAttrMultiProcessorCount, device), "SM count");
+  });
+  return count[device];
+}
+
 // `threads` per block and `shared_bytes` of dynamic shared memory (the kernel's limit is raised to
 // it first when it exceeds the default 48 KiB).
 template <auto kKernel>
@@ -25,12 +37,11 @@ int resident_blocks(int device, int threads, size_t shared_bytes, const char* wh
     if (shared_bytes > 48 * 1024)
       MOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes)),
                      "raising the shared-memory limit of ", what);
-    int sm_count = 0, per_sm = 0;
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device), "SM count");
+    int per_sm = 0;
     MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, shared_bytes),
                    "occupancy of ", what);
     MOE_CHECK(per_sm > 0, ErrorCode::kCuda, what, " does not fit on device ", device);
-    blocks[device] = sm_count * per_sm;
+    blocks[device] = multiprocessor_count(device) * per_sm;
   });
   return blocks[device];
 }
