@@ -53,13 +53,13 @@ struct CpuEstimate {
   double bytes = 0;      // host memory of the problem
 };
 
-CpuEstimate estimate_cpu_run(const Workload& w, DType dtype, int runs, bool checked) {
+CpuEstimate estimate_cpu_run(const Workload& w, DType dtype, bool fp8, int runs, bool checked) {
   constexpr double kOracleFlopsPerSecond = 1e9;
   CpuEstimate e;
   e.gflops = measure_cpu_gflops(dtype);
   e.seconds = kLargeShapeMargin * runs * w.mlp_flops() / (e.gflops * 1e9) +
               (checked ? 2.0 * w.mlp_flops() / kOracleFlopsPerSecond : 0.0);
-  e.bytes = double(MlpProblem::bytes_needed(w, dtype));
+  e.bytes = double(MlpProblem::bytes_needed(w, dtype, fp8));
   return e;
 }
 
@@ -161,8 +161,7 @@ void reject_options_the_cpu_ignores(const BenchOptions& o, const std::string& de
 // A CPU run estimated past kAskBeforeSeconds needs --force.
 CpuEstimate gate_cpu_run(const BenchOptions& o, const MlpSetup& s, int iters, int runs) {
   const Workload& w = s.workload;
-  CpuEstimate estimate = estimate_cpu_run(w, s.dtype, runs, s.checked);
-  estimate.bytes = double(MlpProblem::bytes_needed(w, s.dtype, s.fp8));
+  const CpuEstimate estimate = estimate_cpu_run(w, s.dtype, s.fp8, runs, s.checked);
   MOE_CHECK(o.force || estimate.seconds <= kAskBeforeSeconds, ErrorCode::kInvalidArgument, "bench: ",
             w.name, " on the CPU backend would take about ", format_duration(estimate.seconds), " (",
             runs, " runs of ", flop_count(s.flops), " at the ", std::lround(estimate.gflops),
