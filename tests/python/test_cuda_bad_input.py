@@ -736,27 +736,28 @@ def c_quantize_fp8(dev, splits_for):
                  untouched_tail=["rows.data"])
 
 
-def c_fp8_forward(dev, splits_for):
+def fp8_gemm_operands(dev, splits_for, width):
+    """The FP8 forward / dgrad cases' operands: T = 40 tokens of `width` quantized by rows, in
+    buffers with poisoned padding (8 more rows, 4 more scale columns), and a [3, 48, 32] weight."""
     T, K, N, G = 40, 32, 48, 3
     s, B = splits_for(T), Buffers(dev)
     S = _C.fp8_scales_pitch(T)
-    x8 = me.quantize_fp8(rand(T, K).to(dev), s)
+    a8 = me.quantize_fp8(rand(T, width).to(dev), s)
     w8 = me.quantize_fp8_weight(rand(G, N, K, scale=K**-0.5).to(dev))
-    xd = B.input(x8.rows.data, (T + 8, K), rows_of(T))
-    xs = B.input(x8.rows.scales, (1, S + 4), cols_of(S))
+    data = B.input(a8.rows.data, (T + 8, width), rows_of(T))
+    scales = B.input(a8.rows.scales, (1, S + 4), cols_of(S))
+    return T, K, N, s, B, a8, w8, data, scales
+
+
+def c_fp8_forward(dev, splits_for):
+    T, K, N, s, B, x8, w8, xd, xs = fp8_gemm_operands(dev, splits_for, 32)
     y = B.output("y", (T + 8, N), rows_of(T), BF16)
     _C.grouped_linear_fp8_forward(xd, xs, w8.data, w8.scales, route(s, xd), y, ([], None), None, stream_of(dev))
     return Built({"y": y}, B, T, lambda: assert_close(y, me.grouped_linear_fp8(x8, w8, s), BF16, "y"), zero_tail=["y"])
 
 
 def c_fp8_dgrad(dev, splits_for):
-    T, K, N, G = 40, 32, 48, 3
-    s, B = splits_for(T), Buffers(dev)
-    S = _C.fp8_scales_pitch(T)
-    dy8 = me.quantize_fp8(rand(T, N).to(dev), s)
-    w8 = me.quantize_fp8_weight(rand(G, N, K, scale=K**-0.5).to(dev))
-    dyd = B.input(dy8.rows.data, (T + 8, N), rows_of(T))
-    dys = B.input(dy8.rows.scales, (1, S + 4), cols_of(S))
+    T, K, N, s, B, dy8, w8, dyd, dys = fp8_gemm_operands(dev, splits_for, 48)
     dx = B.output("dx", (T + 8, K), rows_of(T), BF16)
     _C.grouped_linear_fp8_dgrad(dyd, dys, w8.data_t, w8.scales_t, route(s, dyd), dx, stream_of(dev))
     return Built({"dx": dx}, B, T, lambda: assert_close(dx, me.grouped_linear_fp8_dgrad(dy8, w8, s), BF16, "dx"),

@@ -32,6 +32,7 @@
 #include "common/fp8_math.hpp"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/runtime/check.hpp"
+#include "cuda/runtime/device_traits.hpp"
 
 namespace moe::cuda::fp8_tiles {
 
@@ -483,8 +484,8 @@ const LaunchPlan& launch_plan(int device, int stage_bytes, const char* what) {
   static std::once_flag once[kMaxDevices];
   MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device, " out of range");
   std::call_once(once[device], [&] {
-    int sm_count = 0, optin = 0;
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device), "SM count");
+    const int sm_count = device_traits(device).sm_count;
+    int optin = 0;
     MOE_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
                    "shared memory per block");
     cudaFuncAttributes attributes{};

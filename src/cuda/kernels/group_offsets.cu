@@ -4,7 +4,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "cuda/runtime/check.hpp"
-#include "cuda/runtime/resident_blocks.cuh"
+#include "cuda/runtime/device_traits.hpp"
 #include "cuda/backend.hpp"
 
 namespace moe::cuda {
@@ -113,7 +113,7 @@ void launch_zero_unrouted_rows(const ZeroTailTargets& targets, const int64_t* en
   if (words == 0) return;
   int device = 0;
   MOE_CUDA_CHECK(cudaGetDevice(&device), "cudaGetDevice");
-  const int blocks = int(std::min<int64_t>((words + kZeroThreads - 1) / kZeroThreads, multiprocessor_count(device)));
+  const int blocks = int(std::min<int64_t>((words + kZeroThreads - 1) / kZeroThreads, device_traits(device).sm_count));
   zero_tails_kernel<<<blocks, kZeroThreads, 0, stream>>>(targets, end_offset);
   MOE_CUDA_CHECK_LAUNCH("zero_tails_kernel");
 }

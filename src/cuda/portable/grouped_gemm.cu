@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cuda/runtime/check.hpp"
+#include "cuda/runtime/device_traits.hpp"
 #include "cuda/runtime/dtype_dispatch.cuh"
 #include "cuda/portable/grouped_gemm.hpp"
 
@@ -149,10 +150,7 @@ __global__ void __launch_bounds__(kThreads, 1) k_grouped_kernel(Params p) {
 }  // namespace
 
 bool can_run(const GroupedGemmProblem& pr, std::string* why) {
-  int major = 0;
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, pr.device),
-                 "compute capability");
-  if (major < 8) {
+  if (device_traits(pr.device).major < 8) {
     if (why) *why = "the CUDA kernels need compute capability 8.0 or newer";
     return false;
   }

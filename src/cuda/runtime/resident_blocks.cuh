@@ -9,21 +9,10 @@
 #include <mutex>
 
 #include "cuda/runtime/check.hpp"
+#include "cuda/runtime/device_traits.hpp"
 #include "moe_engine/error.hpp"
 
 namespace moe::cuda {
-
-// The device's SM count, read once per device.
-inline int multiprocessor_count(int device) {
-  constexpr int kMaxDevices = 64;
-  static int count[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device, " out of range");
-  std::call_once(once[device], [&] {
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&count[device], cudaDevAttrMultiProcessorCount, device), "SM count");
-  });
-  return count[device];
-}
 
 // `threads` per block and `shared_bytes` of dynamic shared memory (the kernel's limit is raised to
 // it first when it exceeds the default 48 KiB).
@@ -41,7 +30,7 @@ int resident_blocks(int device, int threads, size_t shared_bytes, const char* wh
     MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, shared_bytes),
                    "occupancy of ", what);
     MOE_CHECK(per_sm > 0, ErrorCode::kCuda, what, " does not fit on device ", device);
-    blocks[device] = multiprocessor_count(device) * per_sm;
+    blocks[device] = device_traits(device).sm_count * per_sm;
   });
   return blocks[device];
 }

@@ -1,4 +1,4 @@
-// Launch machinery shared by the Hopper grouped GEMM's translation units: device traits, the
+// Launch machinery shared by the Hopper grouped GEMM's translation units: the
 // persistent grid of whole clusters, and one launch of a kernel instance.
 #pragma once
 
@@ -11,6 +11,7 @@
 #include <string>
 
 #include "cuda/runtime/check.hpp"
+#include "cuda/runtime/device_traits.hpp"
 #include "cuda/gemm/grouped_gemm_problem.hpp"
 #include "cuda/sm90/grouped_gemm_kernel.cuh"
 #include "cuda/sm90/probe.cuh"
@@ -29,29 +30,6 @@ Prepared prepare(const GroupedGemmProblem& problem, Stream stream);
 void launch_elementwise(const GroupedGemmProblem& problem, const Prepared& r, Stream stream);
 
 namespace launch_detail {
-
-struct DeviceTraits {
-  int sm_count = 0;
-  int major = 0, minor = 0;
-};
-
-inline const DeviceTraits& device_traits(int device) {
-  constexpr int kMaxDevices = 64;
-  static DeviceTraits traits[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device,
-            " out of range");
-  std::call_once(once[device], [device] {
-    DeviceTraits& t = traits[device];
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.sm_count, cudaDevAttrMultiProcessorCount, device),
-                   "SM count");
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.major, cudaDevAttrComputeCapabilityMajor, device),
-                   "compute capability");
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.minor, cudaDevAttrComputeCapabilityMinor, device),
-                   "compute capability");
-  });
-  return traits[device];
-}
 
 // MOE_ENGINE_SM90_MULTICAST=0 turns the B multicast off (same results, for A/B measurements).
 inline bool multicast_enabled() {
