@@ -434,6 +434,22 @@ def test_wgrad_into_per_expert_buffers(device):
     assert torch.equal(torch.stack(experts), packed)
 
 
+def test_wgrad_into_a_buffer_that_requires_grad_is_refused_under_grad_mode(device):
+    """A main_grad-like target that requires grad (a parameter passed by mistake) would be written
+    outside autograd: refused while grad mode is on, written under torch.no_grad()."""
+    needs_fp8_gemm(device)
+    splits_list, splits, x, w, dy = problem("mixed", device)
+    x8 = me.quantize_fp8(x, splits, rowwise=False, columnwise=True)
+    dy8 = me.quantize_fp8(dy, splits, rowwise=False, columnwise=True)
+    target = torch.nn.Parameter(torch.zeros(w.shape, device=device))
+    with pytest.raises(ValueError, match=r"grouped_linear_fp8_wgrad: out requires grad \(a parameter\?\)"):
+        me.grouped_linear_fp8_wgrad(dy8, x8, splits, out=target, mode="accumulate")
+    assert not target.detach().any()
+    with torch.no_grad():
+        me.grouped_linear_fp8_wgrad(dy8, x8, splits, out=target, mode="accumulate")
+    assert torch.equal(target.detach(), me.grouped_linear_fp8_wgrad(dy8, x8, splits, out_dtype=torch.float32))
+
+
 def test_the_gemms_reuse_the_quantizers_routing(device):
     """quantize_fp8 computes the group offsets once; the GEMMs given the same splits reuse them;
     a copy of the splits (another buffer) is not trusted, and gives the same results."""

@@ -412,6 +412,42 @@ def test_meta_tensors_among_real_ones_are_an_error(device):
             assert y.device == meta and y.shape == (9, 6)
 
 
+def test_output_buffers_that_require_grad_are_refused_under_grad_mode(device):
+    """The gradient buffers an op writes in place are written outside autograd: a parameter (or any
+    tensor that requires grad) passed as one is refused while grad mode is on, as torch refuses
+    in-place operations on such leaves; under torch.no_grad() it is written, as torch's are."""
+    dtype = DTYPES[device.type][0]
+    g = torch.Generator().manual_seed(5)
+    s = make_splits([4, 0, 5], device)
+    dy, x = (torch.randn(9, 6, generator=g).to(device, dtype), torch.randn(9, 8, generator=g).to(device, dtype))
+    w1, w2 = (torch.randn(3, 16, 8, generator=g).to(device, dtype), torch.randn(3, 8, 8, generator=g).to(device, dtype))
+    dy2 = torch.randn(9, 8, generator=g).to(device, dtype)
+    targets = {
+        "grouped_linear_wgrad out": (lambda t: me.grouped_linear_wgrad(dy, x, s, t), (3, 6, 8), r"out requires grad"),
+        "grouped_linear_wgrad out (per expert)": (lambda t: me.grouped_linear_wgrad(dy, x, s, list(t.unbind(0))),
+                                                  (3, 6, 8), r"out requires grad"),
+        "expert_mlp_backward fc1_weight_grad": (
+            lambda t: me.expert_mlp_backward(dy2, x, w1, w2, s, fc1_weight_grad=t, fc2_weight_grad=[]),
+            (3, 16, 8), r"fc1_weight_grad requires grad"),
+        "expert_mlp_backward fc2_weight_grad": (
+            lambda t: me.expert_mlp_backward(dy2, x, w1, w2, s, fc1_weight_grad=[], fc2_weight_grad=t),
+            (3, 8, 8), r"fc2_weight_grad requires grad"),
+    }
+    for name, (run, shape, message) in targets.items():
+        for make in (lambda: torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device)),
+                     lambda: torch.zeros(shape, dtype=dtype, device=device, requires_grad=True) * 1):  # not a leaf
+            target = make()
+            before = target.detach().clone()
+            with pytest.raises(ValueError, match=message + r" \(a parameter\?\) and would be written in place"):
+                run(target)
+                pytest.fail(f"{name}: no error")
+            assert torch.equal(target.detach(), before), f"{name}: written although refused"
+        target = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
+        with torch.no_grad():
+            run(target)
+        assert target.detach().abs().sum() > 0, f"{name}: not written under no_grad"
+
+
 def test_bad_splits_on_the_gpu_are_reported_and_never_write_out_of_bounds(cuda):
     x = torch.randn(10, 8, dtype=torch.bfloat16, device=cuda)
     w = torch.randn(3, 6, 8, dtype=torch.bfloat16, device=cuda)

@@ -222,6 +222,22 @@ def check_devices(op: str, **tensors) -> None:
                                               if "meta" in (t.device.type, first.type) else ""))
 
 
+def check_writable(op: str, **targets) -> None:
+    """The buffers an op writes in place (a tensor or a list of them): none may require grad while
+    grad mode is on. The op writes them outside autograd, which torch's own in-place operations
+    refuse for such leaves: a parameter passed as a gradient buffer would be overwritten and the
+    graph would not know. Under torch.no_grad() they are written, as torch's are."""
+    if not torch.is_grad_enabled():
+        return
+    for name, value in targets.items():
+        for t in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise ValueError(
+                    f"moe_engine: {op}: {name} requires grad (a parameter?) and would be written in place "
+                    "outside autograd; expected a gradient buffer (e.g. the parameter's main_grad), or the call "
+                    "under torch.no_grad()")
+
+
 # ---- routing ----
 
 _SPLITS_DTYPES = (torch.int64, torch.int32)

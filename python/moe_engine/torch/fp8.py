@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from ._bridge import (check_devices, dtype_name, grouped, is_packed, routing_for_capacity, routing_is_stale,
-                      routing_like, routing_of, routing_source, routing_tensor, stream_of)
+from ._bridge import (check_devices, check_writable, dtype_name, grouped, is_packed, routing_for_capacity,
+                      routing_is_stale, routing_like, routing_of, routing_source, routing_tensor, stream_of)
 from .offload import mark_as_weight
 from .ops import Experts, _as_list, _glu_spec, _rows_cols, _workspace, glu_text, new_expert_grads, split_like
 
@@ -436,6 +436,7 @@ def quantize_fp8_weight(weight: Experts, rowwise: bool = True, columnwise: bool 
         raise ValueError(f"{op}: out: rowwise=True writes out.data and out.scales, but out has no such pair")
     if columnwise and (out.data_t is None or out.scales_t is None):
         raise ValueError(f"{op}: out: columnwise=True writes out.data_t and out.scales_t, but out has no such pair")
+    check_writable(op, out=[out.data, out.scales, out.data_t, out.scales_t])
     _quantize_fp8_weight_(detached, out.data if rowwise else None, out.scales if rowwise else None,
                           out.data_t if columnwise else None, out.scales_t if columnwise else None,
                           bool(pow2_scales), float(amax_epsilon))
@@ -515,6 +516,7 @@ def grouped_linear_fp8_wgrad(dy: Fp8Tensor, x: Fp8Tensor, splits: Tensor, out: O
     if out is None:
         G, N, K = _extent(splits, 0), dy.columns.data.shape[0], x.columns.data.shape[0]
         out = torch.empty(G, N, K, dtype=out_dtype, device=dy.columns.data.device)
+    check_writable(op, out=out)
     routing = dy.routing if dy.routing is not None else x.routing
     _grouped_linear_fp8_wgrad_(dy.columns.data, dy.columns.scales, dy.columns.offsets, x.columns.data,
                                x.columns.scales, x.columns.offsets, splits, dy.num_tokens, _as_list(out), mode,

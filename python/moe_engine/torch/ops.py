@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from ._bridge import (FastOp, check_devices, dtype_name, ensure_device, grouped, is_packed, routing_like, routing_of,
-                      routing_tensor, stream_of)
+from ._bridge import (FastOp, check_devices, check_writable, dtype_name, ensure_device, grouped, is_packed,
+                      routing_like, routing_of, routing_tensor, stream_of)
 
 Experts = Union[Tensor, Sequence[Tensor]]
 
@@ -546,6 +546,7 @@ def grouped_linear_wgrad(dy: Tensor, x: Tensor, splits: Tensor, out: Optional[Ex
     main_grad buffers (an empty expert leaves an accumulated buffer untouched). Returns ``out``."""
     if out is None:
         out = torch.empty(_rows_cols(splits)[0], _rows_cols(dy)[1], _rows_cols(x)[1], dtype=dy.dtype, device=dy.device)
+    check_writable("grouped_linear_wgrad", out=out)
     _grouped_linear_wgrad_(dy.contiguous(), x, splits, _as_list(out), mode)
     return out
 
@@ -583,6 +584,7 @@ def expert_mlp_backward(dy: Tensor, x: Optional[Tensor], fc1_weight: Experts, fc
     w1, w2, b1, b2 = _as_list(fc1_weight), _as_list(fc2_weight), _as_list(fc1_bias), _as_list(fc2_bias)
     g1 = new_expert_grads(w1) if fc1_weight_grad is None else _as_list(fc1_weight_grad)
     g2 = new_expert_grads(w2) if fc2_weight_grad is None else _as_list(fc2_weight_grad)
+    check_writable("expert_mlp_backward", fc1_weight_grad=g1, fc2_weight_grad=g2)
     mode1 = "write" if fc1_weight_grad is None else wgrad_mode
     mode2 = "write" if fc2_weight_grad is None else wgrad_mode
     dx, dprobs, db1, db2, *_ = _expert_mlp_backward_(
