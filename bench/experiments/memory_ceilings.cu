@@ -2,8 +2,9 @@
 // a device-to-device copy (1 read : 1 write, two arrays), an in-place read-modify-write of one
 // array (what a float32 main_grad accumulation does: y = y * a + b) by 16-byte loads and by bulk
 // copies through shared memory, an add of a second array into the first (y += z: 2 reads : 1
-// write, torch's `.grad += g`), a read-only reduction and a write-only fill. Each: the median of
-// 7 rounds of 10 launches, TB/s of the bytes read + written. No library needed.
+// write, torch's `.grad += g`), a read-only reduction (also in the grouped GEMM's B-box pattern:
+// 256 rows, 128 or 256 bytes of each a step) and a write-only fill. Each: the median of 7 rounds of
+// 10 launches, TB/s of the bytes read + written. No library needed.
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a bench/experiments/memory_ceilings.cu \
 //     -o memory_ceilings && ./memory_ceilings [MiB of the array, default 1536]
@@ -48,6 +49,54 @@ __global__ void read_kernel(const float4* y, int64_t n4, float* sink) {
     s += v.x + v.y + v.z + v.w;
   }
   if (s == 12345.f) sink[blockIdx.x] = s;  // never true for the zeros read: keeps the loads
+}
+
+// Makes the 16 loaded vectors live at once, so that ptxas issues all 16 loads before the first
+// wait instead of interleaving loads and adds (4 in flight).
+__device__ __forceinline__ void all_loaded(uint4 (&v)[16]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) asm volatile("" : "+r"(v[i].x), "+r"(v[i].y), "+r"(v[i].z), "+r"(v[i].w));
+}
+
+// Reads in a TMA box's pattern: bands of 256 rows `stride16` 16-byte units apart (a weight's rows),
+// each step kPiece bytes of every row of the band (the GEMM's k step), the next kPiece bytes next;
+// each thread keeps 16 loads (256 bytes) in flight. seq_read_kernel: the same bytes in flight per
+// thread, reading contiguous 64 KiB chunks.
+template <int kPiece>
+__global__ void __launch_bounds__(256, 2) box_read_kernel(const uint4* y, int64_t bands, int64_t stride16, float* sink) {
+  constexpr int kLanesPerRow = kPiece / 16, kRowsPerPass = 256 / kLanesPerRow, kSteps = 256 / kPiece;
+  const int r0 = int(threadIdx.x) / kLanesPerRow, c = int(threadIdx.x) % kLanesPerRow;
+  const int64_t steps = stride16 / kLanesPerRow;
+  float s = 0.f;
+  for (int64_t band = blockIdx.x; band < bands; band += gridDim.x) {
+    const uint4* base = y + band * 256 * stride16;
+    for (int64_t step = 0; step < steps; step += kSteps) {
+      uint4 v[16];
+#pragma unroll
+      for (int u = 0; u < kSteps; ++u)
+#pragma unroll
+        for (int i = 0; i < kLanesPerRow; ++i)
+          v[u * kLanesPerRow + i] = base[(r0 + i * kRowsPerPass) * stride16 + (step + u) * kLanesPerRow + c];
+      all_loaded(v);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) s += __uint_as_float(v[i].x) + __uint_as_float(v[i].y) + __uint_as_float(v[i].z) + __uint_as_float(v[i].w);
+    }
+  }
+  if (s == 12345.f) sink[blockIdx.x] = s;
+}
+
+__global__ void __launch_bounds__(256, 2) seq_read_kernel(const uint4* y, int64_t chunks, float* sink) {
+  float s = 0.f;
+  for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+    const uint4* base = y + chunk * 256 * 16;
+    uint4 v[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = base[i * 256 + threadIdx.x];
+    all_loaded(v);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s += __uint_as_float(v[i].x) + __uint_as_float(v[i].y) + __uint_as_float(v[i].z) + __uint_as_float(v[i].w);
+  }
+  if (s == 12345.f) sink[blockIdx.x] = s;
 }
 
 __global__ void write_kernel(float4* y, int64_t n4) {
@@ -172,6 +221,15 @@ int main(int argc, char** argv) {
          median_ms([&] { add_kernel<<<grid, threads>>>(reinterpret_cast<float4*>(y), reinterpret_cast<const float4*>(z), n4); }));
   report("read only (sum)", 1.0 * bytes,
          median_ms([&] { read_kernel<<<grid, threads>>>(reinterpret_cast<const float4*>(z), n4, sink); }));
+  // A bf16 weight of K = 2048 (4 KiB rows) read as the GEMM's B boxes, 2 blocks per SM of 16 loads a
+  // thread in flight (128 KiB per SM, about the GEMM's ring).
+  const int64_t stride16 = 4096 / 16, bands = bytes / (256 * 4096);
+  report("read, 64 KiB chunks (2 blocks/SM x 64 KiB in flight)", double(bands) * 256 * 4096,
+         median_ms([&] { seq_read_kernel<<<sms * 2, 256>>>(reinterpret_cast<const uint4*>(z), bands * 16, sink); }));
+  report("read, boxes of 256 rows x 128 bytes (4 KiB rows)", double(bands) * 256 * 4096,
+         median_ms([&] { box_read_kernel<128><<<sms * 2, 256>>>(reinterpret_cast<const uint4*>(z), bands, stride16, sink); }));
+  report("read, boxes of 256 rows x 256 bytes (4 KiB rows)", double(bands) * 256 * 4096,
+         median_ms([&] { box_read_kernel<256><<<sms * 2, 256>>>(reinterpret_cast<const uint4*>(z), bands, stride16, sink); }));
   report("write only (16-byte stores)", 1.0 * bytes,
          median_ms([&] { write_kernel<<<grid, threads>>>(reinterpret_cast<float4*>(y), n4); }));
   report("write only (cudaMemset)", 1.0 * bytes, median_ms([&] { CK(cudaMemsetAsync(y, 0, bytes)); }));
