@@ -27,12 +27,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <mutex>
 
 #include "common/fp8_math.hpp"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/device_traits.hpp"
+#include "cuda/runtime/per_device.hpp"
 
 namespace moe::cuda::fp8_tiles {
 
@@ -479,11 +479,8 @@ inline PlanOverride plan_override() {
 
 template <auto kKernel>
 const LaunchPlan& launch_plan(int device, int stage_bytes, const char* what) {
-  constexpr int kMaxDevices = 64;
-  static LaunchPlan plans[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device, " out of range");
-  std::call_once(once[device], [&] {
+  static PerDevice<LaunchPlan> plans;
+  return plans.get(device, [&](int) {
     const int sm_count = device_traits(device).sm_count;
     int optin = 0;
     MOE_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
@@ -514,9 +511,8 @@ const LaunchPlan& launch_plan(int device, int stage_bytes, const char* what) {
     if (std::getenv("MOE_ENGINE_VERBOSE"))
       std::fprintf(stderr, "moe-engine: %s on device %d: %d stages of %d bytes, %d blocks per SM (%d SMs), grid %d\n",
                    what, device, best.stages, stage_bytes, best_blocks, sm_count, best.grid);
-    plans[device] = best;
+    return best;
   });
-  return plans[device];
 }
 
 inline int64_t blocks_of(int64_t n) { return (n + kTile - 1) / kTile; }

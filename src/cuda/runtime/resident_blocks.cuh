@@ -6,10 +6,10 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
-#include <mutex>
 
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/device_traits.hpp"
+#include "cuda/runtime/per_device.hpp"
 #include "moe_engine/error.hpp"
 
 namespace moe::cuda {
@@ -18,11 +18,8 @@ namespace moe::cuda {
 // it first when it exceeds the default 48 KiB).
 template <auto kKernel>
 int resident_blocks(int device, int threads, size_t shared_bytes, const char* what) {
-  constexpr int kMaxDevices = 64;
-  static int blocks[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device, " out of range");
-  std::call_once(once[device], [&] {
+  static PerDevice<int> blocks;
+  return blocks.get(device, [&](int) {
     if (shared_bytes > 48 * 1024)
       MOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes)),
                      "raising the shared-memory limit of ", what);
@@ -30,9 +27,8 @@ int resident_blocks(int device, int threads, size_t shared_bytes, const char* wh
     MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, shared_bytes),
                    "occupancy of ", what);
     MOE_CHECK(per_sm > 0, ErrorCode::kCuda, what, " does not fit on device ", device);
-    blocks[device] = device_traits(device).sm_count * per_sm;
+    return device_traits(device).sm_count * per_sm;
   });
-  return blocks[device];
 }
 
 }  // namespace moe::cuda

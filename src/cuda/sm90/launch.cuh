@@ -7,11 +7,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <mutex>
 #include <string>
 
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/device_traits.hpp"
+#include "cuda/runtime/per_device.hpp"
 #include "cuda/gemm/grouped_gemm_problem.hpp"
 #include "cuda/sm90/grouped_gemm_kernel.cuh"
 #include "cuda/sm90/probe.cuh"
@@ -61,11 +61,8 @@ inline cudaLaunchConfig_t launch_config(int grid, uint32_t shared_bytes, Stream 
 // found once per instance and device.
 template <auto kKernel, class Pipe>
 int persistent_grid(int device) {
-  constexpr int kMaxDevices = 64;
-  static int grid[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  MOE_CHECK(device >= 0 && device < kMaxDevices, ErrorCode::kDevice, "device index ", device, " out of range");
-  std::call_once(once[device], [device] {
+  static PerDevice<int> grid;
+  return grid.get(device, [device](int) {
     MOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         int(Pipe::kSharedBytes)),
                    "raising the shared-memory limit of the grouped GEMM kernel");
@@ -77,12 +74,12 @@ int persistent_grid(int device) {
                    "querying how many grouped GEMM clusters fit on the device");
     MOE_CHECK(clusters > 0, ErrorCode::kCuda,
               "the grouped GEMM kernel's clusters do not fit on device ", device);
-    grid[device] = std::min(clusters, sm_count / Config::kClusterSize) * Config::kClusterSize;
+    const int blocks = std::min(clusters, sm_count / Config::kClusterSize) * Config::kClusterSize;
     if (std::getenv("MOE_ENGINE_VERBOSE"))
       std::fprintf(stderr, "moe-engine: sm90 grouped GEMM kernel on device %d: %d clusters of %d (%d SMs)\n",
-                   device, grid[device] / Config::kClusterSize, Config::kClusterSize, sm_count);
+                   device, blocks / Config::kClusterSize, Config::kClusterSize, sm_count);
+    return blocks;
   });
-  return grid[device];
 }
 
 template <Form kForm, class In, class Out, Epilogue kEpi = Epilogue::kStore, class Pipe = DeepRing>
