@@ -5,7 +5,9 @@
 # medians. Correctness first: the GPU tests matching TESTS (default: FP8 and graph) with DIR's library.
 #   bash bench/experiments/gemm_lib_ab.sh DIR OUTDIR ROUNDS 'CASE...' 'GEMM...'
 # DIR holds moe-engine, moe_engine_gpu_tests, libmoe_engine.so.0.1.0 and base/libmoe_engine.so.0.1.0.
-# Environment: DTYPE (default fp8), MIN_TIME_MS (default 50), SETTLE_MS (default 500).
+# Environment: DTYPE (default fp8), MIN_TIME_MS (default 50), SETTLE_MS (default 500), CANDIDATE_ENV
+# (assignments for the candidate's runs and tests only, e.g. an A/B of one library's two settings).
+# CASES 'all' runs every case in one process per side and round.
 set -u
 dir=${1:?DIR}
 out=${2:?OUTDIR}
@@ -18,16 +20,18 @@ ln -sf libmoe_engine.so.0.1.0 "$dir/base/libmoe_engine.so.0.1"
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 if [ "${TESTS:-*Fp8*:*Graph*}" != none ]; then
   echo "== correctness (candidate library)"
-  LD_LIBRARY_PATH=$dir "$dir/moe_engine_gpu_tests" --gtest_filter="${TESTS:-*Fp8*:*Graph*}" --gtest_brief=1 2>&1 | tail -8
+  env ${CANDIDATE_ENV:-} LD_LIBRARY_PATH=$dir "$dir/moe_engine_gpu_tests" --gtest_filter="${TESTS:-*Fp8*:*Graph*}" --gtest_brief=1 2>&1 | tail -8
 fi
 for round in $(seq 1 "$rounds"); do
   for c in "${cases[@]}"; do
     for g in "${gemms[@]}"; do
       for side in base candidate; do
-        lib=$dir
-        [ $side = base ] && lib=$dir/base
+        lib=$dir side_env=${CANDIDATE_ENV:-}
+        [ $side = base ] && lib=$dir/base side_env=
         name="$out/$side-${c//\//_}-${g//\//_}-r$round.json"
-        LD_LIBRARY_PATH=$lib "$dir/moe-engine" bench gemm --case "$c" --gemm "$g" --dtype "${DTYPE:-fp8}" \
+        gemm_arg=(--gemm "$g")
+        [ "$g" = all ] && gemm_arg=()
+        env $side_env LD_LIBRARY_PATH=$lib "$dir/moe-engine" bench gemm --case "$c" "${gemm_arg[@]}" --dtype "${DTYPE:-fp8}" \
           --min-time-ms "${MIN_TIME_MS:-50}" --settle-ms "${SETTLE_MS:-500}" --json-out "$name" \
           > "$name.log" 2>&1 || echo "FAILED: $name"
       done

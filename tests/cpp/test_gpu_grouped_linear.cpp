@@ -20,8 +20,9 @@ struct Shape3 {
 };
 
 // N and K multiples of 8 (TMA alignment), otherwise as odd as possible.
-// single_expert and long_k_many_tiles average >= 256 rows per expert, so their 16-bit wgrads run
-// the WideEpilogue pipeline (grouped_gemm.cu); the others, and every fp32 wgrad, the DeepRing.
+// The wgrads' pipelines (heuristics.hpp) by rows per expert on average: single_expert,
+// long_k_many_tiles and long_groups (>= 256) run their 16-bit wgrads on WideEpilogue, the others on
+// DeepRing; fp32 wgrads run on PingPong up to 1024 rows (all but long_groups), DeepRing above.
 std::vector<Shape3> gpu_cases() {
   Rng rng;
   std::vector<int64_t> many = random_splits(rng, 256, 40);
@@ -36,6 +37,7 @@ std::vector<Shape3> gpu_cases() {
       {"one_expert_takes_all", {0, 0, 777, 0}, 800, 520, 264},
       {"g256", many, sum(many) + 13, 96, 128},
       {"long_k_many_tiles", big, sum(big) + 5, 1032, 776},
+      {"long_groups", {1500, 0, 1900}, 3410, 136, 72},
   };
 }
 

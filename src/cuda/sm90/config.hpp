@@ -27,6 +27,9 @@ struct Config {
   static constexpr int kThreads = 384;  // warpgroup 0: TMA producer; 1 and 2: math
   static constexpr int kClusterSize = 2;  // blocks per cluster: pairs of tiles sharing B (multicast)
   static constexpr int kMathWarpgroups = 2;
+  // Math warpgroups that read each stage: both (they split the tile's rows), or one (ping-pong:
+  // each warpgroup has tiles of its own, PingPongConfig).
+  static constexpr int kStageConsumers = 2;
   // setmaxnreg: the CTA starts with 168 registers per thread (65536 / 384, rounded down to 8);
   // the producer gives some back and the math warpgroups take them. The sum must fit the pool,
   // or a math warpgroup's setmaxnreg.inc waits forever.
@@ -50,6 +53,16 @@ struct Config {
   static constexpr uint32_t kRaggedRows = 1u << 30;  // extent of the ragged dimension
   static constexpr uint32_t kScaleBytes = 0;         // per stage: no operand scales
   static constexpr uint32_t kFullArrivals = 1;       // the producer's, with the TMA bytes
+};
+
+// Ping-pong: 64 x 256 tiles, each math warpgroup on tiles of its own, taking turns at the mainloop
+// so that one's epilogue runs under the other's multiplies. A stage is one warpgroup's: 8 KiB of
+// A, 32 KiB of B.
+struct PingPongConfig : Config {
+  static constexpr int kBlockM = 64;
+  static constexpr int kStageConsumers = 1;
+  static constexpr uint32_t kABytes = kBlockM * kBlockK * 2;
+  static constexpr uint32_t kStageBytes = kABytes + kBBytes;
 };
 
 // The FP8 block-scaled tiles: 128 x kN x 128. One k step is one 128-wide scale block of E4M3 (one
@@ -102,6 +115,9 @@ using DeepRing = Pipeline<4, 2>;
 // A 16-bit tile's stores in one batch, with no wait inside the epilogue, at the cost of a stage:
 // faster for wgrads with 16-bit outputs over >= 4 k steps per tile (heuristics.hpp decides).
 using WideEpilogue = Pipeline<3, 4>;
+// Ping-pong wgrads: four 40 KiB stages and four epilogue buffers a warpgroup (a 64 x 256 fp32
+// slab in two batches).
+using PingPong = Pipeline<4, 4, PingPongConfig>;
 // FP8: 128 x 192 tiles, four 42 KiB stages and three epilogue buffers per math warpgroup (a 16-bit
 // output slab in one batch). Measured against 128 x 128 tiles with five stages (H200, the suite):
 // 0.75x the time over the 90 GEMMs, faster on all but two (docs/performance-log.md).

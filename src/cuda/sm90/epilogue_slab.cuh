@@ -21,8 +21,8 @@
 
 namespace moe::cuda::sm90 {
 
-// A math thread's place: lane, math warpgroup (which 64 rows of the tile), thread within it, and
-// its warp's first row within the 64.
+// A math thread's place: lane, math warpgroup (its epilogue buffers and barrier; which 64 rows of
+// the tile: ring.cuh's tile_slab), thread within it, and its warp's first row within the 64.
 struct MathThread {
   uint32_t lane, math, wg_thread, warp_row;
 };
@@ -84,7 +84,10 @@ struct EpilogueSlab {
     row_base = (warp_row + row_in_16) * 128;
     lane_bytes = 2 * (opaque_lane % 4) * uint32_t(sizeof(Out));
     swizzle = (row_in_16 & 7u) << 4;  // rows r and r + 8 share r % 8
-    tile_row0 = t.m0 + 64 * int32_t(math);
+    if constexpr (Cfg::kStageConsumers == 1)  // a ping-pong tile's 64 rows are all its warpgroup's
+      tile_row0 = t.m0;
+    else
+      tile_row0 = t.m0 + 64 * int32_t(math);
     const int32_t row_limit = kKGrouped ? p.m_out : t.rows;
     slab_live = tile_row0 < row_limit;
     row_scale[0] = row_scale[1] = 1.f;

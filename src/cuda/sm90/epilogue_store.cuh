@@ -48,7 +48,7 @@ struct StoreEpilogue {
 
   __device__ __forceinline__ void prefetch_main_grad(const Tile& t) const {
     if constexpr (kForm == Form::kWgrad && std::is_same_v<Out, float>) {
-      const int32_t slab_row = t.m0 + 64 * int32_t(th.math);
+      const int32_t slab_row = t.m0 + 64 * int32_t(tile_slab<typename Pipe::Cfg>(th.math));
       if (p.reduce_add && th.wg_thread == 0 && slab_row < p.m_out) {
         const CUtensorMap* md = p.d_maps ? p.d_maps + t.group : &map_d;
         const int32_t gd = p.d_maps ? 0 : t.group;

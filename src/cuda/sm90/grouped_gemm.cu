@@ -21,12 +21,16 @@ namespace {
 using namespace launch_detail;
 
 // One output dtype: the shared-memory split heuristics.hpp picks (WideEpilogue instances exist
-// for 16-bit wgrads only).
+// for 16-bit wgrads only, PingPong ones for fp32 wgrads).
 template <Form kForm, class In, class Out>
 void launch_store(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
+  const PipelineShape shape = store_pipeline(kForm, pr.capacity, pr.num_groups, pr.out_dtype);
   if constexpr (kForm == Form::kWgrad && !std::is_same_v<Out, float>) {
-    if (store_pipeline(kForm, pr.capacity, pr.num_groups, pr.out_dtype) == PipelineShape::kWideEpilogue)
+    if (shape == PipelineShape::kWideEpilogue)
       return launch<kForm, In, Out, Epilogue::kStore, WideEpilogue>(pr, r, stream);
+  }
+  if constexpr (kForm == Form::kWgrad && std::is_same_v<Out, float>) {
+    if (shape == PipelineShape::kPingPong) return launch<kForm, In, Out, Epilogue::kStore, PingPong>(pr, r, stream);
   }
   launch<kForm, In, Out, Epilogue::kStore, DeepRing>(pr, r, stream);
 }
@@ -99,8 +103,10 @@ bool can_run(const GroupedGemmProblem& p, std::string* why) {
   // The schedulers count tile pairs in 32 bits (M-grouped: at most capacity / kBlockM + G row
   // tiles; pairs <= tiles + G).
   const int64_t out_cols = p.form == Form::kForward ? p.n : p.k;
+  // (wgrad: counted for the ping-pong's 64-row tiles, the shortest any instance takes).
+  constexpr int64_t kWgradRows = PingPong::Cfg::kBlockM;
   const int64_t row_tiles = p.form == Form::kWgrad
-                                ? p.num_groups * ((p.n + Config::kBlockM - 1) / Config::kBlockM)
+                                ? p.num_groups * ((p.n + kWgradRows - 1) / kWgradRows)
                                 : p.capacity / Config::kBlockM + p.num_groups;
   if (row_tiles * ((out_cols + Config::kBlockN - 1) / Config::kBlockN) + p.num_groups >= (int64_t(1) << 31))
     return no("more than 2^31 output tiles");

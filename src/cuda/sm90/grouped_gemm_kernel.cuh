@@ -1,9 +1,11 @@
 // The Hopper grouped GEMM: one persistent, warp-specialized kernel for the forward, dgrad and wgrad
 // forms. Warpgroup 0 is the producer (one thread issues TMA loads into a kStages-deep ring of
 // shared-memory stages guarded by full/empty mbarriers: producer.cuh, ring.cuh); warpgroups 1 and
-// 2 each multiply 64 rows of the 128 x 256 tile with wgmma (the mainloop: mainloop_16bit.cuh) and
-// store their results through swizzled shared memory with TMA (the epilogue: epilogue_store.cuh,
-// epilogue_glu.cuh for the fused MLP's activations). Blocks run in clusters of two that work on pairs of tiles (scheduler.cuh).
+// 2 each multiply 64 rows of the 128 x 256 tile with wgmma (the mainloop: mainloop_16bit.cuh), or,
+// ping-pong, each a 64 x 256 tile of its own, taking turns (PingPongTurns below), and store their
+// results through swizzled shared memory with TMA (the epilogue: epilogue_store.cuh,
+// epilogue_glu.cuh for the fused MLP's activations). Blocks run in clusters of two that work on
+// pairs of tiles (scheduler.cuh).
 //
 // Group boundaries need no padding: token-indexed operands use "ragged" tensor maps (see
 // tensor_maps.hpp) whose bounds end at the group's last row, so TMA zero-fills loads and clips
@@ -67,6 +69,41 @@ constexpr bool epilogue_fits(Epilogue epi, Form form) {
   if (epi == Epilogue::kGluBackward || epi == Epilogue::kActBackward) return form == Form::kDgrad;
   return true;
 }
+
+// Ping-pong (config.hpp's kStageConsumers == 1): the tiles that reach the math warpgroups
+// alternate between them, and a warpgroup starts a tile's mainloop only once the other has
+// finished the previous tile's (a turn passed on named barriers kTurnBarrier + warpgroup). So one's
+// epilogue runs under the other's mainloop, and a warpgroup never waits on a stage's full barrier
+// while the other still has an earlier phase of it to consume (a parity wait cannot tell the two
+// phases apart). Each steps its ring over the other's tiles. PingPongTurns<false>: both
+// warpgroups share every tile; nothing to do.
+template <bool kPingPong>
+struct PingPongTurns {
+  static constexpr uint32_t kTurnBarrier = 3;  // 0: __syncthreads, 1 and 2: the epilogues
+  const uint32_t math;
+  uint32_t tiles = 0;  // tiles that reached the math warpgroups so far
+
+  // The next tile: true if it is this warpgroup's (once its turn has come), false if the other's.
+  __device__ __forceinline__ bool take() {
+    const uint32_t index = tiles++;
+    if ((index & 1u) != math) return false;
+    if (index > 0) ptx::named_barrier_sync(kTurnBarrier + math, 256);
+    return true;
+  }
+  // After this warpgroup's mainloop of a tile: the other's turn.
+  __device__ __forceinline__ void pass() const { ptx::named_barrier_arrive(kTurnBarrier + (math ^ 1u), 256); }
+  // After the last tile: its owner passed the turn to nobody; the other takes it, so that no
+  // arrival stays pending on a named barrier.
+  __device__ __forceinline__ void finish() const {
+    if (tiles > 0 && ((tiles - 1) & 1u) != math) ptx::named_barrier_sync(kTurnBarrier + math, 256);
+  }
+};
+template <>
+struct PingPongTurns<false> {
+  __device__ __forceinline__ explicit PingPongTurns(uint32_t) {}
+  __device__ __forceinline__ void pass() const {}
+  __device__ __forceinline__ void finish() const {}
+};
 
 template <Form kForm, class In, class Out, Epilogue kEpi, class Pipe>
 __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, const CUtensorMap& map_b,
@@ -144,7 +181,9 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
 
   // ---------------- math warpgroups: mainloop, then epilogue, per tile ----------------
   ptx::setmaxnreg_increase<Cfg::kMathRegisters>();
-  const uint32_t math = warp / 4 - 1;  // which 64 rows of the tile
+  const uint32_t math = warp / 4 - 1;  // which math warpgroup (which 64 rows of the tile: tile_slab)
+  // Ping-pong: each warpgroup multiplies tiles of its own (below).
+  constexpr bool kOwnTiles = Cfg::kStageConsumers == 1;
   // This warp's 16 rows within the 64: 16 * (warp % 4).
   const MathThread th{lane, math, threadIdx.x - 128 * (math + 1), 16 * (warp % 4)};
   const Mainloop mainloop(smem, p, math, lane);
@@ -155,6 +194,7 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
   Tile t, next;
   int32_t pair = first_pair();
   auto look_up = [&] { return scheduler.get(pair, next); };  // the tile after t
+  PingPongTurns<kOwnTiles> turns{math};
   mainloop.begin();
   for (bool have = scheduler.get(pair, t); have; t = next) {
     pair += pair_stride();
@@ -162,8 +202,16 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
       have = look_up();
       continue;
     }
+    if constexpr (kOwnTiles) {
+      if (!turns.take()) {  // the other warpgroup's tile
+        ring.skip(t.k_blocks);
+        have = look_up();
+        continue;
+      }
+    }
     if (!t.live) {  // a ghost: keep the barrier phases in step with the peer, nothing else
       smem.pass_over(t.k_blocks, ring, lane);
+      if constexpr (kOwnTiles) turns.pass();
       have = look_up();
       continue;
     }
@@ -176,6 +224,7 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
           epilogue.after_step(t, kb);
         },
         [&] {
+          if constexpr (kOwnTiles) turns.pass();  // before the lookup: its loads are ~1k cycles
           const bool looked_up = kEarlyLookup && t.k_blocks > kLookupStep;
           if (!Epi::kLookUpAfter && !looked_up) have = look_up();
         });
@@ -184,6 +233,7 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
     probe.end_tile();
   }
   mainloop.finish();
+  if constexpr (kOwnTiles) turns.finish();
   if (th.wg_thread == 0) ptx::bulk_wait_group_all();
   ptx::cluster_sync();
 }

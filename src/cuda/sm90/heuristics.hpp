@@ -13,15 +13,24 @@
 namespace moe::cuda::sm90 {
 
 // The launchable Pipeline shapes (config.hpp).
-enum class PipelineShape { kDeepRing, kWideEpilogue };
+enum class PipelineShape { kDeepRing, kWideEpilogue, kPingPong };
 
 // GEMMs with the store epilogue. Wgrads with 16-bit outputs over >= 4 k steps per tile on
 // average (capacity rows over num_groups groups) take WideEpilogue: the whole 64 x 256 slab of
 // a math warpgroup goes out in one batch, measured 1-4% faster than two batches with a 4-stage
 // ring on the suite's bf16 wgrads. 1-step tiles (the small batch) need the 4th stage's loads in
-// flight more (+4-5% time with it gone), fp32 outputs take two batches either way (+1-4%), and
-// forward/dgrad measured within +-1%: those keep DeepRing.
+// flight more (+4-5% time with it gone), long fp32 wgrads take two batches either way (+1-4%),
+// and forward/dgrad measured within +-1%: those keep DeepRing.
 inline PipelineShape store_pipeline(Form form, int64_t capacity, int64_t num_groups, DType out_dtype) {
+  // fp32 wgrads (main_grad) over <= 16 k steps per tile on average take PingPong: their epilogue
+  // (reduce-adds or stores of a 64 x 256 fp32 slab a warpgroup, ~7-10k cycles) is half or more of
+  // a tile, and runs under the other warpgroup's mainloop there. Measured against DeepRing (H200,
+  // wgrad_acc, bench/results/2026-11-30-wgrad-pingpong-h200.md): qwen3 (8 steps) -9..-17% (heavy
+  // routing's FC1 +2..+6%: its large experts' long tiles), the small batch (1 step) -0.3..-1.5%;
+  // long-K ones (32+ steps: deepseek, gpt-oss, mixtral) mostly +5..+10%, where 64-row tiles' extra
+  // operand traffic costs more than the epilogue it hides. 16-bit wgrads measured mixed.
+  if (form == Form::kWgrad && out_dtype == DType::kFloat32 && capacity <= 16 * Config::kBlockK * num_groups)
+    return PipelineShape::kPingPong;
   const bool out16 = out_dtype == DType::kBFloat16 || out_dtype == DType::kFloat16;
   if (form == Form::kWgrad && out16 && capacity >= 4 * Config::kBlockK * num_groups)
     return PipelineShape::kWideEpilogue;

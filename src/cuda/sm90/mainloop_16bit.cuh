@@ -1,5 +1,5 @@
 // The mainloop (consumer) of the Hopper grouped GEMM for 16-bit operands (bf16 or fp16): each math
-// warpgroup multiplies its 64 rows of the 128 x 256 tile with wgmma, one ring stage per k step,
+// warpgroup multiplies its 64 rows of the 128 x kBlockN tile with wgmma, one ring stage per k step,
 // into fp32 accumulators in registers, and releases each stage once the wgmma reading it retired.
 //
 // The kernel picks its mainloop by type (grouped_gemm_kernel.cuh's MainloopFor), so another
@@ -38,7 +38,7 @@ struct InputTraits<__half> {
 
 template <class In, Form kForm, class Pipe>
 struct Mainloop16Bit {
-  static constexpr int kBN = Config::kBlockN, kBK = Config::kBlockK;
+  static constexpr int kBN = Pipe::Cfg::kBlockN, kBK = Config::kBlockK;
   static constexpr int kAccRegs = kBN / 2;  // 64 x kBN f32 accumulators over 128 threads
   using Accumulators = float[kAccRegs];
   using Wgmma = ptx::WgmmaSS<kBN, InputTraits<In>::kFp16>;
@@ -57,7 +57,10 @@ struct Mainloop16Bit {
 
   __device__ __forceinline__ Mainloop16Bit(const SharedStorage<Pipe>& smem, const GemmParams&, uint32_t math,
                                            uint32_t lane)
-      : smem(smem), lane(lane), a_offset(kTransA ? math * Config::kPanelBytes : math * 64 * 128) {}
+      : smem(smem),
+        lane(lane),
+        a_offset(kTransA ? tile_slab<typename Pipe::Cfg>(math) * Config::kPanelBytes
+                         : tile_slab<typename Pipe::Cfg>(math) * 64 * 128) {}
 
   // Before the first tile and after the last (the FP8 mainloop's turns; nothing here).
   __device__ __forceinline__ void begin() const {}

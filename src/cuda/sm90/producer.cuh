@@ -20,7 +20,8 @@ namespace moe::cuda::sm90 {
 
 template <Form kForm, class Pipe>
 struct Producer {
-  static constexpr int kBM = Config::kBlockM, kBN = Config::kBlockN, kBK = Config::kBlockK;
+  using Cfg = typename Pipe::Cfg;
+  static constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kBK = Cfg::kBlockK;
   static constexpr bool kScaleWarp = false;  // no operand scales
 
   const CUtensorMap& map_a;
@@ -34,7 +35,7 @@ struct Producer {
     for (int kb = 0; kb < t.k_blocks; ++kb) {
       ptx::mbarrier_wait(&smem.empty[ring.stage], ring.phase ^ 1u);
       // A ghost expects nothing: its arrival alone completes the phase.
-      ptx::mbarrier_arrive_expect_tx(&smem.full[ring.stage], t.live ? Config::kStageBytes : 0u);
+      ptx::mbarrier_arrive_expect_tx(&smem.full[ring.stage], t.live ? Cfg::kStageBytes : 0u);
       if (t.live) load_step(t, kb, ring.stage);
       ring.advance();
     }
@@ -50,7 +51,7 @@ struct Producer {
     // B comes in two halves of kBN / 2 columns: with multicast this block loads half `half` into
     // both blocks (the peer loads the other), otherwise both halves locally.
     auto load_b_half = [&](int half, bool multicast) {
-      uint8_t* dst = smem.stage_b(stage) + half * (Config::kBBytes / 2);
+      uint8_t* dst = smem.stage_b(stage) + half * (Cfg::kBBytes / 2);
       const int32_t n = t.n0 + half * (kBN / 2);
       const uint16_t mask = (1u << Config::kClusterSize) - 1u;
       if constexpr (kForm == Form::kForward) {

@@ -27,7 +27,18 @@ struct RingState {
       phase ^= 1u;
     }
   }
+  // Past `steps` steps that another warpgroup consumes (ping-pong).
+  __device__ __forceinline__ void skip(int steps) {
+    for (int i = 0; i < steps; ++i) advance();
+  }
 };
+
+// Which 64 rows of its tile math warpgroup `math` multiplies and stores: its own half of the
+// tile, or all of a ping-pong tile (config.hpp's kStageConsumers).
+template <class Cfg>
+__device__ __forceinline__ uint32_t tile_slab(uint32_t math) {
+  return Cfg::kStageConsumers == 1 ? 0u : math;
+}
 
 // A block's dynamic shared memory, in order: the ring's stages (A, B, FP8 scales), the epilogue buffers,
 // the bias staging, the full and empty barriers, and the M-grouped scheduler's prefix of pairs.
@@ -64,8 +75,8 @@ struct SharedStorage {
   __device__ __forceinline__ void init_barriers() const {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&full[s], Cfg::kFullArrivals);
-      // One arrival per math warp of each block of the cluster.
-      ptx::mbarrier_init(&empty[s], Config::kClusterSize * Config::kMathWarpgroups * 4);
+      // One arrival per consuming math warp of each block of the cluster.
+      ptx::mbarrier_init(&empty[s], Config::kClusterSize * Cfg::kStageConsumers * 4);
     }
     ptx::fence_barrier_init();
   }
