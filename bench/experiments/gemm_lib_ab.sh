@@ -7,7 +7,7 @@
 # DIR holds moe-engine, moe_engine_gpu_tests, libmoe_engine.so.0.1.0 and base/libmoe_engine.so.0.1.0.
 # Environment: DTYPE (default fp8), MIN_TIME_MS (default 50), SETTLE_MS (default 500), CANDIDATE_ENV
 # (assignments for the candidate's runs and tests only, e.g. an A/B of one library's two settings).
-# CASES 'all' runs every case in one process per side and round.
+# GEMMS 'all' runs every GEMM of a case in one process per side and round (CASES 'all': every case).
 set -u
 dir=${1:?DIR}
 out=${2:?OUTDIR}

@@ -84,6 +84,8 @@ struct EpilogueSlab {
     row_base = (warp_row + row_in_16) * 128;
     lane_bytes = 2 * (opaque_lane % 4) * uint32_t(sizeof(Out));
     swizzle = (row_in_16 & 7u) << 4;  // rows r and r + 8 share r % 8
+    // ring.cuh's tile_slab, written out: through the call, the fused dGLU epilogue's instances
+    // compiled to a different schedule (+88 instructions) although the value is the same.
     if constexpr (Cfg::kStageConsumers == 1)  // a ping-pong tile's 64 rows are all its warpgroup's
       tile_row0 = t.m0;
     else

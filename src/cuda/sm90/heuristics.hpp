@@ -27,7 +27,7 @@ inline PipelineShape store_pipeline(Form form, int64_t capacity, int64_t num_gro
   // a tile, and runs under the other warpgroup's mainloop there. Measured against DeepRing (H200,
   // wgrad_acc, bench/results/2026-11-30-wgrad-pingpong-h200.md): qwen3 (8 steps) -9..-17% (heavy
   // routing's FC1 +2..+6%: its large experts' long tiles), the small batch (1 step) -0.3..-1.5%;
-  // long-K ones (32+ steps: deepseek, gpt-oss, mixtral) mostly +5..+10%, where 64-row tiles' extra
+  // long-K ones (32+ steps: deepseek, gpt-oss, mixtral) mostly +5..+14%, where 64-row tiles' extra
   // operand traffic costs more than the epilogue it hides. 16-bit wgrads measured mixed.
   if (form == Form::kWgrad && out_dtype == DType::kFloat32 && capacity <= 16 * Config::kBlockK * num_groups)
     return PipelineShape::kPingPong;
