@@ -122,6 +122,11 @@ using PingPong = Pipeline<4, 4, PingPongConfig>;
 // output slab in one batch). Measured against 128 x 128 tiles with five stages (H200, the suite):
 // 0.75x the time over the 90 GEMMs, faster on all but two (docs/performance-log.md).
 using Fp8Ring = Pipeline<4, 3, Fp8Config<192>>;
+// FP8 wgrads into fp32 (main_grad): a stage fewer, and six epilogue buffers a math warpgroup, its
+// whole 64 x 192 fp32 slab, so the reduce-adds go out in one batch and drain under the next tile's
+// mainloop instead of the second batch waiting for the first's buffers. Three 128-deep FP8 stages
+// still cover the operand loads, where the 16-bit kernel's two 64-deep ones did not.
+using Fp8WideEpilogue = Pipeline<3, 6, Fp8Config<192>>;
 
 static_assert(Config::kProducerRegisters + Config::kMathWarpgroups * Config::kMathRegisters <=
                   (Config::kMathWarpgroups + 1) * Config::kLaunchRegisters,

@@ -8,6 +8,7 @@
 #include "cuda/runtime/check.hpp"
 #include "cuda/sm90/grouped_gemm.hpp"
 #include "cuda/sm90/grouped_gemm_kernel.cuh"
+#include "cuda/sm90/heuristics.hpp"
 #include "cuda/sm90/launch.cuh"
 #include "cuda/sm90/tensor_maps.hpp"
 
@@ -143,6 +144,10 @@ void run_fp8(const GroupedGemmProblem& pr, Stream stream) {
   std::string why;
   MOE_CHECK(can_run_fp8(pr, &why), ErrorCode::kInternal, "sm90 FP8 grouped GEMM called for a problem it cannot run: ",
             why);
+  if (fp8_pipeline(pr.form, pr.out_dtype) == Fp8PipelineShape::kWideEpilogue) {
+    const PreparedFp8 r = prepare_fp8<Fp8WideEpilogue>(pr, stream);
+    return launch_fp8<Form::kWgrad, float, Fp8WideEpilogue>(pr, r, stream);
+  }
   run_with<Fp8Ring>(pr, stream);
 }
 

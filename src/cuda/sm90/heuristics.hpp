@@ -43,4 +43,18 @@ inline PipelineShape store_pipeline(Form form, int64_t capacity, int64_t num_gro
 // interleaving of h's batches with the act math is written for two buffers.)
 constexpr PipelineShape glu_pipeline() { return PipelineShape::kDeepRing; }
 
+// The FP8 kernel's shared-memory splits (config.hpp): Fp8Ring, or Fp8WideEpilogue.
+enum class Fp8PipelineShape { kRing, kWideEpilogue };
+
+// FP8 wgrads with fp32 outputs take Fp8WideEpilogue: their 64 x 192 fp32 slab a warpgroup goes out
+// in one batch rather than two. Measured against Fp8Ring (H200, the suite's 30 wgrad_acc GEMMs,
+// bench/results/2026-11-30-fp8-wgrad-wide-epilogue-h200.md): geomean 0.994 (0.976 over a first
+// call's 12); in both calls deepseek and mixtral balanced -1..-2%, qwen3 balanced FC2 -3..-6%, the
+// rest within the rounds' spread. 16-bit outputs already go out in one batch (three 128-byte
+// chunks of 192 columns).
+inline Fp8PipelineShape fp8_pipeline(Form form, DType out_dtype) {
+  return form == Form::kWgrad && out_dtype == DType::kFloat32 ? Fp8PipelineShape::kWideEpilogue
+                                                              : Fp8PipelineShape::kRing;
+}
+
 }  // namespace moe::cuda::sm90
