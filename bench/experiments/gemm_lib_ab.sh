@@ -25,7 +25,11 @@ fi
 for round in $(seq 1 "$rounds"); do
   for c in "${cases[@]}"; do
     for g in "${gemms[@]}"; do
-      for side in base candidate; do
+      # A null A/B (two builds of the same kernels, 2026-11-30) read 0.994 with the candidate always
+      # second: the order alternates by round, so that an order effect cancels over even rounds.
+      order="base candidate"
+      [ $((round % 2)) = 0 ] && order="candidate base"
+      for side in $order; do
         lib=$dir side_env=${CANDIDATE_ENV:-}
         [ $side = base ] && lib=$dir/base side_env=
         name="$out/$side-${c//\//_}-${g//\//_}-r$round.json"

@@ -34,12 +34,6 @@ void launch_fp8(const GroupedGemmProblem& pr, const PreparedFp8& r, Stream strea
   Probe::after_launch(kForm);
 }
 
-template <Form kForm, class Pipe>
-void launch_fp8_out(const GroupedGemmProblem& pr, const PreparedFp8& r, Stream stream) {
-  if (pr.out_dtype == DType::kFloat32) return launch_fp8<kForm, float, Pipe>(pr, r, stream);
-  launch_fp8<kForm, __nv_bfloat16, Pipe>(pr, r, stream);
-}
-
 template <class Pipe>
 PreparedFp8 prepare_fp8(const GroupedGemmProblem& pr, Stream stream) {
   using Cfg = typename Pipe::Cfg;
@@ -84,11 +78,9 @@ PreparedFp8 prepare_fp8(const GroupedGemmProblem& pr, Stream stream) {
   return r;
 }
 
-template <class Pipe>
+template <Form kForm, class Out, class Pipe>
 void run_with(const GroupedGemmProblem& pr, Stream stream) {
-  const PreparedFp8 r = prepare_fp8<Pipe>(pr, stream);
-  if (pr.form == Form::kWgrad) return launch_fp8_out<Form::kWgrad, Pipe>(pr, r, stream);
-  launch_fp8_out<Form::kForward, Pipe>(pr, r, stream);
+  launch_fp8<kForm, Out, Pipe>(pr, prepare_fp8<Pipe>(pr, stream), stream);
 }
 
 }  // namespace
@@ -144,11 +136,17 @@ void run_fp8(const GroupedGemmProblem& pr, Stream stream) {
   std::string why;
   MOE_CHECK(can_run_fp8(pr, &why), ErrorCode::kInternal, "sm90 FP8 grouped GEMM called for a problem it cannot run: ",
             why);
-  if (fp8_pipeline(pr.form, pr.out_dtype) == Fp8PipelineShape::kWideEpilogue) {
-    const PreparedFp8 r = prepare_fp8<Fp8WideEpilogue>(pr, stream);
-    return launch_fp8<Form::kWgrad, float, Fp8WideEpilogue>(pr, r, stream);
+  const bool out32 = pr.out_dtype == DType::kFloat32;
+  if (pr.form != Form::kWgrad) {
+    if (out32) return run_with<Form::kForward, float, Fp8Ring>(pr, stream);
+    return run_with<Form::kForward, __nv_bfloat16, Fp8Ring>(pr, stream);
   }
-  run_with<Fp8Ring>(pr, stream);
+  // Wgrads: one instance per output dtype, on the pipeline heuristics.hpp gives it.
+  const Fp8PipelineShape shape = fp8_pipeline(pr.form, pr.out_dtype);
+  MOE_CHECK(shape == (out32 ? Fp8PipelineShape::kWideEpilogue : Fp8PipelineShape::kRing), ErrorCode::kInternal,
+            "sm90 FP8 wgrad: no kernel instance for the pipeline heuristics.hpp chose");
+  if (out32) return run_with<Form::kWgrad, float, Fp8WideEpilogue>(pr, stream);
+  run_with<Form::kWgrad, __nv_bfloat16, Fp8Ring>(pr, stream);
 }
 
 }  // namespace moe::cuda::sm90

@@ -48,10 +48,9 @@ enum class Fp8PipelineShape { kRing, kWideEpilogue };
 
 // FP8 wgrads with fp32 outputs take Fp8WideEpilogue: their 64 x 192 fp32 slab a warpgroup goes out
 // in one batch rather than two. Measured against Fp8Ring (H200, the suite's 30 wgrad_acc GEMMs,
-// bench/results/2026-11-30-fp8-wgrad-wide-epilogue-h200.md): geomean 0.994 (0.976 over a first
-// call's 12); in both calls deepseek and mixtral balanced -1..-2%, qwen3 balanced FC2 -3..-6%, the
-// rest within the rounds' spread. 16-bit outputs already go out in one batch (three 128-byte
-// chunks of 192 columns).
+// bench/results/2026-11-30-fp8-wgrad-wide-epilogue-h200.md): about -1% on deepseek and mixtral,
+// nothing measurable elsewhere (0.994 geomean, as much as a null A/B of the protocol reads), no
+// case slower. 16-bit outputs already go out in one batch (three 128-byte chunks of 192 columns).
 inline Fp8PipelineShape fp8_pipeline(Form form, DType out_dtype) {
   return form == Form::kWgrad && out_dtype == DType::kFloat32 ? Fp8PipelineShape::kWideEpilogue
                                                               : Fp8PipelineShape::kRing;
