@@ -20,9 +20,10 @@ struct Shape3 {
 };
 
 // N and K multiples of 8 (TMA alignment), otherwise as odd as possible.
-// The wgrads' pipelines (heuristics.hpp) by rows per expert on average: single_expert,
+// The pipelines (heuristics.hpp) by rows per expert on average: single_expert,
 // long_k_many_tiles and long_groups (>= 256) run their 16-bit wgrads on WideEpilogue, the others on
-// DeepRing; fp32 wgrads run on PingPong up to 1024 rows (all but long_groups), DeepRing above.
+// DeepRing; fp32 wgrads run on PingPong up to 1024 rows (all but long_groups), DeepRing above;
+// forward / dgrad with 16-bit outputs run on PingPong up to 64 rows (empty_and_one_row, g256).
 std::vector<Shape3> gpu_cases() {
   Rng rng;
   std::vector<int64_t> many = random_splits(rng, 256, 40);

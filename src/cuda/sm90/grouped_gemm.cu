@@ -21,10 +21,13 @@ namespace {
 using namespace launch_detail;
 
 // One output dtype: the shared-memory split heuristics.hpp picks (WideEpilogue instances exist
-// for 16-bit wgrads only, PingPong ones for fp32 wgrads).
+// for 16-bit wgrads only, PingPong ones for fp32 wgrads and 16-bit forward / dgrad).
 template <Form kForm, class In, class Out>
 void launch_store(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
   const PipelineShape shape = store_pipeline(kForm, pr.capacity, pr.num_groups, pr.out_dtype);
+  if constexpr (kForm != Form::kWgrad && !std::is_same_v<Out, float>) {
+    if (shape == PipelineShape::kPingPong) return launch<kForm, In, Out, Epilogue::kStore, PingPong>(pr, r, stream);
+  }
   if constexpr (kForm == Form::kWgrad && !std::is_same_v<Out, float>) {
     if (shape == PipelineShape::kWideEpilogue)
       return launch<kForm, In, Out, Epilogue::kStore, WideEpilogue>(pr, r, stream);
@@ -103,11 +106,10 @@ bool can_run(const GroupedGemmProblem& p, std::string* why) {
   // The schedulers count tile pairs in 32 bits (M-grouped: at most capacity / kBlockM + G row
   // tiles; pairs <= tiles + G).
   const int64_t out_cols = p.form == Form::kForward ? p.n : p.k;
-  // (wgrad: counted for the ping-pong's 64-row tiles, the shortest any instance takes).
-  constexpr int64_t kWgradRows = PingPong::Cfg::kBlockM;
-  const int64_t row_tiles = p.form == Form::kWgrad
-                                ? p.num_groups * ((p.n + kWgradRows - 1) / kWgradRows)
-                                : p.capacity / Config::kBlockM + p.num_groups;
+  // (counted for the ping-pong's 64-row tiles, the shortest any instance takes).
+  constexpr int64_t kRows = PingPong::Cfg::kBlockM;
+  const int64_t row_tiles = p.form == Form::kWgrad ? p.num_groups * ((p.n + kRows - 1) / kRows)
+                                                   : p.capacity / kRows + p.num_groups;
   if (row_tiles * ((out_cols + Config::kBlockN - 1) / Config::kBlockN) + p.num_groups >= (int64_t(1) << 31))
     return no("more than 2^31 output tiles");
   return true;
@@ -121,11 +123,13 @@ const void* first_expert(const ExpertAddress& a) { return a.table ? a.experts->e
 
 }  // namespace
 
-Prepared prepare(const GroupedGemmProblem& pr, Stream stream) {
+Prepared prepare(const GroupedGemmProblem& pr, PipelineShape shape, Stream stream) {
   std::string why;
   MOE_CHECK(can_run(pr, &why), ErrorCode::kInternal,
             "sm90 grouped GEMM called for a problem it cannot run: ", why);
-  constexpr uint32_t kBM = Config::kBlockM, kBN = Config::kBlockN, kBK = Config::kBlockK;
+  constexpr uint32_t kBN = Config::kBlockN, kBK = Config::kBlockK;
+  // The M-grouped A boxes: one tile's rows (a ping-pong tile has 64).
+  const uint32_t kBM = shape == PipelineShape::kPingPong ? uint32_t(PingPong::Cfg::kBlockM) : uint32_t(Config::kBlockM);
   const uint32_t chunk_cols = 128 / uint32_t(dtype_size(pr.out_dtype));
   Prepared r{};
   GemmParams& params = r.params;
@@ -175,7 +179,7 @@ Prepared prepare(const GroupedGemmProblem& pr, Stream stream) {
 }
 
 void run(const GroupedGemmProblem& pr, Stream stream) {
-  const Prepared r = prepare(pr, stream);
+  const Prepared r = prepare(pr, store_pipeline(pr.form, pr.capacity, pr.num_groups, pr.out_dtype), stream);
   switch (pr.form) {
     case Form::kForward:
       return launch_in<Form::kForward>(pr, r, stream);

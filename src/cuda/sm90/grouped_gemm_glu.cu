@@ -59,7 +59,7 @@ void run_glu(const GroupedGemmProblem& pr, const GluEpilogueParams& glu, Stream 
   std::string why;
   MOE_CHECK(can_run_glu(pr, glu, &why), ErrorCode::kInternal,
             "sm90 GLU GEMM called for a problem it cannot run: ", why);
-  Prepared r = prepare(pr, stream);
+  Prepared r = prepare(pr, glu_pipeline(), stream);
   r.params.glu = glu;
   const bool gated = is_gated(glu.activation);
   if (pr.form == Form::kForward)  // act [T, F]: 64-row x 64-feature boxes, clipped at each group's end

@@ -32,6 +32,15 @@ inline PipelineShape store_pipeline(Form form, int64_t capacity, int64_t num_gro
   if (form == Form::kWgrad && out_dtype == DType::kFloat32 && capacity <= 16 * Config::kBlockK * num_groups)
     return PipelineShape::kPingPong;
   const bool out16 = out_dtype == DType::kBFloat16 || out_dtype == DType::kFloat16;
+  // Forward / dgrad with 16-bit outputs over <= 64 rows per group on average (the small batch:
+  // weight-streaming, memory-bound) take PingPong: a group of <= 64 rows is one 64-row tile, so the
+  // weights stream no more often than with 128-row tiles, the half-empty tile's second warpgroup
+  // no longer idles, and one warpgroup's epilogue runs under the other's mainloop, where the weight
+  // stream otherwise stops. Measured against DeepRing (H200, the small batch's FC2 forward and
+  // dgrads, bench/results/2026-11-30-small-batch-pingpong-h200.md): -2.2..-3.3% on 8 of 9, +1.5%
+  // on heavy routing's FC2 dgrad (experts up to 250 rows). FC1's GLU forward keeps DeepRing.
+  if (form != Form::kWgrad && out16 && capacity <= PingPongConfig::kBlockM * num_groups)
+    return PipelineShape::kPingPong;
   if (form == Form::kWgrad && out16 && capacity >= 4 * Config::kBlockK * num_groups)
     return PipelineShape::kWideEpilogue;
   return PipelineShape::kDeepRing;

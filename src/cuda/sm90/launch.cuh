@@ -14,6 +14,7 @@
 #include "cuda/runtime/per_device.hpp"
 #include "cuda/gemm/grouped_gemm_problem.hpp"
 #include "cuda/sm90/grouped_gemm_kernel.cuh"
+#include "cuda/sm90/heuristics.hpp"
 #include "cuda/sm90/probe.cuh"
 
 namespace moe::cuda::sm90 {
@@ -24,7 +25,8 @@ struct Prepared {
   CUtensorMap a, b, d, e;
   GemmParams params;
 };
-Prepared prepare(const GroupedGemmProblem& problem, Stream stream);
+// `shape`: the pipeline the launch runs (heuristics.hpp): its tile rows size the M-grouped A boxes.
+Prepared prepare(const GroupedGemmProblem& problem, PipelineShape shape, Stream stream);
 // The fused MLP's GEMMs with a non-gated activation's epilogue (grouped_gemm_act.cu): r prepared
 // by run_glu (grouped_gemm_glu.cu), which checked the problem.
 void launch_elementwise(const GroupedGemmProblem& problem, const Prepared& r, Stream stream);
