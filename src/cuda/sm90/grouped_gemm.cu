@@ -20,22 +20,25 @@ namespace {
 
 using namespace launch_detail;
 
-// One output dtype: the shared-memory split heuristics.hpp picks (WideEpilogue instances exist
-// for 16-bit wgrads only, PingPong ones for fp32 wgrads and 16-bit forward / dgrad).
+// One output dtype: the shared-memory split heuristics.hpp picks, among the instances that exist
+// (store_instance_exists: WideEpilogue for 16-bit wgrads, PingPong for fp32 wgrads and 16-bit
+// forward / dgrad, DeepRing for all).
 template <Form kForm, class In, class Out>
 void launch_store(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
-  const PipelineShape shape = store_pipeline(kForm, pr.capacity, pr.num_groups, pr.out_dtype);
-  if constexpr (kForm != Form::kWgrad && !std::is_same_v<Out, float>) {
-    if (shape == PipelineShape::kPingPong) return launch<kForm, In, Out, Epilogue::kStore, PingPong>(pr, r, stream);
+  constexpr bool kOut32 = std::is_same_v<Out, float>;
+  switch (store_pipeline(kForm, pr.capacity, pr.num_groups, pr.out_dtype)) {
+    case PipelineShape::kDeepRing:
+      return launch<kForm, In, Out, Epilogue::kStore, DeepRing>(pr, r, stream);
+    case PipelineShape::kWideEpilogue:
+      if constexpr (store_instance_exists(PipelineShape::kWideEpilogue, kForm, kOut32))
+        return launch<kForm, In, Out, Epilogue::kStore, WideEpilogue>(pr, r, stream);
+      break;
+    case PipelineShape::kPingPong:
+      if constexpr (store_instance_exists(PipelineShape::kPingPong, kForm, kOut32))
+        return launch<kForm, In, Out, Epilogue::kStore, PingPong>(pr, r, stream);
+      break;
   }
-  if constexpr (kForm == Form::kWgrad && !std::is_same_v<Out, float>) {
-    if (shape == PipelineShape::kWideEpilogue)
-      return launch<kForm, In, Out, Epilogue::kStore, WideEpilogue>(pr, r, stream);
-  }
-  if constexpr (kForm == Form::kWgrad && std::is_same_v<Out, float>) {
-    if (shape == PipelineShape::kPingPong) return launch<kForm, In, Out, Epilogue::kStore, PingPong>(pr, r, stream);
-  }
-  launch<kForm, In, Out, Epilogue::kStore, DeepRing>(pr, r, stream);
+  throw_error(ErrorCode::kInternal, "sm90 grouped GEMM: heuristics.hpp chose a pipeline with no kernel instance");
 }
 
 template <Form kForm, class In>

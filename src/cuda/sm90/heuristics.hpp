@@ -15,6 +15,20 @@ namespace moe::cuda::sm90 {
 // The launchable Pipeline shapes (config.hpp).
 enum class PipelineShape { kDeepRing, kWideEpilogue, kPingPong };
 
+// The store-epilogue instances grouped_gemm.cu builds, by pipeline, form and output width:
+// store_pipeline picks only among these (tests/cpp/test_sm90_heuristics.cpp checks it).
+constexpr bool store_instance_exists(PipelineShape shape, Form form, bool out32) {
+  switch (shape) {
+    case PipelineShape::kDeepRing:
+      return true;
+    case PipelineShape::kWideEpilogue:
+      return form == Form::kWgrad && !out32;
+    case PipelineShape::kPingPong:
+      return form == Form::kWgrad ? out32 : !out32;
+  }
+  return false;
+}
+
 // GEMMs with the store epilogue. Wgrads with 16-bit outputs over >= 4 k steps per tile on
 // average (capacity rows over num_groups groups) take WideEpilogue: the whole 64 x 256 slab of
 // a math warpgroup goes out in one batch, measured 1-4% faster than two batches with a 4-stage

@@ -1,0 +1,80 @@
+// The Hopper kernel's pipeline choices (src/cuda/sm90/heuristics.hpp), on the host: every choice
+// has a kernel instance to launch, and the benchmark suite's shapes get the pipelines the
+// performance log measured for them. Host-only header: runs in the CPU build too.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/sm90/heuristics.hpp"
+
+namespace moe::test {
+namespace {
+
+using cuda::Form;
+using cuda::sm90::Fp8PipelineShape;
+using cuda::sm90::PipelineShape;
+using cuda::sm90::fp8_pipeline;
+using cuda::sm90::store_instance_exists;
+using cuda::sm90::store_pipeline;
+
+const char* name_of(PipelineShape s) {
+  switch (s) {
+    case PipelineShape::kDeepRing:
+      return "DeepRing";
+    case PipelineShape::kWideEpilogue:
+      return "WideEpilogue";
+    case PipelineShape::kPingPong:
+      return "PingPong";
+  }
+  return "?";
+}
+
+// Rows per group on average from 0 to 4096 (and past the thresholds by one), every form and
+// output dtype, G = 1, 8 and 256: the launcher would raise an internal error on a choice with
+// no instance, so there must be none.
+TEST(Sm90Heuristics, EveryChoiceHasAKernelInstance) {
+  for (Form form : {Form::kForward, Form::kDgrad, Form::kWgrad})
+    for (DType out : {DType::kBFloat16, DType::kFloat16, DType::kFloat32})
+      for (int64_t groups : {1, 8, 256})
+        for (int64_t rows : {0, 1, 32, 64, 65, 255, 256, 1024, 1025, 4096}) {
+          const PipelineShape s = store_pipeline(form, rows * groups, groups, out);
+          EXPECT_TRUE(store_instance_exists(s, form, out == DType::kFloat32))
+              << name_of(s) << " for form " << int(form) << ", " << dtype_name(out) << ", " << rows
+              << " rows x " << groups << " groups";
+        }
+}
+
+// The suite's shapes (rows per expert on average; bench/workloads.json) and what the
+// performance log measured best for them.
+TEST(Sm90Heuristics, SuiteShapesGetTheMeasuredPipelines) {
+  auto pick = [](Form form, int64_t rows, int64_t groups, DType out) {
+    return std::string(name_of(store_pipeline(form, rows * groups, groups, out)));
+  };
+  // fp32 wgrads (main_grad): ping-pong up to 1024 rows (qwen3 512, the small batch 32), not on
+  // long K (mixtral, deepseek, gpt-oss: 2048).
+  EXPECT_EQ(pick(Form::kWgrad, 512, 128, DType::kFloat32), "PingPong");
+  EXPECT_EQ(pick(Form::kWgrad, 32, 128, DType::kFloat32), "PingPong");
+  EXPECT_EQ(pick(Form::kWgrad, 1024, 8, DType::kFloat32), "PingPong");
+  EXPECT_EQ(pick(Form::kWgrad, 1025, 8, DType::kFloat32), "DeepRing");
+  EXPECT_EQ(pick(Form::kWgrad, 2048, 32, DType::kFloat32), "DeepRing");
+  // 16-bit wgrads: the whole-slab epilogue from 4 k steps (256 rows) a tile.
+  EXPECT_EQ(pick(Form::kWgrad, 2048, 8, DType::kBFloat16), "WideEpilogue");
+  EXPECT_EQ(pick(Form::kWgrad, 256, 8, DType::kBFloat16), "WideEpilogue");
+  EXPECT_EQ(pick(Form::kWgrad, 255, 8, DType::kBFloat16), "DeepRing");
+  // Forward / dgrad: ping-pong for the small batch's 16-bit outputs (<= 64 rows a group), else
+  // the 4-stage ring; fp32 outputs (the router's dx) always on the ring.
+  EXPECT_EQ(pick(Form::kForward, 32, 128, DType::kBFloat16), "PingPong");
+  EXPECT_EQ(pick(Form::kDgrad, 64, 128, DType::kFloat16), "PingPong");
+  EXPECT_EQ(pick(Form::kDgrad, 65, 128, DType::kBFloat16), "DeepRing");
+  EXPECT_EQ(pick(Form::kForward, 512, 128, DType::kBFloat16), "DeepRing");
+  EXPECT_EQ(pick(Form::kDgrad, 32, 128, DType::kFloat32), "DeepRing");
+  // FP8: fp32 wgrads send their slab in one batch; everything else on the FP8 ring.
+  EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kFloat32), Fp8PipelineShape::kWideEpilogue);
+  EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kBFloat16), Fp8PipelineShape::kRing);
+  EXPECT_EQ(fp8_pipeline(Form::kForward, DType::kFloat32), Fp8PipelineShape::kRing);
+  EXPECT_EQ(fp8_pipeline(Form::kForward, DType::kBFloat16), Fp8PipelineShape::kRing);
+}
+
+}  // namespace
+}  // namespace moe::test
