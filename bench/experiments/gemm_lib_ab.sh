@@ -25,7 +25,7 @@ fi
 for round in $(seq 1 "$rounds"); do
   for c in "${cases[@]}"; do
     for g in "${gemms[@]}"; do
-      # A null A/B (two builds of the same kernels, 2026-11-30) read 0.994 with the candidate always
+      # A null A/B (two libraries, SASS-identical kernels, 2026-11-30) read 0.994 with the candidate always
       # second: the order alternates by round, so that an order effect cancels over even rounds.
       order="base candidate"
       [ $((round % 2)) = 0 ] && order="candidate base"
