@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <string>
 
 #include "cuda/sm90/heuristics.hpp"
 
@@ -18,18 +17,6 @@ using cuda::sm90::fp8_pipeline;
 using cuda::sm90::store_instance_exists;
 using cuda::sm90::store_pipeline;
 
-const char* name_of(PipelineShape s) {
-  switch (s) {
-    case PipelineShape::kDeepRing:
-      return "DeepRing";
-    case PipelineShape::kWideEpilogue:
-      return "WideEpilogue";
-    case PipelineShape::kPingPong:
-      return "PingPong";
-  }
-  return "?";
-}
-
 // Rows per group on average from 0 to 4096 (and past the thresholds by one), every form and
 // output dtype, G = 1, 8 and 256: the launcher would raise an internal error on a choice with
 // no instance, so there must be none.
@@ -40,35 +27,46 @@ TEST(Sm90Heuristics, EveryChoiceHasAKernelInstance) {
         for (int64_t rows : {0, 1, 32, 64, 65, 255, 256, 1024, 1025, 4096}) {
           const PipelineShape s = store_pipeline(form, rows * groups, groups, out);
           EXPECT_TRUE(store_instance_exists(s, form, out == DType::kFloat32))
-              << name_of(s) << " for form " << int(form) << ", " << dtype_name(out) << ", " << rows
-              << " rows x " << groups << " groups";
+              << "pipeline " << int(s) << " (0 DeepRing, 1 WideEpilogue, 2 PingPong) for form " << int(form)
+              << ", " << dtype_name(out) << ", " << rows << " rows x " << groups << " groups";
         }
 }
 
 // The suite's shapes (rows per expert on average; bench/workloads.json) and what the
 // performance log measured best for them.
 TEST(Sm90Heuristics, SuiteShapesGetTheMeasuredPipelines) {
-  auto pick = [](Form form, int64_t rows, int64_t groups, DType out) {
-    return std::string(name_of(store_pipeline(form, rows * groups, groups, out)));
+  struct Pick {
+    Form form;
+    int64_t rows, groups;
+    DType out;
+    PipelineShape expected;
   };
-  // fp32 wgrads (main_grad): ping-pong up to 1024 rows (qwen3 512, the small batch 32), not on
-  // long K (mixtral, deepseek, gpt-oss: 2048).
-  EXPECT_EQ(pick(Form::kWgrad, 512, 128, DType::kFloat32), "PingPong");
-  EXPECT_EQ(pick(Form::kWgrad, 32, 128, DType::kFloat32), "PingPong");
-  EXPECT_EQ(pick(Form::kWgrad, 1024, 8, DType::kFloat32), "PingPong");
-  EXPECT_EQ(pick(Form::kWgrad, 1025, 8, DType::kFloat32), "DeepRing");
-  EXPECT_EQ(pick(Form::kWgrad, 2048, 32, DType::kFloat32), "DeepRing");
-  // 16-bit wgrads: the whole-slab epilogue from 4 k steps (256 rows) a tile.
-  EXPECT_EQ(pick(Form::kWgrad, 2048, 8, DType::kBFloat16), "WideEpilogue");
-  EXPECT_EQ(pick(Form::kWgrad, 256, 8, DType::kBFloat16), "WideEpilogue");
-  EXPECT_EQ(pick(Form::kWgrad, 255, 8, DType::kBFloat16), "DeepRing");
-  // Forward / dgrad: ping-pong for the small batch's 16-bit outputs (<= 64 rows a group), else
-  // the 4-stage ring; fp32 outputs (the router's dx) always on the ring.
-  EXPECT_EQ(pick(Form::kForward, 32, 128, DType::kBFloat16), "PingPong");
-  EXPECT_EQ(pick(Form::kDgrad, 64, 128, DType::kFloat16), "PingPong");
-  EXPECT_EQ(pick(Form::kDgrad, 65, 128, DType::kBFloat16), "DeepRing");
-  EXPECT_EQ(pick(Form::kForward, 512, 128, DType::kBFloat16), "DeepRing");
-  EXPECT_EQ(pick(Form::kDgrad, 32, 128, DType::kFloat32), "DeepRing");
+  constexpr auto kDeep = PipelineShape::kDeepRing, kWide = PipelineShape::kWideEpilogue,
+                 kPing = PipelineShape::kPingPong;
+  const Pick picks[] = {
+      // fp32 wgrads (main_grad): ping-pong up to 1024 rows (qwen3 512, the small batch 32), not on
+      // long K (mixtral, deepseek, gpt-oss: 2048).
+      {Form::kWgrad, 512, 128, DType::kFloat32, kPing},
+      {Form::kWgrad, 32, 128, DType::kFloat32, kPing},
+      {Form::kWgrad, 1024, 8, DType::kFloat32, kPing},
+      {Form::kWgrad, 1025, 8, DType::kFloat32, kDeep},
+      {Form::kWgrad, 2048, 32, DType::kFloat32, kDeep},
+      // 16-bit wgrads: the whole-slab epilogue from 4 k steps (256 rows) a tile.
+      {Form::kWgrad, 2048, 8, DType::kBFloat16, kWide},
+      {Form::kWgrad, 256, 8, DType::kBFloat16, kWide},
+      {Form::kWgrad, 255, 8, DType::kBFloat16, kDeep},
+      // Forward / dgrad: ping-pong for the small batch's 16-bit outputs (<= 64 rows a group), else
+      // the 4-stage ring; fp32 outputs (the router's dx) always on the ring.
+      {Form::kForward, 32, 128, DType::kBFloat16, kPing},
+      {Form::kDgrad, 64, 128, DType::kFloat16, kPing},
+      {Form::kDgrad, 65, 128, DType::kBFloat16, kDeep},
+      {Form::kForward, 512, 128, DType::kBFloat16, kDeep},
+      {Form::kDgrad, 32, 128, DType::kFloat32, kDeep},
+  };
+  for (const Pick& p : picks)
+    EXPECT_EQ(store_pipeline(p.form, p.rows * p.groups, p.groups, p.out), p.expected)
+        << "form " << int(p.form) << ", " << dtype_name(p.out) << ", " << p.rows << " rows x " << p.groups
+        << " groups (0 DeepRing, 1 WideEpilogue, 2 PingPong)";
   // FP8: fp32 wgrads send their slab in one batch; everything else on the FP8 ring.
   EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kFloat32), Fp8PipelineShape::kWideEpilogue);
   EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kBFloat16), Fp8PipelineShape::kRing);

@@ -20,13 +20,13 @@ namespace {
 
 using namespace launch_detail;
 
-// One output dtype: the shared-memory split heuristics.hpp picks, among the instances that exist
+// One output dtype: the shared-memory split prepare() made the maps for, among the instances that exist
 // (store_instance_exists: WideEpilogue for 16-bit wgrads, PingPong for fp32 wgrads and 16-bit
 // forward / dgrad, DeepRing for all).
 template <Form kForm, class In, class Out>
 void launch_store(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
   constexpr bool kOut32 = std::is_same_v<Out, float>;
-  switch (store_pipeline(kForm, pr.capacity, pr.num_groups, pr.out_dtype)) {
+  switch (r.shape) {
     case PipelineShape::kDeepRing:
       return launch<kForm, In, Out, Epilogue::kStore, DeepRing>(pr, r, stream);
     case PipelineShape::kWideEpilogue:
@@ -132,9 +132,10 @@ Prepared prepare(const GroupedGemmProblem& pr, PipelineShape shape, Stream strea
             "sm90 grouped GEMM called for a problem it cannot run: ", why);
   constexpr uint32_t kBN = Config::kBlockN, kBK = Config::kBlockK;
   // The M-grouped A boxes: one tile's rows (a ping-pong tile has 64).
-  const uint32_t kBM = shape == PipelineShape::kPingPong ? uint32_t(PingPong::Cfg::kBlockM) : uint32_t(Config::kBlockM);
+  const uint32_t tile_rows = uint32_t(shape == PipelineShape::kPingPong ? PingPong::Cfg::kBlockM : Config::kBlockM);
   const uint32_t chunk_cols = 128 / uint32_t(dtype_size(pr.out_dtype));
   Prepared r{};
+  r.shape = shape;
   GemmParams& params = r.params;
   params.offsets = pr.offsets;
   params.num_groups = int32_t(pr.num_groups);
@@ -153,7 +154,7 @@ Prepared prepare(const GroupedGemmProblem& pr, PipelineShape shape, Stream strea
     case Form::kForward:
       params.n_out = int32_t(N);
       params.k = int32_t(K);
-      r.a = make_ragged_tensor_map(pr.a, pr.in_dtype, K, pr.a_row_stride, kBK, kBM);
+      r.a = make_ragged_tensor_map(pr.a, pr.in_dtype, K, pr.a_row_stride, kBK, tile_rows);
       // B in two halves of kBN / 2 rows (one per block of a multicasting cluster).
       r.b = make_tensor_map_3d(first_expert(pr.b), pr.in_dtype, groups_b, N, K, pr.b_row_stride, N * K, kBK, kBN / 2);
       params.b_maps = expert_maps(pr.b, pr.in_dtype, kBK, kBN / 2);
@@ -162,7 +163,7 @@ Prepared prepare(const GroupedGemmProblem& pr, PipelineShape shape, Stream strea
     case Form::kDgrad:
       params.n_out = int32_t(K);
       params.k = int32_t(N);
-      r.a = make_ragged_tensor_map(pr.a, pr.in_dtype, N, pr.a_row_stride, kBK, kBM);
+      r.a = make_ragged_tensor_map(pr.a, pr.in_dtype, N, pr.a_row_stride, kBK, tile_rows);
       r.b = make_tensor_map_3d(first_expert(pr.b), pr.in_dtype, groups_b, N, K, pr.b_row_stride, N * K, 64, kBK);
       params.b_maps = expert_maps(pr.b, pr.in_dtype, 64, kBK);
       r.d = make_ragged_tensor_map(pr.d.base, pr.out_dtype, K, pr.d_row_stride, chunk_cols, 64);

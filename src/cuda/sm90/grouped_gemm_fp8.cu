@@ -136,17 +136,20 @@ void run_fp8(const GroupedGemmProblem& pr, Stream stream) {
   std::string why;
   MOE_CHECK(can_run_fp8(pr, &why), ErrorCode::kInternal, "sm90 FP8 grouped GEMM called for a problem it cannot run: ",
             why);
-  const bool out32 = pr.out_dtype == DType::kFloat32;
-  if (pr.form != Form::kWgrad) {
-    if (out32) return run_with<Form::kForward, float, Fp8Ring>(pr, stream);
-    return run_with<Form::kForward, __nv_bfloat16, Fp8Ring>(pr, stream);
+  // The pipeline heuristics.hpp picks, among the instances built: forward on the ring for both
+  // outputs, wgrads on the ring (bf16) or the wide epilogue (fp32).
+  const bool out32 = pr.out_dtype == DType::kFloat32, wgrad = pr.form == Form::kWgrad;
+  switch (fp8_pipeline(pr.form, pr.out_dtype)) {
+    case Fp8PipelineShape::kRing:
+      if (!wgrad && out32) return run_with<Form::kForward, float, Fp8Ring>(pr, stream);
+      if (!wgrad) return run_with<Form::kForward, __nv_bfloat16, Fp8Ring>(pr, stream);
+      if (!out32) return run_with<Form::kWgrad, __nv_bfloat16, Fp8Ring>(pr, stream);
+      break;
+    case Fp8PipelineShape::kWideEpilogue:
+      if (wgrad && out32) return run_with<Form::kWgrad, float, Fp8WideEpilogue>(pr, stream);
+      break;
   }
-  // Wgrads: one instance per output dtype, on the pipeline heuristics.hpp gives it.
-  const Fp8PipelineShape shape = fp8_pipeline(pr.form, pr.out_dtype);
-  MOE_CHECK(shape == (out32 ? Fp8PipelineShape::kWideEpilogue : Fp8PipelineShape::kRing), ErrorCode::kInternal,
-            "sm90 FP8 wgrad: no kernel instance for the pipeline heuristics.hpp chose");
-  if (out32) return run_with<Form::kWgrad, float, Fp8WideEpilogue>(pr, stream);
-  run_with<Form::kWgrad, __nv_bfloat16, Fp8Ring>(pr, stream);
+  throw_error(ErrorCode::kInternal, "sm90 FP8 grouped GEMM: heuristics.hpp chose a pipeline with no kernel instance");
 }
 
 }  // namespace moe::cuda::sm90

@@ -20,12 +20,14 @@
 namespace moe::cuda::sm90 {
 
 // A checked problem's tensor maps and kernel parameters (grouped_gemm.cu). `e` is the GLU
-// forward's act map (grouped_gemm_glu.cu); elsewhere a copy of `d`, never used.
+// forward's act map (grouped_gemm_glu.cu); elsewhere a copy of `d`, never used. `shape`: the
+// pipeline (heuristics.hpp) the maps were made for (its tile rows size the M-grouped A boxes),
+// which the launch then runs.
 struct Prepared {
   CUtensorMap a, b, d, e;
   GemmParams params;
+  PipelineShape shape;
 };
-// `shape`: the pipeline the launch runs (heuristics.hpp): its tile rows size the M-grouped A boxes.
 Prepared prepare(const GroupedGemmProblem& problem, PipelineShape shape, Stream stream);
 // The fused MLP's GEMMs with a non-gated activation's epilogue (grouped_gemm_act.cu): r prepared
 // by run_glu (grouped_gemm_glu.cu), which checked the problem.
