@@ -13,6 +13,8 @@ namespace {
 using cuda::Form;
 using cuda::sm90::Fp8PipelineShape;
 using cuda::sm90::PipelineShape;
+using cuda::sm90::activation_instance_exists;
+using cuda::sm90::activation_pipeline;
 using cuda::sm90::fp8_pipeline;
 using cuda::sm90::store_instance_exists;
 using cuda::sm90::store_pipeline;
@@ -30,6 +32,15 @@ TEST(Sm90Heuristics, EveryChoiceHasAKernelInstance) {
               << "pipeline " << int(s) << " (0 DeepRing, 1 WideEpilogue, 2 PingPong) for form " << int(form)
               << ", " << dtype_name(out) << ", " << rows << " rows x " << groups << " groups";
         }
+  // The activation epilogues: FC1's forward and FC2's dgrad.
+  for (Form form : {Form::kForward, Form::kDgrad})
+    for (int64_t groups : {1, 8, 256})
+      for (int64_t rows : {0, 1, 32, 64, 65, 255, 4096}) {
+        const PipelineShape s = activation_pipeline(form, rows * groups, groups);
+        EXPECT_TRUE(activation_instance_exists(s, form))
+            << "activation pipeline " << int(s) << " for form " << int(form) << ", " << rows << " rows x " << groups
+            << " groups";
+      }
 }
 
 // The suite's shapes (rows per expert on average; bench/workloads.json) and what the
@@ -67,6 +78,13 @@ TEST(Sm90Heuristics, SuiteShapesGetTheMeasuredPipelines) {
     EXPECT_EQ(store_pipeline(p.form, p.rows * p.groups, p.groups, p.out), p.expected)
         << "form " << int(p.form) << ", " << dtype_name(p.out) << ", " << p.rows << " rows x " << p.groups
         << " groups (0 DeepRing, 1 WideEpilogue, 2 PingPong)";
+  // FC1's activation forward: ping-pong for the small batch (<= 64 rows a group); FC2's dGLU
+  // dgrad on the ring.
+  EXPECT_EQ(activation_pipeline(Form::kForward, 32 * 128, 128), kPing);
+  EXPECT_EQ(activation_pipeline(Form::kForward, 64 * 128, 128), kPing);
+  EXPECT_EQ(activation_pipeline(Form::kForward, 65 * 128, 128), kDeep);
+  EXPECT_EQ(activation_pipeline(Form::kForward, 512 * 128, 128), kDeep);
+  EXPECT_EQ(activation_pipeline(Form::kDgrad, 32 * 128, 128), kDeep);
   // FP8: fp32 wgrads send their slab in one batch; everything else on the FP8 ring.
   EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kFloat32), Fp8PipelineShape::kWideEpilogue);
   EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kBFloat16), Fp8PipelineShape::kRing);

@@ -118,6 +118,9 @@ using WideEpilogue = Pipeline<3, 4>;
 // Ping-pong wgrads: four 40 KiB stages and four epilogue buffers a warpgroup (a 64 x 256 fp32
 // slab in two batches).
 using PingPong = Pipeline<4, 4, PingPongConfig>;
+// Ping-pong for FC1's activation epilogues: two epilogue buffers a warpgroup, as their batches
+// (h's two, then act's) are written for; four 40 KiB stages still fit.
+using ActivationPingPong = Pipeline<4, 2, PingPongConfig>;
 // FP8: 128 x 192 tiles, four 42 KiB stages and three epilogue buffers per math warpgroup (a 16-bit
 // output slab in one batch). Measured against 128 x 128 tiles with five stages (H200, the suite):
 // 0.75x the time over the 90 GEMMs, faster on all but two (docs/performance-log.md).

@@ -11,7 +11,6 @@
 namespace moe::cuda::sm90 {
 
 void launch_elementwise(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
-  static_assert(glu_pipeline() == PipelineShape::kDeepRing, "the activation instances are built with DeepRing");
   launch_detail::launch_activation<Epilogue::kActForward, Epilogue::kActBackward>(pr, r, stream);
 }
 

@@ -59,13 +59,12 @@ void run_glu(const GroupedGemmProblem& pr, const GluEpilogueParams& glu, Stream 
   std::string why;
   MOE_CHECK(can_run_glu(pr, glu, &why), ErrorCode::kInternal,
             "sm90 GLU GEMM called for a problem it cannot run: ", why);
-  Prepared r = prepare(pr, glu_pipeline(), stream);
+  Prepared r = prepare(pr, activation_pipeline(pr.form, pr.capacity, pr.num_groups), stream);
   r.params.glu = glu;
   const bool gated = is_gated(glu.activation);
   if (pr.form == Form::kForward)  // act [T, F]: 64-row x 64-feature boxes, clipped at each group's end
     r.e = make_ragged_tensor_map(glu.act, pr.in_dtype, gated ? pr.n / 2 : pr.n, glu.act_stride, 64, 64);
   if (!gated) return launch_elementwise(pr, r, stream);
-  static_assert(glu_pipeline() == PipelineShape::kDeepRing, "the GLU instances are built with DeepRing");
   launch_detail::launch_activation<Epilogue::kGluForward, Epilogue::kGluBackward>(pr, r, stream);
 }
 

@@ -60,11 +60,34 @@ inline PipelineShape store_pipeline(Form form, int64_t capacity, int64_t num_gro
   return PipelineShape::kDeepRing;
 }
 
-// The GLU epilogues keep DeepRing. WideEpilogue for FC1's GLU forward (h in one batch, act in a
-// second) measured lower on every case (small batch 0.994-0.997 vs 0.999-1.006): the memory-bound
-// small batch needs the 4th stage more than the epilogue needs the buffers. (The GLU forward's
-// interleaving of h's batches with the act math is written for two buffers.)
-constexpr PipelineShape glu_pipeline() { return PipelineShape::kDeepRing; }
+// The activation-epilogue instances launch.cuh's launch_activation builds (FC1's forward, FC2's
+// dgrad): activation_pipeline picks only among these (tests/cpp/test_sm90_heuristics.cpp checks it).
+constexpr bool activation_instance_exists(PipelineShape shape, Form form) {
+  switch (shape) {
+    case PipelineShape::kDeepRing:
+      return form != Form::kWgrad;
+    case PipelineShape::kPingPong:  // as ActivationPingPong
+      return form == Form::kForward;
+    case PipelineShape::kWideEpilogue:
+      return false;
+  }
+  return false;
+}
+
+// FC1's forward with an activation epilogue (a GLU's or a non-gated one's). Over <= 64 rows per
+// group on average (the small batch) it takes PingPong (as ActivationPingPong: two buffers) for the
+// store forward's reasons: a group is one 64-row tile, the half-empty tile's second warpgroup no
+// longer idles, and one warpgroup's epilogue (the GLU math, h's batches and act's) runs under the
+// other's mainloop. Measured against DeepRing (H200, the small batch's fused MLP, SwiGLU blocks:32,
+// bench/results/2026-11-30-small-batch-glu-pingpong-h200.md): forward (FC1 + FC2) -2.8..-3.1% on all
+// three routings in all six rounds, FC1's GEMM ~-4.5%. WideEpilogue (h in one batch, act in a second)
+// measured lower on every case (small batch 0.994-0.997 vs 0.999-1.006): the memory-bound small batch
+// needs the 4th stage more than the epilogue needs the buffers. FC2's dgrad with the dGLU epilogue
+// (MlpFusion::kForwardBackward, not the default) keeps DeepRing: not built on ping-pong.
+inline PipelineShape activation_pipeline(Form form, int64_t capacity, int64_t num_groups) {
+  if (form == Form::kForward && capacity <= PingPongConfig::kBlockM * num_groups) return PipelineShape::kPingPong;
+  return PipelineShape::kDeepRing;
+}
 
 // The FP8 kernel's shared-memory splits (config.hpp): Fp8Ring, or Fp8WideEpilogue.
 enum class Fp8PipelineShape { kRing, kWideEpilogue };

@@ -101,22 +101,34 @@ void launch(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
 }
 
 // The fused MLP's two 16-bit GEMMs with activation epilogues: FC1's forward with kForwardEpi, FC2's
-// dgrad with kBackwardEpi (the GLU's or the non-gated activations' pair), on DeepRing.
+// dgrad with kBackwardEpi (the GLU's or the non-gated activations' pair), on the pipeline
+// prepare() made the maps for (heuristics.hpp's activation_pipeline: DeepRing, or for FC1's
+// forward ActivationPingPong).
 template <Epilogue kForwardEpi, Epilogue kBackwardEpi>
 void launch_activation(const GroupedGemmProblem& pr, const Prepared& r, Stream stream) {
-  using Pipe = DeepRing;
   const bool fp16 = pr.in_dtype == DType::kFloat16;
   if (pr.form == Form::kForward) {
+    auto forward = [&](auto pipe) {
+      using Pipe = decltype(pipe);
+      if (fp16)
+        launch<Form::kForward, __half, __half, kForwardEpi, Pipe>(pr, r, stream);
+      else
+        launch<Form::kForward, __nv_bfloat16, __nv_bfloat16, kForwardEpi, Pipe>(pr, r, stream);
+    };
+    switch (r.shape) {
+      case PipelineShape::kDeepRing:
+        return forward(DeepRing{});
+      case PipelineShape::kPingPong:
+        return forward(ActivationPingPong{});
+      case PipelineShape::kWideEpilogue:
+        break;
+    }
+  } else if (r.shape == PipelineShape::kDeepRing) {
     if (fp16)
-      launch<Form::kForward, __half, __half, kForwardEpi, Pipe>(pr, r, stream);
-    else
-      launch<Form::kForward, __nv_bfloat16, __nv_bfloat16, kForwardEpi, Pipe>(pr, r, stream);
-  } else {
-    if (fp16)
-      launch<Form::kDgrad, __half, __half, kBackwardEpi, Pipe>(pr, r, stream);
-    else
-      launch<Form::kDgrad, __nv_bfloat16, __nv_bfloat16, kBackwardEpi, Pipe>(pr, r, stream);
+      return launch<Form::kDgrad, __half, __half, kBackwardEpi, DeepRing>(pr, r, stream);
+    return launch<Form::kDgrad, __nv_bfloat16, __nv_bfloat16, kBackwardEpi, DeepRing>(pr, r, stream);
   }
+  throw_error(ErrorCode::kInternal, "sm90 activation GEMM: heuristics.hpp chose a pipeline with no kernel instance");
 }
 
 }  // namespace launch_detail
