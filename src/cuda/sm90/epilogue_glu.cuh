@@ -165,6 +165,9 @@ struct BackwardActivationEpilogue {
   // the registers the next tile would hold.
   static constexpr bool kLookUpAfter = true;
   static constexpr int32_t kHColumns = kGated ? 2 : 1;  // h's columns per feature
+  // Built on shared tiles only (heuristics.hpp's activation_instance_exists): begin_tile's rows
+  // are this warpgroup's half of a 128-row tile.
+  static_assert(Pipe::Cfg::kStageConsumers == 2, "FC2's dGLU epilogue runs on the cooperative pipelines only");
 
   const GemmParams& p;
   const CUtensorMap& map_d;  // unused (D is never stored)
@@ -174,13 +177,7 @@ struct BackwardActivationEpilogue {
 
   // The epilogue reads this tile's h (1 KiB per row for a GLU): pull it into L2 under the mainloop.
   __device__ __forceinline__ void begin_tile(const Tile& t) const {
-    // This warpgroup's rows of the tile, as EpilogueSlab's tile_row0 (written out, not through
-    // tile_slab: the instances then compiled to another schedule).
-    int32_t row;
-    if constexpr (Pipe::Cfg::kStageConsumers == 2)
-      row = t.m0 + 64 * int32_t(th.math) + int32_t(th.wg_thread);
-    else
-      row = t.m0 + int32_t(th.wg_thread);
+    const int32_t row = t.m0 + 64 * int32_t(th.math) + int32_t(th.wg_thread);
     const int32_t h_cols = min(kHColumns * kBN, kHColumns * (p.n_out - t.n0));
     if (th.wg_thread < 64 && row < t.rows)
       ptx::prefetch_l2(static_cast<const In*>(p.glu.h) + (t.row_begin + row) * p.glu.h_stride + kHColumns * t.n0,

@@ -29,6 +29,12 @@ constexpr bool store_instance_exists(PipelineShape shape, Form form, bool out32)
   return false;
 }
 
+// Forward / dgrad over at most one ping-pong tile (64 rows) per group on average: the small batch,
+// whose forward-form GEMMs take PingPong (store_pipeline, activation_pipeline).
+inline bool groups_fit_a_pingpong_tile(int64_t capacity, int64_t num_groups) {
+  return capacity <= PingPongConfig::kBlockM * num_groups;
+}
+
 // GEMMs with the store epilogue. Wgrads with 16-bit outputs over >= 4 k steps per tile on
 // average (capacity rows over num_groups groups) take WideEpilogue: the whole 64 x 256 slab of
 // a math warpgroup goes out in one batch, measured 1-4% faster than two batches with a 4-stage
@@ -53,7 +59,7 @@ inline PipelineShape store_pipeline(Form form, int64_t capacity, int64_t num_gro
   // stream otherwise stops. Measured against DeepRing (H200, the small batch's FC2 forward and
   // dgrads, bench/results/2026-11-30-small-batch-pingpong-h200.md): -2.2..-3.3% on 8 of 9, +1.5%
   // on heavy routing's FC2 dgrad (experts up to 250 rows). FC1's GLU forward keeps DeepRing.
-  if (form != Form::kWgrad && out16 && capacity <= PingPongConfig::kBlockM * num_groups)
+  if (form != Form::kWgrad && out16 && groups_fit_a_pingpong_tile(capacity, num_groups))
     return PipelineShape::kPingPong;
   if (form == Form::kWgrad && out16 && capacity >= 4 * Config::kBlockK * num_groups)
     return PipelineShape::kWideEpilogue;
@@ -85,7 +91,7 @@ constexpr bool activation_instance_exists(PipelineShape shape, Form form) {
 // needs the 4th stage more than the epilogue needs the buffers. FC2's dgrad with the dGLU epilogue
 // (MlpFusion::kForwardBackward, not the default) keeps DeepRing: not built on ping-pong.
 inline PipelineShape activation_pipeline(Form form, int64_t capacity, int64_t num_groups) {
-  if (form == Form::kForward && capacity <= PingPongConfig::kBlockM * num_groups) return PipelineShape::kPingPong;
+  if (form == Form::kForward && groups_fit_a_pingpong_tile(capacity, num_groups)) return PipelineShape::kPingPong;
   return PipelineShape::kDeepRing;
 }
 
