@@ -229,10 +229,13 @@ TEST_F(GpuFp8, QuantizeBadSplitsAreContainedAndReported) {
 // bit the CPU's, for both forms at once and each alone.
 TEST_F(GpuFp8, QuantizeLargeProblemsBitIdenticalToCpu) {
   Rng rng;
-  std::vector<int64_t> eight(8), many = random_splits(rng, 256, 60);
+  std::vector<int64_t> eight(8), many = random_splits(rng, 256, 60), more = random_splits(rng, 1500, 20);
   for (auto& v : eight) v = rng.integer(300, 1500);
   const auto sum = [](const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t(0)); };
-  const Fp8Case cases[] = {{"8 experts", eight, sum(eight) + 100, 0, 2048}, {"256 experts", many, sum(many) + 3, 0, 1024}};
+  // 1500 experts: past the columns kernel's shared table of experts (it searches the offsets).
+  const Fp8Case cases[] = {{"8 experts", eight, sum(eight) + 100, 0, 2048},
+                           {"256 experts", many, sum(many) + 3, 0, 1024},
+                           {"1500 experts", more, sum(more) + 5, 0, 256}};
   for (const Fp8Case& c : cases)
     for (const Fp8Recipe& recipe : {Fp8Recipe{}, Fp8Recipe{true, 0.f}}) {
       SCOPED_TRACE(std::string(c.name) + (recipe.pow2_scales ? ", pow2" : ""));
@@ -348,7 +351,12 @@ TEST_F(GpuFp8, QuantizerBandwidthIsReported) {
   const std::vector<int64_t> mixtral{1790, 1767, 1423, 1398, 1881, 1748, 2553, 3824};
   std::vector<int64_t> experts256(256);
   for (size_t g = 0; g < experts256.size(); ++g) experts256[g] = 32 + int64_t(g * 37 % 193);
-  const TokenShape shapes[] = {{"8 experts", 4096, mixtral}, {"8 experts", 28672, mixtral}, {"256 experts", 7168, experts256}};
+  // Qwen3-30B-A3B's dY: 128 experts of 512 tokens, K = 2048 (16 feature blocks).
+  const std::vector<int64_t> experts128(128, 512);
+  const TokenShape shapes[] = {{"8 experts", 4096, mixtral},
+                               {"8 experts", 28672, mixtral},
+                               {"256 experts", 7168, experts256},
+                               {"128 experts", 2048, experts128}};
   const Fp8Recipe pow2{true, 0.f};
   for (const TokenShape& shape : shapes) {
     const int64_t T = std::accumulate(shape.splits.begin(), shape.splits.end(), int64_t(0)), K = shape.K;
