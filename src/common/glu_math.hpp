@@ -40,10 +40,15 @@ struct GluMath {
   T offset;  // added to the clamped linear value
   T neg_alpha_log2e;  // -alpha * log2(e): sigmoid(alpha * g) = 1 / (1 + 2^(g * neg_alpha_log2e))
 
+  static constexpr double kLog2e = 1.4426950408889634;
+
+  // SwiGLU's constants. A kernel that takes them at compile time rather than from its parameters
+  // lets the compiler drop the clamps' compares and the multiplies by alpha (the same values: a
+  // compare with inf is false, a product by 1 exact).
+  static constexpr GluMath swiglu() { return {std::numeric_limits<T>::infinity(), T(1), T(0), T(-kLog2e)}; }
+
   static GluMath from(const GluSpec& spec) {
-    constexpr double kLog2e = 1.4426950408889634;
-    if (spec.activation == Activation::kSwiGLU)
-      return {std::numeric_limits<T>::infinity(), T(1), T(0), T(-kLog2e)};
+    if (spec.activation == Activation::kSwiGLU) return swiglu();
     return {T(spec.limit), T(spec.alpha), T(spec.offset), T(-double(spec.alpha) * kLog2e)};
   }
 

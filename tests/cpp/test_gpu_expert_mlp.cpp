@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "gpu_support.hpp"
 
@@ -80,6 +81,38 @@ TEST_P(GpuGlu, ForwardAndBackwardMatchTheCpuForEveryActivationLayoutAndProbs) {
         EXPECT_TRUE(bitwise_equal(to_host(di), to_host(re_s))) << "in place: out";
         if (with_probs) EXPECT_TRUE(bitwise_equal(to_host(dp_i), to_host(dp_s))) << "in place: dprobs";
       }
+  EXPECT_NO_THROW(r.flag.check());
+}
+
+// SwiGLU's kernels take its constants at compile time (GluMath::swiglu); clamped_qgeglu with the
+// same constants (limit inf, alpha 1, offset 0) takes them from the parameters: the same function,
+// so the same bits, over every layout, with and without probs (h at scale 4, some values large).
+TEST_P(GpuGlu, SwigluEqualsClampedQGeGLUWithSwigluConstantsBitForBit) {
+  const DType dt = GetParam();
+  Rng rng;
+  const int64_t T = 300, F = 192;
+  DualRouting r({0, 1, 37, 0, 150, 40}, T);
+  for (const GluLayout& layout : {GluLayout::halves(), GluLayout::pairs(), GluLayout::blocks(32), GluLayout::blocks(4)})
+    for (bool with_probs : {false, true}) {
+      GluSpec swiglu{Activation::kSwiGLU};
+      swiglu.layout = layout;
+      GluSpec generic{Activation::kClampedQGeGLU, std::numeric_limits<float>::infinity(), 1.f, 0.f, layout};
+      SCOPED_TRACE(describe(swiglu) + (with_probs ? ", probs" : ""));
+      const Tensor hd = to_gpu(random_tensor({T, 2 * F}, dt, rng, 4.0)), dd = to_gpu(random_tensor({T, F}, dt, rng));
+      const Tensor pd = with_probs ? to_gpu(uniform_tensor({T}, DType::kFloat32, rng, 0.05, 1.0)) : Tensor();
+      Tensor out[2], dh[2], re[2], dp[2];
+      for (int i = 0; i < 2; ++i) {
+        out[i] = poisoned_gpu({T, F}, dt), dh[i] = poisoned_gpu({T, 2 * F}, dt), re[i] = poisoned_gpu({T, F}, dt);
+        dp[i] = with_probs ? poisoned_gpu({T}, DType::kFloat32) : Tensor();
+        const GluSpec& spec = i == 0 ? swiglu : generic;
+        glu_forward(hd, pd, r.gpu, out[i], spec);
+        glu_backward(hd, pd, dd, r.gpu, {dh[i], dp[i], re[i]}, spec);
+      }
+      EXPECT_TRUE(bitwise_equal(to_host(out[0]), to_host(out[1]))) << "out";
+      EXPECT_TRUE(bitwise_equal(to_host(dh[0]), to_host(dh[1]))) << "dh";
+      EXPECT_TRUE(bitwise_equal(to_host(re[0]), to_host(re[1]))) << "recomputed out";
+      if (with_probs) EXPECT_TRUE(bitwise_equal(to_host(dp[0]), to_host(dp[1]))) << "dprobs";
+    }
   EXPECT_NO_THROW(r.flag.check());
 }
 

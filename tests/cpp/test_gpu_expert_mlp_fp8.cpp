@@ -1,6 +1,9 @@
 // The FP8 expert MLP on the GPU: against the float64 MLP of the unquantized inputs and the CPU
 // backend's FP8 MLP, deterministic, and forward + backward captured once in a CUDA graph, replayed
 // with new routings bit for bit as eager runs.
+#include <limits>
+#include <utility>
+
 #include "fp8_mlp_support.hpp"
 #include "gpu_support.hpp"
 
@@ -159,6 +162,39 @@ TEST_F(GpuFp8Mlp, FusedStepsEqualTheUnfusedOps) {
           << "dprobs";
       expect_fp8_mlp_matches_oracle(c, r.cpu, to_host(run->out));
     }
+  }
+}
+
+// SwiGLU's GLU backward passes take its constants at compile time (GluMath::swiglu); clamped_qgeglu
+// with the same constants (limit inf, alpha 1, offset 0) takes them from the parameters: the same
+// function, so every output the same bits, through the one-pass backward (blocks of 32: partner
+// lanes; pairs: four in a lane) and the rows pass (runs of 128).
+TEST_F(GpuFp8Mlp, SwigluEqualsClampedQGeGLUWithSwigluConstantsBitForBit) {
+  Rng rng;
+  using Path = Fp8GluBackwardPath;
+  const std::pair<const char*, Path> layouts[] = {
+      {"blocks:32", Path::kOnePass}, {"pairs", Path::kOnePass}, {"blocks:128", Path::kRows}};
+  for (const auto& [layout, path] : layouts) {
+    SCOPED_TRACE(layout);
+    DualRouting r({150, 0, 1, 300, 129}, 640);
+    const Fp8MlpCase swiglu(rng, 640, 5, 160, 256, DType::kBFloat16,
+                            spec_of(Activation::kSwiGLU, GluLayout::parse(layout)), false, true);
+    Fp8MlpCase generic = swiglu;
+    generic.glu = GluSpec{Activation::kClampedQGeGLU, std::numeric_limits<float>::infinity(), 1.f, 0.f,
+                          swiglu.glu.layout};
+    const Fp8MlpWeights w(swiglu, Device::cuda(0));
+    const Fp8MlpBuffers a(swiglu, Device::cuda(0)), b(generic, Device::cuda(0));
+    bool forward_ran[2] = {};
+    Path backward_ran[2] = {};
+    a.step(swiglu, w, r.gpu, nullptr, GradMode::kWrite, MlpFusion::kForward, Fp8Recipe{}, &forward_ran[0],
+           &backward_ran[0]);
+    b.step(generic, w, r.gpu, nullptr, GradMode::kWrite, MlpFusion::kForward, Fp8Recipe{}, &forward_ran[1],
+           &backward_ran[1]);
+    synchronize(nullptr);
+    for (int i = 0; i < 2; ++i) EXPECT_STREQ(enum_name(backward_ran[i]), enum_name(path)) << i;
+    const auto x = outputs_of(a.out), y = outputs_of(b.out);
+    ASSERT_EQ(x.size(), y.size());
+    for (size_t i = 0; i < x.size(); ++i) EXPECT_TRUE(bitwise_equal(test::to_host(*x[i]), test::to_host(*y[i]))) << i;
   }
 }
 

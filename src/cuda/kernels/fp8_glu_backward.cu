@@ -19,6 +19,7 @@
 #include "cuda/backend.hpp"
 #include "cuda/kernels/fp8_glu_pass.cuh"
 #include "cuda/kernels/group_search.cuh"
+#include "cuda/ptx/pair16.cuh"
 #include "cuda/kernels/fp8_tile_stream.cuh"
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/resident_blocks.cuh"
@@ -38,13 +39,6 @@ __device__ __forceinline__ void load4(const T* p, float (&v)[4]) {
     v[0] = __uint_as_float(w.x << 16), v[1] = __uint_as_float(w.x & 0xffff0000u);
     v[2] = __uint_as_float(w.y << 16), v[3] = __uint_as_float(w.y & 0xffff0000u);
   }
-}
-
-// The value as stored in T (glu_forward's store, read back by the quantizer).
-template <class T>
-__device__ __forceinline__ float stored(float v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return __bfloat162float(__float2bfloat16_rn(v));
 }
 
 // The warp's sum in a fixed butterfly (deterministic).
@@ -93,7 +87,11 @@ __device__ __forceinline__ void dequantize4(uint32_t word, float scale, float (&
   detail::e4m3x2_to_float(uint16_t(word & 0xffffu), v[0], v[1]);
   detail::e4m3x2_to_float(uint16_t(word >> 16), v[2], v[3]);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = stored<T>(detail::fp8_dequantize(v[i], scale));
+  for (int i = 0; i < 4; ++i) v[i] = detail::fp8_dequantize(v[i], scale);
+  if constexpr (!std::is_same_v<T, float>) {
+    round_pair<T>(v[0], v[1]);
+    round_pair<T>(v[2], v[3]);
+  }
 }
 
 template <class T>
@@ -145,9 +143,11 @@ struct BackwardInputs {
   float h_scale[4], prob[4];
 };
 
-template <GluLanes kLanes, bool kPairs>
+// kSwiGLU: the GLU's constants at compile time (GluMath::swiglu), the same values as p.math's.
+template <GluLanes kLanes, bool kPairs, bool kSwiGLU>
 __global__ void __launch_bounds__(kBackwardThreads, 1) fp8_glu_backward_quantize_kernel(const GluBackwardQuantizeParams p) {
   using T = __nv_bfloat16;
+  const detail::GluMath<float> math = kSwiGLU ? detail::GluMath<float>::swiglu() : p.math;
   using V = fp8_tiles::Words<T>;
   static_assert(kLanes != GluLanes::kRuns, "a tile's h columns hold both halves of their features");
   __shared__ __align__(16) BackwardShared shared;
@@ -189,9 +189,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) fp8_glu_backward_quantize
     const int64_t left = p.offsets[lo + 1] - p.offsets[lo] - into;
     tokens = int(left < kFp8Block ? left : kFp8Block);
   };
-  auto load = [&](int64_t item, BackwardInputs& in) {
-    const int64_t j = item / h_blocks;
-    const int kb = int(item - j * h_blocks);
+  auto load = [&](int64_t j, int kb, BackwardInputs& in) {
     locate(j);
     const int col = kb * kFp8Block + 8 * m;
     const bool col_in = col < 2 * p.ffn;  // 2F % 32 == 0: a lane's 8 columns are all in or all out
@@ -210,12 +208,15 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) fp8_glu_backward_quantize
       }
     }
   };
+  // The item's column block j and h block kb, advanced by one each item (no division in the loop).
+  int64_t j = begin / h_blocks;
+  int kb = int(begin - j * h_blocks);
   BackwardInputs in;
-  load(begin, in);
+  load(j, kb, in);
 #pragma unroll 1
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t j = item / h_blocks;
-    const int kb = int(item - j * h_blocks);
+    const int next_kb = kb + 1 == h_blocks ? 0 : kb + 1;
+    const int64_t next_j = next_kb == 0 ? j + 1 : j;
     const int tile_tokens = tokens;
     const int64_t row0 = token0;
     const bool col_in = kb * kFp8Block + 8 * m < 2 * p.ffn;
@@ -251,14 +252,11 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) fp8_glu_backward_quantize
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         float ai, dg, dl;
-        p.math.backward(gate[i], linear[i], d[i] * prob, ai, dg, dl);
+        math.backward(gate[i], linear[i], d[i] * prob, ai, dg, dl);
         dgate[i] = dg, dlinear[i] = dl, a[i] = ai * prob;  // rounded to T as they are packed
         dp[s] += ai * d[i];
       }
-      auto pack = [](float lo, float hi) {
-        return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
-               uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16;
-      };
+      auto pack = [](float lo, float hi) { return Pair16<T>::pack(lo, hi); };
       act[s][0] = pack(a[0], a[1]), act[s][1] = pack(a[2], a[3]);
       if constexpr (kLanes == GluLanes::kFour) {
         if constexpr (kPairs) {
@@ -280,7 +278,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) fp8_glu_backward_quantize
       }
     }
     // The next tile's inputs go out now, in flight through the quantization and the barriers.
-    if (item + 1 < end) load(item + 1, in);
+    if (item + 1 < end) load(next_j, next_kb, in);
     // ---- dprobs' share: the half-warp's 64 features of each token, in a fixed butterfly ----
     if (p.dprobs_partial != nullptr) {  // uniform
 #pragma unroll
@@ -361,6 +359,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) fp8_glu_backward_quantize
     ActColumns::store<kActColumns, kBackwardThreads>(
         shared.act_transposed, p.ffn - kb * kActColumns,
         p.act_columns + int64_t(kb) * kActColumns * p.act_columns_ld + j * kFp8Block, p.act_columns_ld);
+    j = next_j, kb = next_kb;
   }
 }
 
@@ -466,9 +465,9 @@ __global__ void __launch_bounds__(kThreads) fp8_glu_backward_rows_kernel(const G
 }
 
 
-template <GluLanes kLanes, bool kPairs>
+template <GluLanes kLanes, bool kPairs, bool kSwiGLU>
 void launch_backward(const GluBackwardQuantizeParams& p, int64_t items, int device, Stream stream) {
-  constexpr auto kernel = fp8_glu_backward_quantize_kernel<kLanes, kPairs>;
+  constexpr auto kernel = fp8_glu_backward_quantize_kernel<kLanes, kPairs, kSwiGLU>;
   const int resident = resident_blocks<kernel>(device, kBackwardThreads, 0, "fp8_glu_backward_quantize_kernel");
   const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>(items, resident)));
   kernel<<<blocks, kBackwardThreads, 0, stream>>>(p);
@@ -529,9 +528,14 @@ bool fp8_glu_backward_quantize(const Fp8Rows& h, const TensorView& d_act, const 
   p.epsilon = recipe.amax_epsilon;
   const int64_t items = p.column_blocks * h_blocks;  // at most: the kernel reads the blocks in use
   const int device = d_act.device().index;
-  if (lanes == GluLanes::kPartner) launch_backward<GluLanes::kPartner, false>(p, items, device, stream);
-  else if (s == 1) launch_backward<GluLanes::kFour, true>(p, items, device, stream);
-  else launch_backward<GluLanes::kFour, false>(p, items, device, stream);
+  auto go = [&](auto swiglu) {
+    constexpr bool kSwiGLU = decltype(swiglu)::value;
+    if (lanes == GluLanes::kPartner) launch_backward<GluLanes::kPartner, false, kSwiGLU>(p, items, device, stream);
+    else if (s == 1) launch_backward<GluLanes::kFour, true, kSwiGLU>(p, items, device, stream);
+    else launch_backward<GluLanes::kFour, false, kSwiGLU>(p, items, device, stream);
+  };
+  if (spec.activation == Activation::kSwiGLU) go(std::true_type{});
+  else go(std::false_type{});
   if (dprobs.defined()) glu_dprobs_reduce(p.dprobs_partial, h_blocks, h_blocks, groups, dprobs, stream);
   return true;
 }

@@ -57,12 +57,14 @@ struct ElementwiseColumns {
 // The 16-bit backward's two features (j, j + 1), j even, as above: adjacent in d_out, out and,
 // non-gated, in h; for a GLU with blocks of an even size adjacent among the gate and among the
 // linear columns, and with pairs the four values g(j), l(j), g(j + 1), l(j + 1) are one 64-bit word.
-template <class T, bool kPairs>
+// kSwiGLU: the GLU's constants at compile time (GluMath::swiglu), the same values as math's.
+template <class T, bool kPairs, bool kSwiGLU>
 struct GluColumnsX2 {
   int32_t block;
-  detail::GluMath<float> math;
+  detail::GluMath<float> math_;
   __device__ __forceinline__ float2 backward(const T* hr, int32_t j, float2 d_act, T* dhr) const {
     using P = Pair16<T>;
+    const detail::GluMath<float> math = kSwiGLU ? detail::GluMath<float>::swiglu() : math_;
     float2 gate, linear;
     int32_t g = 0;
     if constexpr (kPairs) {
@@ -215,9 +217,16 @@ void with_columns(const GluSpec& spec, int64_t ffn, Fn&& fn) {
   if (spec.gated()) {
     const int32_t block = int32_t(ffn > 0 ? spec.layout.block_size(ffn) : 1);
     const auto math = detail::GluMath<float>::from(spec);
-    if constexpr (!kX2) return fn(GluColumns<T>{block, math});
-    else if (block == 1) return fn(GluColumnsX2<T, true>{block, math});
-    else return fn(GluColumnsX2<T, false>{block, math});
+    if constexpr (!kX2) {
+      return fn(GluColumns<T>{block, math});
+    } else {
+      auto x2 = [&](auto swiglu) {
+        if (block == 1) return fn(GluColumnsX2<T, true, decltype(swiglu)::value>{block, math});
+        return fn(GluColumnsX2<T, false, decltype(swiglu)::value>{block, math});
+      };
+      if (spec.activation == Activation::kSwiGLU) return x2(std::true_type{});
+      return x2(std::false_type{});
+    }
   } else {
     detail::with_elementwise<float>(spec.activation, [&](auto f) {
       if constexpr (kX2) fn(ElementwiseColumnsX2<T, decltype(f)>{f});

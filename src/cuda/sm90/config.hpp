@@ -53,6 +53,11 @@ struct Config {
   static constexpr uint32_t kRaggedRows = 1u << 30;  // extent of the ragged dimension
   static constexpr uint32_t kScaleBytes = 0;         // per stage: no operand scales
   static constexpr uint32_t kFullArrivals = 1;       // the producer's, with the TMA bytes
+  // Lanes of a consumer warp that arrive on a stage's empty barrier: one, where the warp reads the
+  // stage through the tensor core only (its wgmma complete before the release); all of them where
+  // each lane also reads the stage itself (FP8 scales), so that every read is ordered before the
+  // stage's refill by its own thread's release (PTX memory model).
+  static constexpr uint32_t kReleasingLanes = 1;
 };
 
 // Ping-pong: 64 x 256 tiles, each math warpgroup on tiles of its own, taking turns at the mainloop
@@ -86,6 +91,8 @@ struct Fp8Config : Config {
   static constexpr uint32_t kStageBytes = kABytes + kBBytes + kScaleBytes;
   // The TMA thread's, and one per lane of the scale warp (its cp.async copies).
   static constexpr uint32_t kFullArrivals = 1 + 32;
+  // Every lane reads the step's scales from the stage (Config::kReleasingLanes).
+  static constexpr uint32_t kReleasingLanes = 32;
   static constexpr int kProducerRegisters = 40;
   static constexpr int kMathRegisters = 232;
   static constexpr uint32_t kBiasBytes = kMathWarpgroups * kBlockN * 2;

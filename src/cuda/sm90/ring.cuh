@@ -75,15 +75,17 @@ struct SharedStorage {
   __device__ __forceinline__ void init_barriers() const {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&full[s], Cfg::kFullArrivals);
-      // One arrival per consuming math warp of each block of the cluster.
-      ptx::mbarrier_init(&empty[s], Config::kClusterSize * Cfg::kStageConsumers * 4);
+      // One arrival per releasing lane of each consuming math warp of each block of the cluster.
+      ptx::mbarrier_init(&empty[s], Config::kClusterSize * Cfg::kStageConsumers * 4 * Cfg::kReleasingLanes);
     }
     ptx::fence_barrier_init();
   }
 
-  // A consumer warp releases a stage in both blocks (see the top of this file).
+  // A consumer warp releases a stage in both blocks (see the top of this file): lane 0, or every
+  // lane (Config::kReleasingLanes).
   __device__ __forceinline__ void release(int s, uint32_t lane) const {
-    if (lane == 0) {
+    static_assert(Cfg::kReleasingLanes == 1 || Cfg::kReleasingLanes == 32);
+    if (Cfg::kReleasingLanes == 32 || lane == 0) {
 #pragma unroll
       for (uint32_t r = 0; r < Config::kClusterSize; ++r) ptx::mbarrier_arrive_cluster(&empty[s], r);
     }
