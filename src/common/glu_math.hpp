@@ -90,6 +90,15 @@ struct GluMath {
     return g * gate_sigmoid(g) * (clamp_linear(linear) + offset);
   }
 
+  // forward() with SwiGLU's constants, without the clamps (with limit = inf they return their
+  // input, but for a NaN's payload, which the min/max forms make canonical): for passes whose
+  // outputs do not keep a NaN's payload (the FP8 quantizers turn any NaN tile into the same bytes
+  // and scale).
+  MOE_HOST_DEVICE static T swiglu_forward(T gate, T linear) {
+    constexpr GluMath kSwiglu = swiglu();
+    return gate * kSwiglu.gate_sigmoid(gate) * (linear + kSwiglu.offset);
+  }
+
   // act = forward(gate, linear); d_gate / d_linear = d_act * the partial derivatives, which are 0
   // where gate > limit and where |linear| > limit respectively.
   // The select clamps here (the min/max forms made the dGLU epilogue spill).

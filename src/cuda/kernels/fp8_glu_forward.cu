@@ -23,6 +23,7 @@
 #include "cuda/backend.hpp"
 #include "cuda/kernels/fp8_glu_pass.cuh"
 #include "cuda/kernels/fp8_tile_stream.cuh"
+#include "cuda/ptx/pair16.cuh"
 #include "cuda/runtime/check.hpp"
 
 namespace moe::cuda {
@@ -58,9 +59,7 @@ __device__ __forceinline__ void pack8(const float (&v)[8], uint32_t (&w)[8 / fp8
     for (int i = 0; i < 8; ++i) w[i] = __float_as_uint(v[i]);
   } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      w[i] = uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i]))) |
-             uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i + 1]))) << 16;
+    for (int i = 0; i < 4; ++i) w[i] = Pair16<T>::pack(v[2 * i], v[2 * i + 1]);
   }
 }
 
@@ -70,8 +69,13 @@ __device__ __forceinline__ void pack8(const float (&v)[8], uint32_t (&w)[8 / fp8
 // flight a lane). h's rows are quantized straight from these words and act = GLU(h) * p, 8
 // features a lane and slot, the same way (quantize_row_slots: a half-warp's row amaxes by
 // halving exchanges, the tile rule once per row).
-template <class T, GluLanes kLanes, bool kPairs>
+// kSwiGLU: GluMath::swiglu_forward (SwiGLU's constants at compile time, no clamps: act's NaN
+// payloads do not survive its quantization) instead of p.math's forward.
+template <class T, GluLanes kLanes, bool kPairs, bool kSwiGLU>
 __global__ void __launch_bounds__(kThreads) fp8_glu_quantize_kernel(const GluQuantizeParams p) {
+  const auto glu = [&](float gate, float linear) {
+    return kSwiGLU ? detail::GluMath<float>::swiglu_forward(gate, linear) : p.math.forward(gate, linear);
+  };
   using fp8_tiles::quantize_row_slots;
   using fp8_tiles::Words;
   constexpr int W = 8 / Words<T>::kPerWord;  // words of 8 values
@@ -153,8 +157,7 @@ __global__ void __launch_bounds__(kThreads) fp8_glu_quantize_kernel(const GluQua
         for (int a = 0; a < 2; ++a)
 #pragma unroll
           for (int i = 0; i < 4; ++i)
-            own[a][i] = p.math.forward(V::value(hw[a][s], kPairs ? 2 * i : i),
-                                       V::value(hw[a][s], kPairs ? 2 * i + 1 : 4 + i)) * prob;
+            own[a][i] = glu(V::value(hw[a][s], kPairs ? 2 * i : i), V::value(hw[a][s], kPairs ? 2 * i + 1 : 4 + i)) * prob;
         const bool odd = m % 2;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -172,11 +175,11 @@ __global__ void __launch_bounds__(kThreads) fp8_glu_quantize_kernel(const GluQua
         for (int i = 0; i < 8; ++i) {
           const float g = is_gate ? V::value(hw[0][s], i) : V::value(other, i);
           const float l = is_gate ? V::value(other, i) : V::value(hw[1][s], i);
-          act[i] = p.math.forward(g, l) * prob;
+          act[i] = glu(g, l) * prob;
         }
       } else {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) act[i] = p.math.forward(V::value(hw[0][s], i), V::value(hw[1][s], i)) * prob;
+        for (int i = 0; i < 8; ++i) act[i] = glu(V::value(hw[0][s], i), V::value(hw[1][s], i)) * prob;
       }
       // Features past F hold zeros (amax-neutral whatever p is).
 #pragma unroll
@@ -222,19 +225,27 @@ bool fp8_glu_quantize(const TensorView& h, const TensorView& probs, const GroupL
   p.epsilon = recipe.amax_epsilon;
   const int64_t items = (T + 7) / 8 * ((F + kFeatures - 1) / kFeatures);
   const int device = h.device().index;
-  auto go = [&](auto type) {
+  auto go = [&](auto type, auto swiglu) {
     using T_ = decltype(type);
+    constexpr bool kSwiGLU = decltype(swiglu)::value;
     constexpr const char* kName = "fp8_glu_quantize_kernel";
     if (lanes == GluLanes::kFour && s == 1)
-      return launch_warp_items<fp8_glu_quantize_kernel<T_, GluLanes::kFour, true>>(p, items, device, stream, kName);
+      return launch_warp_items<fp8_glu_quantize_kernel<T_, GluLanes::kFour, true, kSwiGLU>>(p, items, device, stream,
+                                                                                            kName);
     if (lanes == GluLanes::kFour)
-      return launch_warp_items<fp8_glu_quantize_kernel<T_, GluLanes::kFour, false>>(p, items, device, stream, kName);
+      return launch_warp_items<fp8_glu_quantize_kernel<T_, GluLanes::kFour, false, kSwiGLU>>(p, items, device, stream,
+                                                                                             kName);
     if (lanes == GluLanes::kPartner)
-      return launch_warp_items<fp8_glu_quantize_kernel<T_, GluLanes::kPartner, false>>(p, items, device, stream, kName);
-    launch_warp_items<fp8_glu_quantize_kernel<T_, GluLanes::kRuns, false>>(p, items, device, stream, kName);
+      return launch_warp_items<fp8_glu_quantize_kernel<T_, GluLanes::kPartner, false, kSwiGLU>>(p, items, device,
+                                                                                                stream, kName);
+    launch_warp_items<fp8_glu_quantize_kernel<T_, GluLanes::kRuns, false, kSwiGLU>>(p, items, device, stream, kName);
   };
-  if (h.dtype() == DType::kFloat32) go(float{});
-  else go(__nv_bfloat16{});
+  auto with_type = [&](auto swiglu) {
+    if (h.dtype() == DType::kFloat32) go(float{}, swiglu);
+    else go(__nv_bfloat16{}, swiglu);
+  };
+  if (spec.activation == Activation::kSwiGLU) with_type(std::true_type{});
+  else with_type(std::false_type{});
   return true;
 }
 
