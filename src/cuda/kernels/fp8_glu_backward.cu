@@ -19,8 +19,8 @@
 #include "cuda/backend.hpp"
 #include "cuda/kernels/fp8_glu_pass.cuh"
 #include "cuda/kernels/group_search.cuh"
-#include "cuda/ptx/pair16.cuh"
 #include "cuda/kernels/fp8_tile_stream.cuh"
+#include "cuda/ptx/pair16.cuh"
 #include "cuda/runtime/check.hpp"
 #include "cuda/runtime/resident_blocks.cuh"
 

@@ -57,14 +57,14 @@ struct ElementwiseColumns {
 // The 16-bit backward's two features (j, j + 1), j even, as above: adjacent in d_out, out and,
 // non-gated, in h; for a GLU with blocks of an even size adjacent among the gate and among the
 // linear columns, and with pairs the four values g(j), l(j), g(j + 1), l(j + 1) are one 64-bit word.
-// kSwiGLU: the GLU's constants at compile time (GluMath::swiglu), the same values as math's.
+// kSwiGLU: the GLU's constants at compile time (GluMath::swiglu), the same values as spec_math's.
 template <class T, bool kPairs, bool kSwiGLU>
 struct GluColumnsX2 {
   int32_t block;
-  detail::GluMath<float> math_;
+  detail::GluMath<float> spec_math;
   __device__ __forceinline__ float2 backward(const T* hr, int32_t j, float2 d_act, T* dhr) const {
     using P = Pair16<T>;
-    const detail::GluMath<float> math = kSwiGLU ? detail::GluMath<float>::swiglu() : math_;
+    const detail::GluMath<float> math = kSwiGLU ? detail::GluMath<float>::swiglu() : spec_math;
     float2 gate, linear;
     int32_t g = 0;
     if constexpr (kPairs) {
