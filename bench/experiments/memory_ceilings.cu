@@ -16,14 +16,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CK(call)                                                                                 \
-  do {                                                                                           \
-    cudaError_t e_ = (call);                                                                     \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__);      \
-      std::exit(1);                                                                              \
-    }                                                                                            \
-  } while (0)
+#include "cuda_check.hpp"
 
 __global__ void rmw_kernel(float4* y, int64_t n4) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {

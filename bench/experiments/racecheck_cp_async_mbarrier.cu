@@ -25,14 +25,7 @@
 #include <cstring>
 #include <vector>
 
-#define CK(call)                                                                            \
-  do {                                                                                      \
-    cudaError_t e_ = (call);                                                                \
-    if (e_ != cudaSuccess) {                                                                \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
+#include "cuda_check.hpp"
 
 constexpr int kStages = 2, kValues = 128, kSteps = 64, kConsumers = 128;
 
