@@ -2,7 +2,10 @@
 // layout equivalence, the clamp, the non-gated functions' values and NaN, and finite-difference
 // checks of the backward.
 #include <cmath>
+#include <cstring>
+#include <limits>
 
+#include "common/glu_math.hpp"
 #include "test_support.hpp"
 
 namespace moe::test {
@@ -104,6 +107,51 @@ TEST(Elementwise, ValuesDerivativesAndNaN) {
       glu_backward(h, {}, ones, r.layout, {dh, {}, {}}, spec_of(a));
       EXPECT_TRUE(std::isnan(oracle::to_matrix(out)(0, 0)));
       EXPECT_TRUE(std::isnan(oracle::to_matrix(dh)(0, 0)));
+    }
+}
+
+// SwiGLU is clamped_qgeglu with limit inf, alpha 1 and offset 0: the kernels that take SwiGLU's
+// constants at compile time (GluMath::swiglu, swiglu_forward) rely on it. On the CPU backend the
+// two specs give the same bits; swiglu_forward is forward() with those constants, bit for bit,
+// signed zeros and infinities included (its dropped clamps only touch a NaN's payload).
+TEST(GluMath, SwigluIsClampedQGeGLUWithItsConstants) {
+  using Math = detail::GluMath<float>;
+  const Math a = Math::swiglu(), b = Math::from(spec_of(Activation::kSwiGLU));
+  const GluSpec generic{Activation::kClampedQGeGLU, std::numeric_limits<float>::infinity(), 1.f, 0.f};
+  const Math c = Math::from(generic);
+  for (const Math& m : {b, c}) {
+    EXPECT_EQ(std::memcmp(&a.limit, &m.limit, sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(&a.alpha, &m.alpha, sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(&a.offset, &m.offset, sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(&a.neg_alpha_log2e, &m.neg_alpha_log2e, sizeof(float)), 0);
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  const float values[] = {0.f, -0.f, 1e-30f, -1e-30f, 0.5f, -0.5f, 3.f, -3.f, 80.f, -80.f, 1e30f, -1e30f, inf, -inf};
+  for (float g : values)
+    for (float l : values) {
+      const float x = Math::swiglu_forward(g, l), y = a.forward(g, l);
+      EXPECT_TRUE(std::memcmp(&x, &y, sizeof(float)) == 0 || (std::isnan(x) && std::isnan(y)))
+          << "g = " << g << ", l = " << l << ": " << x << " vs " << y;
+    }
+  Rng rng;
+  Routing r({3, 0, 40, 1}, 50);
+  for (const GluLayout& layout : layouts())
+    for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+      SCOPED_TRACE(layout.name() + " " + dtype_name(dt));
+      GluSpec swiglu{Activation::kSwiGLU}, clamped = generic;
+      swiglu.layout = clamped.layout = layout;
+      const int64_t F = 32;
+      const Tensor h = random_tensor({50, 2 * F}, dt, rng, 6.0), d = random_tensor({50, F}, dt, rng);
+      const Tensor p = uniform_tensor({50}, DType::kFloat32, rng, 0.05, 1.0);
+      Tensor out[2], dh[2], dp[2];
+      for (int i = 0; i < 2; ++i) {
+        out[i] = poisoned({50, F}, dt), dh[i] = poisoned({50, 2 * F}, dt), dp[i] = poisoned({50}, DType::kFloat32);
+        glu_forward(h, p, r.layout, out[i], i == 0 ? swiglu : clamped);
+        glu_backward(h, p, d, r.layout, {dh[i], dp[i], {}}, i == 0 ? swiglu : clamped);
+      }
+      EXPECT_TRUE(bitwise_equal(out[0], out[1]));
+      EXPECT_TRUE(bitwise_equal(dh[0], dh[1]));
+      EXPECT_TRUE(bitwise_equal(dp[0], dp[1]));
     }
 }
 
