@@ -47,6 +47,12 @@ struct GluMath {
   // compare with inf is false, a product by 1 exact).
   static constexpr GluMath swiglu() { return {std::numeric_limits<T>::infinity(), T(1), T(0), T(-kLog2e)}; }
 
+  // The math of a kernel instance: SwiGLU's constants where kSwiGLU (at compile time), else `given`.
+  template <bool kSwiGLU>
+  MOE_HOST_DEVICE static constexpr GluMath fixed(GluMath given) {
+    return kSwiGLU ? swiglu() : given;
+  }
+
   static GluMath from(const GluSpec& spec) {
     if (spec.activation == Activation::kSwiGLU) return swiglu();
     return {T(spec.limit), T(spec.alpha), T(spec.offset), T(-double(spec.alpha) * kLog2e)};
@@ -112,6 +118,14 @@ struct GluMath {
     d_linear = (linear > limit || linear < -limit) ? T(0) : d_act * silu;
   }
 };
+
+// fn(std::bool_constant<the spec is SwiGLU>{}): picks the kernel instance that takes SwiGLU's
+// constants at compile time (GluMath::fixed, swiglu_forward).
+template <class Fn>
+decltype(auto) with_swiglu_constants(const GluSpec& spec, Fn&& fn) {
+  if (spec.activation == Activation::kSwiGLU) return fn(std::true_type{});
+  return fn(std::false_type{});
+}
 
 // The non-gated activations, on one value h of FC1's output: forward(h) = f(h); backward gives
 // act = f(h) and dh = d_act * f'(h). Stateless; with_elementwise picks one at run time.

@@ -147,7 +147,7 @@ struct BackwardInputs {
 template <GluLanes kLanes, bool kPairs, bool kSwiGLU>
 __global__ void __launch_bounds__(kBackwardThreads, 1) fp8_glu_backward_quantize_kernel(const GluBackwardQuantizeParams p) {
   using T = __nv_bfloat16;
-  const detail::GluMath<float> math = kSwiGLU ? detail::GluMath<float>::swiglu() : p.math;
+  const auto math = detail::GluMath<float>::fixed<kSwiGLU>(p.math);
   using V = fp8_tiles::Words<T>;
   static_assert(kLanes != GluLanes::kRuns, "a tile's h columns hold both halves of their features");
   __shared__ __align__(16) BackwardShared shared;
@@ -528,14 +528,12 @@ bool fp8_glu_backward_quantize(const Fp8Rows& h, const TensorView& d_act, const 
   p.epsilon = recipe.amax_epsilon;
   const int64_t items = p.column_blocks * h_blocks;  // at most: the kernel reads the blocks in use
   const int device = d_act.device().index;
-  auto go = [&](auto swiglu) {
+  detail::with_swiglu_constants(spec, [&](auto swiglu) {
     constexpr bool kSwiGLU = decltype(swiglu)::value;
     if (lanes == GluLanes::kPartner) launch_backward<GluLanes::kPartner, false, kSwiGLU>(p, items, device, stream);
     else if (s == 1) launch_backward<GluLanes::kFour, true, kSwiGLU>(p, items, device, stream);
     else launch_backward<GluLanes::kFour, false, kSwiGLU>(p, items, device, stream);
-  };
-  if (spec.activation == Activation::kSwiGLU) go(std::true_type{});
-  else go(std::false_type{});
+  });
   if (dprobs.defined()) glu_dprobs_reduce(p.dprobs_partial, h_blocks, h_blocks, groups, dprobs, stream);
   return true;
 }

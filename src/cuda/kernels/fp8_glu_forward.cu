@@ -240,12 +240,10 @@ bool fp8_glu_quantize(const TensorView& h, const TensorView& probs, const GroupL
                                                                                                 stream, kName);
     launch_warp_items<fp8_glu_quantize_kernel<T_, GluLanes::kRuns, false, kSwiGLU>>(p, items, device, stream, kName);
   };
-  auto with_type = [&](auto swiglu) {
+  detail::with_swiglu_constants(spec, [&](auto swiglu) {
     if (h.dtype() == DType::kFloat32) go(float{}, swiglu);
     else go(__nv_bfloat16{}, swiglu);
-  };
-  if (spec.activation == Activation::kSwiGLU) with_type(std::true_type{});
-  else with_type(std::false_type{});
+  });
   return true;
 }
 

@@ -64,7 +64,7 @@ struct GluColumnsX2 {
   detail::GluMath<float> spec_math;
   __device__ __forceinline__ float2 backward(const T* hr, int32_t j, float2 d_act, T* dhr) const {
     using P = Pair16<T>;
-    const detail::GluMath<float> math = kSwiGLU ? detail::GluMath<float>::swiglu() : spec_math;
+    const auto math = detail::GluMath<float>::fixed<kSwiGLU>(spec_math);
     float2 gate, linear;
     int32_t g = 0;
     if constexpr (kPairs) {
@@ -220,12 +220,10 @@ void with_columns(const GluSpec& spec, int64_t ffn, Fn&& fn) {
     if constexpr (!kX2) {
       return fn(GluColumns<T>{block, math});
     } else {
-      auto x2 = [&](auto swiglu) {
+      return detail::with_swiglu_constants(spec, [&](auto swiglu) {
         if (block == 1) return fn(GluColumnsX2<T, true, decltype(swiglu)::value>{block, math});
         return fn(GluColumnsX2<T, false, decltype(swiglu)::value>{block, math});
-      };
-      if (spec.activation == Activation::kSwiGLU) return x2(std::true_type{});
-      return x2(std::false_type{});
+      });
     }
   } else {
     detail::with_elementwise<float>(spec.activation, [&](auto f) {
