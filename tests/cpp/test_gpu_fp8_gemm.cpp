@@ -3,6 +3,7 @@
 // products, odd routings, poisoned tails, wgrad's modes. Skips, saying why, off Hopper.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -62,6 +63,10 @@ std::vector<Fp8Case> cases() {
       {"one_takes_all", {0, 0, 777, 0}, 800, 144, 400},
       {"g256", many, sum_many + 9, 128, 128},
       {"long_k", {600, 900, 3}, 1510, 384, 1040},
+      // <= 64 rows a group on average: the bf16 forward and dgrad run on ping-pong tiles
+      // (heuristics.hpp; g256 too), here with groups of 2 to 5 row tiles (odd counts: ghosts) and
+      // columns off both tile widths.
+      {"pingpong_uneven", {0, 300, 1, 0, 65, 2, 0, 0, 129, 0, 0, 3}, 503, 336, 400},
   };
 }
 
@@ -84,7 +89,7 @@ Error rel_error(const std::vector<double>& want, const std::vector<double>& got,
 
 // The tensor core keeps about 14 bits while it sums a 128-long block of FP8 products (truncating),
 // so the kernel's results differ from the exact sum of the same block-scaled products by about
-// 2e-4 in norm and up to ~1% of the output's rms in the worst element (measured on the H200); bf16
+// 2e-4 in norm and up to ~1-2.5% of the output's rms in the worst element (measured on the H200); bf16
 // outputs add their own rounding (2^-9 relative, 1.7e-3 in norm).
 void expect_close(const std::vector<double>& want, const std::vector<double>& got, DType out, const char* what) {
   const bool f32 = out == DType::kFloat32;
@@ -92,6 +97,31 @@ void expect_close(const std::vector<double>& want, const std::vector<double>& go
   std::printf("  [%s, %s] error vs float64: norm %.3g, worst / rms %.3g\n", what, dtype_name(out), e.norm, e.worst);
   EXPECT_LE(e.norm, f32 ? 1e-3 : 4e-3) << what;
   EXPECT_LE(e.worst, 3e-2) << what;
+}
+
+// A wgrad's G products one by one (expert g's dW is want[g * size, (g + 1) * size)): each against
+// its own magnitude, since few-token and empty experts would otherwise dilute the rms that the
+// worst element is measured against; an empty expert's gradient must be exactly zero.
+void expect_close_per_group(const std::vector<double>& want, const std::vector<double>& got, int64_t groups,
+                            DType out, const char* what) {
+  const bool f32 = out == DType::kFloat32;
+  const size_t size = want.size() / size_t(groups);
+  Error most{0, 0};
+  for (int64_t g = 0; g < groups; ++g) {
+    const std::vector<double> w(want.begin() + g * size, want.begin() + (g + 1) * size),
+        o(got.begin() + g * size, got.begin() + (g + 1) * size);
+    if (std::all_of(w.begin(), w.end(), [](double v) { return v == 0; })) {
+      EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](double v) { return v == 0; }))
+          << what << ": expert " << g << " has no tokens, its gradient is not zero";
+      continue;
+    }
+    const Error e = rel_error(w, o, f32 ? 0.0 : std::ldexp(1.0, -8));
+    most = {std::max(most.norm, e.norm), std::max(most.worst, e.worst)};
+  }
+  std::printf("  [%s, %s] error vs float64, the most of any expert: norm %.3g, worst / rms %.3g\n", what,
+              dtype_name(out), most.norm, most.worst);
+  EXPECT_LE(most.norm, f32 ? 1e-3 : 4e-3) << what;
+  EXPECT_LE(most.worst, 3e-2) << what;
 }
 
 std::vector<double> as_doubles(const Tensor& host, int64_t count) {
@@ -197,7 +227,8 @@ TEST_P(GpuFp8Gemm, ColumnsWgradMatchesFloat64) {
     // Write: every expert's gradient, empty ones zero.
     Tensor dw = poisoned_gpu({G, N, K}, out_dtype);
     grouped_linear_wgrad(dy_c, x_c, routing.gpu, GroupedParam::packed(dw), GradMode::kWrite);
-    expect_close(want, as_doubles(to_host(dw), G * N * K), out_dtype, (std::string(c.name) + " wgrad").c_str());
+    expect_close_per_group(want, as_doubles(to_host(dw), G * N * K), G, out_dtype,
+                           (std::string(c.name) + " wgrad").c_str());
     if (out_dtype != DType::kFloat32) continue;
     // Accumulate: main_grad += dW (empty experts untouched).
     Tensor base = Tensor::empty({G, N, K}, DType::kFloat32);
@@ -205,12 +236,9 @@ TEST_P(GpuFp8Gemm, ColumnsWgradMatchesFloat64) {
     Tensor main_grad = to_gpu(base);
     grouped_linear_wgrad(dy_c, x_c, routing.gpu, GroupedParam::packed(main_grad), GradMode::kAccumulate);
     const Tensor acc = to_host(main_grad);
-    std::vector<double> want_acc(want.size()), got_acc(want.size());
-    for (size_t i = 0; i < want.size(); ++i) {
-      want_acc[i] = want[i] + base.data_as<float>()[i];
-      got_acc[i] = acc.data_as<float>()[i];
-    }
-    expect_close(want_acc, got_acc, DType::kFloat32, (std::string(c.name) + " wgrad accumulate").c_str());
+    std::vector<double> added(want.size());  // what the accumulation added to each element
+    for (size_t i = 0; i < added.size(); ++i) added[i] = double(acc.data_as<float>()[i]) - base.data_as<float>()[i];
+    expect_close_per_group(want, added, G, DType::kFloat32, (std::string(c.name) + " wgrad accumulate").c_str());
     for (int64_t g = 0; g < G; ++g)
       if (c.splits[size_t(g)] == 0)
         EXPECT_EQ(0, std::memcmp(acc.data_as<float>() + g * N * K, base.data_as<float>() + g * N * K, size_t(N * K) * 4))

@@ -15,6 +15,7 @@ using cuda::sm90::Fp8PipelineShape;
 using cuda::sm90::PipelineShape;
 using cuda::sm90::activation_instance_exists;
 using cuda::sm90::activation_pipeline;
+using cuda::sm90::fp8_instance_exists;
 using cuda::sm90::fp8_pipeline;
 using cuda::sm90::store_instance_exists;
 using cuda::sm90::store_pipeline;
@@ -31,6 +32,16 @@ TEST(Sm90Heuristics, EveryChoiceHasAKernelInstance) {
           EXPECT_TRUE(store_instance_exists(s, form, out == DType::kFloat32))
               << "pipeline " << int(s) << " (0 DeepRing, 1 WideEpilogue, 2 PingPong) for form " << int(form)
               << ", " << dtype_name(out) << ", " << rows << " rows x " << groups << " groups";
+        }
+  // FP8 (forward and dgrad run as the forward form; a wgrad's capacity is the columns' width).
+  for (Form form : {Form::kForward, Form::kWgrad})
+    for (DType out : {DType::kBFloat16, DType::kFloat32})
+      for (int64_t groups : {1, 8, 256})
+        for (int64_t rows : {0, 1, 32, 64, 65, 128, 1024, 1025, 4096}) {
+          const Fp8PipelineShape s = fp8_pipeline(form, out, rows * groups, groups);
+          EXPECT_TRUE(fp8_instance_exists(s, form, out == DType::kFloat32))
+              << "FP8 pipeline " << int(s) << " (0 ring, 1 wide epilogue, 2 ping-pong) for form " << int(form) << ", "
+              << dtype_name(out) << ", " << rows << " rows x " << groups << " groups";
         }
   // The activation epilogues: FC1's forward and FC2's dgrad.
   for (Form form : {Form::kForward, Form::kDgrad})
@@ -85,11 +96,20 @@ TEST(Sm90Heuristics, SuiteShapesGetTheMeasuredPipelines) {
   EXPECT_EQ(activation_pipeline(Form::kForward, 65 * 128, 128), kDeep);
   EXPECT_EQ(activation_pipeline(Form::kForward, 512 * 128, 128), kDeep);
   EXPECT_EQ(activation_pipeline(Form::kDgrad, 32 * 128, 128), kDeep);
-  // FP8: fp32 wgrads send their slab in one batch; everything else on the FP8 ring.
-  EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kFloat32), Fp8PipelineShape::kWideEpilogue);
-  EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kBFloat16), Fp8PipelineShape::kRing);
-  EXPECT_EQ(fp8_pipeline(Form::kForward, DType::kFloat32), Fp8PipelineShape::kRing);
-  EXPECT_EQ(fp8_pipeline(Form::kForward, DType::kBFloat16), Fp8PipelineShape::kRing);
+  // FP8: the small batch's forward / dgrad with bf16 outputs (<= 64 rows a group) on ping-pong
+  // tiles; fp32 wgrads send their slab in one batch; everything else on the FP8 ring (short wgrads
+  // included: a wgrad's capacity is the columns copies' width, the routed rows + 127 per expert).
+  constexpr auto kFp8Ring = Fp8PipelineShape::kRing, kFp8Wide = Fp8PipelineShape::kWideEpilogue,
+                 kFp8Ping = Fp8PipelineShape::kPingPong;
+  EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kFloat32, 32 * 128 + 127 * 128, 128), kFp8Wide);
+  EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kBFloat16, 32 * 128 + 127 * 128, 128), kFp8Ring);
+  EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kFloat32, 2048 * 8 + 127 * 8, 8), kFp8Wide);
+  EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kBFloat16, 2048 * 32 + 127 * 32, 32), kFp8Ring);
+  EXPECT_EQ(fp8_pipeline(Form::kForward, DType::kBFloat16, 32 * 128, 128), kFp8Ping);
+  EXPECT_EQ(fp8_pipeline(Form::kForward, DType::kBFloat16, 64 * 128, 128), kFp8Ping);
+  EXPECT_EQ(fp8_pipeline(Form::kForward, DType::kBFloat16, 65 * 128, 128), kFp8Ring);
+  EXPECT_EQ(fp8_pipeline(Form::kForward, DType::kFloat32, 32 * 128, 128), kFp8Ring);
+  EXPECT_EQ(fp8_pipeline(Form::kForward, DType::kBFloat16, 2048 * 8, 8), kFp8Ring);
 }
 
 }  // namespace

@@ -70,20 +70,24 @@ struct PingPongConfig : Config {
   static constexpr uint32_t kStageBytes = kABytes + kBBytes;
 };
 
-// The FP8 block-scaled tiles: 128 x kN x 128. One k step is one 128-wide scale block of E4M3 (one
+// The FP8 block-scaled tiles: kM x kN x 128. One k step is one 128-wide scale block of E4M3 (one
 // 128-byte swizzle row); each math warpgroup holds a 64 x kN fp32 running sum and the tensor core's
 // partial sum of the step, promoted with the scales (mainloop_fp8.cuh): 2 x kN / 2 registers. The
 // wider the tile, the fewer bytes per multiply-add reach shared memory from L2 and the wgmma from
 // shared memory; 192 columns is as wide as the two tiles' registers allow. A stage also holds its
 // step's scales, which a warp of the producer warpgroup copies in (one arrival per lane on the
-// full barrier).
-template <int kN>
+// full barrier). kM = 128: the math warpgroups split each tile's rows; kM = 64: ping-pong, each
+// warpgroup on tiles of its own (as PingPongConfig).
+template <int kN, int kM = 128>
 struct Fp8Config : Config {
   static_assert(kN % 64 == 0 && kN <= 256, "FP8 tiles are 64, 128, 192 or 256 columns wide");
+  static_assert(kM == 128 || kM == 64, "FP8 tiles are 128 rows (two warpgroups) or 64 (ping-pong)");
+  static constexpr int kBlockM = kM;
+  static constexpr int kStageConsumers = kM == 64 ? 1 : 2;
   static constexpr int kBlockN = kN;
   static constexpr int kBlockK = 128;
   static constexpr int kScaleBlock = 128;  // the operands' scale blocks along K, and the weights' along N
-  static constexpr uint32_t kABytes = kBlockM * kBlockK;  // 16 KiB
+  static constexpr uint32_t kABytes = kBlockM * kBlockK;  // 16 KiB (ping-pong: 8)
   static constexpr uint32_t kBBytes = kBlockN * kBlockK;
   // A's 128 row scales, then B's kN column scales (wgrad) or the weight blocks' scales, in whole
   // KiB so that the stages stay 1024-byte aligned.
@@ -137,6 +141,11 @@ using Fp8Ring = Pipeline<4, 3, Fp8Config<192>>;
 // mainloop instead of the second batch waiting for the first's buffers. Three 128-deep FP8 stages
 // still cover the operand loads, where the 16-bit kernel's two 64-deep ones did not.
 using Fp8WideEpilogue = Pipeline<3, 6, Fp8Config<192>>;
+// FP8 ping-pong (the small batch's forward and dgrad): 64 x 192 tiles, each math warpgroup on
+// tiles of its own, so that one's epilogue runs under the other's mainloop. A stage is one
+// warpgroup's (8 KiB of A, 24 KiB of B, 1 KiB of scales): five of them beside a 16-bit slab's
+// three buffers a warpgroup.
+using Fp8PingPong = Pipeline<5, 3, Fp8Config<192, 64>>;
 
 static_assert(Config::kProducerRegisters + Config::kMathWarpgroups * Config::kMathRegisters <=
                   (Config::kMathWarpgroups + 1) * Config::kLaunchRegisters,

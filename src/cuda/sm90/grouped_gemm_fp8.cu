@@ -93,7 +93,7 @@ bool fp8_device_supported(int device, std::string* why) {
 }
 
 bool can_run_fp8(const GroupedGemmProblem& p, std::string* why) {
-  using Cfg = Fp8Ring::Cfg;
+  using Cfg = Fp8PingPong::Cfg;  // the smallest tiles: the most of them
   auto no = [&](const std::string& reason) {
     if (why) *why = reason;
     return false;
@@ -136,10 +136,9 @@ void run_fp8(const GroupedGemmProblem& pr, Stream stream) {
   std::string why;
   MOE_CHECK(can_run_fp8(pr, &why), ErrorCode::kInternal, "sm90 FP8 grouped GEMM called for a problem it cannot run: ",
             why);
-  // The pipeline heuristics.hpp picks, among the instances built: forward on the ring for both
-  // outputs, wgrads on the ring (bf16) or the wide epilogue (fp32).
+  // The pipeline heuristics.hpp picks, among the instances built (fp8_instance_exists).
   const bool out32 = pr.out_dtype == DType::kFloat32, wgrad = pr.form == Form::kWgrad;
-  switch (fp8_pipeline(pr.form, pr.out_dtype)) {
+  switch (fp8_pipeline(pr.form, pr.out_dtype, pr.capacity, pr.num_groups)) {
     case Fp8PipelineShape::kRing:
       if (!wgrad && out32) return run_with<Form::kForward, float, Fp8Ring>(pr, stream);
       if (!wgrad) return run_with<Form::kForward, __nv_bfloat16, Fp8Ring>(pr, stream);
@@ -147,6 +146,9 @@ void run_fp8(const GroupedGemmProblem& pr, Stream stream) {
       break;
     case Fp8PipelineShape::kWideEpilogue:
       if (wgrad && out32) return run_with<Form::kWgrad, float, Fp8WideEpilogue>(pr, stream);
+      break;
+    case Fp8PipelineShape::kPingPong:
+      if (!wgrad && !out32) return run_with<Form::kForward, __nv_bfloat16, Fp8PingPong>(pr, stream);
       break;
   }
   throw_error(ErrorCode::kInternal, "sm90 FP8 grouped GEMM: heuristics.hpp chose a pipeline with no kernel instance");

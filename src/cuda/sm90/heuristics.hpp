@@ -95,17 +95,40 @@ inline PipelineShape activation_pipeline(Form form, int64_t capacity, int64_t nu
   return PipelineShape::kDeepRing;
 }
 
-// The FP8 kernel's shared-memory splits (config.hpp): Fp8Ring, or Fp8WideEpilogue.
-enum class Fp8PipelineShape { kRing, kWideEpilogue };
+// The FP8 kernel's shared-memory splits (config.hpp): Fp8Ring, Fp8WideEpilogue or Fp8PingPong.
+enum class Fp8PipelineShape { kRing, kWideEpilogue, kPingPong };
+
+// The FP8 instances grouped_gemm_fp8.cu builds: fp8_pipeline picks only among these
+// (tests/cpp/test_sm90_heuristics.cpp checks it).
+constexpr bool fp8_instance_exists(Fp8PipelineShape shape, Form form, bool out32) {
+  switch (shape) {
+    case Fp8PipelineShape::kRing:
+      return form != Form::kWgrad || !out32;
+    case Fp8PipelineShape::kWideEpilogue:
+      return form == Form::kWgrad && out32;
+    case Fp8PipelineShape::kPingPong:
+      return form != Form::kWgrad && !out32;
+  }
+  return false;
+}
 
 // FP8 wgrads with fp32 outputs take Fp8WideEpilogue: their 64 x 192 fp32 slab a warpgroup goes out
 // in one batch rather than two. Measured against Fp8Ring (H200, the suite's 30 wgrad_acc GEMMs,
 // bench/results/2026-11-30-fp8-wgrad-wide-epilogue-h200.md): about -1% on deepseek and mixtral,
 // nothing measurable elsewhere (0.994 geomean, as much as a null A/B of the protocol reads), no
 // case slower. 16-bit outputs already go out in one batch (three 128-byte chunks of 192 columns).
-inline Fp8PipelineShape fp8_pipeline(Form form, DType out_dtype) {
-  return form == Form::kWgrad && out_dtype == DType::kFloat32 ? Fp8PipelineShape::kWideEpilogue
-                                                              : Fp8PipelineShape::kRing;
+// Forward-form GEMMs (forward, and dgrad over the transposed weight) with bf16 outputs over <= 64
+// rows a group on average (the small batch) take Fp8PingPong, for the 16-bit kernel's reasons
+// (store_pipeline): a group is one 64-row tile, the half-empty 128-row tile's second warpgroup no
+// longer multiplies zeros, and one warpgroup's epilogue runs under the other's mainloop. Measured
+// against Fp8Ring (H200, bench/results/2026-12-01-fp8-pingpong-h200.md): the small batch's FC1
+// forward / dgrad -4..-7%, FC2 forward -7%, FC2 dgrad 0..+3%. Ping-pong wgrads measured slower on
+// every short-K case (the small batch +38..+47%, qwen3 +30..+40%; with fp32 outputs -2..+15%).
+inline Fp8PipelineShape fp8_pipeline(Form form, DType out_dtype, int64_t capacity, int64_t num_groups) {
+  const bool out32 = out_dtype == DType::kFloat32;
+  if (form == Form::kWgrad) return out32 ? Fp8PipelineShape::kWideEpilogue : Fp8PipelineShape::kRing;
+  if (!out32 && groups_fit_a_pingpong_tile(capacity, num_groups)) return Fp8PipelineShape::kPingPong;
+  return Fp8PipelineShape::kRing;
 }
 
 }  // namespace moe::cuda::sm90

@@ -9,7 +9,10 @@
 // The two math warpgroups take turns on the tensor core: each issues its step only after the
 // other has issued its own previous one (two named barriers pass the turn). Their wgmma then run
 // one after the other, and each promotes while the other's runs; issued together, they finished
-// together and both promoted while the tensor core idled.
+// together and both promoted while the tensor core idled. Ping-pong (64-row tiles, one warpgroup
+// each: config.hpp's kStageConsumers == 1) takes turns a tile at a time instead (the kernel's
+// PingPongTurns), and hands the turn on once its last step is issued, so that the other's first
+// wgmma runs under this one's last promotion.
 // The producer warpgroup's scale warp has put each step's scales into its stage.
 // Same interface as Mainloop16Bit (mainloop_16bit.cuh).
 #pragma once
@@ -34,6 +37,8 @@ struct MainloopFp8 {
   using Accumulators = float[kAccRegs];
   using Wgmma = ptx::WgmmaFp8SS<kBN>;
   static constexpr int kK32Steps = kBK / 32;
+  // Ping-pong: the warpgroup owns the tile; the kernel passes the turns (no per-step turns here).
+  static constexpr bool kOwnTiles = Cfg::kStageConsumers == 1;
 
   const SharedStorage<Pipe>& smem;
   const GemmParams& p;
@@ -52,9 +57,9 @@ struct MainloopFp8 {
         lane(lane),
         math(math),
         stages(ptx::smem_address(smem.stage_a(0))),
-        desc_a(ptx::smem_descriptor(stages + math * 64 * 128, 0, 1024)),
+        desc_a(ptx::smem_descriptor(stages + tile_slab<Cfg>(math) * 64 * 128, 0, 1024)),
         desc_b(ptx::smem_descriptor(stages + Cfg::kABytes, 0, 1024)),
-        row(64 * math + 16 * ((threadIdx.x / 32) % 4) + lane / 4) {}
+        row(64 * tile_slab<Cfg>(math) + 16 * ((threadIdx.x / 32) % 4) + lane / 4) {}
 
   __device__ __forceinline__ uint32_t stage_address(int stage) const { return stages + stage * Cfg::kStageBytes; }
 
@@ -75,8 +80,12 @@ struct MainloopFp8 {
   // other's. Warpgroup 1 hands warpgroup 0 its first turn (begin) and warpgroup 0 takes the last
   // hand-over after its last step (finish), so that every barrier use completes.
   static constexpr uint32_t kTurnBarrier = 3;  // 0: __syncthreads, 1 and 2: the epilogues
-  __device__ __forceinline__ void pass_turn() const { ptx::named_barrier_arrive(kTurnBarrier + (math ^ 1u), 256); }
-  __device__ __forceinline__ void take_turn() const { ptx::named_barrier_sync(kTurnBarrier + math, 256); }
+  __device__ __forceinline__ void pass_turn() const {
+    if constexpr (!kOwnTiles) ptx::named_barrier_arrive(kTurnBarrier + (math ^ 1u), 256);
+  }
+  __device__ __forceinline__ void take_turn() const {
+    if constexpr (!kOwnTiles) ptx::named_barrier_sync(kTurnBarrier + math, 256);
+  }
   __device__ __forceinline__ void begin() const {
     if (math == 1) pass_turn();
   }
@@ -129,8 +138,9 @@ struct MainloopFp8 {
   }
 
   // The k-loop of tile t into acc. after_step(kb) runs once step kb has been promoted;
-  // after_loop() once the last stage has been released. A tile with no k step (an empty wgrad
-  // group) leaves acc zero.
+  // after_loop() once the last stage has been released, or (ping-pong) once the last step's
+  // wgmma have been issued: the other warpgroup then waits on no stage this one has yet to wait
+  // on, and its mainloop may start. A tile with no k step (an empty wgrad group) leaves acc zero.
   template <class Probe, class AfterStep, class AfterLoop>
   __device__ __forceinline__ void run(const Tile& t, Accumulators& acc, RingState<Pipe::kStages>& ring,
                                       Probe& probe, AfterStep&& after_step, AfterLoop&& after_loop) const {
@@ -148,13 +158,14 @@ struct MainloopFp8 {
       issue(partial, stage);
       pass_turn();
       ring.advance();
+      if (kOwnTiles && kb + 1 == t.k_blocks) after_loop();
       if (kKGrouped || kBN <= Cfg::kScaleBlock || split >= kBN) promote<kBN / 8>(partial, acc, stage);
       else if (split == 64) promote<8>(partial, acc, stage);
       else promote<16>(partial, acc, stage);
       after_step(kb);
     }
     probe.end_mainloop(t);
-    after_loop();
+    if (!kOwnTiles || t.k_blocks == 0) after_loop();
   }
 };
 
