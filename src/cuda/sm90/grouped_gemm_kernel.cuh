@@ -195,6 +195,7 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
   int32_t pair = first_pair();
   auto look_up = [&] { return scheduler.get(pair, next); };  // the tile after t
   PingPongTurns<kOwnTiles> turns{math};
+  Probe probe;  // cycle counts per phase (NoProbe: none)
   mainloop.begin();
   for (bool have = scheduler.get(pair, t); have; t = next) {
     pair += pair_stride();
@@ -216,7 +217,7 @@ __device__ __forceinline__ void grouped_gemm_body(const CUtensorMap& map_a, cons
       continue;
     }
     epilogue.begin_tile(t);
-    Probe probe;  // this tile's cycle counts (NoProbe: none)
+    probe.begin_tile();
     mainloop.run(
         t, acc, ring, probe,
         [&](int kb) {
