@@ -89,7 +89,7 @@ struct Fp8Config : Config {
   static constexpr int kScaleBlock = 128;  // the operands' scale blocks along K, and the weights' along N
   static constexpr uint32_t kABytes = kBlockM * kBlockK;  // 16 KiB (ping-pong: 8)
   static constexpr uint32_t kBBytes = kBlockN * kBlockK;
-  // A's 128 row scales, then B's kN column scales (wgrad) or the weight blocks' scales, in whole
+  // A's kBlockM row scales, then B's kN column scales (wgrad) or the weight blocks' scales, in whole
   // KiB so that the stages stay 1024-byte aligned.
   static constexpr uint32_t kScaleBytes = ((kBlockM + kBlockN) * 4 + 1023) / 1024 * 1024;
   static constexpr uint32_t kStageBytes = kABytes + kBBytes + kScaleBytes;

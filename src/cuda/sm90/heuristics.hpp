@@ -122,7 +122,7 @@ constexpr bool fp8_instance_exists(Fp8PipelineShape shape, Form form, bool out32
 // (store_pipeline): a group is one 64-row tile, the half-empty 128-row tile's second warpgroup no
 // longer multiplies zeros, and one warpgroup's epilogue runs under the other's mainloop. Measured
 // against Fp8Ring (H200, bench/results/2026-12-01-fp8-pingpong-h200.md): the small batch's FC1
-// forward / dgrad -4..-7%, FC2 forward -7%, FC2 dgrad 0..+3%. On full tiles the forward form
+// forward -1..-3%, FC1 dgrad -5..-7%, FC2 forward -7..-9%, FC2 dgrad 0..+3%. On full tiles the forward form
 // measured 1.25-1.39x (qwen3's 6-16 steps a tile, gpt-oss, mixtral), the wgrads 1.36-1.47x (the
 // small batch, bf16 outputs) and 1.06-1.45x (qwen3): a ping-pong warpgroup's promotions do not
 // run under the other's wgmma as the two 128-row warpgroups' do.
