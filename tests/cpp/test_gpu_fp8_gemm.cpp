@@ -91,12 +91,17 @@ Error rel_error(const std::vector<double>& want, const std::vector<double>& got,
 // so the kernel's results differ from the exact sum of the same block-scaled products by about
 // 2e-4 in norm and up to ~1-2.5% of the output's rms in the worst element (measured on the H200); bf16
 // outputs add their own rounding (2^-9 relative, 1.7e-3 in norm).
-void expect_close(const std::vector<double>& want, const std::vector<double>& got, DType out, const char* what) {
-  const bool f32 = out == DType::kFloat32;
-  const Error e = rel_error(want, got, f32 ? 0.0 : std::ldexp(1.0, -8));
-  std::printf("  [%s, %s] error vs float64: norm %.3g, worst / rms %.3g\n", what, dtype_name(out), e.norm, e.worst);
-  EXPECT_LE(e.norm, f32 ? 1e-3 : 4e-3) << what;
+Error gemm_error(const std::vector<double>& want, const std::vector<double>& got, DType out) {
+  return rel_error(want, got, out == DType::kFloat32 ? 0.0 : std::ldexp(1.0, -8));
+}
+void expect_within_bounds(const Error& e, DType out, const char* what, const char* of = "") {
+  std::printf("  [%s, %s] error vs float64%s: norm %.3g, worst / rms %.3g\n", what, dtype_name(out), of, e.norm,
+              e.worst);
+  EXPECT_LE(e.norm, out == DType::kFloat32 ? 1e-3 : 4e-3) << what;
   EXPECT_LE(e.worst, 3e-2) << what;
+}
+void expect_close(const std::vector<double>& want, const std::vector<double>& got, DType out, const char* what) {
+  expect_within_bounds(gemm_error(want, got, out), out, what);
 }
 
 // A wgrad's G products one by one (expert g's dW is want[g * size, (g + 1) * size)): each against
@@ -104,7 +109,6 @@ void expect_close(const std::vector<double>& want, const std::vector<double>& go
 // worst element is measured against; an empty expert's gradient must be exactly zero.
 void expect_close_per_group(const std::vector<double>& want, const std::vector<double>& got, int64_t groups,
                             DType out, const char* what) {
-  const bool f32 = out == DType::kFloat32;
   const size_t size = want.size() / size_t(groups);
   Error most{0, 0};
   for (int64_t g = 0; g < groups; ++g) {
@@ -115,13 +119,10 @@ void expect_close_per_group(const std::vector<double>& want, const std::vector<d
           << what << ": expert " << g << " has no tokens, its gradient is not zero";
       continue;
     }
-    const Error e = rel_error(w, o, f32 ? 0.0 : std::ldexp(1.0, -8));
+    const Error e = gemm_error(w, o, out);
     most = {std::max(most.norm, e.norm), std::max(most.worst, e.worst)};
   }
-  std::printf("  [%s, %s] error vs float64, the most of any expert: norm %.3g, worst / rms %.3g\n", what,
-              dtype_name(out), most.norm, most.worst);
-  EXPECT_LE(most.norm, f32 ? 1e-3 : 4e-3) << what;
-  EXPECT_LE(most.worst, 3e-2) << what;
+  expect_within_bounds(most, out, what, ", the most of any expert");
 }
 
 std::vector<double> as_doubles(const Tensor& host, int64_t count) {

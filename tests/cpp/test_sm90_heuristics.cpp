@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cuda/sm90/heuristics.hpp"
+#include "moe_engine/fp8.hpp"
 
 namespace moe::test {
 namespace {
@@ -98,13 +99,13 @@ TEST(Sm90Heuristics, SuiteShapesGetTheMeasuredPipelines) {
   EXPECT_EQ(activation_pipeline(Form::kDgrad, 32 * 128, 128), kDeep);
   // FP8: the small batch's forward / dgrad with bf16 outputs (<= 64 rows a group) on ping-pong
   // tiles; fp32 wgrads send their slab in one batch; everything else on the FP8 ring (short wgrads
-  // included: a wgrad's capacity is the columns copies' width, the routed rows + 127 per expert).
+  // included: a wgrad's capacity is the columns copies' width, fp8_columns_capacity).
   constexpr auto kFp8Ring = Fp8PipelineShape::kRing, kFp8Wide = Fp8PipelineShape::kWideEpilogue,
                  kFp8Ping = Fp8PipelineShape::kPingPong;
-  EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kFloat32, 32 * 128 + 127 * 128, 128), kFp8Wide);
-  EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kBFloat16, 32 * 128 + 127 * 128, 128), kFp8Ring);
-  EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kFloat32, 2048 * 8 + 127 * 8, 8), kFp8Wide);
-  EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kBFloat16, 2048 * 32 + 127 * 32, 32), kFp8Ring);
+  EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kFloat32, fp8_columns_capacity(32 * 128, 128), 128), kFp8Wide);
+  EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kBFloat16, fp8_columns_capacity(32 * 128, 128), 128), kFp8Ring);
+  EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kFloat32, fp8_columns_capacity(2048 * 8, 8), 8), kFp8Wide);
+  EXPECT_EQ(fp8_pipeline(Form::kWgrad, DType::kBFloat16, fp8_columns_capacity(2048 * 32, 32), 32), kFp8Ring);
   EXPECT_EQ(fp8_pipeline(Form::kForward, DType::kBFloat16, 32 * 128, 128), kFp8Ping);
   EXPECT_EQ(fp8_pipeline(Form::kForward, DType::kBFloat16, 64 * 128, 128), kFp8Ping);
   EXPECT_EQ(fp8_pipeline(Form::kForward, DType::kBFloat16, 65 * 128, 128), kFp8Ring);

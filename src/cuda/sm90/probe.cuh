@@ -53,8 +53,7 @@ struct CycleProbe {
   __device__ __forceinline__ static void add(int slot, unsigned long long cycles) { atomicAdd(&g_probe[slot], cycles); }
 
   __device__ __forceinline__ void begin_tile() {
-    const unsigned long long now = clock64();
-    if (on && tile_end) add(15, now - tile_end);
+    if (on && tile_end) add(15, clock64() - tile_end);
   }
   __device__ __forceinline__ void full_stage(int kb) {
     if (kb == 0 && on) {
