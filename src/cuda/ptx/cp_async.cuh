@@ -1,5 +1,5 @@
-// Thin PTX wrappers: per-thread asynchronous copies from global to shared memory (cp.async) in
-// commit groups.
+// Thin PTX wrappers: per-thread asynchronous copies from global to shared memory (cp.async), in
+// commit groups or tracked by an mbarrier.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +44,13 @@ __device__ __forceinline__ void cp_async_wait_group_at_most_2(int pending) {
       cp_async_wait_group<2>();
       break;
   }
+}
+
+// An arrival on the mbarrier at shared address `bar` once every cp.async this thread has issued so
+// far has landed; the thread goes on at once. `.noinc`: the arrival is one of the barrier's expected
+// arrivals (as mbarrier.arrive's), and the copies are visible to the threads that wait on its phase.
+__device__ __forceinline__ void cp_async_mbarrier_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 
 }  // namespace moe::cuda::ptx

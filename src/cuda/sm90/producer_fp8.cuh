@@ -8,8 +8,8 @@
 //     tokens start at a multiple of 128 (offsets = the copies' column offsets) and end in zeros, so
 //     plain maps load whole steps.
 // A second warp of the producer warpgroup (load_scales) copies each step's scales into the stage
-// with cp.async; each lane arrives on the stage's full barrier once its copies have landed: the
-// math threads then read them from shared memory (mainloop_fp8.cuh).
+// with cp.async; each lane's arrival on the stage's full barrier goes out once its copies have
+// landed: the math threads then read them from shared memory (mainloop_fp8.cuh).
 #pragma once
 
 #include <cstdint>
@@ -51,13 +51,16 @@ struct ProducerFp8 {
   // The scale warp's steps of tile t (the producer's steps, in the same ring): per step the lanes
   // copy A's kBM row scales and, for wgrad, B's kBN column scales, or (M-grouped) the scales of the
   // one or two 128-row weight blocks the tile's columns fall in; rows and columns past the operands
-  // get scale 0 (their data are zeros). The copies are cp.async, one commit group per step; a
-  // step's arrivals (one per lane, on the stage's full barrier) go out once its group has landed,
-  // which the warp waits for after issuing the next step's copies: it holds no scales in
-  // registers and has two steps of loads in flight.
+  // get scale 0 (their data are zeros). The copies are cp.async; each lane arrives on the stage's
+  // full barrier once its copies have landed. K-grouped (wgrad): the arrival goes out by itself
+  // (cp.async.mbarrier.arrive), so the warp never waits for its loads and runs as far ahead as the
+  // ring lets it: waiting for each step's copies held it to one tile in flight, a load's latency a
+  // tile, which the small batch's one-step tiles do not hide. M-grouped: one commit group per step,
+  // waited for after issuing the next step's copies (two steps in flight), measured ~2% faster on
+  // the forward-form GEMMs than arriving by itself (docs/performance-log.md, 2026-12-01).
   __device__ __forceinline__ void load_scales(const Tile t, RingState<Pipe::kStages>& ring, uint32_t lane) const {
     constexpr int kScaleBlock = Cfg::kScaleBlock;
-    int landing = -1;  // the stage whose copies are in flight, not yet arrived for
+    int landing = -1;  // M-grouped: the stage whose copies are in flight, not yet arrived for
     for (int kb = 0; kb < t.k_blocks; ++kb) {
       ptx::mbarrier_wait(&smem.empty[ring.stage], ring.phase ^ 1u);
       if (t.live) {
@@ -90,12 +93,16 @@ struct ProducerFp8 {
                           ok);
         }
       }
-      ptx::cp_async_commit_group();
-      if (landing >= 0) {
-        ptx::cp_async_wait_group<1>();
-        ptx::mbarrier_arrive(&smem.full[landing]);
+      if constexpr (kKGrouped) {
+        ptx::cp_async_mbarrier_arrive(ptx::smem_address(&smem.full[ring.stage]));
+      } else {
+        ptx::cp_async_commit_group();
+        if (landing >= 0) {
+          ptx::cp_async_wait_group<1>();
+          ptx::mbarrier_arrive(&smem.full[landing]);
+        }
+        landing = ring.stage;
       }
-      landing = ring.stage;
       ring.advance();
     }
     if (landing >= 0) {
